@@ -1,0 +1,1 @@
+"""Megatron-LM style distributed training for transformer language models, on CPU (gloo) and GPU (NCCL)."""

@@ -1,0 +1,1 @@
+"""megatron.core: the library. It never reads CLI arguments; it takes config dataclasses."""

@@ -1,0 +1,165 @@
+"""Small utilities shared by every part of megatron.core.
+
+The single source of the compute device lives here (`get_current_device`): core code never calls
+`.cuda()` directly, so the same code runs on CPU with gloo and on GPU with NCCL.
+"""
+
+import math
+from typing import Any, List, Union
+
+import torch
+
+
+def get_current_device() -> torch.device:
+    """The device tensors are created on: the current CUDA device when one exists, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def get_current_device_type() -> str:
+    """'cuda' or 'cpu', matching `get_current_device()`."""
+    return get_current_device().type
+
+
+def ensure_divisibility(numerator: int, denominator: int) -> None:
+    """Assert an internal invariant: numerator is divisible by denominator."""
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """Integer division that asserts the division is exact."""
+    ensure_divisibility(numerator, denominator)
+    return numerator // denominator
+
+
+def init_method_normal(sigma: float):
+    """Init method based on N(0, sigma)."""
+
+    def init_(tensor):
+        return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
+
+    return init_
+
+
+def scaled_init_method_normal(sigma: float, num_layers: int):
+    """Init method based on N(0, sigma / sqrt(2 * num_layers)), for output projections."""
+    std = sigma / math.sqrt(2.0 * num_layers)
+
+    def init_(tensor):
+        return torch.nn.init.normal_(tensor, mean=0.0, std=std)
+
+    return init_
+
+
+def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_model_obj: bool = False):
+    """Get an attribute from a model that may be wrapped (DDP, Float16Module, ...).
+
+    Unwraps `.module` until the attribute is found.
+    """
+    if isinstance(model, list):
+        raise RuntimeError("get_attr_wrapped_model given a list of models")
+
+    if allow_none:
+
+        def condition(m, a):
+            return not hasattr(m, a)
+
+    else:
+
+        def condition(m, a):
+            return getattr(m, a, None) is None
+
+    while condition(model, attr):
+        if not hasattr(model, "module"):
+            raise RuntimeError(f"No attribute {attr} in the model or any wrapped module")
+        model = model.module
+
+    if return_model_obj:
+        return model
+    return getattr(model, attr)
+
+
+def get_model_type(model):
+    """The `model_type` (ModelType) of a possibly wrapped model."""
+    return get_attr_wrapped_model(model, "model_type")
+
+
+def get_model_config(model):
+    """The `config` (TransformerConfig / ModelParallelConfig) of a possibly wrapped model."""
+    return get_attr_wrapped_model(model, "config", allow_none=False)
+
+
+def unwrap_model(model: Union[torch.nn.Module, List[torch.nn.Module]], module_instances=None):
+    """Strip wrapper modules (those with a `.module` attribute) off a model or a list of models."""
+    return_list = True
+    if not isinstance(model, list):
+        model = [model]
+        return_list = False
+    unwrapped = []
+    for model_module in model:
+        if module_instances is None:
+            while hasattr(model_module, "module"):
+                model_module = model_module.module
+        else:
+            while isinstance(model_module, module_instances):
+                model_module = model_module.module
+        unwrapped.append(model_module)
+    if not return_list:
+        return unwrapped[0]
+    return unwrapped
+
+
+def _kernel_make_viewless_tensor(inp: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    out = torch.empty((1,), dtype=inp.dtype, device=inp.device, requires_grad=requires_grad)
+    out.data = inp.data
+    return out
+
+
+class MakeViewlessTensor(torch.autograd.Function):
+    """Autograd function that makes a viewless tensor while keeping the graph."""
+
+    @staticmethod
+    def forward(ctx, inp, requires_grad):
+        return _kernel_make_viewless_tensor(inp, requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
+def make_viewless_tensor(inp: torch.Tensor, requires_grad: bool, keep_graph: bool) -> torch.Tensor:
+    """Return a tensor that is not a view, sharing the same data.
+
+    Pipeline stages free their output tensors' data after sending them (`deallocate_output_tensor`);
+    a view would keep its base alive, so outputs are made viewless first.
+    """
+    if inp._base is None:
+        return inp
+    if keep_graph:
+        return MakeViewlessTensor.apply(inp, requires_grad)
+    return _kernel_make_viewless_tensor(inp, requires_grad)
+
+
+def assert_viewless_tensor(tensor: Any, extra_msg: str = None):
+    """Internal invariant check: `tensor` must not be a view."""
+    if isinstance(tensor, list):
+        [assert_viewless_tensor(t) for t in tensor]
+        return tensor
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    assert tensor._base is None, (
+        "Ensure tensor._base is None before setting tensor.data or storing tensor to memory buffer. "
+        f"Found tensor._base={tensor._base}. {extra_msg}"
+    )
+    return tensor
+
+
+def safely_set_viewless_tensor_data(tensor: torch.Tensor, new_data_tensor: torch.Tensor):
+    """Set tensor.data after checking that the tensor is viewless."""
+    assert_viewless_tensor(
+        tensor,
+        extra_msg="FYI, tensor._base has shape %s, and new_data_tensor has shape %s."
+        % ("--" if tensor._base is None else tensor._base.shape, new_data_tensor.shape),
+    )
+    tensor.data = new_data_tensor

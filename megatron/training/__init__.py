@@ -1,0 +1,1 @@
+"""megatron.training: the application layer (arguments, global state, the training loop)."""

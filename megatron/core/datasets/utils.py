@@ -1,0 +1,133 @@
+"""Small shared pieces of the dataset package: the Split enum, weight normalisation, rank-0
+logging, `--data-path` parsing and the on-first-use build of the C++ helpers."""
+
+import fcntl
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from enum import Enum
+from typing import List, Optional, Tuple
+
+import numpy
+import torch
+
+logger = logging.getLogger(__name__)
+
+_HELPERS_DIR = os.path.dirname(os.path.abspath(__file__))
+_HELPERS_SRC = os.path.join(_HELPERS_DIR, "helpers.cpp")
+
+
+class Split(Enum):
+    """The three dataset splits, in `--split` order."""
+
+    train = 0
+    valid = 1
+    test = 2
+
+
+def compile_helpers() -> None:
+    """Build `helpers.cpp` into the extension `megatron.core.datasets.helpers_cpp`, in place.
+
+    `pip install` (setup.py) normally builds it; this is the fallback for source checkouts. The
+    build is serialised with a file lock so concurrent ranks do not race, and the library is written
+    under a temporary name then renamed.
+
+    Raises:
+        RuntimeError: when no C++ compiler or no pybind11 is available, or the compile fails.
+    """
+    try:
+        import pybind11
+    except ImportError as exc:
+        raise RuntimeError(
+            "megatron.core.datasets.helpers_cpp is not built and pybind11 is not installed; "
+            "run `pip install pybind11` then `pip install -e .`"
+        ) from exc
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        raise RuntimeError(
+            "megatron.core.datasets.helpers_cpp is not built and no C++ compiler was found "
+            "(looked for $CXX, c++, g++, clang++); install one (e.g. `apt-get install g++`) or install "
+            "a wheel built elsewhere"
+        )
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    target = os.path.join(_HELPERS_DIR, "helpers_cpp" + suffix)
+    lock_path = os.path.join(tempfile.gettempdir(), "megatron_helpers_cpp_build.lock")
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.path.exists(target) and os.path.getmtime(target) >= os.path.getmtime(_HELPERS_SRC):
+                return
+            tmp = target + f".tmp{os.getpid()}"
+            cmd = [
+                cxx, "-O3", "-Wall", "-shared", "-std=c++17", "-fPIC", "-fvisibility=hidden",
+                f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
+                _HELPERS_SRC, "-o", tmp,
+            ]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(
+                    f"compiling {_HELPERS_SRC} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}"
+                )
+            os.replace(tmp, target)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def normalize(weights: List[float]) -> List[float]:
+    """Scale non-negative weights to sum to 1 (float64 arithmetic, returned as Python floats)."""
+    w = numpy.array(weights, dtype=numpy.float64)
+    w_sum = numpy.sum(w)
+    w = (w / w_sum).tolist()
+    return w
+
+
+def log_single_rank(logger: logging.Logger, *args, rank: int = 0, **kwargs) -> None:
+    """Log through `logger` only on global rank `rank` (always when torch.distributed is off)."""
+    if torch.distributed.is_initialized():
+        if torch.distributed.get_rank() == rank:
+            logger.log(*args, **kwargs)
+    else:
+        logger.log(*args, **kwargs)
+
+
+def get_blend_from_list(
+    blend: Optional[List[str]],
+) -> Optional[Tuple[List[str], Optional[List[float]]]]:
+    """Parse `--data-path`-style lists into (prefixes, weights or None).
+
+    An odd-length list, or an even one whose would-be weights are not all floats, is prefixes only.
+    Otherwise it alternates `weight prefix weight prefix ...`.
+
+    Raises:
+        ValueError: when a weight is negative or all weights are zero.
+    """
+    if blend is None:
+        return None
+    if len(blend) % 2 == 1:
+        weight_per_dataset = None
+        raw_prefix_per_dataset = blend
+    else:
+        raw_weight_per_dataset, raw_prefix_per_dataset = zip(*[(blend[i], blend[i + 1]) for i in range(0, len(blend), 2)])
+        weight_per_dataset = []
+        for rwpd in raw_weight_per_dataset:
+            try:
+                weight = float(rwpd)
+            except ValueError:
+                weight = None
+            weight_per_dataset.append(weight)
+        is_none = map(lambda _: _ is None, weight_per_dataset)
+        if any(is_none):
+            assert all(map(lambda _: _ is None, weight_per_dataset))
+            weight_per_dataset = None
+            raw_prefix_per_dataset = blend
+        else:
+            if any(w < 0 for w in weight_per_dataset):
+                raise ValueError(f"--data-path: blend weights must be >= 0, got {weight_per_dataset}")
+            if sum(weight_per_dataset) <= 0:
+                raise ValueError(f"--data-path: blend weights sum to 0: {weight_per_dataset}")
+    prefix_per_dataset = [rppd.strip() for rppd in raw_prefix_per_dataset]
+    return list(prefix_per_dataset), weight_per_dataset

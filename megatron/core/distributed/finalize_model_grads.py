@@ -1,0 +1,181 @@
+"""Gradient reductions that finish a training step, run once after the forward-backward schedule.
+
+The schedules call `config.finalize_model_grads_func(model, num_tokens)`; Megatron's training loop
+sets it to `finalize_model_grads`. In order:
+
+1. data-parallel reduction: `finish_grad_sync()` on every model chunk that has it (DDP wrappers);
+2. layer-norm grads under sequence parallelism: each TP rank saw only s/tp of the sequence, so
+   gradients of params marked `sequence_parallel` (and qk-layernorm params) are all-reduced over TP;
+3. tied word embeddings: the first stage's input embedding and the last stage's output layer are
+   copies of one weight, so their gradients are all-reduced over the embedding group;
+   with a pipeline split rank (encoder-decoder), position embeddings likewise over the
+   position-embedding group;
+4. per-token loss: gradients are divided by the total token count, all-reduced over DP.
+
+Gradients are read from `param.main_grad` when the param has one (DDP's contiguous buffer),
+else from `param.grad`.
+"""
+
+from typing import List, Optional
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron.core import parallel_state
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+
+def _get_main_grad_attr(param: torch.nn.Parameter) -> str:
+    return 'main_grad' if hasattr(param, 'main_grad') else 'grad'
+
+
+def _grad_for_reduction(param: torch.nn.Parameter) -> torch.Tensor:
+    """The gradient tensor of `param` to reduce in place (main_grad if present, else .grad).
+
+    A param that received no gradient on this rank gets a zero `.grad`, so that every rank of the
+    group joins the collective with a tensor of the right shape.
+    """
+    attr = _get_main_grad_attr(param)
+    grad = getattr(param, attr)
+    if grad is None:
+        grad = torch.zeros_like(param)
+        setattr(param, attr, grad)
+    return grad
+
+
+def _allreduce_word_embedding_grads(model: List[torch.nn.Module], config) -> None:
+    """All-reduce the tied word-embedding grads between the first and last pipeline stages.
+
+    The first stage owns the input embedding (model[0]), the last the output layer (model[-1]
+    with virtual stages); both are copies of `shared_embedding_or_output_weight()`.
+    """
+    if (
+        parallel_state.is_rank_in_embedding_group(ignore_virtual=True)
+        and parallel_state.get_pipeline_model_parallel_world_size() > 1
+    ):
+        if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+            model_module = model[0]
+        elif parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            model_module = model[-1]
+        else:  # We do not support an interleaved schedule for models with encoders yet.
+            model_module = model[0]
+
+        model_module = get_attr_wrapped_model(model_module, 'pre_process', return_model_obj=True)
+        if getattr(model_module, 'share_embeddings_and_output_weights', False):
+            weight = model_module.shared_embedding_or_output_weight()
+            grad = _grad_for_reduction(weight)
+            torch.distributed.all_reduce(grad, group=parallel_state.get_embedding_group())
+
+
+def _allreduce_position_embedding_grads(model: List[torch.nn.Module], config) -> None:
+    """All-reduce position-embedding grads between the first stage and the split-rank stage.
+
+    Only encoder-decoder models (pipeline_model_parallel_split_rank set) keep two copies.
+    """
+    if (
+        parallel_state.is_rank_in_position_embedding_group()
+        and parallel_state.get_pipeline_model_parallel_world_size() > 1
+        and config.pipeline_model_parallel_split_rank is not None
+    ):
+        model_module = model[0]
+        embedding = get_attr_wrapped_model(model_module, 'embedding')
+        weight = embedding.position_embeddings.weight
+        grad = _grad_for_reduction(weight)
+        torch.distributed.all_reduce(grad, group=parallel_state.get_position_embedding_group())
+
+
+def _allreduce_embedding_grads(model: List[torch.nn.Module], config) -> None:
+    """All-reduce word and position embedding grads shared across pipeline stages."""
+    _allreduce_word_embedding_grads(model, config)
+    _allreduce_position_embedding_grads(model, config)
+
+
+def _allreduce_layernorm_grads(model: List[torch.nn.Module], config) -> None:
+    """All-reduce grads of sequence-parallel norm params (and qk-layernorm params) over TP.
+
+    Under sequence parallelism each TP rank applies the (replicated) norm to s/tp tokens, so its
+    gradient is a partial sum; one coalesced all-reduce completes it.
+    """
+    if parallel_state.get_tensor_model_parallel_world_size() > 1 and (
+        config.sequence_parallel or getattr(config, 'qk_layernorm', False)
+    ):
+        grads = []
+        for model_chunk in model:
+            for name, param in get_attr_wrapped_model(model_chunk, 'named_parameters')():
+                if param.requires_grad and (
+                    getattr(param, 'sequence_parallel', False)
+                    or 'q_layernorm' in name
+                    or 'k_layernorm' in name
+                ):
+                    grads.append(_grad_for_reduction(param).data)
+        if grads:
+            coalesced = _flatten_dense_tensors(grads)
+            torch.distributed.all_reduce(
+                coalesced, group=parallel_state.get_tensor_model_parallel_group()
+            )
+            for buf, synced in zip(grads, _unflatten_dense_tensors(coalesced, grads)):
+                buf.copy_(synced)
+
+
+def _scale_gradients(model_chunk: torch.nn.Module, scaling_factor: float) -> None:
+    if hasattr(model_chunk, 'scale_gradients'):
+        model_chunk.scale_gradients(scaling_factor)
+        return
+    for param in model_chunk.parameters():
+        grad = getattr(param, _get_main_grad_attr(param))
+        if grad is not None:
+            grad.mul_(scaling_factor)
+
+
+def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None):
+    """Finish all gradient reductions of a step (see the module docstring for the order).
+
+    Args:
+        model: the model chunks of this rank (one per virtual pipeline stage).
+        num_tokens: total tokens of the step on this pipeline's last stage when the loss is
+            normalised per token (`calculate_per_token_loss`); None otherwise.
+    """
+    config = get_model_config(model[0])
+
+    def start(name):
+        if config.timers is not None:
+            config.timers(name, log_level=1).start(barrier=config.barrier_with_L1_time)
+
+    def stop(name):
+        if config.timers is not None:
+            config.timers(name).stop()
+
+    # All-reduce / reduce-scatter across DP replicas.
+    start('all-grads-sync')
+    for model_chunk in model:
+        if hasattr(model_chunk, 'finish_grad_sync'):
+            model_chunk.finish_grad_sync()
+    stop('all-grads-sync')
+
+    # All-reduce layer-norm grads (for sequence parallelism).
+    start('layernorm-grads-all-reduce')
+    _allreduce_layernorm_grads(model, config)
+    stop('layernorm-grads-all-reduce')
+
+    # All-reduce embedding grads (for pipeline parallelism).
+    start('embedding-grads-all-reduce')
+    _allreduce_embedding_grads(model, config)
+    stop('embedding-grads-all-reduce')
+
+    # Normalize gradients for per-token loss normalization.
+    if num_tokens is not None:
+        num_tokens = torch.as_tensor(num_tokens).to(
+            device=next(model[0].parameters()).device, dtype=torch.int64
+        )
+        # The number of tokens is only present on the last stage, so broadcast it to the other
+        # ranks in the pipeline parallel group.
+        torch.distributed.broadcast(
+            num_tokens,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        # All-reduce across DP ranks.
+        torch.distributed.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group())
+        for model_chunk in model:
+            if num_tokens > 0:
+                _scale_gradients(model_chunk, 1.0 / num_tokens.item())

@@ -1,0 +1,364 @@
+"""Contiguous parameter and gradient buffers for data parallelism, split into buckets.
+
+Every parameter of a `DistributedDataParallel` module gets a `.main_grad` attribute that is a view
+into one flat gradient buffer (one buffer per (param dtype, grad dtype) pair). Backward hooks add
+each `param.grad` into its `main_grad` and free `param.grad`. The buffer is split into buckets (in
+reverse parameter order, which approximates the order in which backward produces gradients); a
+bucket's data-parallel reduction is one collective on its contiguous slice:
+
+- plain DDP: all-reduce of the bucket over the data-parallel group;
+- distributed optimizer: reduce-scatter of the bucket, each data-parallel rank receiving the
+  reduced 1/DP shard it owns (buckets are padded so their size divides by DP). A parameter buffer
+  of the same layout is then allocated and the parameters' `.data` become views into it, so that
+  after the optimizer step an all-gather of each bucket's parameter shards updates the model.
+
+Gradients are scaled by `gradient_scaling_factor` (1 / DP for averaging) before the reduction.
+"""
+
+import logging
+import math
+from enum import Enum
+from typing import Dict, List, Optional
+
+import torch
+
+from ..utils import get_current_device
+from .distributed_data_parallel_config import DistributedDataParallelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class BufferType(Enum):
+    """Which of a `ParamAndGradBuffer`'s flat tensors a view refers to."""
+
+    PARAM = 1
+    GRAD = 2
+
+
+def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> List[torch.Tensor]:
+    """Split a 1-D buffer into `data_parallel_world_size` equal contiguous views (rank order)."""
+    assert buffer.numel() % data_parallel_world_size == 0
+    shard_size = buffer.numel() // data_parallel_world_size
+    return [buffer[r * shard_size : (r + 1) * shard_size] for r in range(data_parallel_world_size)]
+
+
+def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group, async_op=False):
+    """All-gather equal shards into one flat tensor (rank order), using the non-deprecated API."""
+    gather = getattr(torch.distributed, "all_gather_single", None)
+    if gather is None:  # older torch
+        gather = torch.distributed.all_gather_into_tensor
+    return gather(output, input_, group=group, async_op=async_op)
+
+
+class Bucket:
+    """A contiguous group of parameters whose gradients are reduced by one collective.
+
+    Args:
+        ddp_config: DistributedDataParallel configuration.
+        params: parameters whose gradients live in this bucket.
+        param_data: view of the parameter buffer for this bucket (distributed optimizer), or None.
+        grad_data: view of the gradient buffer for this bucket.
+        offset: start of this bucket in the full buffer.
+        numel_unpadded: number of elements in the bucket without end padding.
+        data_parallel_group: group the gradients are reduced over.
+        data_parallel_world_size: size of that group.
+        gradient_scaling_factor: gradients are multiplied by this before the reduction
+            (1 / DP to average, 1.0 to sum or when the collective averages).
+    """
+
+    def __init__(
+        self,
+        ddp_config: DistributedDataParallelConfig,
+        params: List[torch.nn.Parameter],
+        param_data: Optional[torch.Tensor],
+        grad_data: torch.Tensor,
+        offset: int,
+        numel_unpadded: int,
+        data_parallel_group: torch.distributed.ProcessGroup,
+        data_parallel_world_size: int,
+        gradient_scaling_factor: float,
+    ):
+        self.ddp_config = ddp_config
+        # Keep the order of the params (a list) as well as a set for membership tests.
+        self.params_list = params
+        self.params = set(params)
+        self.params_with_grad = set()
+        self.param_data = param_data
+        self.grad_data = grad_data
+        self.offset = offset
+        self.numel_unpadded = numel_unpadded
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = data_parallel_world_size
+        self.data_parallel_rank = torch.distributed.get_rank(group=data_parallel_group)
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.reset()
+
+    def reset(self):
+        """Forget which gradients are ready and any outstanding communication (next iteration)."""
+        self.params_with_grad = set()
+        self.communication_handle = None
+        self.communication_issued = False
+
+    def _check_for_nan(self):
+        norm = self.grad_data.norm(p=2)
+        if torch.isnan(norm).item():
+            raise RuntimeError(
+                f"Rank {torch.distributed.get_rank()}: found NaN in local grad norm in backward pass "
+                f"before data-parallel communication collective (bucket at offset {self.offset}, "
+                f"{self.grad_data.numel()} elements)"
+            )
+
+    def start_grad_sync(self):
+        """Start the bucket's data-parallel reduction (async if `overlap_grad_reduce`).
+
+        All-reduce of the whole bucket, or, with the distributed optimizer, reduce-scatter into
+        this rank's shard of the bucket.
+        """
+        assert (
+            self.communication_handle is None and not self.communication_issued
+        ), "Should not have multiple communication calls outstanding at once"
+
+        if self.ddp_config.check_for_nan_in_grad:
+            self._check_for_nan()
+
+        reduce_op = torch.distributed.ReduceOp.SUM
+        if self.ddp_config.average_in_collective:
+            reduce_op = torch.distributed.ReduceOp.AVG
+        if self.gradient_scaling_factor != 1.0:
+            self.grad_data *= self.gradient_scaling_factor
+
+        async_op = self.ddp_config.overlap_grad_reduce
+        if self.data_parallel_world_size == 1:
+            self.communication_handle = None
+        elif self.ddp_config.use_distributed_optimizer:
+            local_data_view = shard_buffer(self.grad_data, self.data_parallel_world_size)[
+                self.data_parallel_rank
+            ]
+            self.communication_handle = torch.distributed.reduce_scatter_tensor(
+                local_data_view,
+                self.grad_data,
+                op=reduce_op,
+                group=self.data_parallel_group,
+                async_op=async_op,
+            )
+        else:
+            self.communication_handle = torch.distributed.all_reduce(
+                self.grad_data, op=reduce_op, group=self.data_parallel_group, async_op=async_op
+            )
+        self.communication_issued = True
+
+    def finish_grad_sync(self):
+        """Wait for the bucket's reduction; start it synchronously first if overlap is off."""
+        if not self.ddp_config.overlap_grad_reduce:
+            self.start_grad_sync()
+            return
+        if not self.communication_issued:
+            raise RuntimeError(
+                "Communication call has not been issued for this bucket "
+                f"({len(self.params_with_grad)}/{len(self.params)} params have grad available); "
+                "with overlap_grad_reduce every parameter in the module must receive a gradient "
+                "on the last microbatch"
+            )
+        if self.communication_handle is not None:
+            self.communication_handle.wait()
+
+    def register_grad_ready(self, param: torch.nn.Parameter):
+        """Record that `param`'s gradient is accumulated; start the reduction once all are."""
+        assert param in self.params, "Param is not in the bucket"
+        assert param not in self.params_with_grad, "Cannot set grad twice"
+        assert self.ddp_config.overlap_grad_reduce, "register_grad_ready() should only be called with overlap"
+        self.params_with_grad.add(param)
+        if len(self.params_with_grad) == len(self.params):
+            self.start_grad_sync()
+
+
+class ParamAndGradBuffer:
+    """Flat gradient buffer (and, for the distributed optimizer, parameter buffer) with buckets.
+
+    Parameters are laid out in reverse order of `params`. A new bucket starts when the current one
+    reaches `bucket_size` elements (None: one bucket), and before/after a shared embedding weight
+    when the distributed optimizer is used. With the distributed optimizer each bucket's end is
+    padded to a multiple of lcm(DP, 128) so every rank owns an equal, aligned shard.
+
+    Args:
+        ddp_config: DistributedDataParallel configuration.
+        param_dtype: dtype of the parameters (and of the parameter buffer).
+        grad_dtype: dtype of the gradient buffer.
+        params: parameters to place in this buffer (all of `param_dtype`).
+        data_parallel_group: group gradients are reduced over.
+        bucket_size: approximate elements per bucket, or None for a single bucket.
+        param_to_name: names of the parameters (for logging).
+        gradient_scaling_factor: factor applied to gradients before the reduction.
+    """
+
+    def __init__(
+        self,
+        ddp_config: DistributedDataParallelConfig,
+        param_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        params: List[torch.nn.Parameter],
+        data_parallel_group: torch.distributed.ProcessGroup,
+        bucket_size: Optional[int],
+        param_to_name: Dict[torch.nn.Parameter, str],
+        gradient_scaling_factor: float,
+    ):
+        self.ddp_config = ddp_config
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = torch.distributed.get_world_size(group=data_parallel_group)
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.is_last_microbatch = True
+
+        unique_params = set()
+        for param in params:
+            assert param not in unique_params, "a parameter appears twice in a ParamAndGradBuffer"
+            unique_params.add(param)
+
+        self.buckets: List[Bucket] = []
+        self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
+        # param -> (start index, end index, bucket id) in the flat buffers.
+        self.param_index_map: Dict[torch.nn.Parameter, tuple] = {}
+        # bucket id -> (start index, end index) in the flat buffers (end includes padding).
+        self.bucket_indices: List[tuple] = []
+        self.per_bucket_numel_unpadded: List[int] = []
+
+        def _pad(number_to_be_padded: int, divisor: int) -> int:
+            return int(math.ceil(number_to_be_padded / divisor) * divisor)
+
+        def _pad_end_of_bucket_if_needed(bucket_end_index: int) -> int:
+            if self.ddp_config.use_distributed_optimizer:
+                # Equal shards per DP rank, 128-element aligned for efficient collectives.
+                return _pad(bucket_end_index, math.lcm(self.data_parallel_world_size, 128))
+            return bucket_end_index
+
+        def _does_param_require_new_bucket(param) -> bool:
+            # The shared embedding gets a bucket of its own with the distributed optimizer so that
+            # its all-reduce over the embedding group does not straddle DP shards awkwardly.
+            return getattr(param, "shared_embedding", False) and self.ddp_config.use_distributed_optimizer
+
+        # First pass: compute the layout.
+        data_start_index = 0
+        bucket_data_start_index = 0
+        bucket_params: List[torch.nn.Parameter] = []
+        bucket_id = 0
+        per_bucket_params: List[List[torch.nn.Parameter]] = []
+
+        def _close_bucket(data_end_index: int) -> int:
+            nonlocal bucket_data_start_index, bucket_params, bucket_id
+            self.per_bucket_numel_unpadded.append(data_end_index - bucket_data_start_index)
+            data_end_index = _pad_end_of_bucket_if_needed(data_end_index)
+            self.bucket_indices.append((bucket_data_start_index, data_end_index))
+            per_bucket_params.append(bucket_params)
+            bucket_data_start_index = data_end_index
+            bucket_params = []
+            bucket_id += 1
+            return data_end_index
+
+        for param in params[::-1]:
+            if not param.requires_grad:
+                continue
+            this_numel = param.data.nelement()
+            if _does_param_require_new_bucket(param) and len(bucket_params) > 0:
+                data_start_index = _close_bucket(data_start_index)
+            data_end_index = data_start_index + this_numel
+            self.param_index_map[param] = (data_start_index, data_end_index, bucket_id)
+            bucket_params.append(param)
+            if (
+                bucket_size is not None and (data_end_index - bucket_data_start_index) >= bucket_size
+            ) or _does_param_require_new_bucket(param):
+                data_end_index = _close_bucket(data_end_index)
+            data_start_index = data_end_index
+        if len(bucket_params) > 0:
+            data_start_index = _close_bucket(data_start_index)
+
+        self.numel = data_start_index
+        self.numel_unpadded = sum(self.per_bucket_numel_unpadded)
+        if self.ddp_config.use_distributed_optimizer:
+            assert self.numel % self.data_parallel_world_size == 0
+
+        # Allocate the flat buffers.
+        device = get_current_device()
+        self.param_data = None
+        if self.ddp_config.use_distributed_optimizer:
+            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+        self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
+
+        # Second pass: point params (and main_grad) at the buffers, build the buckets.
+        for param, (start, end, _) in self.param_index_map.items():
+            if self.param_data is not None:
+                old_param_data = param.data
+                param.data = self._get(param.data.shape, start, BufferType.PARAM)
+                assert old_param_data._base is None
+                param.data.detach().copy_(old_param_data)
+                del old_param_data
+            param.main_grad = self._get(param.data.shape, start, BufferType.GRAD)
+
+        for bucket_id, ((start, end), bparams) in enumerate(zip(self.bucket_indices, per_bucket_params)):
+            bucket_param_data = None
+            if self.param_data is not None:
+                bucket_param_data = self._get(torch.Size([end - start]), start, BufferType.PARAM)
+            bucket_grad_data = self._get(torch.Size([end - start]), start, BufferType.GRAD)
+            bucket = Bucket(
+                ddp_config=self.ddp_config,
+                params=bparams,
+                param_data=bucket_param_data,
+                grad_data=bucket_grad_data,
+                offset=start,
+                numel_unpadded=self.per_bucket_numel_unpadded[bucket_id],
+                data_parallel_group=self.data_parallel_group,
+                data_parallel_world_size=self.data_parallel_world_size,
+                gradient_scaling_factor=self.gradient_scaling_factor,
+            )
+            self.buckets.append(bucket)
+            for param in bparams:
+                assert param not in self.param_to_bucket
+                self.param_to_bucket[param] = bucket
+
+        if logger.isEnabledFor(logging.INFO) and torch.distributed.get_rank() == 0:
+            lines = [f"Number of buckets for gradient all-reduce / reduce-scatter: {len(self.buckets)}"]
+            for index, bucket in enumerate(self.buckets):
+                numel = sum(p.data.nelement() for p in bucket.params_list)
+                lines.append(f"Params for bucket {index + 1} ({numel} elements):")
+                lines += [f"    {param_to_name.get(p, '?')}" for p in bucket.params_list]
+            logger.info("\n".join(lines))
+
+    def _get(self, shape: torch.Size, start_index: int, buffer_type: BufferType) -> torch.Tensor:
+        """A view of `shape` into the parameter or gradient buffer starting at `start_index`."""
+        end_index = start_index + shape.numel()
+        assert end_index <= self.numel, "Requested tensor is out of buffer range"
+        if buffer_type == BufferType.PARAM:
+            assert self.param_data is not None
+            buffer_tensor = self.param_data[start_index:end_index]
+        elif buffer_type == BufferType.GRAD:
+            buffer_tensor = self.grad_data[start_index:end_index]
+        else:
+            raise ValueError(f"Illegal buffer type {buffer_type}")
+        return buffer_tensor.view(shape)
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply every gradient in the buffer by `scaling_factor`."""
+        self.grad_data *= scaling_factor
+
+    def reset(self):
+        """Zero the gradient buffer and reset the buckets for the next iteration."""
+        self.grad_data.zero_()
+        for bucket in self.buckets:
+            bucket.reset()
+        self.is_last_microbatch = True
+
+    def start_grad_sync(self):
+        """Start the reduction of every bucket (async with overlap_grad_reduce)."""
+        for bucket in self.buckets:
+            bucket.start_grad_sync()
+
+    def finish_grad_sync(self):
+        """Finish the reduction of every bucket (start it synchronously without overlap)."""
+        for bucket in self.buckets:
+            bucket.finish_grad_sync()
+
+    def register_grad_ready(self, param: torch.nn.Parameter):
+        """Called by the backward hook when `param`'s gradient is in `main_grad` (overlap only)."""
+        assert self.ddp_config.overlap_grad_reduce, "register_grad_ready() should only be called with overlap"
+        if self.is_last_microbatch:
+            self.param_to_bucket[param].register_grad_ready(param)

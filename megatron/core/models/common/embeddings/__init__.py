@@ -1,0 +1,2 @@
+from .language_model_embedding import LanguageModelEmbedding
+from .rotary_pos_embedding import RotaryEmbedding, apply_rotary_pos_emb

@@ -1,0 +1,117 @@
+"""Rotary position embeddings (RoPE).
+
+Shapes: s sequence, b batch, np heads, hn head size, d rotated size (= hn * rotary_percent).
+`RotaryEmbedding(s)` returns the angles [s, 1, 1, d]; `apply_rotary_pos_emb(t, freqs)` rotates the
+first d channels of t [s, b, np, hn] and passes the rest through.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core import parallel_state
+from megatron.core.utils import get_current_device
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Angles of rotary position embeddings.
+
+    The frequencies are a plain attribute (not a buffer), so they are not in the state dict.
+
+    Args:
+        kv_channels (int): head size.
+        rotary_percent (float): fraction of each head that is rotated.
+        rotary_interleaved (bool): rotate interleaved channel pairs instead of the two halves.
+        seq_len_interpolation_factor (float, optional): divide positions by this factor.
+        rotary_base (int): base of the geometric frequency series.
+        use_cpu_initialization (bool): build the frequencies on the CPU.
+    """
+
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float,
+        rotary_interleaved: bool = False,
+        seq_len_interpolation_factor: Optional[float] = None,
+        rotary_base: int = 10000,
+        use_cpu_initialization: bool = False,
+    ) -> None:
+        super().__init__()
+        if not 0.0 < rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent}")
+        dim = kv_channels
+        if rotary_percent < 1.0:
+            dim = int(dim * rotary_percent)
+        self.rotary_interleaved = rotary_interleaved
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        device = 'cpu' if use_cpu_initialization else get_current_device()
+        self.inv_freq = 1.0 / (
+            rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+        )
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        """Angles for positions offset .. offset + max_seq_len - 1: [max_seq_len, 1, 1, d]."""
+        inv_freq = self.inv_freq.to(get_current_device())
+        seq = torch.arange(max_seq_len, device=inv_freq.device, dtype=inv_freq.dtype) + offset
+        if self.seq_len_interpolation_factor is not None:
+            seq *= 1 / self.seq_len_interpolation_factor
+
+        freqs = torch.outer(seq, inv_freq)  # [s, d/2]
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)  # [s, d]
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(
+                freqs.shape[0], -1
+            )  # [s, d] with each angle repeated for its channel pair
+        emb = emb[:, None, None, :]  # [s, 1, 1, d]
+        if parallel_state.get_context_parallel_world_size() > 1:
+            raise NotImplementedError("context parallelism is not implemented for rotary embeddings")
+        return emb
+
+    def get_rotary_seq_len(self, inference_params, transformer, transformer_input, transformer_config) -> int:
+        """Full sequence length the angles are needed for.
+
+        The decoder input (or the pipeline input tensor) is [s, b, h], or [s/tp, b, h] under
+        sequence parallelism, so the length is scaled back by the TP size there.
+        """
+        if inference_params is not None:
+            return inference_params.max_sequence_length
+        if transformer.input_tensor is not None:
+            rotary_seq_len = transformer.input_tensor.size(0)
+        else:
+            rotary_seq_len = transformer_input.size(0)
+        if transformer_config.sequence_parallel:
+            rotary_seq_len *= transformer_config.tensor_model_parallel_size
+        return rotary_seq_len
+
+
+def _rotate_half(x: Tensor, rotary_interleaved: bool) -> Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves, or on each interleaved pair."""
+    if not rotary_interleaved:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    x_new = torch.stack((-x2, x1), dim=-1)
+    return x_new.view(x_new.shape[0], x_new.shape[1], x_new.shape[2], -1)
+
+
+def apply_rotary_pos_emb(t: Tensor, freqs: Tensor, config=None, cu_seqlens=None) -> Tensor:
+    """Rotate the first d channels of each head.
+
+    Args:
+        t: [s, b, np, hn] queries or keys.
+        freqs: [s, 1, 1, d] angles from `RotaryEmbedding`.
+        config: the TransformerConfig (reads rotary_interleaved).
+        cu_seqlens: packed sequences (not supported; must be None).
+    """
+    if cu_seqlens is not None:
+        raise NotImplementedError("packed sequences (cu_seqlens) are not supported by RoPE here")
+    rotary_interleaved = bool(config.rotary_interleaved) if config is not None else False
+    rot_dim = freqs.shape[-1]
+    t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    cos_ = torch.cos(freqs).to(t.dtype)
+    sin_ = torch.sin(freqs).to(t.dtype)
+    t = (t * cos_) + (_rotate_half(t, rotary_interleaved) * sin_)
+    return torch.cat((t, t_pass), dim=-1)

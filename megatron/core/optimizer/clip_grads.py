@@ -1,0 +1,102 @@
+"""Global gradient norm, clipping and zero counting across the model-parallel group.
+
+The norm of a model split over tensor and pipeline ranks is the norm of the concatenation of all
+distinct gradients: each rank sums the `norm_type`-th powers of the norms of its own gradients and
+the sums are all-reduced over the model-parallel group. Gradients that exist on several ranks are
+counted once: the caller passes only the gradients of params that are not TP duplicates
+(`param_is_not_tensor_parallel_duplicate`: TP-split params, or any param on TP rank 0) and not the
+tied output-layer copy of the word embedding on the last pipeline stage (`param.shared`).
+"""
+
+import math
+from typing import List, Optional, Union
+
+import torch
+
+from ..tensor_parallel import param_is_not_tensor_parallel_duplicate
+from ..utils import get_current_device
+
+
+def param_is_not_shared(param: torch.nn.Parameter) -> bool:
+    """False for the last stage's copy of a tied embedding (its gradient equals the first's)."""
+    return not getattr(param, 'shared', False)
+
+
+def get_grad_norm_fp32(
+    grads_for_norm: Union[List[torch.Tensor], torch.Tensor],
+    norm_type: Union[int, float] = 2,
+    model_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
+) -> float:
+    """The global norm of `grads_for_norm` over all ranks of `model_parallel_group`.
+
+    Args:
+        grads_for_norm: this rank's gradients, already filtered of duplicates.
+        norm_type: p of the p-norm; `inf` for the max norm.
+        model_parallel_group: group to reduce over (None: the default/world group).
+
+    Returns:
+        The total norm as a Python float.
+    """
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    norm_type = float(norm_type)
+    device = get_current_device()
+
+    if norm_type == math.inf:
+        local = max([g.detach().abs().max().item() for g in grads_for_norm if g.numel() > 0] or [0.0])
+        total_norm = torch.tensor([float(local)], dtype=torch.float, device=device)
+        torch.distributed.all_reduce(
+            total_norm, op=torch.distributed.ReduceOp.MAX, group=model_parallel_group
+        )
+        return total_norm[0].item()
+
+    total_norm = torch.zeros(1, dtype=torch.float, device=device)
+    for grad in grads_for_norm:
+        grad_norm = torch.linalg.vector_norm(grad.detach().float(), ord=norm_type)
+        total_norm += grad_norm.to(device) ** norm_type
+    torch.distributed.all_reduce(total_norm, op=torch.distributed.ReduceOp.SUM, group=model_parallel_group)
+    return total_norm[0].item() ** (1.0 / norm_type)
+
+
+def clip_grad_by_total_norm_fp32(
+    parameters: Union[List[torch.Tensor], torch.Tensor], max_norm: Union[int, float], total_norm: float
+):
+    """Scale the `.grad` of `parameters` in place by max_norm / total_norm if that is < 1.
+
+    Args:
+        parameters: (main) parameters whose `.grad` (fp32) are clipped.
+        max_norm: the clipping threshold.
+        total_norm: the global norm from `get_grad_norm_fp32`.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def count_zeros_fp32(
+    parameters: Union[List[torch.Tensor], torch.Tensor],
+    model_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
+) -> float:
+    """Number of zero gradient entries over the model-parallel group (duplicates counted once).
+
+    Args:
+        parameters: (main) parameters whose `.grad` are counted.
+        model_parallel_group: group to reduce over (None: the default/world group).
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    device = get_current_device()
+    total_num_zeros = torch.zeros(1, dtype=torch.float, device=device)
+    for param in parameters:
+        if param.grad is None:
+            continue
+        if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+            grad = param.grad.detach()
+            total_num_zeros += (grad.numel() - torch.count_nonzero(grad)).to(device).float()
+    torch.distributed.all_reduce(
+        total_num_zeros, op=torch.distributed.ReduceOp.SUM, group=model_parallel_group
+    )
+    return total_num_zeros[0].item()

@@ -1,0 +1,123 @@
+"""Configuration of the Megatron optimizers (`get_megatron_optimizer`)."""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class OptimizerConfig:
+    """Configuration for the optimizer, mixed precision, loss scaling and gradient clipping."""
+
+    ##############
+    # General
+    ##############
+    optimizer: str = 'adam'
+    """Optimizer: 'adam' (AdamW semantics: decoupled weight decay) or 'sgd'."""
+
+    lr: Optional[float] = None
+    """Initial learning rate; the scheduler then sets the per-group lr."""
+
+    min_lr: Optional[float] = None
+    """Minimum learning rate the scheduler decays to."""
+
+    decoupled_lr: Optional[float] = None
+    """Separate learning rate for the input and output layers (accepted; groups carry it)."""
+
+    decoupled_min_lr: Optional[float] = None
+    """Minimum learning rate for the input and output layers."""
+
+    weight_decay: float = 0.01
+    """Weight decay coefficient (L2 regularization, decoupled for Adam)."""
+
+    ##############
+    # Precision
+    ##############
+    fp16: bool = False
+    """If true, the model is fp16: fp32 main params and a loss scaler are used."""
+
+    bf16: bool = False
+    """If true, the model is bf16: fp32 main params are used, no loss scaler."""
+
+    params_dtype: torch.dtype = torch.float32
+    """dtype of the model parameters."""
+
+    ###############
+    # Loss scaling
+    ###############
+    loss_scale: Optional[float] = None
+    """Static loss scale (power of 2 recommended). None with fp16 means dynamic loss scaling."""
+
+    initial_loss_scale: float = 2**32
+    """Initial scale of the dynamic loss scaler."""
+
+    min_loss_scale: float = 1.0
+    """Minimum scale of the dynamic loss scaler."""
+
+    loss_scale_window: float = 1000
+    """Number of clean iterations after which the dynamic loss scale is doubled."""
+
+    hysteresis: int = 2
+    """Number of overflowing iterations tolerated before the dynamic loss scale is halved."""
+
+    ##############
+    # Optimizer
+    ##############
+    adam_beta1: float = 0.9
+    """First coefficient for the running averages of gradient and its square in Adam."""
+
+    adam_beta2: float = 0.999
+    """Second coefficient for the running averages of gradient and its square in Adam."""
+
+    adam_eps: float = 1e-08
+    """Term added to the denominator in Adam for numerical stability."""
+
+    sgd_momentum: float = 0.9
+    """Momentum factor for SGD."""
+
+    #######################
+    # Distributed optimizer
+    #######################
+    use_distributed_optimizer: bool = False
+    """Shard fp32 main params and optimizer state across the data-parallel group."""
+
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with backward (mirrors the DDP config)."""
+
+    overlap_param_gather: bool = False
+    """Overlap the parameter all-gather with the forward pass (accepted; gathered after step)."""
+
+    ################
+    # Miscellaneous
+    ################
+    clip_grad: float = 1.0
+    """Clip gradients to this global L2 norm (0 disables clipping)."""
+
+    log_num_zeros_in_grad: bool = False
+    """If true, count the zeros in the gradients (returned by step())."""
+
+    barrier_with_L1_time: bool = False
+    """If true, timers of level 1 call a barrier before starting."""
+
+    timers: Optional[Callable] = None
+    """Function to get timers (Megatron's Timers object), or None."""
+
+    def __post_init__(self):
+        if self.optimizer not in ('adam', 'sgd'):
+            raise ValueError(f"optimizer (--optimizer) must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16 and bf16 (--fp16, --bf16) cannot both be set")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad (--clip-grad) must be >= 0, got {self.clip_grad}")
+        if self.hysteresis < 1:
+            raise ValueError(f"hysteresis (--hysteresis) must be >= 1, got {self.hysteresis}")
+        if self.loss_scale_window < 1:
+            raise ValueError(f"loss_scale_window (--loss-scale-window) must be >= 1, got {self.loss_scale_window}")
+        if self.min_loss_scale <= 0 or self.initial_loss_scale <= 0:
+            raise ValueError(
+                f"min_loss_scale ({self.min_loss_scale}) and initial_loss_scale "
+                f"({self.initial_loss_scale}) (--min-loss-scale, --initial-loss-scale) must be positive"
+            )
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ValueError(f"loss_scale (--loss-scale) must be positive, got {self.loss_scale}")

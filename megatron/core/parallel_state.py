@@ -1,0 +1,1066 @@
+"""Model and data parallel groups: the process-group bootstrap of megatron.core.
+
+`initialize_model_parallel()` splits the world into tensor (tp), context (cp), expert (ep), data
+(dp) and pipeline (pp) parallel groups with Megatron's rank layout and stores them in module
+globals; the `get_*` accessors read them. Core modules should take groups as arguments and fall
+back to these globals only through the `get_*_group_if_none(group)` helpers.
+
+Rank layout: a rank's coordinates follow `order` (default "tp-cp-ep-dp-pp", first = fastest
+varying), so `rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))`. Expert parallelism
+splits the data parallel dimension: with it, the order reads tp-cp-ep-(dp/ep)-pp.
+
+Example (16 ranks, tp=2, pp=4, so dp=2):
+
+    8 tensor parallel groups:   [0, 1] [2, 3] [4, 5] [6, 7] [8, 9] [10, 11] [12, 13] [14, 15]
+    8 data parallel groups:     [0, 2] [1, 3] [4, 6] [5, 7] [8, 10] [9, 11] [12, 14] [13, 15]
+    4 pipeline parallel groups: [0, 4, 8, 12] [1, 5, 9, 13] [2, 6, 10, 14] [3, 7, 11, 15]
+    4 embedding groups:         [0, 12] [1, 13] [2, 14] [3, 15]
+
+`generate_model_parallel_groups()` computes every group's rank lists without any process, which
+is what `initialize_model_parallel()` uses and what the layout tests check.
+"""
+
+import warnings
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+# Intra-layer (tensor) model parallel group that the current rank belongs to.
+_TENSOR_MODEL_PARALLEL_GROUP = None
+# Inter-layer (pipeline) model parallel group that the current rank belongs to.
+_PIPELINE_MODEL_PARALLEL_GROUP = None
+# Model parallel group (tensor + pipeline) that the current rank belongs to.
+_MODEL_PARALLEL_GROUP = None
+# Embedding group (first and last pipeline stage, plus the split rank).
+_EMBEDDING_GROUP = None
+# Position embedding group (first pipeline stage, plus the split rank).
+_POSITION_EMBEDDING_GROUP = None
+# Data parallel group (and its gloo copy) that the current rank belongs to.
+_DATA_PARALLEL_GROUP = None
+_DATA_PARALLEL_GROUP_GLOO = None
+# Tensor + data parallel group (used by the distributed optimizer with fp8 and MoE).
+_TENSOR_AND_DATA_PARALLEL_GROUP = None
+# Expert parallel groups.
+_EXPERT_MODEL_PARALLEL_GROUP = None
+_TENSOR_AND_EXPERT_PARALLEL_GROUP = None
+_DATA_MODULO_EXPERT_PARALLEL_GROUP = None
+_DATA_MODULO_EXPERT_PARALLEL_GROUP_GLOO = None
+_DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP = None
+_DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP_GLOO = None
+
+_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = None
+_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
+_PIPELINE_MODEL_PARALLEL_SPLIT_RANK = None
+
+# Overrides of the sizes and ranks (used when a process pretends to be another rank, e.g. when
+# converting checkpoints).
+_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = None
+_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
+_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE = None
+_MPU_TENSOR_MODEL_PARALLEL_RANK = None
+_MPU_PIPELINE_MODEL_PARALLEL_RANK = None
+_MPU_EXPERT_MODEL_PARALLEL_RANK = None
+
+# Global ranks of the embedding groups and of the current rank's pipeline group.
+_EMBEDDING_GLOBAL_RANKS = None
+_POSITION_EMBEDDING_GLOBAL_RANKS = None
+_PIPELINE_GLOBAL_RANKS = None
+
+# Global ranks of the current rank's data parallel group (without / with context parallel).
+_DATA_PARALLEL_GLOBAL_RANKS = None
+_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = None
+
+# Context parallel group and its global ranks.
+_CONTEXT_PARALLEL_GROUP = None
+_CONTEXT_PARALLEL_GLOBAL_RANKS = None
+
+# Data parallel group including context parallel ranks (and its gloo copy).
+_DATA_PARALLEL_GROUP_WITH_CP = None
+_DATA_PARALLEL_GROUP_WITH_CP_GLOO = None
+
+# Tensor + context parallel group; tensor + data + context parallel group.
+_TENSOR_AND_CONTEXT_PARALLEL_GROUP = None
+_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = None
+
+# Every process group created by initialize_model_parallel on this rank (destroyed on reset).
+_CREATED_GROUPS = []
+
+_INIT_HINT = "call megatron.core.parallel_state.initialize_model_parallel() first"
+
+
+def _not_initialized(what: str) -> RuntimeError:
+    return RuntimeError(f"{what} is not initialized; {_INIT_HINT}")
+
+
+# --------------------------------------------------------------------------------------------
+# Pure rank layout
+# --------------------------------------------------------------------------------------------
+
+
+def _prefix_product(sizes: Sequence[int]) -> List[int]:
+    out = [1]
+    for size in sizes:
+        out.append(out[-1] * size)
+    return out
+
+
+def generate_masked_orthogonal_rank_groups(
+    world_size: int, parallel_size: Sequence[int], mask: Sequence[bool]
+) -> List[List[int]]:
+    """Rank groups spanning the masked dimensions of a multi-dimensional rank grid.
+
+    The world is viewed as a grid of shape `parallel_size` (first dimension fastest varying), so
+    rank = sum(coord[i] * stride[i]) with stride[i] = prod(parallel_size[:i]). A group holds every
+    rank that shares the coordinates of the unmasked dimensions; within a group, ranks are listed
+    with the first masked dimension fastest. Example: sizes [tp=2, dp=3, pp=4] with mask
+    [True, False, False] gives the tensor parallel groups [0, 1], [2, 3], ...
+
+    Args:
+        world_size: product of `parallel_size`.
+        parallel_size: size of each dimension, fastest first.
+        mask: which dimensions the groups span.
+
+    Returns:
+        world_size / prod(masked sizes) groups of global ranks.
+    """
+    assert len(parallel_size) == len(mask)
+    strides = _prefix_product(parallel_size)
+    assert strides[-1] == world_size, f"{parallel_size} does not multiply to {world_size}"
+    masked = [(size, strides[i]) for i, (size, m) in enumerate(zip(parallel_size, mask)) if m]
+    unmasked = [(size, strides[i]) for i, (size, m) in enumerate(zip(parallel_size, mask)) if not m]
+
+    def offsets(dims):
+        # Every combination of coordinates of `dims`, first dimension fastest, as rank offsets.
+        result = [0]
+        for size, stride in dims:
+            result = [base + c * stride for c in range(size) for base in result]
+        return result
+
+    in_group = offsets(masked)
+    return [[base + off for off in in_group] for base in offsets(unmasked)]
+
+
+class RankGenerator:
+    """Rank groups of a tp/cp/ep/dp/pp grid laid out in a given `order` (first = fastest).
+
+    Expert parallelism subdivides data parallelism: the grid without ep has dimensions
+    (tp, cp, dp, pp) in `order`, the grid with ep replaces dp by (ep, dp / ep).
+
+    Args:
+        tp, ep, dp, pp, cp: tensor, expert, data, pipeline and context parallel sizes
+            (dp counts all data parallel ranks, including the expert parallel ones).
+        order: dash-separated dimension names, e.g. "tp-cp-ep-dp-pp".
+    """
+
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str):
+        self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
+        self.world_size = tp * dp * pp * cp
+        sizes = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
+        tokens = order.lower().split("-")
+        for token in tokens:
+            if token not in sizes:
+                raise ValueError(f"order {order!r}: unknown dimension {token!r} (expected tp/cp/ep/dp/pp)")
+        if len(set(tokens)) != len(tokens):
+            raise ValueError(f"order {order!r} repeats a dimension")
+        if "ep" in tokens and "ep-dp" not in order and "dp-ep" not in order:
+            raise ValueError(f"order {order!r}: ep and dp must be adjacent")
+        for name, size in sizes.items():
+            if name not in tokens:
+                if size != 1:
+                    raise ValueError(f"order {order!r} lacks {name!r} but its size is {size}, not 1")
+                tokens.append(name)
+        self.order_w_ep = "-".join(tokens)
+        self.order_wo_ep = "-".join(t for t in tokens if t != "ep")
+        self.ordered_size_w_ep = []
+        self.ordered_size_wo_ep = []
+        for token in tokens:
+            if token == "dp":
+                self.ordered_size_w_ep.append(dp // ep)
+                self.ordered_size_wo_ep.append(dp)
+            elif token == "ep":
+                self.ordered_size_w_ep.append(ep)
+            else:
+                self.ordered_size_w_ep.append(sizes[token])
+                self.ordered_size_wo_ep.append(sizes[token])
+
+    @staticmethod
+    def get_mask(order: str, token: str) -> List[bool]:
+        """Which dimensions of `order` the dash-separated `token` names."""
+        dims = order.split("-")
+        mask = [False] * len(dims)
+        for t in token.split("-"):
+            mask[dims.index(t)] = True
+        return mask
+
+    def get_ranks(self, token: str, independent_ep: bool = False) -> List[List[int]]:
+        """Groups spanning the dimensions in `token` (e.g. "tp-pp" = model parallel groups).
+
+        Args:
+            token: dash-separated dimension names.
+            independent_ep: use the grid where ep is its own dimension (dp then means dp / ep).
+        """
+        if independent_ep:
+            order, sizes = self.order_w_ep, self.ordered_size_w_ep
+        else:
+            order, sizes = self.order_wo_ep, self.ordered_size_wo_ep
+        return generate_masked_orthogonal_rank_groups(self.world_size, sizes, self.get_mask(order, token))
+
+
+def _check_sizes(
+    world_size: int,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    context_parallel_size: int,
+    expert_model_parallel_size: int,
+    virtual_pipeline_model_parallel_size: Optional[int],
+    pipeline_model_parallel_split_rank: Optional[int],
+) -> int:
+    """Validate the sizes; returns the data parallel size."""
+    sizes = {
+        "world_size": world_size,
+        "tensor_model_parallel_size": tensor_model_parallel_size,
+        "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        "context_parallel_size": context_parallel_size,
+        "expert_model_parallel_size": expert_model_parallel_size,
+    }
+    for name, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    model_size = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    if world_size % model_size != 0:
+        raise ValueError(
+            f"world_size ({world_size}) is not divisible by tensor_model_parallel_size "
+            f"({tensor_model_parallel_size}) x pipeline_model_parallel_size "
+            f"({pipeline_model_parallel_size}) x context_parallel_size ({context_parallel_size}) "
+            f"= {model_size}"
+        )
+    data_parallel_size = world_size // model_size
+    if data_parallel_size % expert_model_parallel_size != 0:
+        raise ValueError(
+            f"data parallel size ({data_parallel_size}) is not divisible by "
+            f"expert_model_parallel_size ({expert_model_parallel_size})"
+        )
+    if expert_model_parallel_size > 1 and context_parallel_size > 1:
+        raise ValueError(
+            f"expert_model_parallel_size ({expert_model_parallel_size}) > 1 together with "
+            f"context_parallel_size ({context_parallel_size}) > 1 is not supported"
+        )
+    if virtual_pipeline_model_parallel_size is not None:
+        if pipeline_model_parallel_size <= 1:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size ({virtual_pipeline_model_parallel_size}) "
+                f"needs pipeline_model_parallel_size > 1, got {pipeline_model_parallel_size}"
+            )
+        if virtual_pipeline_model_parallel_size < 1:
+            raise ValueError(
+                "virtual_pipeline_model_parallel_size must be >= 1, got "
+                f"{virtual_pipeline_model_parallel_size}"
+            )
+    if pipeline_model_parallel_split_rank is not None and not (
+        0 <= pipeline_model_parallel_split_rank < pipeline_model_parallel_size
+    ):
+        raise ValueError(
+            f"pipeline_model_parallel_split_rank ({pipeline_model_parallel_split_rank}) must be in "
+            f"[0, pipeline_model_parallel_size ({pipeline_model_parallel_size}))"
+        )
+    return data_parallel_size
+
+
+def _embedding_ranks(pipeline_ranks: List[int], split_rank: Optional[int]):
+    """Embedding and position-embedding group ranks of one pipeline group."""
+    if len(pipeline_ranks) == 1:
+        return list(pipeline_ranks), list(pipeline_ranks)
+    embedding = [pipeline_ranks[0], pipeline_ranks[-1]]
+    position = [pipeline_ranks[0]]
+    if split_rank is not None:
+        split = pipeline_ranks[split_rank]
+        if split not in embedding:
+            embedding = [pipeline_ranks[0], split, pipeline_ranks[-1]]
+        if split not in position:
+            position = [pipeline_ranks[0], split]
+    return embedding, position
+
+
+def generate_model_parallel_groups(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    order: str = "tp-cp-ep-dp-pp",
+    pipeline_model_parallel_split_rank: Optional[int] = None,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+) -> Dict[str, List[List[int]]]:
+    """Every group's rank lists of Megatron's layout, computed without processes.
+
+    Args:
+        world_size: total number of ranks.
+        tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
+            expert_model_parallel_size: parallel sizes (data parallel size is what remains).
+        order: rank layout, first dimension fastest varying.
+        pipeline_model_parallel_split_rank: encoder/decoder split stage (adds the split rank
+            to the embedding and position-embedding groups).
+        virtual_pipeline_model_parallel_size: only validated here.
+
+    Returns:
+        A dict from group kind to the list of groups (each a list of global ranks):
+        "tp", "pp", "dp", "dp-cp" (data parallel with context parallel), "cp", "mp" (tensor +
+        pipeline), "embedding", "position_embedding", "tp-dp", "tp-dp-cp", "tp-cp", "tp-ep",
+        "ep", "dp-modulo-ep", "dp-modulo-ep-cp".
+
+    Raises:
+        ValueError: sizes that do not divide the world size, or an invalid order / split rank.
+    """
+    dp = _check_sizes(
+        world_size,
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+        virtual_pipeline_model_parallel_size,
+        pipeline_model_parallel_split_rank,
+    )
+    gen = RankGenerator(
+        tp=tensor_model_parallel_size,
+        ep=expert_model_parallel_size,
+        dp=dp,
+        pp=pipeline_model_parallel_size,
+        cp=context_parallel_size,
+        order=order,
+    )
+    groups = {
+        "dp": gen.get_ranks("dp"),
+        "dp-cp": gen.get_ranks("dp-cp"),
+        "cp": gen.get_ranks("cp"),
+        "mp": gen.get_ranks("tp-pp"),
+        "tp": gen.get_ranks("tp"),
+        "pp": gen.get_ranks("pp"),
+        "tp-dp-cp": gen.get_ranks("tp-dp-cp"),
+        "tp-dp": gen.get_ranks("tp-dp"),
+        "tp-cp": gen.get_ranks("tp-cp"),
+        "tp-ep": gen.get_ranks("tp-ep", independent_ep=True),
+        "ep": gen.get_ranks("ep", independent_ep=True),
+        "dp-modulo-ep": gen.get_ranks("dp", independent_ep=True),
+        "dp-modulo-ep-cp": gen.get_ranks("dp-cp", independent_ep=True),
+    }
+    groups["embedding"], groups["position_embedding"] = [], []
+    for ranks in groups["pp"]:
+        emb, pos = _embedding_ranks(ranks, pipeline_model_parallel_split_rank)
+        groups["embedding"].append(emb)
+        groups["position_embedding"].append(pos)
+    return groups
+
+
+# --------------------------------------------------------------------------------------------
+# Initialization
+# --------------------------------------------------------------------------------------------
+
+
+def _new_group(ranks: List[int], timeout: timedelta, backend: Optional[str] = None):
+    group = torch.distributed.new_group(ranks, timeout=timeout, backend=backend)
+    if torch.distributed.get_rank() in ranks:
+        _CREATED_GROUPS.append(group)
+    return group
+
+
+def _build(groups: List[List[int]], timeout: timedelta, with_gloo: bool = False):
+    """Create every group (all ranks must call new_group for every group); return this rank's."""
+    rank = torch.distributed.get_rank()
+    mine, mine_gloo, my_ranks = None, None, None
+    for ranks in groups:
+        group = _new_group(ranks, timeout)
+        group_gloo = _new_group(ranks, timeout, backend="gloo") if with_gloo else None
+        if rank in ranks:
+            mine, mine_gloo, my_ranks = group, group_gloo, ranks
+    return mine, mine_gloo, my_ranks
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    pipeline_model_parallel_split_rank: Optional[int] = None,
+    use_sharp: bool = False,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    nccl_communicator_config_path: Optional[str] = None,
+    distributed_timeout_minutes: int = 30,
+    order: str = "tp-cp-ep-dp-pp",
+) -> None:
+    """Create the model and data parallel groups of Megatron's layout.
+
+    Needs `torch.distributed` initialized (any backend: gloo on CPU, nccl on GPU). Every rank
+    must call it with the same arguments. See the module docstring for the layout.
+
+    Args:
+        tensor_model_parallel_size: ranks splitting each layer (intra-layer parallelism).
+        pipeline_model_parallel_size: pipeline stages (inter-layer parallelism).
+        virtual_pipeline_model_parallel_size: model chunks per stage (interleaved schedule).
+        pipeline_model_parallel_split_rank: first decoder stage of an encoder-decoder model.
+        use_sharp: NCCL SHARP for data parallel groups; accepted, no effect here.
+        context_parallel_size: ranks splitting the sequence inside attention.
+        expert_model_parallel_size: ranks splitting the MoE experts (subdivides data parallel).
+        nccl_communicator_config_path: NCCL communicator options; accepted, no effect here.
+        distributed_timeout_minutes: timeout of every created group.
+        order: rank layout, first dimension fastest varying.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: the sizes do not divide the world size (the message gives the numbers).
+    """
+    if not torch.distributed.is_initialized():
+        raise RuntimeError(
+            "initialize_model_parallel needs torch.distributed; call "
+            "torch.distributed.init_process_group() first"
+        )
+    world_size = torch.distributed.get_world_size()
+    rank = torch.distributed.get_rank()
+    groups = generate_model_parallel_groups(
+        world_size,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        order=order,
+        pipeline_model_parallel_split_rank=pipeline_model_parallel_split_rank,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+    )
+    if model_parallel_is_initialized():
+        raise RuntimeError(
+            "initialize_model_parallel called twice; call destroy_model_parallel() in between"
+        )
+    if (use_sharp or nccl_communicator_config_path is not None) and rank == 0:
+        warnings.warn("use_sharp / nccl_communicator_config_path have no effect in this implementation")
+    timeout = timedelta(minutes=distributed_timeout_minutes)
+
+    global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    global _PIPELINE_MODEL_PARALLEL_SPLIT_RANK
+    if virtual_pipeline_model_parallel_size is not None:
+        _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = 0
+        _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = virtual_pipeline_model_parallel_size
+    _PIPELINE_MODEL_PARALLEL_SPLIT_RANK = pipeline_model_parallel_split_rank
+
+    global _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GROUP_GLOO, _DATA_PARALLEL_GLOBAL_RANKS
+    global _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GROUP_WITH_CP_GLOO
+    global _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP
+    # The gloo copies carry CPU-side traffic (e.g. the distributed optimizer's state gather).
+    _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GROUP_GLOO, _DATA_PARALLEL_GLOBAL_RANKS = _build(
+        groups["dp"], timeout, with_gloo=True
+    )
+    (
+        _DATA_PARALLEL_GROUP_WITH_CP,
+        _DATA_PARALLEL_GROUP_WITH_CP_GLOO,
+        _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP,
+    ) = _build(groups["dp-cp"], timeout, with_gloo=True)
+
+    global _CONTEXT_PARALLEL_GROUP, _CONTEXT_PARALLEL_GLOBAL_RANKS
+    _CONTEXT_PARALLEL_GROUP, _, _CONTEXT_PARALLEL_GLOBAL_RANKS = _build(groups["cp"], timeout)
+
+    global _MODEL_PARALLEL_GROUP
+    _MODEL_PARALLEL_GROUP, _, _ = _build(groups["mp"], timeout)
+
+    global _TENSOR_MODEL_PARALLEL_GROUP
+    _TENSOR_MODEL_PARALLEL_GROUP, _, _ = _build(groups["tp"], timeout)
+
+    global _PIPELINE_MODEL_PARALLEL_GROUP, _PIPELINE_GLOBAL_RANKS
+    global _EMBEDDING_GROUP, _EMBEDDING_GLOBAL_RANKS
+    global _POSITION_EMBEDDING_GROUP, _POSITION_EMBEDDING_GLOBAL_RANKS
+    for pp_ranks, emb_ranks, pos_ranks in zip(
+        groups["pp"], groups["embedding"], groups["position_embedding"]
+    ):
+        pp_group = _new_group(pp_ranks, timeout)
+        if rank in pp_ranks:
+            _PIPELINE_MODEL_PARALLEL_GROUP, _PIPELINE_GLOBAL_RANKS = pp_group, pp_ranks
+        emb_group = _new_group(emb_ranks, timeout)
+        if rank in emb_ranks:
+            _EMBEDDING_GROUP = emb_group
+        if rank in pp_ranks:
+            _EMBEDDING_GLOBAL_RANKS = emb_ranks
+        pos_group = _new_group(pos_ranks, timeout)
+        if rank in pos_ranks:
+            _POSITION_EMBEDDING_GROUP = pos_group
+        if rank in pp_ranks:
+            _POSITION_EMBEDDING_GLOBAL_RANKS = pos_ranks
+
+    global _TENSOR_AND_DATA_PARALLEL_GROUP, _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP
+    global _TENSOR_AND_CONTEXT_PARALLEL_GROUP
+    _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP, _, _ = _build(groups["tp-dp-cp"], timeout)
+    _TENSOR_AND_DATA_PARALLEL_GROUP, _, _ = _build(groups["tp-dp"], timeout)
+    _TENSOR_AND_CONTEXT_PARALLEL_GROUP, _, _ = _build(groups["tp-cp"], timeout)
+
+    global _TENSOR_AND_EXPERT_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_GROUP
+    global _DATA_MODULO_EXPERT_PARALLEL_GROUP, _DATA_MODULO_EXPERT_PARALLEL_GROUP_GLOO
+    global _DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP
+    global _DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP_GLOO
+    _TENSOR_AND_EXPERT_PARALLEL_GROUP, _, _ = _build(groups["tp-ep"], timeout)
+    _EXPERT_MODEL_PARALLEL_GROUP, _, _ = _build(groups["ep"], timeout)
+    _DATA_MODULO_EXPERT_PARALLEL_GROUP, _DATA_MODULO_EXPERT_PARALLEL_GROUP_GLOO, _ = _build(
+        groups["dp-modulo-ep"], timeout, with_gloo=True
+    )
+    (
+        _DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP,
+        _DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP_GLOO,
+        _,
+    ) = _build(groups["dp-modulo-ep-cp"], timeout, with_gloo=True)
+
+
+def model_parallel_is_initialized() -> bool:
+    """Whether initialize_model_parallel() has created the tp, pp and dp groups."""
+    return (
+        _TENSOR_MODEL_PARALLEL_GROUP is not None
+        and _PIPELINE_MODEL_PARALLEL_GROUP is not None
+        and _DATA_PARALLEL_GROUP is not None
+    )
+
+
+def is_unitialized() -> bool:
+    """Deprecated Megatron spelling: True when the data parallel group does not exist yet."""
+    return _DATA_PARALLEL_GROUP is None
+
+
+# --------------------------------------------------------------------------------------------
+# Group accessors
+# --------------------------------------------------------------------------------------------
+
+
+def _checked(group, what: str, check_initialized: bool = True):
+    if check_initialized and group is None:
+        raise _not_initialized(what)
+    return group
+
+
+def get_model_parallel_group(check_initialized: bool = True):
+    """The model parallel (tensor + pipeline) group of the caller."""
+    return _checked(_MODEL_PARALLEL_GROUP, "model parallel group", check_initialized)
+
+
+def get_tensor_model_parallel_group(check_initialized: bool = True):
+    """The tensor model parallel group of the caller."""
+    return _checked(_TENSOR_MODEL_PARALLEL_GROUP, "tensor model parallel group", check_initialized)
+
+
+def get_pipeline_model_parallel_group(check_initialized: bool = True):
+    """The pipeline model parallel group of the caller."""
+    return _checked(_PIPELINE_MODEL_PARALLEL_GROUP, "pipeline model parallel group", check_initialized)
+
+
+def get_data_parallel_group(with_context_parallel: bool = False, check_initialized: bool = True):
+    """The data parallel group of the caller (optionally including the context parallel ranks)."""
+    if with_context_parallel:
+        return _checked(
+            _DATA_PARALLEL_GROUP_WITH_CP, "data parallel group with context parallel", check_initialized
+        )
+    return _checked(_DATA_PARALLEL_GROUP, "data parallel group", check_initialized)
+
+
+def get_data_parallel_group_gloo(with_context_parallel: bool = False, check_initialized: bool = True):
+    """The gloo copy of the caller's data parallel group (for CPU-side collectives)."""
+    if with_context_parallel:
+        return _checked(
+            _DATA_PARALLEL_GROUP_WITH_CP_GLOO,
+            "data parallel gloo group with context parallel",
+            check_initialized,
+        )
+    return _checked(_DATA_PARALLEL_GROUP_GLOO, "data parallel gloo group", check_initialized)
+
+
+def get_context_parallel_group(check_initialized: bool = True):
+    """The context parallel group of the caller."""
+    return _checked(_CONTEXT_PARALLEL_GROUP, "context parallel group", check_initialized)
+
+
+def get_context_parallel_global_ranks(check_initialized: bool = True):
+    """Global ranks of the caller's context parallel group."""
+    return _checked(_CONTEXT_PARALLEL_GLOBAL_RANKS, "context parallel group", check_initialized)
+
+
+def get_embedding_group(check_initialized: bool = True):
+    """The embedding group (first + last pipeline stage) of the caller, None if not a member."""
+    if check_initialized and _EMBEDDING_GLOBAL_RANKS is None:
+        raise _not_initialized("embedding group")
+    return _EMBEDDING_GROUP
+
+
+def get_position_embedding_group(check_initialized: bool = True):
+    """The position embedding group of the caller, None if not a member."""
+    if check_initialized and _POSITION_EMBEDDING_GLOBAL_RANKS is None:
+        raise _not_initialized("position embedding group")
+    return _POSITION_EMBEDDING_GROUP
+
+
+def get_embedding_global_ranks() -> List[int]:
+    """Global ranks of the embedding group of the caller's pipeline."""
+    return _checked(_EMBEDDING_GLOBAL_RANKS, "embedding group")
+
+
+def get_position_embedding_global_ranks() -> List[int]:
+    """Global ranks of the position embedding group of the caller's pipeline."""
+    return _checked(_POSITION_EMBEDDING_GLOBAL_RANKS, "position embedding group")
+
+
+def get_tensor_and_data_parallel_group(with_context_parallel: bool = False, check_initialized: bool = True):
+    """The tensor + data parallel group (optionally + context parallel) of the caller."""
+    if with_context_parallel:
+        return _checked(
+            _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP,
+            "tensor and data parallel group with context parallel",
+            check_initialized,
+        )
+    return _checked(_TENSOR_AND_DATA_PARALLEL_GROUP, "tensor and data parallel group", check_initialized)
+
+
+def get_tensor_and_context_parallel_group(check_initialized: bool = True):
+    """The tensor + context parallel group of the caller."""
+    return _checked(
+        _TENSOR_AND_CONTEXT_PARALLEL_GROUP, "tensor and context parallel group", check_initialized
+    )
+
+
+def get_expert_model_parallel_group(check_initialized: bool = True):
+    """The expert model parallel group of the caller."""
+    return _checked(_EXPERT_MODEL_PARALLEL_GROUP, "expert model parallel group", check_initialized)
+
+
+def get_tensor_and_expert_parallel_group(check_initialized: bool = True):
+    """The tensor + expert parallel group of the caller."""
+    return _checked(
+        _TENSOR_AND_EXPERT_PARALLEL_GROUP, "tensor and expert parallel group", check_initialized
+    )
+
+
+def get_data_modulo_expert_parallel_group(with_context_parallel: bool = False, check_initialized: bool = True):
+    """The data parallel group of expert parameters (data parallel / expert parallel)."""
+    if with_context_parallel:
+        return _checked(
+            _DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP,
+            "data modulo expert parallel group with context parallel",
+            check_initialized,
+        )
+    return _checked(
+        _DATA_MODULO_EXPERT_PARALLEL_GROUP, "data modulo expert parallel group", check_initialized
+    )
+
+
+def get_data_modulo_expert_parallel_group_gloo(with_context_parallel: bool = False):
+    """The gloo copy of the data-modulo-expert parallel group."""
+    if with_context_parallel:
+        return _checked(
+            _DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP_GLOO,
+            "data modulo expert parallel gloo group with context parallel",
+        )
+    return _checked(_DATA_MODULO_EXPERT_PARALLEL_GROUP_GLOO, "data modulo expert parallel gloo group")
+
+
+# Fallback helpers: core modules take groups as arguments and resolve None through these.
+
+
+def get_tensor_model_parallel_group_if_none(group=None, check_initialized: bool = True):
+    """`group` if given, else the global tensor model parallel group."""
+    return group if group is not None else get_tensor_model_parallel_group(check_initialized)
+
+
+def get_pipeline_model_parallel_group_if_none(group=None, check_initialized: bool = True):
+    """`group` if given, else the global pipeline model parallel group."""
+    return group if group is not None else get_pipeline_model_parallel_group(check_initialized)
+
+
+def get_data_parallel_group_if_none(group=None, with_context_parallel: bool = False, check_initialized: bool = True):
+    """`group` if given, else the global data parallel group (optionally with context parallel)."""
+    if group is not None:
+        return group
+    return get_data_parallel_group(with_context_parallel, check_initialized)
+
+
+def get_data_parallel_group_gloo_if_none(group=None, with_context_parallel: bool = False):
+    """`group` if given, else the gloo copy of the global data parallel group."""
+    return group if group is not None else get_data_parallel_group_gloo(with_context_parallel)
+
+
+def get_context_parallel_group_if_none(group=None, check_initialized: bool = True):
+    """`group` if given, else the global context parallel group."""
+    return group if group is not None else get_context_parallel_group(check_initialized)
+
+
+def get_model_parallel_group_if_none(group=None, check_initialized: bool = True):
+    """`group` if given, else the global model parallel group."""
+    return group if group is not None else get_model_parallel_group(check_initialized)
+
+
+def get_embedding_group_if_none(group=None, check_initialized: bool = True):
+    """`group` if given, else the global embedding group (None when not a member)."""
+    return group if group is not None else get_embedding_group(check_initialized)
+
+
+def get_position_embedding_group_if_none(group=None, check_initialized: bool = True):
+    """`group` if given, else the global position embedding group (None when not a member)."""
+    return group if group is not None else get_position_embedding_group(check_initialized)
+
+
+def get_tensor_and_data_parallel_group_if_none(group=None, with_context_parallel: bool = False):
+    """`group` if given, else the global tensor + data parallel group."""
+    return group if group is not None else get_tensor_and_data_parallel_group(with_context_parallel)
+
+
+def get_expert_model_parallel_group_if_none(group=None, check_initialized: bool = True):
+    """`group` if given, else the global expert model parallel group."""
+    return group if group is not None else get_expert_model_parallel_group(check_initialized)
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes and ranks
+# --------------------------------------------------------------------------------------------
+
+
+def set_tensor_model_parallel_world_size(world_size: Optional[int]) -> None:
+    """Override the tensor model parallel size (None restores the group's size)."""
+    global _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE
+    _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = world_size
+
+
+def set_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
+    """Override the pipeline model parallel size (None restores the group's size)."""
+    global _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = world_size
+
+
+def set_expert_model_parallel_world_size(world_size: Optional[int]) -> None:
+    """Override the expert model parallel size (None restores the group's size)."""
+    global _MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE
+    _MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE = world_size
+
+
+def set_tensor_model_parallel_rank(rank: Optional[int]) -> None:
+    """Override the tensor model parallel rank (None restores the group rank)."""
+    global _MPU_TENSOR_MODEL_PARALLEL_RANK
+    _MPU_TENSOR_MODEL_PARALLEL_RANK = rank
+
+
+def set_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    """Override the pipeline model parallel rank (None restores the group rank)."""
+    global _MPU_PIPELINE_MODEL_PARALLEL_RANK
+    _MPU_PIPELINE_MODEL_PARALLEL_RANK = rank
+
+
+def set_expert_model_parallel_rank(rank: Optional[int]) -> None:
+    """Override the expert model parallel rank (None restores the group rank)."""
+    global _MPU_EXPERT_MODEL_PARALLEL_RANK
+    _MPU_EXPERT_MODEL_PARALLEL_RANK = rank
+
+
+def set_pipeline_model_parallel_split_rank(rank: Optional[int]) -> None:
+    """Set the encoder/decoder pipeline split rank."""
+    global _PIPELINE_MODEL_PARALLEL_SPLIT_RANK
+    _PIPELINE_MODEL_PARALLEL_SPLIT_RANK = rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """Number of ranks in the tensor model parallel group."""
+    if _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE is not None:
+        return _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE
+    return torch.distributed.get_world_size(group=get_tensor_model_parallel_group())
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """Number of pipeline stages."""
+    if _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE is not None:
+        return _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    return torch.distributed.get_world_size(group=get_pipeline_model_parallel_group())
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """Rank of the caller in its tensor model parallel group."""
+    if _MPU_TENSOR_MODEL_PARALLEL_RANK is not None:
+        return _MPU_TENSOR_MODEL_PARALLEL_RANK
+    return torch.distributed.get_rank(group=get_tensor_model_parallel_group())
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """Pipeline stage of the caller."""
+    if _MPU_PIPELINE_MODEL_PARALLEL_RANK is not None:
+        return _MPU_PIPELINE_MODEL_PARALLEL_RANK
+    return torch.distributed.get_rank(group=get_pipeline_model_parallel_group())
+
+
+def get_pipeline_model_parallel_split_rank() -> Optional[int]:
+    """The encoder/decoder pipeline split rank (None for single-stack models)."""
+    return _PIPELINE_MODEL_PARALLEL_SPLIT_RANK
+
+
+def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
+    """Current model chunk index of the interleaved schedule (None without virtual pipeline)."""
+    return _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    """Set the current model chunk index of the interleaved schedule."""
+    global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK
+    _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = rank
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    """Model chunks per pipeline stage (None without virtual pipeline)."""
+    return _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+
+
+def set_virtual_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
+    """Set the number of model chunks per pipeline stage."""
+    global _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = world_size
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    """True on pipeline stage 0 (and, unless ignore_virtual, on model chunk 0)."""
+    if not ignore_virtual:
+        if (
+            get_virtual_pipeline_model_parallel_world_size() is not None
+            and get_virtual_pipeline_model_parallel_rank() != 0
+        ):
+            return False
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    """True on the last pipeline stage (and, unless ignore_virtual, on its last model chunk)."""
+    if not ignore_virtual:
+        vp_size = get_virtual_pipeline_model_parallel_world_size()
+        if vp_size is not None and get_virtual_pipeline_model_parallel_rank() != vp_size - 1:
+            return False
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
+    """Whether the caller takes part in the embedding-gradient all-reduce.
+
+    With ignore_virtual: plain membership. Otherwise the first member only while on the first
+    (virtual) stage, the last member only on the last (virtual) stage, split ranks always.
+    """
+    rank = torch.distributed.get_rank()
+    ranks = get_embedding_global_ranks()
+    if ignore_virtual:
+        return rank in ranks
+    if rank in ranks:
+        if rank == ranks[0]:
+            return is_pipeline_first_stage(ignore_virtual=False)
+        if rank == ranks[-1]:
+            return is_pipeline_last_stage(ignore_virtual=False)
+        return True
+    return False
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    """Whether the caller is in the position embedding group."""
+    return torch.distributed.get_rank() in get_position_embedding_global_ranks()
+
+
+def is_pipeline_stage_before_split(rank: Optional[int] = None) -> bool:
+    """True if the stage (default: the caller's) runs the encoder of an encoder-decoder model."""
+    if get_pipeline_model_parallel_world_size() == 1:
+        return True
+    if rank is None:
+        rank = get_pipeline_model_parallel_rank()
+    split = _PIPELINE_MODEL_PARALLEL_SPLIT_RANK
+    return split is None or rank < split
+
+
+def is_pipeline_stage_after_split(rank: Optional[int] = None) -> bool:
+    """True if the stage (default: the caller's) runs the decoder of an encoder-decoder model."""
+    if get_pipeline_model_parallel_world_size() == 1:
+        return True
+    if rank is None:
+        rank = get_pipeline_model_parallel_rank()
+    split = _PIPELINE_MODEL_PARALLEL_SPLIT_RANK
+    return split is None or rank >= split
+
+
+def is_pipeline_stage_at_split() -> bool:
+    """True on the last encoder stage when the next stage is the first decoder stage."""
+    rank = get_pipeline_model_parallel_rank()
+    return is_pipeline_stage_before_split(rank) and is_pipeline_stage_after_split(rank + 1)
+
+
+def is_inside_encoder(rank: Optional[int] = None) -> bool:
+    """Alias of is_pipeline_stage_before_split for encoder-decoder models."""
+    return is_pipeline_stage_before_split(rank)
+
+
+def is_inside_decoder(rank: Optional[int] = None) -> bool:
+    """Alias of is_pipeline_stage_after_split for encoder-decoder models."""
+    return is_pipeline_stage_after_split(rank)
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of the first rank of the caller's tensor model parallel group."""
+    global_rank = torch.distributed.get_rank()
+    local_world_size = get_tensor_model_parallel_world_size()
+    return (global_rank // local_world_size) * local_world_size
+
+
+def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    """Global rank of the first rank of the caller's data parallel group."""
+    ranks = _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP if with_context_parallel else _DATA_PARALLEL_GLOBAL_RANKS
+    return _checked(ranks, "data parallel group")[0]
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    """Global rank of the first stage of the caller's pipeline."""
+    return _checked(_PIPELINE_GLOBAL_RANKS, "pipeline model parallel group")[0]
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    """Global rank of the last stage of the caller's pipeline."""
+    return _checked(_PIPELINE_GLOBAL_RANKS, "pipeline model parallel group")[-1]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Global rank of the next stage (wraps around)."""
+    ranks = _checked(_PIPELINE_GLOBAL_RANKS, "pipeline model parallel group")
+    return ranks[(get_pipeline_model_parallel_rank() + 1) % get_pipeline_model_parallel_world_size()]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    """Global rank of the previous stage (wraps around)."""
+    ranks = _checked(_PIPELINE_GLOBAL_RANKS, "pipeline model parallel group")
+    return ranks[(get_pipeline_model_parallel_rank() - 1) % get_pipeline_model_parallel_world_size()]
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    """Number of data parallel replicas (0 when torch.distributed is not initialized)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(group=get_data_parallel_group(with_context_parallel))
+    return 0
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    """Rank of the caller in its data parallel group (0 without torch.distributed)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(group=get_data_parallel_group(with_context_parallel))
+    return 0
+
+
+def get_context_parallel_world_size() -> int:
+    """Number of ranks in the context parallel group (0 without torch.distributed)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(group=get_context_parallel_group())
+    return 0
+
+
+def get_context_parallel_rank() -> int:
+    """Rank of the caller in its context parallel group (0 without torch.distributed)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(group=get_context_parallel_group())
+    return 0
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    """Number of ranks in the tensor + context parallel group."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(group=get_tensor_and_context_parallel_group())
+    return 0
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    """Rank of the caller in its tensor + context parallel group."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(group=get_tensor_and_context_parallel_group())
+    return 0
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """Number of expert parallel ranks."""
+    if _MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE is not None:
+        return _MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        size = torch.distributed.get_world_size(group=get_tensor_and_expert_parallel_group())
+        return size // get_tensor_model_parallel_world_size()
+    return 0
+
+
+def get_expert_model_parallel_rank() -> int:
+    """Rank of the caller among the expert parallel ranks."""
+    if _MPU_EXPERT_MODEL_PARALLEL_RANK is not None:
+        return _MPU_EXPERT_MODEL_PARALLEL_RANK
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank = torch.distributed.get_rank(group=get_tensor_and_expert_parallel_group())
+        return rank // get_tensor_model_parallel_world_size()
+    return 0
+
+
+def get_data_modulo_expert_parallel_rank(with_context_parallel: bool = False) -> int:
+    """Rank of the caller in its data-modulo-expert parallel group."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(
+            group=get_data_modulo_expert_parallel_group(with_context_parallel)
+        )
+    return 0
+
+
+def get_data_modulo_expert_parallel_world_size(with_context_parallel: bool = False) -> int:
+    """Number of ranks in the caller's data-modulo-expert parallel group."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(
+            group=get_data_modulo_expert_parallel_group(with_context_parallel)
+        )
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Teardown
+# --------------------------------------------------------------------------------------------
+
+_RESET_TO_NONE = [
+    "_TENSOR_MODEL_PARALLEL_GROUP",
+    "_PIPELINE_MODEL_PARALLEL_GROUP",
+    "_MODEL_PARALLEL_GROUP",
+    "_EMBEDDING_GROUP",
+    "_POSITION_EMBEDDING_GROUP",
+    "_DATA_PARALLEL_GROUP",
+    "_DATA_PARALLEL_GROUP_GLOO",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP",
+    "_EXPERT_MODEL_PARALLEL_GROUP",
+    "_TENSOR_AND_EXPERT_PARALLEL_GROUP",
+    "_DATA_MODULO_EXPERT_PARALLEL_GROUP",
+    "_DATA_MODULO_EXPERT_PARALLEL_GROUP_GLOO",
+    "_DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP",
+    "_DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP_GLOO",
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK",
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE",
+    "_PIPELINE_MODEL_PARALLEL_SPLIT_RANK",
+    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
+    "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE",
+    "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE",
+    "_MPU_TENSOR_MODEL_PARALLEL_RANK",
+    "_MPU_PIPELINE_MODEL_PARALLEL_RANK",
+    "_MPU_EXPERT_MODEL_PARALLEL_RANK",
+    "_EMBEDDING_GLOBAL_RANKS",
+    "_POSITION_EMBEDDING_GLOBAL_RANKS",
+    "_PIPELINE_GLOBAL_RANKS",
+    "_DATA_PARALLEL_GLOBAL_RANKS",
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP",
+    "_CONTEXT_PARALLEL_GROUP",
+    "_CONTEXT_PARALLEL_GLOBAL_RANKS",
+    "_DATA_PARALLEL_GROUP_WITH_CP",
+    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
+]
+
+
+def destroy_model_parallel() -> None:
+    """Reset every global of this module and release the groups initialize_model_parallel made.
+
+    The default process group is left alone (torch.distributed.destroy_process_group() is the
+    caller's business).
+    """
+    g = globals()
+    for name in _RESET_TO_NONE:
+        g[name] = None
+    created = list(_CREATED_GROUPS)
+    _CREATED_GROUPS.clear()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        for group in created:
+            try:
+                torch.distributed.destroy_process_group(group)
+            except (ValueError, RuntimeError, KeyError):
+                # Already destroyed (e.g. by a caller that tore the groups down itself).
+                pass

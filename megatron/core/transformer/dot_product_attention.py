@@ -1,0 +1,161 @@
+"""Core attention: softmax(Q K^T / sqrt(hn)) V on the heads of this tensor-parallel rank.
+
+Notation: sq / sk query / key length, b batch, np query heads per partition, ng query groups
+(key/value heads) per partition, hn head size, hp = np * hn.
+"""
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import attention_mask_func
+from megatron.core.utils import divide
+
+
+class DotProductAttention(MegatronModule):
+    """Scaled dot-product attention over this rank's heads (no parameters, no communication).
+
+    The attention heads are split across the tensor-parallel group by the QKV projection, so each
+    rank attends over its own np heads. Attention dropout on those heads runs under the
+    model-parallel RNG tracker (`get_cuda_rng_tracker().fork()`), so different TP ranks drop
+    different elements while data-parallel replicas of a rank stay identical. Under sequence
+    parallelism the whole transformer block already runs under that fork.
+
+    Args:
+        config (TransformerConfig): the model config.
+        layer_number (int): 1-based global layer number (query-key layer scaling uses it).
+        attn_mask_type (AttnMaskType): causal masks are built when no mask is passed.
+        attention_type (str): "self" or "cross".
+        attention_dropout (float, optional): overrides config.attention_dropout.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+    ):
+        super().__init__(config=config)
+        if self.config.context_parallel_size != 1:
+            raise ValueError(
+                f"context_parallel_size ({self.config.context_parallel_size}) > 1 is not supported "
+                "by the local DotProductAttention"
+            )
+
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+
+        projection_size = self.config.kv_channels * self.config.num_attention_heads
+        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.hidden_size_per_partition = divide(projection_size, world_size)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(self.config.num_attention_heads, world_size)
+        self.num_query_groups_per_partition = divide(self.config.num_query_groups, world_size)
+
+        coeff = None
+        self.norm_factor = math.sqrt(self.hidden_size_per_attention_head)
+        if self.config.apply_query_key_layer_scaling:
+            coeff = self.layer_number
+            self.norm_factor *= coeff
+
+        self.scale_mask_softmax = FusedScaleMaskSoftmax(
+            input_in_fp16=self.config.fp16,
+            input_in_bf16=self.config.bf16,
+            attn_mask_type=self.attn_mask_type,
+            scaled_masked_softmax_fusion=self.config.masked_softmax_fusion,
+            mask_func=attention_mask_func,
+            softmax_in_fp32=self.config.attention_softmax_in_fp32,
+            scale=coeff,
+        )
+
+        # Dropping out whole keys per query, as in the original Transformer.
+        self.attention_dropout_p = (
+            self.config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+        self.attention_dropout = torch.nn.Dropout(self.attention_dropout_p)
+
+    def _can_use_sdpa(self, query: Tensor, attention_mask: Optional[Tensor], attn_mask_type) -> bool:
+        """Whether torch's scaled_dot_product_attention gives the same result as the explicit path:
+        causal with no explicit mask, no dropout, and the softmax in the input precision."""
+        if attention_mask is not None or attn_mask_type != AttnMaskType.causal:
+            return False
+        if self.training and self.attention_dropout_p > 0.0:
+            return False
+        if query.dtype != torch.float32 and self.config.attention_softmax_in_fp32:
+            return False
+        return True
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: AttnMaskType = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        """query [sq, b, np, hn], key / value [sk, b, ng, hn], attention_mask bool [b, 1, sq, sk]
+        (True = masked out) or None -> context [sq, b, hp]."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed_seq_params is not supported by the local DotProductAttention")
+        attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+
+        # Expand key/value heads to one per query head (grouped-query attention).
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if groups > 1:
+            key = key.repeat_interleave(groups, dim=2)  # [sk, b, ng, hn] -> [sk, b, np, hn]
+            value = value.repeat_interleave(groups, dim=2)
+
+        sq, b, np_, hn = query.shape
+        sk = key.size(0)
+
+        if self._can_use_sdpa(query, attention_mask, attn_mask_type):
+            q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+            k = key.permute(1, 2, 0, 3)  # [b, np, sk, hn]
+            v = value.permute(1, 2, 0, 3)
+            if sq == sk:
+                context = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=sq > 1, scale=1.0 / math.sqrt(hn)
+                )
+            else:
+                mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+                context = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(hn)
+                )
+            context = context.permute(2, 0, 1, 3).contiguous()  # [b, np, sq, hn] -> [sq, b, np, hn]
+            return context.view(sq, b, self.hidden_size_per_partition)  # [sq, b, hp]
+
+        # Raw attention scores [b, np, sq, sk].
+        query = query.reshape(sq, b * np_, hn)  # [sq, b, np, hn] -> [sq, b * np, hn]
+        key = key.reshape(sk, b * np_, hn)  # [sk, b, np, hn] -> [sk, b * np, hn]
+        matmul_result = torch.bmm(
+            query.transpose(0, 1), key.transpose(0, 1).transpose(1, 2)
+        )  # [b * np, sq, sk]
+        matmul_result = matmul_result * (1.0 / self.norm_factor)
+        attention_scores = matmul_result.view(b, np_, sq, sk)  # [b, np, sq, sk]
+
+        attention_probs = self.scale_mask_softmax(attention_scores, attention_mask)
+
+        if not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                attention_probs = self.attention_dropout(attention_probs)
+        else:
+            # The block already forked the model-parallel RNG for sequence parallelism.
+            attention_probs = self.attention_dropout(attention_probs)
+
+        value = value.reshape(sk, b * np_, hn)  # [sk, b, np, hn] -> [sk, b * np, hn]
+        attention_probs = attention_probs.view(b * np_, sq, sk)  # [b, np, sq, sk] -> [b * np, sq, sk]
+        context = torch.bmm(attention_probs, value.transpose(0, 1))  # [b * np, sq, hn]
+        context = context.view(b, np_, sq, hn)  # [b * np, sq, hn] -> [b, np, sq, hn]
+        context = context.permute(2, 0, 1, 3).contiguous()  # [b, np, sq, hn] -> [sq, b, np, hn]
+        return context.view(sq, b, self.hidden_size_per_partition)  # [sq, b, np, hn] -> [sq, b, hp]

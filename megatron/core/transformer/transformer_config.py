@@ -1,0 +1,399 @@
+"""TransformerConfig: the architecture, regularisation, initialisation and recomputation options of
+a megatron-core transformer. It extends ModelParallelConfig with Megatron's field names.
+
+Modules read the config and never modify it; `__post_init__` fills the derived defaults
+(ffn_hidden_size, kv_channels, num_query_groups, init methods) and raises `ValueError` naming the
+fields and values for impossible combinations.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.utils import init_method_normal, scaled_init_method_normal
+
+
+@dataclass
+class TransformerConfig(ModelParallelConfig):
+    """Configuration of a megatron-core transformer (GPTModel, TransformerBlock, ...)."""
+
+    ####################
+    # model architecture
+    ####################
+    num_layers: int = 0
+    """Number of transformer layers in the whole model (all pipeline stages)."""
+
+    hidden_size: int = 0
+    """Transformer hidden size."""
+
+    num_attention_heads: int = 0
+    """Number of attention (query) heads."""
+
+    num_query_groups: Optional[int] = None
+    """Number of key/value heads for grouped-query attention (None = num_attention_heads, i.e. MHA)."""
+
+    ffn_hidden_size: Optional[int] = None
+    """MLP hidden size (None = 4 * hidden_size)."""
+
+    kv_channels: Optional[int] = None
+    """Size of one attention head (None = hidden_size // num_attention_heads)."""
+
+    hidden_dropout: float = 0.1
+    """Dropout probability on the outputs of attention and MLP before the residual add."""
+
+    attention_dropout: float = 0.1
+    """Dropout probability on the attention probabilities."""
+
+    fp32_residual_connection: bool = False
+    """Keep the residual stream in fp32 (the embedding output is cast to fp32)."""
+
+    apply_residual_connection_post_layernorm: bool = False
+    """Take the residual from the output of the layernorm instead of its input."""
+
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+
+    layernorm_zero_centered_gamma: bool = False
+    """LayerNorm weight is stored centred on zero (the effective weight is 1 + weight)."""
+
+    add_bias_linear: bool = True
+    """Biases on all linear layers (qkv, attention output, MLP)."""
+
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection even when add_bias_linear is False."""
+
+    gated_linear_unit: bool = False
+    """Gated MLP: the first MLP layer outputs 2 * ffn_hidden_size and act(first half) * second half
+    is fed to the second layer (SwiGLU with activation_func=F.silu)."""
+
+    activation_func: Callable = F.gelu
+    """Activation of the MLP."""
+
+    activation_func_fp8_input_store: bool = False
+    """Store the activation input in fp8 (Transformer Engine only; accepted, unused)."""
+
+    num_moe_experts: Optional[int] = None
+    """Number of MoE experts (None = dense MLP). MoE is not implemented here."""
+
+    rotary_interleaved: bool = False
+    """Rotate interleaved pairs (x0, x1), (x2, x3)... instead of the two halves of each head."""
+
+    window_size: Optional[Tuple[int, int]] = None
+    """Sliding-window attention (not implemented; must be None)."""
+
+    normalization: str = "LayerNorm"
+    """Normalization layer: "LayerNorm" or "RMSNorm"."""
+
+    qk_layernorm: bool = False
+    """Normalise queries and keys per head before the dot product."""
+
+    test_mode: bool = False
+    """Extra checks in tests."""
+
+    calculate_per_token_loss: bool = False
+    """Average the loss over all tokens of the global batch instead of per micro-batch."""
+
+    ####################
+    # initialization
+    ####################
+    init_method: Callable = None
+    """Initialiser of most weights (None = N(0, init_method_std))."""
+
+    output_layer_init_method: Callable = None
+    """Initialiser of the attention-output and second MLP weights (None =
+    N(0, init_method_std / sqrt(2 * num_layers)))."""
+
+    init_method_std: float = 0.02
+    """Standard deviation of the default initialisers."""
+
+    ####################
+    # mixed-precision
+    ####################
+    apply_query_key_layer_scaling: bool = False
+    """Scale Q·K^T by 1 / layer_number (and the softmax input back), for fp16 stability."""
+
+    attention_softmax_in_fp32: bool = True
+    """Compute the attention softmax in fp32 when the scores are 16-bit."""
+
+    ####################
+    # fusion
+    ####################
+    bias_activation_fusion: bool = False
+    """Use the bias + activation fused op (bias-GeLU or bias-SwiGLU)."""
+
+    masked_softmax_fusion: bool = False
+    """Use the fused scale-mask-softmax kernel (plain torch here)."""
+
+    persist_layer_norm: bool = False
+    """Persistent layernorm kernel (Apex only; accepted, unused)."""
+
+    memory_efficient_layer_norm: bool = False
+    """Memory-efficient layernorm (Apex only; accepted, unused)."""
+
+    bias_dropout_fusion: bool = False
+    """Use the fused bias-dropout-add."""
+
+    apply_rope_fusion: bool = False
+    """Fused RoPE kernel (Transformer Engine only; plain torch is used)."""
+
+    ####################
+    # activation recomputation
+    ####################
+    recompute_granularity: Optional[str] = None
+    """"full" recomputes whole layers in backward, "selective" recomputes only core attention
+    (the softmax and dropout of the attention scores). None = no recomputation."""
+
+    recompute_method: Optional[str] = None
+    """With full recompute: "uniform" checkpoints groups of recompute_num_layers layers,
+    "block" checkpoints the first recompute_num_layers layers of each pipeline stage."""
+
+    recompute_num_layers: Optional[int] = None
+    """Layers per checkpointed group ("uniform") or checkpointed layers per stage ("block")."""
+
+    distribute_saved_activations: Optional[bool] = None
+    """Split the checkpointed layer inputs across the tensor parallel group."""
+
+    ####################
+    # fp8 (Transformer Engine only; accepted, must stay off)
+    ####################
+    fp8: Optional[str] = None
+    """fp8 format ("e4m3" / "hybrid"); not supported."""
+
+    fp8_margin: int = 0
+    """fp8 scaling margin."""
+
+    fp8_interval: int = 1
+    """fp8 scaling update interval."""
+
+    fp8_amax_history_len: int = 1
+    """fp8 amax history length."""
+
+    fp8_amax_compute_algo: str = "most_recent"
+    """fp8 amax algorithm."""
+
+    fp8_wgrad: bool = True
+    """fp8 weight gradients."""
+
+    fp8_dot_product_attention: bool = False
+    """fp8 attention."""
+
+    fp8_multi_head_attention: bool = False
+    """fp8 multi-head attention."""
+
+    ####################
+    # MoE (not implemented; defaults only)
+    ####################
+    moe_router_load_balancing_type: str = "aux_loss"
+    """Router load balancing type."""
+
+    moe_router_topk: int = 2
+    """Experts per token."""
+
+    moe_grouped_gemm: bool = False
+    """Grouped GEMM for experts."""
+
+    moe_aux_loss_coeff: float = 0.0
+    """Auxiliary loss coefficient."""
+
+    moe_z_loss_coeff: Optional[float] = None
+    """z-loss coefficient."""
+
+    moe_input_jitter_eps: Optional[float] = None
+    """Input jitter."""
+
+    moe_token_dropping: bool = False
+    """Token dropping."""
+
+    moe_token_dispatcher_type: str = "allgather"
+    """Token dispatcher."""
+
+    moe_per_layer_logging: bool = False
+    """Per-layer MoE logging."""
+
+    moe_expert_capacity_factor: Optional[float] = None
+    """Expert capacity factor."""
+
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad expert inputs to capacity."""
+
+    moe_token_drop_policy: str = "probs"
+    """Token drop policy."""
+
+    moe_layer_recompute: bool = False
+    """Recompute MoE layers."""
+
+    ####################
+    # miscellaneous
+    ####################
+    clone_scatter_output_in_embedding: bool = True
+    """Clone the sequence-parallel scatter output of the embedding so the full embedding output
+    can be freed."""
+
+    disable_parameter_transpose_cache: bool = False
+    """Do not cache transposed weights (Transformer Engine only)."""
+
+    enable_cuda_graph: bool = False
+    """CUDA graphs (not supported)."""
+
+    config_logger_dir: str = ""
+    """Directory to dump module configs to (unused)."""
+
+    def __post_init__(self):
+        """Fill derived defaults and check cross-field rules (ValueError naming fields and values)."""
+        super().__post_init__()
+
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        if self.num_attention_heads % self.tensor_model_parallel_size != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"tensor_model_parallel_size ({self.tensor_model_parallel_size})."
+            )
+
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                    f"({self.num_attention_heads}) when kv_channels is not given."
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+
+        if self.num_query_groups <= 0 or self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_query_groups ({self.num_query_groups})."
+            )
+
+        if self.num_query_groups % self.tensor_model_parallel_size != 0:
+            raise ValueError(
+                f"num_query_groups ({self.num_query_groups}) must be a multiple of "
+                f"tensor_model_parallel_size ({self.tensor_model_parallel_size})."
+            )
+
+        if self.num_layers % self.pipeline_model_parallel_size != 0:
+            raise ValueError(
+                f"num_layers ({self.num_layers}) must be a multiple of "
+                f"pipeline_model_parallel_size ({self.pipeline_model_parallel_size})."
+            )
+        if self.virtual_pipeline_model_parallel_size is not None:
+            layers_per_stage = self.num_layers // self.pipeline_model_parallel_size
+            if layers_per_stage % self.virtual_pipeline_model_parallel_size != 0:
+                raise ValueError(
+                    f"num_layers per pipeline stage ({self.num_layers} / "
+                    f"{self.pipeline_model_parallel_size} = {layers_per_stage}) must be a multiple of "
+                    f"virtual_pipeline_model_parallel_size ({self.virtual_pipeline_model_parallel_size})."
+                )
+
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(
+                f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}"
+            )
+
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
+
+        if self.apply_query_key_layer_scaling:
+            self.attention_softmax_in_fp32 = True
+
+        if self.expert_model_parallel_size > 1 and self.num_moe_experts is None:
+            raise ValueError(
+                f"expert_model_parallel_size ({self.expert_model_parallel_size}) > 1 needs "
+                "num_moe_experts to be set."
+            )
+        if self.num_moe_experts is not None:
+            raise ValueError(
+                f"num_moe_experts ({self.num_moe_experts}): mixture of experts is not implemented "
+                "in this project; leave num_moe_experts None."
+            )
+        if self.fp8 is not None:
+            raise ValueError(f"fp8 ({self.fp8!r}) needs Transformer Engine, which is not supported.")
+        if self.window_size is not None:
+            raise ValueError(f"window_size ({self.window_size}): sliding-window attention is not supported.")
+
+        if self.recompute_granularity is not None:
+            if self.recompute_granularity not in ("full", "selective"):
+                raise ValueError(
+                    f"recompute_granularity must be 'full' or 'selective', got "
+                    f"{self.recompute_granularity!r}."
+                )
+            if self.recompute_method is not None:
+                if self.recompute_method not in ("block", "uniform"):
+                    raise ValueError(
+                        f"recompute_method must be 'block' or 'uniform', got {self.recompute_method!r}."
+                    )
+                if self.recompute_granularity == "selective":
+                    raise ValueError(
+                        f"recompute_method ({self.recompute_method!r}) is only used with "
+                        "recompute_granularity 'full'; with 'selective' it must be None."
+                    )
+            elif self.recompute_granularity == "full":
+                raise ValueError(
+                    "recompute_granularity 'full' needs recompute_method 'uniform' or 'block', got None."
+                )
+
+            if self.recompute_granularity == "full":
+                if self.recompute_num_layers is None:
+                    raise ValueError(
+                        "recompute_granularity 'full' needs recompute_num_layers (layers per "
+                        "checkpointed group or checkpointed layers per stage), got None."
+                    )
+                layers_per_stage = self.num_layers // self.pipeline_model_parallel_size
+                if not 1 <= self.recompute_num_layers <= layers_per_stage:
+                    raise ValueError(
+                        f"recompute_num_layers ({self.recompute_num_layers}) must be between 1 and "
+                        f"num_layers // pipeline_model_parallel_size ({self.num_layers} // "
+                        f"{self.pipeline_model_parallel_size} = {layers_per_stage})."
+                    )
+            elif self.recompute_num_layers is not None:
+                raise ValueError(
+                    f"recompute_num_layers ({self.recompute_num_layers}) must be None with "
+                    "recompute_granularity 'selective'."
+                )
+
+            if self.distribute_saved_activations and self.sequence_parallel:
+                raise ValueError(
+                    "distribute_saved_activations and sequence_parallel cannot both be True: "
+                    "sequence parallel activations are already split across ranks."
+                )
+        elif self.recompute_method is not None or self.recompute_num_layers is not None:
+            raise ValueError(
+                f"recompute_method ({self.recompute_method!r}) and recompute_num_layers "
+                f"({self.recompute_num_layers}) need recompute_granularity 'full'."
+            )
+
+        if self.bias_activation_fusion:
+            if self.activation_func not in (F.gelu, F.silu):
+                raise ValueError(
+                    "bias_activation_fusion supports activation_func F.gelu or F.silu only, got "
+                    f"{getattr(self.activation_func, '__name__', self.activation_func)}."
+                )
+            if self.activation_func == F.gelu and not self.add_bias_linear:
+                raise ValueError(
+                    "bias_activation_fusion with activation_func F.gelu needs add_bias_linear=True."
+                )
+            if self.activation_func == F.silu and not self.gated_linear_unit:
+                raise ValueError(
+                    "bias_activation_fusion with activation_func F.silu needs gated_linear_unit=True."
+                )
+
+        if self.init_method is None:
+            self.init_method = init_method_normal(self.init_method_std)
+
+        if self.output_layer_init_method is None:
+            self.output_layer_init_method = scaled_init_method_normal(
+                self.init_method_std, self.num_layers
+            )

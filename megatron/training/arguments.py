@@ -1,0 +1,1093 @@
+"""Megatron's command-line arguments: the parser, the cross-flag checks and the args -> config bridge.
+
+`parse_args()` builds the argparse parser from one `_add_*_args(parser)` function per concern, with
+Megatron core_v0.8.0 flag names and defaults. `validate_args(args, defaults)` checks every cross-flag
+rule before any work starts (one-line `ValueError`s naming the flags and the numbers) and derives the
+values the rest of the training layer reads (`data_parallel_size`, `params_dtype`, ...).
+`core_transformer_config_from_args(args)` is the one place where args become a `TransformerConfig`.
+"""
+
+import argparse
+import dataclasses
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+def parse_args(extra_args_provider=None, ignore_unknown_args=False, args_list=None):
+    """Parse Megatron's command-line arguments.
+
+    Args:
+        extra_args_provider: optional callable(parser) -> parser adding script-specific flags.
+        ignore_unknown_args: if True, unknown flags are dropped instead of failing.
+        args_list: argument strings to parse instead of `sys.argv[1:]` (tests, notebooks).
+
+    Returns:
+        argparse.Namespace with `rank` and `world_size` filled from torchrun's environment (or from
+        the already-initialized default process group).
+    """
+    parser = get_args_parser(extra_args_provider)
+    if ignore_unknown_args:
+        args, _ = parser.parse_known_args(args_list)
+    else:
+        args = parser.parse_args(args_list)
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        args.rank = torch.distributed.get_rank()
+        args.world_size = torch.distributed.get_world_size()
+    else:
+        args.rank = int(os.getenv('RANK', '0'))
+        args.world_size = int(os.getenv('WORLD_SIZE', '1'))
+    if args.local_rank is None:
+        args.local_rank = int(os.getenv('LOCAL_RANK', '0'))
+    return args
+
+
+def get_args_parser(extra_args_provider=None):
+    """The full argparse parser (all `_add_*_args` groups plus the script's extra flags)."""
+    parser = argparse.ArgumentParser(description='Megatron-LM Arguments', allow_abbrev=False)
+    parser = _add_network_size_args(parser)
+    parser = _add_regularization_args(parser)
+    parser = _add_training_args(parser)
+    parser = _add_initialization_args(parser)
+    parser = _add_learning_rate_args(parser)
+    parser = _add_checkpointing_args(parser)
+    parser = _add_mixed_precision_args(parser)
+    parser = _add_distributed_args(parser)
+    parser = _add_validation_args(parser)
+    parser = _add_data_args(parser)
+    parser = _add_tokenizer_args(parser)
+    parser = _add_autoresume_args(parser)
+    parser = _add_moe_args(parser)
+    parser = _add_logging_args(parser)
+    parser = _add_inference_args(parser)
+    parser = _add_transformer_engine_args(parser)
+    parser = _add_experimental_args(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+def _note(args, message):
+    """A rank-0 note about a flag that was adjusted or has no effect here."""
+    if args.rank == 0:
+        print(f'NOTE: {message}', flush=True)
+
+
+def validate_args(args, defaults={}):
+    """Check cross-flag rules and derive dependent args, before any work starts.
+
+    Args:
+        args: the namespace from `parse_args`.
+        defaults: script defaults (e.g. {'tokenizer_type': 'GPT2BPETokenizer'}), applied only to
+            args that are still None.
+
+    Raises:
+        ValueError: naming the flags and the numbers, for any inconsistent combination.
+
+    Returns:
+        args, modified in place.
+    """
+    # Model-parallel sizes against the world size.
+    if args.tensor_model_parallel_size < 1 or args.pipeline_model_parallel_size < 1:
+        raise ValueError(
+            f'--tensor-model-parallel-size ({args.tensor_model_parallel_size}) and '
+            f'--pipeline-model-parallel-size ({args.pipeline_model_parallel_size}) must be >= 1'
+        )
+    if args.context_parallel_size < 1:
+        raise ValueError(f'--context-parallel-size ({args.context_parallel_size}) must be >= 1')
+    model_parallel_size = (
+        args.tensor_model_parallel_size
+        * args.pipeline_model_parallel_size
+        * args.context_parallel_size
+    )
+    if args.world_size % model_parallel_size != 0:
+        raise ValueError(
+            f'world size ({args.world_size}) is not divisible by --tensor-model-parallel-size '
+            f'({args.tensor_model_parallel_size}) x --pipeline-model-parallel-size '
+            f'({args.pipeline_model_parallel_size}) x --context-parallel-size '
+            f'({args.context_parallel_size}) = {model_parallel_size}'
+        )
+    args.data_parallel_size = args.world_size // model_parallel_size
+    if args.expert_model_parallel_size > 1:
+        if args.num_experts is None:
+            raise ValueError('--expert-model-parallel-size > 1 requires --num-experts')
+        if args.num_experts % args.expert_model_parallel_size != 0:
+            raise ValueError(
+                f'--num-experts ({args.num_experts}) must be divisible by '
+                f'--expert-model-parallel-size ({args.expert_model_parallel_size})'
+            )
+        if args.data_parallel_size * args.context_parallel_size % args.expert_model_parallel_size:
+            raise ValueError(
+                f'data parallel size ({args.data_parallel_size}) x --context-parallel-size '
+                f'({args.context_parallel_size}) must be divisible by --expert-model-parallel-size '
+                f'({args.expert_model_parallel_size})'
+            )
+    if args.rank == 0:
+        print(
+            'using world size: {}, data-parallel size: {}, context-parallel size: {} '
+            'tensor-model-parallel size: {}, pipeline-model-parallel size: {} '.format(
+                args.world_size,
+                args.data_parallel_size,
+                args.context_parallel_size,
+                args.tensor_model_parallel_size,
+                args.pipeline_model_parallel_size,
+            ),
+            flush=True,
+        )
+    if args.pipeline_model_parallel_size > 1 and args.pipeline_model_parallel_split_rank is not None:
+        if args.pipeline_model_parallel_split_rank >= args.pipeline_model_parallel_size:
+            raise ValueError(
+                f'--pipeline-model-parallel-split-rank ({args.pipeline_model_parallel_split_rank}) '
+                f'must be < --pipeline-model-parallel-size ({args.pipeline_model_parallel_size})'
+            )
+
+    # Removed flags.
+    for removed, name in (('batch_size', '--batch-size'), ('warmup', '--warmup'),
+                          ('model_parallel_size', '--model-parallel-size')):
+        if getattr(args, removed, None) is not None:
+            raise ValueError(f'{name} is no longer supported; see --help for its replacement')
+    if args.checkpoint_activations:
+        raise ValueError(
+            '--checkpoint-activations is no longer supported; use --recompute-activations '
+            '(selective) or --recompute-granularity full --recompute-method uniform|block'
+        )
+
+    # Script defaults fill args that are still None.
+    for key, value in defaults.items():
+        if getattr(args, key, None) is not None:
+            if args.rank == 0:
+                print(
+                    'WARNING: overriding default arguments for {key}:{v} with {key}:{v2}'.format(
+                        key=key, v=value, v2=getattr(args, key)
+                    ),
+                    flush=True,
+                )
+        else:
+            setattr(args, key, value)
+
+    # Backend: nccl needs CUDA. Without a GPU we fall back to gloo (and say so).
+    if args.distributed_backend == 'nccl' and not torch.cuda.is_available():
+        _note(args, 'no CUDA device found: --distributed-backend nccl -> gloo')
+        args.distributed_backend = 'gloo'
+    if not torch.cuda.is_available() and args.gradient_accumulation_fusion:
+        # The fused weight-gradient kernel is CUDA only; on CPU the plain path gives the same grads.
+        args.gradient_accumulation_fusion = False
+    if args.transformer_impl == 'transformer_engine':
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            _note(args, 'transformer_engine is not installed: --transformer-impl -> local')
+            args.transformer_impl = 'local'
+    if args.use_legacy_models:
+        raise ValueError('--use-legacy-models: only the megatron.core models exist in this package')
+
+    # Batch sizes.
+    if args.micro_batch_size is None or args.micro_batch_size <= 0:
+        raise ValueError(f'--micro-batch-size must be a positive integer, got {args.micro_batch_size}')
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+        if args.rank == 0:
+            print(f'setting global batch size to {args.global_batch_size}', flush=True)
+    if args.global_batch_size <= 0:
+        raise ValueError(f'--global-batch-size must be positive, got {args.global_batch_size}')
+    if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size) != 0:
+        raise ValueError(
+            f'--global-batch-size ({args.global_batch_size}) is not divisible by '
+            f'--micro-batch-size ({args.micro_batch_size}) x data parallel size '
+            f'({args.data_parallel_size}) = {args.micro_batch_size * args.data_parallel_size}'
+        )
+    if args.rampup_batch_size is not None:
+        if len(args.rampup_batch_size) != 3:
+            raise ValueError(
+                '--rampup-batch-size expects 3 values <start batch size> <batch size increment> '
+                f'<ramp-up samples>, got {args.rampup_batch_size}'
+            )
+
+    # Virtual pipeline.
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        if args.pipeline_model_parallel_size <= 1:
+            raise ValueError(
+                '--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1, '
+                f'got {args.pipeline_model_parallel_size}'
+            )
+        if args.num_layers is None or args.num_layers % args.pipeline_model_parallel_size != 0:
+            raise ValueError(
+                f'--num-layers ({args.num_layers}) must be divisible by '
+                f'--pipeline-model-parallel-size ({args.pipeline_model_parallel_size}) '
+                'with the interleaved schedule'
+            )
+        layers_per_stage = args.num_layers // args.pipeline_model_parallel_size
+        if layers_per_stage % args.num_layers_per_virtual_pipeline_stage != 0:
+            raise ValueError(
+                f'--num-layers ({args.num_layers}) / --pipeline-model-parallel-size '
+                f'({args.pipeline_model_parallel_size}) = {layers_per_stage} layers per stage is not '
+                'divisible by --num-layers-per-virtual-pipeline-stage '
+                f'({args.num_layers_per_virtual_pipeline_stage})'
+            )
+        args.virtual_pipeline_model_parallel_size = (
+            layers_per_stage // args.num_layers_per_virtual_pipeline_stage
+        )
+    else:
+        args.virtual_pipeline_model_parallel_size = None
+        # Overlapping p2p communication needs the interleaved schedule.
+        args.overlap_p2p_comm = False
+
+    # Distributed optimizer and overlap flags.
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ValueError('--overlap-param-gather requires --use-distributed-optimizer')
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ValueError('--overlap-param-gather requires --overlap-grad-reduce')
+    if args.use_distributed_optimizer and args.optimizer != 'adam' and args.optimizer != 'sgd':
+        raise ValueError(f'--use-distributed-optimizer: unknown --optimizer {args.optimizer}')
+
+    # Mixed precision.
+    if args.fp16 and args.bf16:
+        raise ValueError('--fp16 and --bf16 are mutually exclusive; pass at most one of them')
+    args.params_dtype = torch.float
+    if args.fp16:
+        args.params_dtype = torch.half
+    if args.bf16:
+        args.params_dtype = torch.bfloat16
+        # bfloat16 has too few mantissa bits to accumulate gradients: keep them in fp32.
+        if not args.accumulate_allreduce_grads_in_fp32:
+            args.accumulate_allreduce_grads_in_fp32 = True
+            if args.rank == 0:
+                print('accumulate and all-reduce gradients in fp32 for bfloat16 data type.', flush=True)
+    if args.rank == 0:
+        print('using {} for parameters ...'.format(args.params_dtype), flush=True)
+    if args.fp16_lm_cross_entropy and not args.fp16:
+        raise ValueError('--fp16-lm-cross-entropy requires --fp16')
+    if args.fp32_residual_connection and not (args.fp16 or args.bf16):
+        raise ValueError('--fp32-residual-connection only makes sense with --fp16 or --bf16')
+    if args.loss_scale is not None and args.loss_scale <= 0:
+        raise ValueError(f'--loss-scale must be positive, got {args.loss_scale}')
+
+    # Counters restored by checkpoint loading.
+    args.consumed_train_samples = 0
+    args.consumed_valid_samples = 0
+
+    # Training length: iterations or samples, never both.
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ValueError(
+            f'--train-iters ({args.train_iters}) and --train-samples ({args.train_samples}) '
+            'are mutually exclusive'
+        )
+    if args.train_iters is not None:
+        if args.rampup_batch_size is not None:
+            raise ValueError('--rampup-batch-size is only supported with --train-samples')
+        for flag, value in (('--lr-decay-samples', args.lr_decay_samples),
+                            ('--lr-warmup-samples', args.lr_warmup_samples),
+                            ('--lr-wsd-decay-samples', args.lr_wsd_decay_samples)):
+            if value not in (None, 0):
+                raise ValueError(f'{flag} ({value}) is not allowed with iteration-based --train-iters')
+        if args.lr_warmup_fraction is not None and args.lr_warmup_iters != 0:
+            raise ValueError(
+                f'--lr-warmup-fraction ({args.lr_warmup_fraction}) and --lr-warmup-iters '
+                f'({args.lr_warmup_iters}) are mutually exclusive'
+            )
+    if args.train_samples is not None:
+        for flag, value in (('--lr-decay-iters', args.lr_decay_iters),
+                            ('--lr-warmup-iters', args.lr_warmup_iters),
+                            ('--lr-wsd-decay-iters', args.lr_wsd_decay_iters)):
+            if value not in (None, 0):
+                raise ValueError(f'{flag} ({value}) is not allowed with sample-based --train-samples')
+        if args.lr_warmup_fraction is not None and args.lr_warmup_samples != 0:
+            raise ValueError(
+                f'--lr-warmup-fraction ({args.lr_warmup_fraction}) and --lr-warmup-samples '
+                f'({args.lr_warmup_samples}) are mutually exclusive'
+            )
+
+    # Required network sizes.
+    if args.num_layers is not None and args.encoder_num_layers is not None:
+        raise ValueError('--num-layers and --encoder-num-layers are mutually exclusive')
+    if args.num_layers is None and args.encoder_num_layers is not None:
+        args.num_layers = args.encoder_num_layers
+    for flag, value in (('--num-layers', args.num_layers), ('--hidden-size', args.hidden_size),
+                        ('--num-attention-heads', args.num_attention_heads),
+                        ('--max-position-embeddings', args.max_position_embeddings)):
+        if value is None:
+            raise ValueError(f'{flag} is required')
+        if value <= 0:
+            raise ValueError(f'{flag} must be positive, got {value}')
+    if args.encoder_num_layers is None:
+        args.encoder_num_layers = args.num_layers
+    if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
+        raise ValueError(
+            f'--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads '
+            f'({args.num_attention_heads}); pass --kv-channels'
+        )
+    if args.num_attention_heads % args.tensor_model_parallel_size != 0:
+        raise ValueError(
+            f'--num-attention-heads ({args.num_attention_heads}) is not divisible by '
+            f'--tensor-model-parallel-size ({args.tensor_model_parallel_size})'
+        )
+    if args.group_query_attention and args.num_query_groups % args.tensor_model_parallel_size:
+        raise ValueError(
+            f'--num-query-groups ({args.num_query_groups}) is not divisible by '
+            f'--tensor-model-parallel-size ({args.tensor_model_parallel_size})'
+        )
+    if args.num_layers % args.pipeline_model_parallel_size != 0 and args.pipeline_model_parallel_split_rank is None:
+        raise ValueError(
+            f'--num-layers ({args.num_layers}) is not divisible by --pipeline-model-parallel-size '
+            f'({args.pipeline_model_parallel_size})'
+        )
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            # Keep the parameter count of a 4h MLP with a gated unit, rounded to a multiple of 64.
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+
+    # Sequence lengths.
+    if args.seq_length is not None and args.encoder_seq_length is not None:
+        raise ValueError('--seq-length and --encoder-seq-length are mutually exclusive')
+    if args.seq_length is not None:
+        args.encoder_seq_length = args.seq_length
+    else:
+        args.seq_length = args.encoder_seq_length
+    if args.seq_length is not None:
+        if args.seq_length <= 0:
+            raise ValueError(f'--seq-length must be positive, got {args.seq_length}')
+        if args.position_embedding_type == 'learned_absolute' and (
+            args.max_position_embeddings < args.seq_length
+        ):
+            raise ValueError(
+                f'--max-position-embeddings ({args.max_position_embeddings}) must be >= '
+                f'--seq-length ({args.seq_length})'
+            )
+    if args.decoder_seq_length is not None and args.max_position_embeddings < args.decoder_seq_length:
+        raise ValueError(
+            f'--max-position-embeddings ({args.max_position_embeddings}) must be >= '
+            f'--decoder-seq-length ({args.decoder_seq_length})'
+        )
+    if args.seq_length is not None and args.context_parallel_size > 1:
+        if args.seq_length % (2 * args.context_parallel_size) != 0:
+            raise ValueError(
+                f'--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size '
+                f'({args.context_parallel_size})'
+            )
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = 'rope'
+    if not args.add_position_embedding and args.position_embedding_type == 'learned_absolute':
+        args.position_embedding_type = 'none'
+
+    # Learning rate.
+    if args.lr is not None and args.min_lr > args.lr:
+        raise ValueError(f'--min-lr ({args.min_lr}) must be <= --lr ({args.lr})')
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
+        raise ValueError(f'--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}')
+
+    # Checkpointing.
+    if args.save is not None and args.save_interval is None:
+        raise ValueError('--save requires --save-interval')
+    if args.save_interval is not None and args.save_interval <= 0:
+        raise ValueError(f'--save-interval must be positive, got {args.save_interval}')
+
+    # Weight decay schedule.
+    if args.weight_decay_incr_style == 'constant':
+        if args.start_weight_decay is not None or args.end_weight_decay is not None:
+            if args.start_weight_decay != args.end_weight_decay:
+                raise ValueError(
+                    '--weight-decay-incr-style constant: --start-weight-decay '
+                    f'({args.start_weight_decay}) and --end-weight-decay ({args.end_weight_decay}) '
+                    'must be unset or equal'
+                )
+        args.start_weight_decay = args.weight_decay
+        args.end_weight_decay = args.weight_decay
+    else:
+        if args.start_weight_decay is None or args.end_weight_decay is None:
+            raise ValueError(
+                f'--weight-decay-incr-style {args.weight_decay_incr_style} requires both '
+                '--start-weight-decay and --end-weight-decay'
+            )
+
+    # Activation recomputation.
+    if args.recompute_activations:
+        args.recompute_granularity = 'selective'
+    if args.recompute_granularity == 'selective' and args.recompute_method is not None:
+        raise ValueError(
+            f'--recompute-method ({args.recompute_method}) is only for --recompute-granularity full'
+        )
+    if args.recompute_granularity == 'full' and args.recompute_method is None:
+        raise ValueError('--recompute-granularity full requires --recompute-method uniform|block')
+    if args.recompute_method is not None and args.recompute_num_layers is None:
+        raise ValueError(f'--recompute-method {args.recompute_method} requires --recompute-num-layers')
+    if args.distribute_saved_activations:
+        if args.tensor_model_parallel_size == 1:
+            raise ValueError('--distribute-saved-activations requires --tensor-model-parallel-size > 1')
+        if args.recompute_granularity != 'full':
+            raise ValueError('--distribute-saved-activations requires --recompute-granularity full')
+
+    # Sequence parallelism is only meaningful with tensor parallelism.
+    if args.tensor_model_parallel_size == 1 and args.sequence_parallel:
+        _note(args, '--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled')
+        args.sequence_parallel = False
+    if args.sequence_parallel:
+        args.async_tensor_model_parallel_allreduce = False
+    if args.context_parallel_size > 1:
+        raise ValueError(
+            f'--context-parallel-size {args.context_parallel_size}: context parallelism is not '
+            'implemented by this package\'s attention; use 1'
+        )
+
+    # Data.
+    if args.data_path is not None and args.split is None:
+        args.split = '969, 30, 1'
+    if args.data_path is not None and any(
+        p is not None for p in (args.train_data_path, args.valid_data_path, args.test_data_path)
+    ):
+        raise ValueError('--data-path and --train/valid/test-data-path are mutually exclusive')
+    if args.dataloader_type is None:
+        args.dataloader_type = 'single'
+    if args.eval_interval is not None and args.eval_interval <= 0:
+        raise ValueError(f'--eval-interval must be positive, got {args.eval_interval}')
+    if args.log_interval <= 0:
+        raise ValueError(f'--log-interval must be positive, got {args.log_interval}')
+    if args.tokenizer_type == 'NullTokenizer' and args.vocab_size is None:
+        raise ValueError('--tokenizer-type NullTokenizer requires --vocab-size')
+
+    # Experts.
+    if args.num_experts is not None and args.num_experts <= 0:
+        raise ValueError(f'--num-experts must be positive, got {args.num_experts}')
+
+    if args.yaml_cfg is not None:
+        raise ValueError(f'--yaml-cfg {args.yaml_cfg}: YAML configs are not supported; pass flags')
+    if args.adlr_autoresume:
+        raise ValueError('--adlr-autoresume: ADLR autoresume is not available in this package')
+    if args.fp8_format is not None:
+        raise ValueError(f'--fp8-format {args.fp8_format}: fp8 needs Transformer Engine, not available here')
+
+    if args.timing_log_level not in (0, 1, 2):
+        raise ValueError(f'--timing-log-level must be 0, 1 or 2, got {args.timing_log_level}')
+
+    _print_args('arguments', args)
+    return args
+
+
+def _print_args(title, args):
+    """Print the arguments, sorted case-insensitively, dots padding each name to 48 characters."""
+    if args.rank == 0:
+        print(f'------------------------ {title} ------------------------', flush=True)
+        str_list = []
+        for arg in vars(args):
+            dots = '.' * (48 - len(arg))
+            str_list.append('  {} {} {}'.format(arg, dots, getattr(args, arg)))
+        for arg in sorted(str_list, key=lambda x: x.lower()):
+            print(arg, flush=True)
+        print(f'-------------------- end of {title} ---------------------', flush=True)
+
+
+def core_transformer_config_from_args(args, config_class=None):
+    """Build the core `TransformerConfig` from args: the one place args become a model config.
+
+    Every dataclass field with a same-named arg is copied; the remaining fields are mapped from
+    Megatron's differently named flags.
+    """
+    if config_class is None:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        config_class = TransformerConfig
+    kw_args = {}
+    for f in dataclasses.fields(config_class):
+        if hasattr(args, f.name):
+            kw_args[f.name] = getattr(args, f.name)
+    names = {f.name for f in dataclasses.fields(config_class)}
+
+    def put(name, value):
+        if name in names:
+            kw_args[name] = value
+
+    put('persist_layer_norm', not args.no_persist_layer_norm)
+    put('layernorm_zero_centered_gamma', args.apply_layernorm_1p)
+    put('layernorm_epsilon', args.norm_epsilon)
+    put('deallocate_pipeline_outputs', True)
+    put('pipeline_dtype', args.params_dtype)
+    put('batch_p2p_comm', not args.overlap_p2p_comm)
+    put('num_moe_experts', args.num_experts)
+    put('rotary_interleaved', args.rotary_interleaved)
+    if args.swiglu:
+        put('activation_func', F.silu)
+        put('gated_linear_unit', True)
+        put('bias_activation_fusion', args.bias_swiglu_fusion)
+    else:
+        put('bias_activation_fusion', args.bias_gelu_fusion)
+    if args.squared_relu:
+        if args.swiglu:
+            raise ValueError('--squared-relu and --swiglu are mutually exclusive')
+
+        put('activation_func', squared_relu)
+    if args.openai_gelu:
+        put('activation_func', openai_gelu)
+    if args.init_method_xavier_uniform:
+        put('init_method', torch.nn.init.xavier_uniform_)
+        put('scaled_init_method', torch.nn.init.xavier_uniform_)
+    put('num_query_groups', args.num_query_groups if args.group_query_attention else None)
+    return config_class(**kw_args)
+
+
+def squared_relu(x):
+    """relu(x)**2 (--squared-relu)."""
+    return torch.pow(F.relu(x), 2)
+
+
+def openai_gelu(x):
+    """The tanh approximation of GeLU used by OpenAI's GPT-2 (--openai-gelu)."""
+    return F.gelu(x, approximate='tanh')
+
+
+# ---------------------------------------------------------------------------------------------
+# argument groups
+
+
+def _add_network_size_args(parser):
+    group = parser.add_argument_group(title='network size')
+    group.add_argument('--num-layers', type=int, default=None, help='Number of transformer layers.')
+    group.add_argument('--encoder-num-layers', type=int, default=None,
+                       help='Number of encoder transformer layers.')
+    group.add_argument('--decoder-num-layers', type=int, default=None,
+                       help='Number of decoder transformer layers.')
+    group.add_argument('--hidden-size', type=int, default=None, help='Transformer hidden size.')
+    group.add_argument('--ffn-hidden-size', type=int, default=None,
+                       help='Transformer Feed-Forward Network hidden size. Defaults to 4*hidden-size '
+                       '(about 8/3*hidden-size rounded to 64 with --swiglu).')
+    group.add_argument('--num-attention-heads', type=int, default=None,
+                       help='Number of transformer attention heads.')
+    group.add_argument('--kv-channels', type=int, default=None,
+                       help='Projection weights dimension in multi-head attention. Defaults to '
+                       'hidden-size / num-attention-heads.')
+    group.add_argument('--group-query-attention', action='store_true',
+                       help='Use group-query attention.')
+    group.add_argument('--num-query-groups', type=int, default=1,
+                       help='Number of query groups with --group-query-attention.')
+    group.add_argument('--max-position-embeddings', type=int, default=None,
+                       help='Maximum number of position embeddings to use. This is the size of '
+                       'position embedding.')
+    group.add_argument('--position-embedding-type', type=str, default='learned_absolute',
+                       choices=['learned_absolute', 'rope', 'none'],
+                       help='Position embedding type.')
+    group.add_argument('--use-rotary-position-embeddings', action='store_true',
+                       help='Use rotary positional embeddings or not. Deprecated: use '
+                       '--position-embedding-type rope.')
+    group.add_argument('--rotary-base', type=int, default=10000,
+                       help='Base to use for rotary positional embeddings.')
+    group.add_argument('--rotary-percent', type=float, default=1.0,
+                       help='Percent of rotary dimension to use.')
+    group.add_argument('--rotary-interleaved', action='store_true',
+                       help='Use interleaved rotary embedding.')
+    group.add_argument('--rotary-seq-len-interpolation-factor', type=int, default=None,
+                       help='Sequence length interpolation factor for rotary embeddings.')
+    group.add_argument('--no-position-embedding', action='store_false',
+                       dest='add_position_embedding',
+                       help='Disable position embedding. Deprecated: use --position-embedding-type none.')
+    group.add_argument('--make-vocab-size-divisible-by', type=int, default=128,
+                       help='Pad the vocab size to be divisible by this value times the tensor '
+                       'model parallel size.')
+    group.add_argument('--normalization', default='LayerNorm', choices=['LayerNorm', 'RMSNorm'],
+                       help='Which normalization technique to use.')
+    group.add_argument('--norm-epsilon', type=float, default=1e-5, help='Epsilon for layer norm and RMS norm.')
+    group.add_argument('--apply-layernorm-1p', action='store_true',
+                       help='Adjust LayerNorm weights such that they are centered around zero.')
+    group.add_argument('--apply-residual-connection-post-layernorm', action='store_true',
+                       help='If set, use original BERT residual connection ordering.')
+    group.add_argument('--openai-gelu', action='store_true',
+                       help='Use OpenAIs GeLU implementation (for backward compatibility).')
+    group.add_argument('--squared-relu', action='store_true', help='Use squared relu activation instead of default gelu.')
+    group.add_argument('--swiglu', action='store_true', help='Use gated linear units and SiLU activation instead of default gelu.')
+    group.add_argument('--onnx-safe', type=bool, required=False,
+                       help='Use workarounds for known problems with Torch ONNX exporter.')
+    group.add_argument('--bert-no-binary-head', action='store_false', dest='bert_binary_head',
+                       help='Disable BERT binary head.')
+    group.add_argument('--qk-layernorm', action='store_true',
+                       help='Whether to layer normalize the q and k attention embeddings.')
+    group.add_argument('--untie-embeddings-and-output-weights', action='store_true',
+                       help='Untie embeddings and output weights.')
+    return parser
+
+
+def _add_regularization_args(parser):
+    group = parser.add_argument_group(title='regularization')
+    group.add_argument('--attention-dropout', type=float, default=0.1, help='Post attention dropout probability.')
+    group.add_argument('--hidden-dropout', type=float, default=0.1, help='Dropout probability for hidden state transformer.')
+    group.add_argument('--weight-decay', type=float, default=0.01, help='Weight decay coefficient for L2 regularization.')
+    group.add_argument('--start-weight-decay', type=float, help='Initial weight decay coefficient for L2 regularization.')
+    group.add_argument('--end-weight-decay', type=float, help='End of run weight decay coefficient for L2 regularization.')
+    group.add_argument('--weight-decay-incr-style', type=str, default='constant',
+                       choices=['constant', 'linear', 'cosine'], help='Weight decay increment function.')
+    group.add_argument('--clip-grad', type=float, default=1.0, help='Gradient clipping based on global L2 norm.')
+    group.add_argument('--adam-beta1', type=float, default=0.9,
+                       help='First coefficient for computing running averages of gradient and its square')
+    group.add_argument('--adam-beta2', type=float, default=0.999,
+                       help='Second coefficient for computing running averages of gradient and its square')
+    group.add_argument('--adam-eps', type=float, default=1e-08, help='Term added to the denominator to improve numerical stability')
+    group.add_argument('--sgd-momentum', type=float, default=0.9, help='Momentum factor for sgd')
+    return parser
+
+
+def _add_training_args(parser):
+    group = parser.add_argument_group(title='training')
+    group.add_argument('--micro-batch-size', type=int, default=None,
+                       help='Batch size per model instance (local batch size). Global batch size is '
+                       'local batch size times data parallel size times number of micro batches.')
+    group.add_argument('--batch-size', type=int, default=None,
+                       help='Old batch size parameter, do not use. Use --micro-batch-size instead')
+    group.add_argument('--global-batch-size', type=int, default=None,
+                       help='Training batch size. If set, it should be a multiple of micro-batch-size '
+                       'times data-parallel-size. Defaults to micro-batch-size times data-parallel-size.')
+    group.add_argument('--rampup-batch-size', nargs='*', default=None,
+                       help='Batch size ramp up with the following values: <start batch size> '
+                       '<batch size increment> <ramp-up samples>.')
+    group.add_argument('--decrease-batch-size-if-needed', action='store_true',
+                       help='If set, decrease batch size if microbatch_size * dp_size does not divide '
+                       'batch_size (useful for KSO).')
+    group.add_argument('--recompute-activations', action='store_true',
+                       help='recompute activation to allow for training with larger models, sequences, '
+                       'and batch sizes.')
+    group.add_argument('--recompute-granularity', type=str, default=None, choices=['full', 'selective'],
+                       help='Checkpoint activations to allow for training with larger models, sequences, '
+                       'and batch sizes: full or selective.')
+    group.add_argument('--no-check-for-nan-in-loss-and-grad', action='store_false',
+                       dest='check_for_nan_in_loss_and_grad', help='Check for NaNs in loss and grad')
+    group.add_argument('--distribute-saved-activations', action='store_true',
+                       help='If set, distribute recomputed activations across model parallel group.')
+    group.add_argument('--recompute-method', type=str, default=None, choices=['uniform', 'block'],
+                       help='uniform: divide the layers into chunks and recompute each chunk; block: '
+                       'recompute the first --recompute-num-layers layers of each stage.')
+    group.add_argument('--recompute-num-layers', type=int, default=None,
+                       help='Number of layers (per chunk or per stage) recomputed with --recompute-method.')
+    group.add_argument('--no-clone-scatter-output-in-embedding', action='store_false',
+                       dest='clone_scatter_output_in_embedding',
+                       help='If not set, clone the output of the scatter in embedding layer to GC original tensor.')
+    group.add_argument('--profile', action='store_true', help='Enable torch profiling.')
+    group.add_argument('--profile-step-start', type=int, default=10, help='Global step to start profiling.')
+    group.add_argument('--profile-step-end', type=int, default=12, help='Global step to stop profiling.')
+    group.add_argument('--profile-ranks', nargs='+', type=int, default=[0], help='Global ranks to profile.')
+    group.add_argument('--tp-comm-overlap', action='store_true', default=False,
+                       help='Enables the overlap of Tensor parallel communication and GEMM kernels (TE only; unused).')
+    group.add_argument('--checkpoint-activations', action='store_true',
+                       help='Checkpoint activation (deprecated: use --recompute-activations).')
+    group.add_argument('--train-iters', type=int, default=None,
+                       help='Total number of iterations to train over all training runs. Note that '
+                       'either train-iters or train-samples should be provided.')
+    group.add_argument('--train-samples', type=int, default=None,
+                       help='Total number of samples to train over all training runs. Note that either '
+                       'train-iters or train-samples should be provided.')
+    group.add_argument('--log-interval', type=int, default=100, help='Report loss and timing interval.')
+    group.add_argument('--exit-interval', type=int, default=None,
+                       help='Exit the program after the iteration is divisible by this value.')
+    group.add_argument('--exit-duration-in-mins', type=int, default=None, help='Exit the program after this many minutes.')
+    group.add_argument('--exit-signal-handler', action='store_true',
+                       help='Dynamically save the checkpoint and shutdown the training if SIGTERM is received')
+    group.add_argument('--tensorboard-dir', type=str, default=None, help='Write TensorBoard logs to this directory.')
+    group.add_argument('--no-masked-softmax-fusion', action='store_false', dest='masked_softmax_fusion',
+                       help='Disable fusion of query_key_value scaling, masking, and softmax.')
+    group.add_argument('--no-bias-gelu-fusion', action='store_false', dest='bias_gelu_fusion',
+                       help='Disable bias and gelu fusion.')
+    group.add_argument('--no-bias-swiglu-fusion', action='store_false', dest='bias_swiglu_fusion',
+                       help='Disable bias and swiglu fusion, the fusion is available only when using megatron-core.')
+    group.add_argument('--no-bias-dropout-fusion', action='store_false', dest='bias_dropout_fusion',
+                       help='Disable bias and dropout fusion.')
+    group.add_argument('--no-rope-fusion', action='store_false', dest='apply_rope_fusion',
+                       help='Disable rope fusion, the fusion is available only when using megatron-core.')
+    group.add_argument('--cross-entropy-loss-fusion', action='store_true',
+                       help='Enabled fusion of cross entropy loss calculation.')
+    group.add_argument('--use-flash-attn', action='store_true', help='use FlashAttention implementation of attention.')
+    group.add_argument('--disable-bias-linear', action='store_false', dest='add_bias_linear',
+                       help='Disable bias in the linear layers')
+    group.add_argument('--add-qkv-bias', action='store_true', help='Enable bias only in the QKV linear layers')
+    group.add_argument('--optimizer', type=str, default='adam', choices=['adam', 'sgd'], help='Optimizer function')
+    group.add_argument('--dataloader-type', type=str, default=None, choices=['single', 'cyclic', 'external'],
+                       help='Single pass vs multiple pass data loader')
+    group.add_argument('--no-async-tensor-model-parallel-allreduce', action='store_false',
+                       dest='async_tensor_model_parallel_allreduce',
+                       help='DEPRECATED. This flag is ignored.')
+    group.add_argument('--no-persist-layer-norm', action='store_true',
+                       help='Disable using persistent fused layer norm kernel.')
+    group.add_argument('--sequence-parallel', action='store_true', help='Enable sequence parallel optimization.')
+    group.add_argument('--no-gradient-accumulation-fusion', action='store_false',
+                       dest='gradient_accumulation_fusion',
+                       help='Disable fusing gradient accumulation to weight gradient computation of linear layers')
+    group.add_argument('--use-mcore-models', action='store_true', dest='deprecated_use_mcore_models',
+                       help='DEPRECATED. Use the implementation from megatron core. Now ignored and mcore '
+                       'models are the default, use --use-legacy-models to not use core models.')
+    group.add_argument('--use-legacy-models', action='store_true',
+                       help='Use the legacy Megatron models, not Megatron-Core models.')
+    group.add_argument('--manual-gc', action='store_true', help='Disable the threshold-based default garbage collector.')
+    group.add_argument('--manual-gc-interval', type=int, default=0, help='Training step interval to trigger manual garbage collection.')
+    group.add_argument('--no-manual-gc-eval', action='store_false', dest='manual_gc_eval',
+                       help='When using manual garbage collection, disable garbage collection at the start '
+                       'and the end of each evaluation run.')
+    group.add_argument('--disable-tp-comm-split-ag', action='store_false', dest='tp_comm_split_ag',
+                       help='Disables the All-Gather overlap with fprop GEMM (TE only; unused).')
+    group.add_argument('--disable-tp-comm-split-rs', action='store_false', dest='tp_comm_split_rs',
+                       help='Disables the Reduce-Scatter overlap with fprop GEMM (TE only; unused).')
+    group.add_argument('--calculate-per-token-loss', action='store_true',
+                       help='Scale cross entropy loss by the number of non-padded tokens in the global '
+                       'batch, versus the default behavior of assuming all tokens are non-padded.')
+    group.add_argument('--deterministic-mode', action='store_true',
+                       help='Choose code that has deterministic execution.')
+    return parser
+
+
+def _add_initialization_args(parser):
+    group = parser.add_argument_group(title='initialization')
+    group.add_argument('--seed', type=int, default=1234, help='Random seed used for python, numpy, pytorch, and cuda.')
+    group.add_argument('--data-parallel-random-init', action='store_true',
+                       help='Enable random initialization of params across data parallel ranks')
+    group.add_argument('--init-method-std', type=float, default=0.02,
+                       help='Standard deviation of the zero mean normal distribution used for weight initialization.')
+    group.add_argument('--init-method-xavier-uniform', action='store_true',
+                       help='Enable Xavier uniform parameter initialization')
+    return parser
+
+
+def _add_learning_rate_args(parser):
+    group = parser.add_argument_group(title='learning rate')
+    group.add_argument('--lr', type=float, default=None,
+                       help='Initial learning rate. Depending on decay style and initial warmup, the '
+                       'learning rate at each iteration would be different.')
+    group.add_argument('--lr-decay-style', type=str, default='linear',
+                       choices=['constant', 'linear', 'cosine', 'inverse-square-root', 'WSD'],
+                       help='Learning rate decay function.')
+    group.add_argument('--lr-wsd-decay-style', type=str, default='exponential',
+                       choices=['exponential', 'linear', 'cosine'], help='Decay style for the annealing phase of WSD')
+    group.add_argument('--lr-decay-iters', type=int, default=None,
+                       help='number of iterations to decay learning rate over, If None defaults to `--train-iters`')
+    group.add_argument('--lr-decay-samples', type=int, default=None,
+                       help='number of samples to decay learning rate over, If None defaults to `--train-samples`')
+    group.add_argument('--lr-wsd-decay-samples', type=int, default=None,
+                       help='number of samples for the annealing phase in the wsd schedule')
+    group.add_argument('--lr-wsd-decay-iters', type=int, default=None,
+                       help='number of iterations for the annealing phase in the wsd schedule')
+    group.add_argument('--lr-warmup-fraction', type=float, default=None,
+                       help='fraction of lr-warmup-(iters/samples) to use for warmup (as a float)')
+    group.add_argument('--lr-warmup-iters', type=int, default=0, help='number of iterations to linearly warmup learning rate over.')
+    group.add_argument('--lr-warmup-samples', type=int, default=0, help='number of samples to linearly warmup learning rate over.')
+    group.add_argument('--lr-warmup-init', type=float, default=0.0,
+                       help='Initial value for learning rate warmup. The scheduler starts warmup from this value.')
+    group.add_argument('--warmup', type=int, default=None,
+                       help='Old lr warmup argument, do not use. Use one of the --lr-warmup-* arguments above')
+    group.add_argument('--min-lr', type=float, default=0.0,
+                       help='Minimum value for learning rate. The scheduler clip values below this threshold.')
+    group.add_argument('--override-opt_param-scheduler', action='store_true',
+                       help='Reset the values of the scheduler (learning rate, warmup iterations, minimum '
+                       'learning rate, maximum number of iterations, and decay style from input arguments '
+                       'and ignore values from checkpoints.')
+    group.add_argument('--use-checkpoint-opt_param-scheduler', action='store_true',
+                       help='Use checkpoint to set the values of the scheduler (learning rate, warmup '
+                       'iterations, minimum learning rate, maximum number of iterations, and decay style '
+                       'from checkpoint and ignore input arguments.')
+    group.add_argument('--decoupled-lr', type=float, default=None,
+                       help='Separate learning rate for the input and output layer')
+    group.add_argument('--decoupled-min-lr', type=float, default=None,
+                       help='Minimum value for learning rate for the input and output layer.')
+    return parser
+
+
+def _add_checkpointing_args(parser):
+    group = parser.add_argument_group(title='checkpointing')
+    group.add_argument('--save', type=str, default=None, help='Output directory to save checkpoints to.')
+    group.add_argument('--save-interval', type=int, default=None, help='Number of iterations between checkpoint saves.')
+    group.add_argument('--no-save-optim', action='store_true', default=None, help='Do not save current optimizer.')
+    group.add_argument('--no-save-rng', action='store_true', default=None, help='Do not save current rng state.')
+    group.add_argument('--load', type=str, default=None, help='Directory containing a model checkpoint.')
+    group.add_argument('--no-load-optim', action='store_true', default=None, help='Do not load optimizer when loading checkpoint.')
+    group.add_argument('--no-load-rng', action='store_true', default=None, help='Do not load rng state when loading checkpoint.')
+    group.add_argument('--non-persistent-save-interval', type=int, default=None,
+                       help='Number of iterations between non-persistent saves.')
+    group.add_argument('--non-persistent-ckpt-type', type=str, default=None, choices=['global', 'local', 'in_memory', None],
+                       help='Type of non-persistent model checkpoints.')
+    group.add_argument('--non-persistent-global-ckpt-dir', type=str, default=None,
+                       help='Directory containing global non-persistent model checkpoints.')
+    group.add_argument('--finetune', action='store_true',
+                       help='Load model for finetuning. Do not load optimizer or rng state from checkpoint '
+                       'and set iteration to 0. Assumed when loading a release checkpoint.')
+    group.add_argument('--pretrained-checkpoint', type=str, default=None,
+                       help='Directory containing a pretrained model checkpoint for finetuning.')
+    group.add_argument('--ckpt-step', type=int, default=None, help='Checkpoint step to load model from.')
+    group.add_argument('--no-initialization', action='store_false', dest='perform_initialization',
+                       help='Do not perform initialization when building model, can reduce startup time '
+                       'when definitely loading from a checkpoint')
+    group.add_argument('--use-checkpoint-args', action='store_true',
+                       help='Override any command line arguments with arguments from the checkpoint')
+    group.add_argument('--exit-on-missing-checkpoint', action='store_true',
+                       help="If '--load' is set, but checkpoint is not found (e.g., path typo), then exit "
+                       'instead of random initialization.')
+    group.add_argument('--use-dist-ckpt', action='store_true', help='Use distributed checkpoint format.')
+    group.add_argument('--auto-detect-ckpt-format', action='store_true',
+                       help='Determine if the checkpoint format is in legacy or distributed format.')
+    group.add_argument('--dist-ckpt-format', type=str, default='torch_dist', choices=['zarr', 'torch_dist'],
+                       help='Distributed checkpoint format to use.')
+    group.add_argument('--ckpt-fully-parallel-save', action='store_true',
+                       help='Apply full save parallelization across DP for distributed checkpoints.')
+    group.add_argument('--async-save', action='store_true', help='Apply async checkpointing save.')
+    group.add_argument('--ckpt-fully-parallel-load', action='store_true',
+                       help='Apply full load parallelization across DP for distributed checkpoints.')
+    group.add_argument('--ckpt-assume-constant-structure', action='store_true',
+                       help='If the model and optimizer state dict structure is constant throughout a '
+                       'single training job, it allows for different checkpointing performance optimizations.')
+    return parser
+
+
+def _add_mixed_precision_args(parser):
+    group = parser.add_argument_group(title='mixed precision')
+    group.add_argument('--fp16', action='store_true', help='Run model in fp16 mode.')
+    group.add_argument('--bf16', action='store_true', help='Run model in bfloat16 mode.')
+    group.add_argument('--loss-scale', type=float, default=None,
+                       help='Static loss scaling, positive power of 2 values can improve fp16 convergence. '
+                       'If None, dynamic loss scaling is used.')
+    group.add_argument('--initial-loss-scale', type=float, default=2**32, help='Initial loss-scale for dynamic loss scaling.')
+    group.add_argument('--min-loss-scale', type=float, default=1.0, help='Minimum loss scale for dynamic loss scaling.')
+    group.add_argument('--loss-scale-window', type=float, default=1000, help='Window over which to raise/lower dynamic scale.')
+    group.add_argument('--hysteresis', type=int, default=2, help='hysteresis for dynamic loss scaling')
+    group.add_argument('--fp32-residual-connection', action='store_true', help='Move residual connections to fp32.')
+    group.add_argument('--apply-query-key-layer-scaling', action='store_true',
+                       help='Scale Q * K^T by 1 / layer-number. Useful for fp16 training.')
+    group.add_argument('--attention-softmax-in-fp32', action='store_true',
+                       help='Run attention masking and softmax in fp32.')
+    group.add_argument('--accumulate-allreduce-grads-in-fp32', action='store_true',
+                       help='Gradient accumulation and all-reduce in fp32.')
+    group.add_argument('--fp16-lm-cross-entropy', action='store_true',
+                       help='Move the cross entropy unreduced loss calculation for lm head to fp16.')
+    return parser
+
+
+def _add_distributed_args(parser):
+    group = parser.add_argument_group(title='distributed')
+    group.add_argument('--tensor-model-parallel-size', type=int, default=1, help='Degree of tensor model parallelism.')
+    group.add_argument('--pipeline-model-parallel-size', type=int, default=1, help='Degree of pipeline model parallelism.')
+    group.add_argument('--pipeline-model-parallel-split-rank', type=int, default=None,
+                       help='Rank where encoder and decoder should be split.')
+    group.add_argument('--model-parallel-size', type=int, default=None,
+                       help='Old model parallel argument, do not use. Use --tensor-model-parallel-size instead.')
+    group.add_argument('--num-layers-per-virtual-pipeline-stage', type=int, default=None,
+                       help='Number of layers per virtual pipeline stage')
+    group.add_argument('--no-overlap-p2p-communication', action='store_false', dest='overlap_p2p_comm',
+                       help='overlap pipeline parallel communication with forward and backward chunks')
+    group.add_argument('--distributed-backend', default='nccl', choices=['nccl', 'gloo'],
+                       help='Which backend to use for distributed training (gloo is used when no GPU exists).')
+    group.add_argument('--distributed-timeout-minutes', type=int, default=10,
+                       help='Timeout minutes for torch.distributed.')
+    group.add_argument('--overlap-grad-reduce', action='store_true', default=False,
+                       help='If set, overlap DDP grad reduce.')
+    group.add_argument('--no-delay-grad-reduce', action='store_false', dest='delay_grad_reduce',
+                       help='If not set, delay / synchronize grad reductions in all but first PP stage.')
+    group.add_argument('--ddp-bucket-size', type=int, default=None, help='Bucket size for data-parallel communication')
+    group.add_argument('--ddp-average-in-collective', action='store_true', default=False,
+                       help='If set, average directly in data-parallel communication collective.')
+    group.add_argument('--overlap-param-gather', action='store_true', default=False,
+                       help='If set, overlap param all-gather in distributed optimizer.')
+    group.add_argument('--delay-param-gather', action='store_true', default=False,
+                       help='If set, delay / synchronize param all-gathers in all but first PP stage.')
+    group.add_argument('--no-scatter-gather-tensors-in-pipeline', action='store_false',
+                       dest='scatter_gather_tensors_in_pipeline',
+                       help='If not set, use scatter/gather to optimize communication of tensors in pipeline.')
+    group.add_argument('--use-ring-exchange-p2p', action='store_true', default=False,
+                       help='If set, use custom-built ring exchange for p2p communications.')
+    group.add_argument('--local-rank', '--local_rank', type=int, default=None, dest='local_rank',
+                       help='local rank passed from distributed launcher (defaults to $LOCAL_RANK).')
+    group.add_argument('--lazy-mpu-init', type=bool, required=False,
+                       help='If set to True, initialize_megatron() skips DDP initialization and returns '
+                       'function to complete it instead.')
+    group.add_argument('--standalone-embedding-stage', action='store_true', default=False,
+                       help='If set, *input* embedding layer is placed on its own pipeline stage.')
+    group.add_argument('--use-distributed-optimizer', action='store_true',
+                       help='Use distributed optimizer.')
+    group.add_argument('--context-parallel-size', type=int, default=1, help='Degree of context parallelism.')
+    group.add_argument('--nccl-communicator-config-path', type=str, default=None,
+                       help='Path to the yaml file with NCCL communicator configurations.')
+    group.add_argument('--use-tp-pp-dp-mapping', action='store_true', default=False,
+                       help='If set, distributed ranks initialize order is changed from tp-dp-pp to tp-pp-dp.')
+    return parser
+
+
+def _add_validation_args(parser):
+    group = parser.add_argument_group(title='validation')
+    group.add_argument('--eval-iters', type=int, default=100,
+                       help='Number of iterations to run for evaluation validation/test for.')
+    group.add_argument('--eval-interval', type=int, default=1000,
+                       help='Interval between running evaluation on validation set.')
+    group.add_argument('--test-mode', action='store_true', help='Run all real-time test alongside the experiment.')
+    group.add_argument('--skip-train', action='store_true', default=False,
+                       help='If set, bypass the training loop, optionally do evaluation for validation/test, and exit.')
+    return parser
+
+
+def _add_data_args(parser):
+    group = parser.add_argument_group(title='data and dataloader')
+    group.add_argument('--data-path', nargs='*', default=None,
+                       help='The weight and prefix list for a set of train, validation, and test datasets '
+                       'which split according to --split. The accepted formats are: (1) a single prefix, '
+                       '(2) a list of weight prefix pairs e.g. weight1 prefix1 weight2 prefix2.')
+    group.add_argument('--renormalize-blend-weights', action='store_true',
+                       help='Renormalize the blend weights to account for the mid-level dataset oversampling '
+                       'done to ensure fulfillment of the requested number of samples.')
+    group.add_argument('--split', type=str, default=None,
+                       help='Comma-separated list of proportions for training, validation, and test split. '
+                       'Defaults to "969, 30, 1" when --data-path is given.')
+    group.add_argument('--train-data-path', nargs='*', default=None,
+                       help='The weight and prefix list for an independent train dataset.')
+    group.add_argument('--valid-data-path', nargs='*', default=None,
+                       help='The weight and prefix list for an independent validation dataset.')
+    group.add_argument('--test-data-path', nargs='*', default=None,
+                       help='The weight and prefix list for an independent test dataset.')
+    group.add_argument('--data-cache-path', default=None, help='Path to a directory to hold cached index files.')
+    group.add_argument('--no-mmap-bin-files', action='store_false', dest='mmap_bin_files',
+                       help='Disable mmap-ing of .bin files.')
+    group.add_argument('--mock-data', action='store_true', help='Skip data loading and validation and opt for artificial '
+                       'generation of mock data when an implementation is available.')
+    group.add_argument('--seq-length', type=int, default=None, help='Maximum sequence length to process.')
+    group.add_argument('--encoder-seq-length', type=int, default=None,
+                       help='Maximum encoder sequence length to process. This should be exclusive of --seq-length')
+    group.add_argument('--decoder-seq-length', type=int, default=None, help='Maximum decoder sequence length to process.')
+    group.add_argument('--retriever-seq-length', type=int, default=256,
+                       help='Maximum sequence length for the biencoder model for retriever')
+    group.add_argument('--sample-rate', type=float, default=1.0,
+                       help='sample rate for training data. Supposed to be 0  < sample_rate < 1')
+    group.add_argument('--mask-prob', type=float, default=0.15, help='Probability of replacing a token with mask.')
+    group.add_argument('--short-seq-prob', type=float, default=0.1, help='Probability of producing a short sequence.')
+    group.add_argument('--num-workers', type=int, default=2, help='Dataloader number of workers.')
+    group.add_argument('--reset-position-ids', action='store_true', help='Reset posistion ids after end-of-document token.')
+    group.add_argument('--reset-attention-mask', action='store_true',
+                       help='Reset self attention maske after end-of-document token.')
+    group.add_argument('--eod-mask-loss', action='store_true', help='Mask loss for the end of document tokens.')
+    group.add_argument('--no-create-attention-mask-in-dataloader', action='store_false',
+                       dest='create_attention_mask_in_dataloader',
+                       help='If set, do not create attention_masks in dataloader.')
+    group.add_argument('--num-dataset-builder-threads', type=int, default=1,
+                       help='Number of parallel threads per rank for dataset builder')
+    return parser
+
+
+def _add_tokenizer_args(parser):
+    group = parser.add_argument_group(title='tokenizer')
+    group.add_argument('--vocab-size', type=int, default=None, help='Size of vocab before EOD or padding.')
+    group.add_argument('--vocab-file', type=str, default=None, help='Path to the vocab file.')
+    group.add_argument('--merge-file', type=str, default=None, help='Path to the BPE merge file.')
+    group.add_argument('--vocab-extra-ids', type=int, default=0,
+                       help='Number of additional vocabulary tokens. They are used for span masking in the T5 model')
+    group.add_argument('--tokenizer-type', type=str, default=None,
+                       choices=['BertWordPieceLowerCase', 'BertWordPieceCase', 'GPT2BPETokenizer',
+                                'SentencePieceTokenizer', 'GPTSentencePieceTokenizer', 'HuggingFaceTokenizer',
+                                'Llama2Tokenizer', 'Llama3Tokenizer', 'MistralTokenizer', 'TikTokenizer',
+                                'NullTokenizer'],
+                       help='What type of tokenizer to use.')
+    group.add_argument('--tokenizer-model', type=str, default=None, help='Sentencepiece tokenizer model.')
+    group.add_argument('--tiktoken-pattern', type=str, default=None,
+                       help='Which tiktoken pattern to use. Options: [v1, v2]')
+    group.add_argument('--tiktoken-num-special-tokens', type=int, default=1000,
+                       help='Number of special tokens in tiktoken tokenizer')
+    group.add_argument('--tiktoken-special-tokens', type=str, nargs='+', default=None,
+                       help='List of tiktoken special tokens, needs to have ["<unk>", "<s>", "</s>"]')
+    return parser
+
+
+def _add_autoresume_args(parser):
+    group = parser.add_argument_group(title='autoresume')
+    group.add_argument('--adlr-autoresume', action='store_true',
+                       help='Enable autoresume on adlr cluster (not available in this package).')
+    group.add_argument('--adlr-autoresume-interval', type=int, default=1000,
+                       help='Intervals over which check for autoresume termination signal')
+    return parser
+
+
+def _add_moe_args(parser):
+    group = parser.add_argument_group(title='moe')
+    group.add_argument('--expert-model-parallel-size', type=int, default=1, help='Degree of expert model parallelism.')
+    group.add_argument('--num-experts', type=int, default=None, help='Number of Experts in MoE (None means no MoE)')
+    group.add_argument('--moe-router-topk', type=int, default=2, help='Number of experts to route to for each token.')
+    group.add_argument('--moe-router-load-balancing-type', type=str, default='aux_loss',
+                       choices=['aux_loss', 'sinkhorn', 'none'], help='Determines the load balancing strategy for the router.')
+    group.add_argument('--moe-aux-loss-coeff', type=float, default=0.0, help='Scaling coefficient for the aux loss.')
+    group.add_argument('--moe-z-loss-coeff', type=float, default=None, help='Scaling coefficient for the z-loss.')
+    group.add_argument('--moe-grouped-gemm', action='store_true', help='Use grouped GEMM for experts.')
+    group.add_argument('--moe-token-dispatcher-type', type=str, choices=['allgather', 'alltoall'], default='allgather',
+                       help='The type of token dispatcher to use.')
+    return parser
+
+
+def _add_logging_args(parser):
+    group = parser.add_argument_group(title='logging')
+    group.add_argument('--log-params-norm', action='store_true', help='If set, calculate and log parameters norm.')
+    group.add_argument('--log-num-zeros-in-grad', action='store_true', help='If set, calculate and log the number of zeros in gradient.')
+    group.add_argument('--log-throughput', action='store_true', help='If set, calculate and log throughput per GPU.')
+    group.add_argument('--log-progress', action='store_true',
+                       help='If set, log progress (in terms of number of processed tokens and number of '
+                       'floating-point operations) to progress.txt file in checkpoint directory.')
+    group.add_argument('--timing-log-level', type=int, default=0, choices=range(0, 3),
+                       help='Granularity level to measure and report timing. 0: report only iteration time; '
+                       '1: also forward-backward, optimizer and other one-off timers; 2: also finer '
+                       'timers such as forward-compute and communication.')
+    group.add_argument('--no-barrier-with-level-1-timing', action='store_false', dest='barrier_with_L1_time',
+                       help='If not set, use barrier with level 1 time measurements.')
+    group.add_argument('--timing-log-option', type=str, default='minmax', choices=['max', 'minmax', 'all'],
+                       help='Options for logging timing: max, minmax (min and max over ranks) or all ranks.')
+    group.add_argument('--tensorboard-log-interval', type=int, default=1, help='Report to tensorboard interval.')
+    group.add_argument('--tensorboard-queue-size', type=int, default=1000,
+                       help='Size of the tensorboard queue for pending events and summaries before one of the '
+                       "'add' calls forces a flush to disk.")
+    group.add_argument('--log-timers-to-tensorboard', action='store_true', help='If set, write timers to tensorboard.')
+    group.add_argument('--log-batch-size-to-tensorboard', action='store_true',
+                       help='If set, write batch-size to tensorboard.')
+    group.add_argument('--no-log-learnig-rate-to-tensorboard', action='store_false',
+                       dest='log_learning_rate_to_tensorboard', help='Disable learning rate logging to tensorboard.')
+    group.add_argument('--no-log-loss-scale-to-tensorboard', action='store_false',
+                       dest='log_loss_scale_to_tensorboard', help='Disable loss-scale logging to tensorboard.')
+    group.add_argument('--log-validation-ppl-to-tensorboard', action='store_true',
+                       help='If set, write validation perplexity to tensorboard.')
+    group.add_argument('--log-memory-to-tensorboard', action='store_true', help='Enable memory logging to tensorboard.')
+    group.add_argument('--log-world-size-to-tensorboard', action='store_true', help='Enable world size logging to tensorboard.')
+    group.add_argument('--wandb-project', type=str, default='', help='The wandb project name. Ignore wandb by default.')
+    group.add_argument('--wandb-exp-name', type=str, default='', help='The wandb experiment name.')
+    group.add_argument('--wandb-save-dir', type=str, default='', help='Path to save the wandb results locally.')
+    group.add_argument('--logging-level', type=int, default=None, help='Set default logging level')
+    return parser
+
+
+def _add_inference_args(parser):
+    group = parser.add_argument_group(title='inference')
+    group.add_argument('--inference-batch-times-seqlen-threshold', type=int, default=512,
+                       help='During inference, if batch-size times sequence-length is smaller than this '
+                       'threshold then we will not use pipelining, otherwise we will.')
+    group.add_argument('--max-tokens-to-oom', type=int, default=12000,
+                       help='Maximum number of tokens during inference; tokens here is # in prompt + # to '
+                       'generate. Allows us to throw an error before OOM crashes server')
+    group.add_argument('--output-bert-embeddings', action='store_true',
+                       help='Output Bert embeddings (via mean pooling) from model, rather than its binary head '
+                       'output or entire hidden batch.')
+    group.add_argument('--bert-embedder-type', default='megatron', choices=['megatron', 'huggingface'],
+                       help='Select either Megatron or Huggingface as the Bert embedder.')
+    return parser
+
+
+def _add_transformer_engine_args(parser):
+    group = parser.add_argument_group(title='Transformer-Engine')
+    group.add_argument('--fp8-format', default=None, choices=['e4m3', 'hybrid'],
+                       help='Which fp8 format scheme to use for FP8 tensors in the forward and backward pass '
+                       '(Transformer Engine only; not available here).')
+    group.add_argument('--fp8-margin', type=int, default=0, help='Scaling margin for fp8')
+    group.add_argument('--fp8-interval', type=int, default=1, help='Scaling update interval for fp8')
+    group.add_argument('--fp8-amax-history-len', type=int, default=1, help='Number of steps for which amax history is recorded per tensor')
+    group.add_argument('--fp8-amax-compute-algo', default='most_recent', choices=['most_recent', 'max'],
+                       help='Algorithm for computing amax from history')
+    group.add_argument('--transformer-impl', default='transformer_engine', choices=['local', 'transformer_engine'],
+                       help='Which Transformer implementation to use (local is used when transformer_engine '
+                       'is not installed).')
+    return parser
+
+
+def _add_experimental_args(parser):
+    group = parser.add_argument_group(title='experimental')
+    group.add_argument('--spec', type=str, default=None, nargs='*',
+                       help='Specify the <module_location function_name> pair that returns a spec to customize '
+                       'a model, transformer block, or transformer layer.')
+    group.add_argument('--yaml-cfg', type=str, default=None,
+                       help='Config file to add additional arguments (not required; not supported here).')
+    return parser

@@ -1,0 +1,876 @@
+"""Save and load training checkpoints in Megatron's "torch" (legacy) layout.
+
+Layout under `--save` / `--load`::
+
+    latest_checkpointed_iteration.txt       the iteration number (or "release"), no newline
+    iter_0000500/
+        mp_rank_00/model_optim_rng.pt        tensor-parallel rank 00, no pipeline parallelism
+        mp_rank_01_003/model_optim_rng.pt    tp rank 01, pp rank 003 (pipeline size > 1)
+        mp_rank_01_003_002/...               + expert-parallel rank 002 (expert parallel size > 1)
+        .../distrib_optim.pt                 --use-distributed-optimizer parameter state
+
+`model_optim_rng.pt` holds a dict with the keys `args` (an argparse.Namespace of plain values),
+`checkpoint_version` (3.0), `iteration`, `model` (or `model0`, `model1`, ... with a virtual
+pipeline), `optimizer`, `opt_param_scheduler`, `rng_state` and
+`num_floating_point_operations_so_far`. Data-parallel rank 0 of each (tp, pp[, ep]) position writes
+it; every rank restores the RNG states and, through the saved args, the consumed-sample counters the
+data loader resumes from.
+
+Crash safety: every file is written to a temporary name, flushed to disk and renamed into place;
+all ranks then agree (a collective) that their files are complete, and only then does rank 0 replace
+the tracker file (again temp + rename). A process killed at any point of a save therefore leaves the
+tracker pointing at the previous, complete checkpoint.
+
+Loading uses `torch.load(weights_only=True)` (only tensors, containers, numbers, strings, dtypes and
+argparse.Namespace can be unpickled), checks the checkpoint's parallel layout and model shape against
+the run, and names both values of every difference.
+"""
+
+import argparse
+import os
+import random
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from megatron.core import parallel_state as mpu
+from megatron.core.num_microbatches_calculator import update_num_microbatches
+from megatron.core.utils import get_current_device, unwrap_model
+from megatron.training.global_vars import get_args
+
+#: Version written into every checkpoint (the QKV layout of section 3.4 of the facts sheet).
+CHECKPOINT_VERSION = 3.0
+TRACKER_FILENAME = 'latest_checkpointed_iteration.txt'
+MODEL_CHECKPOINT_BASENAME = 'model_optim_rng.pt'
+DISTRIB_OPTIM_BASENAME = 'distrib_optim.pt'
+
+#: Classes `torch.load(weights_only=True)` may build besides tensors and plain containers.
+SAFE_GLOBALS = [argparse.Namespace]
+
+_CHECKPOINT_VERSION = None
+
+
+def set_checkpoint_version(value: float) -> None:
+    """Record the version of the checkpoint being loaded (checked once per process)."""
+    global _CHECKPOINT_VERSION
+    if _CHECKPOINT_VERSION is not None:
+        assert _CHECKPOINT_VERSION == value, "checkpoint versions do not match"
+    _CHECKPOINT_VERSION = value
+
+
+def get_checkpoint_version() -> Optional[float]:
+    """Version of the last loaded checkpoint (None before any load)."""
+    return _CHECKPOINT_VERSION
+
+
+def print_rank_0(message: str) -> None:
+    """Print on global rank 0 only (on every process when torch.distributed is not initialized)."""
+    if torch.distributed.is_initialized():
+        if torch.distributed.get_rank() == 0:
+            print(message, flush=True)
+    else:
+        print(message, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# names and metadata
+
+
+def ensure_directory_exists(filename: str, check_parent: bool = True) -> None:
+    """Create the directory of `filename` (or `filename` itself if check_parent is False)."""
+    dirname = os.path.dirname(filename) if check_parent else filename
+    os.makedirs(dirname, exist_ok=True)
+
+
+def get_checkpoint_name(
+    checkpoints_path: str,
+    iteration: int,
+    release: bool = False,
+    pipeline_parallel: Optional[bool] = None,
+    tensor_rank: Optional[int] = None,
+    pipeline_rank: Optional[int] = None,
+    expert_parallel: Optional[bool] = None,
+    expert_rank: Optional[int] = None,
+    return_base_dir: bool = False,
+) -> str:
+    """Path of this rank's `model_optim_rng.pt` (or of the iteration directory).
+
+    Args:
+        checkpoints_path: the `--save` / `--load` directory.
+        iteration: training iteration; ignored for release checkpoints.
+        release: use the `release/` directory instead of `iter_XXXXXXX/`.
+        pipeline_parallel, tensor_rank, pipeline_rank, expert_parallel, expert_rank: override the
+            values taken from parallel_state (tools that read checkpoints without a process group).
+        return_base_dir: return `<checkpoints_path>/iter_XXXXXXX` only.
+    """
+    directory = 'release' if release else 'iter_{:07d}'.format(iteration)
+    if return_base_dir:
+        return os.path.join(checkpoints_path, directory)
+    if pipeline_parallel is None:
+        pipeline_parallel = mpu.get_pipeline_model_parallel_world_size() > 1
+    if tensor_rank is None:
+        tensor_rank = mpu.get_tensor_model_parallel_rank()
+    if pipeline_rank is None:
+        pipeline_rank = mpu.get_pipeline_model_parallel_rank()
+    if expert_parallel is None:
+        expert_parallel = mpu.get_expert_model_parallel_world_size() > 1
+    if expert_rank is None:
+        expert_rank = mpu.get_expert_model_parallel_rank()
+
+    if not pipeline_parallel:
+        common_path = os.path.join(checkpoints_path, directory, f'mp_rank_{tensor_rank:02d}')
+    else:
+        common_path = os.path.join(
+            checkpoints_path, directory, f'mp_rank_{tensor_rank:02d}_{pipeline_rank:03d}'
+        )
+    if expert_parallel:
+        common_path = common_path + f'_{expert_rank:03d}'
+    return os.path.join(common_path, MODEL_CHECKPOINT_BASENAME)
+
+
+def get_distributed_optimizer_checkpoint_name(model_checkpoint_name: str) -> str:
+    """`distrib_optim.pt` next to a rank's `model_optim_rng.pt`."""
+    return os.path.join(os.path.dirname(model_checkpoint_name), DISTRIB_OPTIM_BASENAME)
+
+
+def find_checkpoint_rank_0(checkpoints_path: str, iteration: int, release: bool = False) -> Optional[str]:
+    """The rank-0 checkpoint file of an iteration whatever its pipeline / expert layout, or None."""
+    for pipeline_parallel in (False, True):
+        for expert_parallel in (False, True):
+            filename = get_checkpoint_name(
+                checkpoints_path,
+                iteration,
+                release,
+                pipeline_parallel=pipeline_parallel,
+                tensor_rank=0,
+                pipeline_rank=0,
+                expert_parallel=expert_parallel,
+                expert_rank=0,
+            )
+            if os.path.isfile(filename):
+                return filename
+    return None
+
+
+def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:
+    """The tracker file naming the latest complete checkpoint of `checkpoints_path`."""
+    return os.path.join(checkpoints_path, TRACKER_FILENAME)
+
+
+def checkpoint_exists(checkpoints_path: Optional[str]) -> bool:
+    """Whether `checkpoints_path` holds a tracker file (a completed save)."""
+    if checkpoints_path is None:
+        return False
+    return os.path.exists(get_checkpoint_tracker_filename(checkpoints_path))
+
+
+def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
+    """Read the tracker file: (iteration, release).
+
+    With torch.distributed initialized, the iteration is the MAX over all ranks (a collective), so
+    ranks that saw different tracker contents on a lagging file system agree.
+
+    Raises:
+        ValueError: if the file holds neither an integer nor the word "release".
+    """
+    iteration = 0
+    release = False
+    with open(tracker_filename, 'r') as f:
+        metastring = f.read().strip()
+        try:
+            iteration = int(metastring)
+        except ValueError:
+            release = metastring == 'release'
+            if not release:
+                raise ValueError(
+                    f'invalid metadata file {tracker_filename}: expected an iteration number or '
+                    f'"release", found {metastring!r}'
+                )
+
+    if torch.distributed.is_initialized():
+        iters = torch.tensor([iteration], dtype=torch.long, device=get_current_device())
+        torch.distributed.all_reduce(iters, op=torch.distributed.ReduceOp.MAX)
+        max_iter = int(iters[0].item())
+        if iteration != max_iter:
+            rank = torch.distributed.get_rank()
+            print(
+                f'WARNING: on rank {rank} found iteration {iteration} in the metadata while max '
+                f'iteration across the ranks is {max_iter}, replacing it with max iteration.',
+                flush=True,
+            )
+        iteration = max_iter
+    return iteration, release
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG state
+
+
+def _np_state_to_checkpoint(state: tuple) -> tuple:
+    """numpy's MT19937 state with the key array as a tensor (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, cached_gaussian = state
+    return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached_gaussian))
+
+
+def _np_state_from_checkpoint(state: tuple) -> tuple:
+    name, keys, pos, has_gauss, cached_gaussian = state
+    if isinstance(keys, torch.Tensor):
+        keys = keys.numpy().astype(np.uint32)
+    return (name, keys, pos, has_gauss, cached_gaussian)
+
+
+def get_rng_state(use_dist_ckpt: bool = False) -> List[Dict[str, Any]]:
+    """This rank's RNG states (python, numpy, torch, CUDA, model-parallel tracker).
+
+    Returns a one-element list, or with `--data-parallel-random-init` the states of every
+    data-parallel rank (an all-gather over the data-parallel group; every rank must call it).
+    `use_dist_ckpt` is accepted for Megatron signature parity; only the torch format exists here.
+    """
+    from megatron.core import tensor_parallel
+
+    args = get_args()
+    rng_state = {
+        'random_rng_state': random.getstate(),
+        'np_rng_state': _np_state_to_checkpoint(np.random.get_state()),
+        'torch_rng_state': torch.get_rng_state(),
+        'rng_tracker_states': tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        rng_state['cuda_rng_state'] = torch.cuda.get_rng_state()
+
+    if (
+        torch.distributed.is_initialized()
+        and mpu.get_data_parallel_world_size() > 1
+        and args.data_parallel_random_init
+    ):
+        rng_state_list = [None] * mpu.get_data_parallel_world_size()
+        torch.distributed.all_gather_object(rng_state_list, rng_state, group=mpu.get_data_parallel_group())
+    else:
+        rng_state_list = [rng_state]
+    return rng_state_list
+
+
+def _set_rng_state(rng_state: Dict[str, Any], checkpoint_name: str) -> None:
+    """Restore the states `get_rng_state` captured."""
+    from megatron.core import tensor_parallel
+
+    random.setstate(rng_state['random_rng_state'])
+    np.random.set_state(_np_state_from_checkpoint(rng_state['np_rng_state']))
+    torch.set_rng_state(rng_state['torch_rng_state'])
+    if torch.cuda.is_available():
+        if 'cuda_rng_state' in rng_state:
+            torch.cuda.set_rng_state(rng_state['cuda_rng_state'])
+        else:
+            print_rank_0(f'WARNING: {checkpoint_name} was saved without CUDA; CUDA RNG state not restored')
+    if not rng_state['rng_tracker_states']:
+        raise KeyError('rng_tracker_states')
+    tensor_parallel.get_cuda_rng_tracker().set_states(rng_state['rng_tracker_states'])
+
+
+# ---------------------------------------------------------------------------------------------
+# saving
+
+_PLAIN_SCALARS = (type(None), bool, int, float, str, torch.dtype)
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, _PLAIN_SCALARS):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, int)) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def _args_for_checkpoint(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of args holding only plain values, so the checkpoint loads with weights_only=True.
+
+    Values of other types (callables, enums, tokenizer objects...) are derived at start-up and are
+    dropped; their names are printed once.
+    """
+    plain, dropped = {}, []
+    for name, value in vars(args).items():
+        if _is_plain(value):
+            plain[name] = value
+        else:
+            dropped.append(name)
+    if dropped and not getattr(_args_for_checkpoint, 'warned', False):
+        print_rank_0(f'checkpoint args: not saving non-plain values of {sorted(dropped)}')
+        _args_for_checkpoint.warned = True
+    return argparse.Namespace(**plain)
+
+
+def generate_state_dict(
+    args,
+    model: List[torch.nn.Module],
+    optimizer,
+    opt_param_scheduler,
+    rng_state: Optional[List[Dict[str, Any]]],
+    use_dist_ckpt: bool = False,
+    iteration: Optional[int] = None,
+    optim_sd_kwargs: Optional[dict] = None,
+) -> Dict[str, Any]:
+    """The dict written to `model_optim_rng.pt` (model chunks already unwrapped)."""
+    state_dict = {
+        'args': _args_for_checkpoint(args),
+        'checkpoint_version': CHECKPOINT_VERSION,
+    }
+    if iteration is not None:
+        state_dict['iteration'] = iteration
+
+    if len(model) == 1:
+        state_dict['model'] = model[0].state_dict_for_save_checkpoint()
+    else:
+        saved_vp_rank = mpu.get_virtual_pipeline_model_parallel_rank()
+        for i in range(len(model)):
+            mpu.set_virtual_pipeline_model_parallel_rank(i)
+            state_dict['model%d' % i] = model[i].state_dict_for_save_checkpoint()
+        mpu.set_virtual_pipeline_model_parallel_rank(saved_vp_rank)
+
+    if not args.no_save_optim:
+        if optimizer is not None:
+            state_dict['optimizer'] = optimizer.state_dict(**(optim_sd_kwargs or {}))
+        if opt_param_scheduler is not None:
+            state_dict['opt_param_scheduler'] = opt_param_scheduler.state_dict()
+
+    if not args.no_save_rng and rng_state is not None:
+        state_dict['rng_state'] = rng_state
+    return state_dict
+
+
+def _fsync_path(path: str) -> None:
+    """Flush a file (or a directory entry) to disk."""
+    flags = os.O_RDONLY | getattr(os, 'O_DIRECTORY', 0) if os.path.isdir(path) else os.O_RDONLY
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_torch_save(obj: Any, filename: str) -> None:
+    """torch.save to `<filename>.tmp.<pid>`, flush to disk, then rename onto `filename`.
+
+    Readers see either the previous file or the complete new one, never a partial file.
+    """
+    tmp = f'{filename}.tmp.{os.getpid()}'
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, filename)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _write_tracker_atomically(checkpoints_path: str, iteration: int) -> None:
+    tracker_filename = get_checkpoint_tracker_filename(checkpoints_path)
+    tmp = f'{tracker_filename}.tmp.{os.getpid()}'
+    with open(tmp, 'w') as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, tracker_filename)
+    _fsync_path(checkpoints_path)
+
+
+def _agree_all_ranks_succeeded(ok: bool) -> List[int]:
+    """A barrier that also tells every rank which ranks failed (empty list: none)."""
+    if not torch.distributed.is_initialized():
+        return [] if ok else [0]
+    flags = torch.zeros(torch.distributed.get_world_size(), dtype=torch.int32, device=get_current_device())
+    flags[torch.distributed.get_rank()] = 0 if ok else 1
+    torch.distributed.all_reduce(flags)
+    return [rank for rank, failed in enumerate(flags.tolist()) if failed]
+
+
+def _warn_unsupported_format_flags(args) -> None:
+    for flag, attr in (('--use-dist-ckpt', 'use_dist_ckpt'), ('--async-save', 'async_save')):
+        if getattr(args, attr, False) and not getattr(_warn_unsupported_format_flags, attr, False):
+            print_rank_0(
+                f'WARNING: {flag} is accepted but has no effect here: checkpoints are written '
+                f'synchronously in the torch (legacy) format'
+            )
+            setattr(_warn_unsupported_format_flags, attr, True)
+
+
+def save_checkpoint(
+    iteration: int,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    num_floating_point_operations_so_far: float,
+    checkpointing_context: Optional[dict] = None,
+) -> None:
+    """Save a checkpoint of iteration `iteration` into `args.save` (every rank must call it).
+
+    Args:
+        iteration: the number of completed training iterations.
+        model: list of model chunks (possibly wrapped in DDP / Float16Module).
+        optimizer: MegatronOptimizer or None. With `--use-distributed-optimizer` its
+            `save_parameter_state` writes `distrib_optim.pt` (a collective over the DP group).
+        opt_param_scheduler: OptimizerParamScheduler or None.
+        num_floating_point_operations_so_far: stored for throughput accounting across restarts.
+        checkpointing_context: accepted for Megatron signature parity (used by async/dist formats).
+
+    Raises:
+        RuntimeError: on every rank if writing failed on any rank; the tracker file then still
+            names the previous checkpoint.
+    """
+    args = get_args()
+    _warn_unsupported_format_flags(args)
+    model = unwrap_model(model if isinstance(model, list) else [model])
+
+    print_rank_0(f'saving checkpoint at iteration {iteration:7d} to {args.save} in torch format')
+
+    # Collective (with --data-parallel-random-init): every rank takes part.
+    rng_state = get_rng_state()
+    checkpoint_name = get_checkpoint_name(args.save, iteration)
+    is_writer = (
+        not torch.distributed.is_initialized()
+        or mpu.get_data_modulo_expert_parallel_rank(with_context_parallel=True) == 0
+    )
+
+    error = None
+    try:
+        if args.use_distributed_optimizer and not args.no_save_optim and optimizer is not None:
+            optim_checkpoint_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
+            ensure_directory_exists(optim_checkpoint_name)
+            tmp_optim_name = optim_checkpoint_name + '.tmp'
+            # Gathers each DP group's shards; the group's rank 0 writes the file.
+            optimizer.save_parameter_state(tmp_optim_name)
+            if is_writer:
+                _fsync_path(tmp_optim_name)
+                os.replace(tmp_optim_name, optim_checkpoint_name)
+
+        if is_writer:
+            state_dict = generate_state_dict(
+                args, model, optimizer, opt_param_scheduler, rng_state, iteration=iteration
+            )
+            state_dict['num_floating_point_operations_so_far'] = num_floating_point_operations_so_far
+            ensure_directory_exists(checkpoint_name)
+            _atomic_torch_save(state_dict, checkpoint_name)
+    except Exception as exc:  # every rank must still reach the agreement below
+        error = exc
+
+    failed = _agree_all_ranks_succeeded(error is None)
+    if failed:
+        message = (
+            f'saving checkpoint at iteration {iteration} to {args.save} failed on rank(s) {failed}; '
+            f'{TRACKER_FILENAME} was not updated'
+        )
+        if error is not None:
+            raise RuntimeError(f'{message}: {error!r}') from error
+        raise RuntimeError(message)
+
+    print_rank_0(
+        f'  successfully saved checkpoint from iteration {iteration:7d} to {args.save} '
+        f'[ t {mpu.get_tensor_model_parallel_world_size()}, p {mpu.get_pipeline_model_parallel_world_size()} ]'
+    )
+
+    # All rank files are complete and on disk: only now does the new iteration become visible.
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        _write_tracker_atomically(args.save, iteration)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _torch_load(filename: str) -> Dict[str, Any]:
+    """torch.load with weights_only=True (plus argparse.Namespace for the saved args)."""
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        return torch.load(filename, map_location='cpu', weights_only=True)
+
+
+def _layout_mismatch_message(checkpoint_args, checkpoint_name: str) -> Optional[str]:
+    """Megatron-worded differences of the parallel layout, or None if it matches."""
+    args = get_args()
+    lines = []
+    for name in ('tensor_model_parallel_size', 'pipeline_model_parallel_size'):
+        ckpt_value = getattr(checkpoint_args, name, None)
+        if ckpt_value is not None and ckpt_value != getattr(args, name):
+            lines.append(
+                f'{name} value from checkpoint ({ckpt_value}) is not equal to the input argument '
+                f'value ({getattr(args, name)}).'
+            )
+    if not lines:
+        return None
+    return f'checkpoint {checkpoint_name} does not match this run:\n  ' + '\n  '.join(lines)
+
+
+def _load_base_checkpoint(
+    load_dir: str,
+    rank0: bool = False,
+    sharded_state_dict=None,
+    exit_on_missing_checkpoint: bool = False,
+    checkpoint_step: Optional[int] = None,
+):
+    """Read this rank's checkpoint file: (state_dict, checkpoint_name, release).
+
+    Returns (None, "", False) when `load_dir` has no tracker file (unless
+    `exit_on_missing_checkpoint`, which exits with an error message).
+
+    Args:
+        rank0: read the rank-0 file whatever the layout, without collectives (before
+            torch.distributed is initialized: `--use-checkpoint-args`).
+        checkpoint_step: load this iteration instead of the tracker's (`--ckpt-step`).
+    """
+    tracker_filename = get_checkpoint_tracker_filename(load_dir)
+    if not os.path.isfile(tracker_filename):
+        if not rank0:
+            print_rank_0(f'WARNING: could not find the metadata file {tracker_filename}')
+            print_rank_0('    will not load any checkpoints and will start from random')
+        if exit_on_missing_checkpoint:
+            message = (
+                f">> '--exit-on-missing-checkpoint' set and no checkpoint found in {load_dir} "
+                f"(no {TRACKER_FILENAME}); exiting. <<"
+            )
+            print_rank_0(message)
+            if torch.distributed.is_initialized() and not rank0:
+                torch.distributed.barrier()
+            sys.exit(message)
+        return None, "", False
+
+    if checkpoint_step is not None:
+        iteration, release = checkpoint_step, False
+    elif rank0 and torch.distributed.is_initialized():
+        # No collective here: only some ranks may call with rank0=True.
+        with open(tracker_filename) as f:
+            metastring = f.read().strip()
+        release = metastring == 'release'
+        iteration = 0 if release else int(metastring)
+    else:
+        iteration, release = read_metadata(tracker_filename)
+
+    if rank0:
+        checkpoint_name = find_checkpoint_rank_0(load_dir, iteration, release)
+        if checkpoint_name is None:
+            raise FileNotFoundError(
+                f'no rank-0 checkpoint file under {get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)}'
+            )
+    else:
+        checkpoint_name = get_checkpoint_name(load_dir, iteration, release)
+        if not os.path.isfile(checkpoint_name):
+            _raise_missing_rank_file(load_dir, iteration, release, checkpoint_name)
+
+    if not rank0:
+        print_rank_0(f' loading checkpoint from {load_dir} at iteration {iteration}')
+    try:
+        state_dict = _torch_load(checkpoint_name)
+    except Exception as exc:
+        raise RuntimeError(
+            f'could not load checkpoint file {checkpoint_name} with torch.load(weights_only=True): {exc}'
+        ) from exc
+    return state_dict, checkpoint_name, release
+
+
+def _raise_missing_rank_file(load_dir, iteration, release, checkpoint_name):
+    """This rank's file is absent: explain with the layout the checkpoint does have."""
+    base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+    rank0_name = find_checkpoint_rank_0(load_dir, iteration, release)
+    if rank0_name is not None:
+        checkpoint_args = _torch_load(rank0_name).get('args')
+        if checkpoint_args is not None:
+            message = _layout_mismatch_message(checkpoint_args, base_dir)
+            if message is not None:
+                raise ValueError(message)
+    present = sorted(os.listdir(base_dir)) if os.path.isdir(base_dir) else []
+    raise FileNotFoundError(
+        f'checkpoint file {checkpoint_name} not found (the checkpoint directory holds {present}); '
+        f'the iteration directory is incomplete or was written with a different parallel layout'
+    )
+
+
+def check_checkpoint_args(checkpoint_args, checkpoint_name: str = 'checkpoint') -> None:
+    """Compare the model-defining args of a checkpoint with the run's.
+
+    Raises:
+        ValueError: listing every difference as
+            "<arg> value from checkpoint (<a>) is not equal to the input argument value (<b>)."
+    """
+    args = get_args()
+    lines = []
+
+    def _compare(arg_name, old_arg_name=None, default=None):
+        ckpt_arg_name = old_arg_name if old_arg_name is not None else arg_name
+        if default is not None:
+            checkpoint_value = getattr(checkpoint_args, ckpt_arg_name, default)
+        else:
+            checkpoint_value = getattr(checkpoint_args, ckpt_arg_name)
+        args_value = getattr(args, arg_name)
+        if checkpoint_value != args_value:
+            lines.append(
+                f'{arg_name} value from checkpoint ({checkpoint_value}) is not equal to the input '
+                f'argument value ({args_value}).'
+            )
+
+    _compare('num_layers')
+    _compare('hidden_size')
+    _compare('num_attention_heads')
+    _compare('add_position_embedding', default=True)
+    if args.vocab_file:
+        _compare('max_position_embeddings')
+        _compare('make_vocab_size_divisible_by')
+        _compare('padded_vocab_size')
+        _compare('tokenizer_type')
+    if args.data_parallel_random_init:
+        _compare('data_parallel_random_init')
+    if get_checkpoint_version() < 3.0:
+        _compare('tensor_model_parallel_size', old_arg_name='model_parallel_size')
+    else:
+        _compare('tensor_model_parallel_size')
+        _compare('pipeline_model_parallel_size')
+    if lines:
+        raise ValueError(f'{checkpoint_name} does not match this run:\n  ' + '\n  '.join(lines))
+
+
+def _check_model_state_dict(module, model_state_dict, key: str, checkpoint_name: str, strict: bool):
+    """Compare parameter names and shapes before copying, naming both sides of every difference."""
+    expected = module.state_dict_for_save_checkpoint()
+    lines = []
+    for name, tensor in expected.items():
+        if name not in model_state_dict:
+            if strict and isinstance(tensor, torch.Tensor):
+                lines.append(f'{name}: missing from the checkpoint (model shape {list(tensor.shape)})')
+            continue
+        saved = model_state_dict[name]
+        if isinstance(tensor, torch.Tensor) and isinstance(saved, torch.Tensor):
+            if tuple(saved.shape) != tuple(tensor.shape):
+                lines.append(
+                    f'{name}: shape in checkpoint {list(saved.shape)} != shape in model {list(tensor.shape)}'
+                )
+    if strict:
+        for name in model_state_dict:
+            if name not in expected:
+                lines.append(f'{name}: in the checkpoint but not in the model')
+    if lines:
+        raise ValueError(
+            f"checkpoint {checkpoint_name} ['{key}'] does not match the model "
+            f"(tensor-parallel rank {mpu.get_tensor_model_parallel_rank()}, pipeline rank "
+            f"{mpu.get_pipeline_model_parallel_rank()}):\n  " + '\n  '.join(lines)
+        )
+
+
+def load_args_from_checkpoint(args, load_arg: str = 'load', exit_on_missing_checkpoint: bool = False):
+    """Copy the model-defining args of the checkpoint in `args.<load_arg>` into `args`.
+
+    Used by `--use-checkpoint-args` before the model is built (no collectives). Args that are
+    still None take the checkpoint's value; those marked force=True always do.
+
+    Returns:
+        (args, checkpoint_args) with checkpoint_args None when there was nothing to read.
+    """
+    load_dir = getattr(args, load_arg)
+    if load_dir is None:
+        print_rank_0('No load directory specified, using provided arguments.')
+        return args, None
+
+    state_dict, checkpoint_name, release = _load_base_checkpoint(
+        load_dir,
+        rank0=True,
+        exit_on_missing_checkpoint=exit_on_missing_checkpoint,
+        checkpoint_step=getattr(args, 'ckpt_step', None),
+    )
+    if not state_dict:
+        print_rank_0('Checkpoint not found to provide arguments, using provided arguments.')
+        return args, None
+    if 'args' not in state_dict:
+        print_rank_0('Checkpoint provided does not have arguments saved, using provided arguments.')
+        return args, state_dict
+
+    checkpoint_args = state_dict['args']
+    checkpoint_version = state_dict.get('checkpoint_version', 0)
+    args.iteration = state_dict.get('iteration', state_dict.get('total_iters', 0))
+
+    # One-off conversion for foundation models.
+    if hasattr(checkpoint_args, 'disable_bias_linear'):
+        setattr(checkpoint_args, 'add_bias_linear', not getattr(checkpoint_args, 'disable_bias_linear'))
+
+    def _set_arg(arg_name, old_arg_name=None, force=False):
+        if not force and getattr(args, arg_name, None) is not None:
+            return
+        checkpoint_value = getattr(checkpoint_args, old_arg_name or arg_name, None)
+        if checkpoint_value is not None:
+            print_rank_0(f'Setting {arg_name} to {checkpoint_value} from checkpoint')
+            setattr(args, arg_name, checkpoint_value)
+        else:
+            print_rank_0(f'Checkpoint did not provide arguments {arg_name}')
+
+    for name in ('num_layers', 'hidden_size', 'ffn_hidden_size', 'seq_length', 'num_attention_heads'):
+        _set_arg(name)
+    for name in ('num_query_groups', 'group_query_attention'):
+        _set_arg(name, force=True)
+    _set_arg('kv_channels')
+    _set_arg('max_position_embeddings')
+    for name in (
+        'position_embedding_type',
+        'add_position_embedding',
+        'use_rotary_position_embeddings',
+        'rotary_percent',
+        'rotary_interleaved',
+        'add_bias_linear',
+        'add_qkv_bias',
+        'swiglu',
+        'untie_embeddings_and_output_weights',
+        'apply_layernorm_1p',
+        'normalization',
+    ):
+        _set_arg(name, force=True)
+    _set_arg('tokenizer_type')
+    _set_arg('padded_vocab_size')
+    _set_arg('apply_query_key_layer_scaling', force=True)
+    if checkpoint_version < 3.0:
+        _set_arg('tensor_model_parallel_size', 'model_parallel_size')
+    else:
+        _set_arg('tensor_model_parallel_size', force=True)
+        _set_arg('pipeline_model_parallel_size', force=True)
+        _set_arg('virtual_pipeline_model_parallel_size', force=True)
+        _set_arg('num_layers_per_virtual_pipeline_stage')
+    return args, checkpoint_args
+
+
+def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = 'load', strict: bool = True):
+    """Load the latest (or `--ckpt-step`) checkpoint of `args.<load_arg>` into model, optimizer,
+    scheduler and RNGs (every rank must call it).
+
+    Unless `--finetune` (or a release checkpoint), also restores `args.consumed_train_samples` /
+    `args.consumed_valid_samples` so the data loader continues with the next sample.
+
+    Returns:
+        (iteration, num_floating_point_operations_so_far); (0, 0) when there is no checkpoint.
+
+    Raises:
+        ValueError: the checkpoint's parallel layout, model args or tensor shapes differ from the
+            run (every difference named with both values), or optimizer / RNG state requested but
+            absent from the checkpoint.
+    """
+    args = get_args()
+    load_dir = getattr(args, load_arg)
+    _warn_unsupported_format_flags(args)
+    model = unwrap_model(model if isinstance(model, list) else [model])
+
+    state_dict, checkpoint_name, release = _load_base_checkpoint(
+        load_dir,
+        rank0=False,
+        exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
+        checkpoint_step=args.ckpt_step,
+    )
+    if state_dict is None:
+        return 0, 0
+
+    # A different process may have loaded an older version before (tools): take this one.
+    global _CHECKPOINT_VERSION
+    _CHECKPOINT_VERSION = None
+    set_checkpoint_version(state_dict.get('checkpoint_version', 0))
+    if get_checkpoint_version() < 2.0:
+        raise ValueError(
+            f'{checkpoint_name} has checkpoint_version {get_checkpoint_version()}; versions before '
+            f'2.0 (old QKV layout, legacy models) are not supported by megatron.core models'
+        )
+
+    if args.finetune or release:
+        iteration = 0
+    else:
+        iteration = state_dict.get('iteration', state_dict.get('total_iters'))
+        if iteration is None:
+            raise ValueError(f'{checkpoint_name} holds neither "iteration" nor "total_iters"')
+    num_floating_point_operations_so_far = state_dict.get('num_floating_point_operations_so_far', 0)
+
+    # Args: layout and model shape first, before anything is copied.
+    assert args.consumed_train_samples == 0
+    assert args.consumed_valid_samples == 0
+    if 'args' in state_dict:
+        checkpoint_args = state_dict['args']
+        layout_message = _layout_mismatch_message(checkpoint_args, checkpoint_name)
+        if layout_message is not None:
+            raise ValueError(layout_message)
+        if not args.finetune:
+            check_checkpoint_args(checkpoint_args, checkpoint_name)
+            args.consumed_train_samples = getattr(checkpoint_args, 'consumed_train_samples', 0)
+            update_num_microbatches(consumed_samples=args.consumed_train_samples)
+            args.consumed_valid_samples = getattr(checkpoint_args, 'consumed_valid_samples', 0)
+    else:
+        print_rank_0('could not find arguments in the checkpoint ...')
+
+    # Model.
+    if len(model) == 1:
+        keys = ['model']
+    else:
+        keys = ['model%d' % i for i in range(len(model))]
+    saved_chunks = sorted(k for k in state_dict if k == 'model' or (k.startswith('model') and k[5:].isdigit()))
+    if saved_chunks != sorted(keys):
+        raise ValueError(
+            f'{checkpoint_name} holds model chunks {saved_chunks} but this run has {len(model)} '
+            f'chunk(s) per rank (expects {keys}): --virtual-pipeline-model-parallel-size differs'
+        )
+    for key, module in zip(keys, model):
+        _check_model_state_dict(module, state_dict[key], key, checkpoint_name, strict)
+    if len(model) == 1:
+        model[0].load_state_dict(state_dict['model'], strict=strict)
+    else:
+        saved_vp_rank = mpu.get_virtual_pipeline_model_parallel_rank()
+        for i in range(len(model)):
+            mpu.set_virtual_pipeline_model_parallel_rank(i)
+            model[i].load_state_dict(state_dict['model%d' % i], strict=strict)
+        mpu.set_virtual_pipeline_model_parallel_rank(saved_vp_rank)
+    print_rank_0(f' checkpoint version {get_checkpoint_version()}')
+
+    # Optimizer and scheduler.
+    if not release and not args.finetune and not args.no_load_optim:
+        try:
+            if optimizer is not None:
+                optimizer.load_state_dict(state_dict['optimizer'])
+                if args.use_distributed_optimizer:
+                    optim_checkpoint_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
+                    if not os.path.isfile(optim_checkpoint_name):
+                        raise KeyError(optim_checkpoint_name)
+                    optimizer.load_parameter_state(optim_checkpoint_name)
+            if opt_param_scheduler is not None:
+                if 'lr_scheduler' in state_dict:  # backward compatibility
+                    opt_param_scheduler.load_state_dict(state_dict['lr_scheduler'])
+                else:
+                    opt_param_scheduler.load_state_dict(state_dict['opt_param_scheduler'])
+        except KeyError as exc:
+            raise ValueError(
+                f'Unable to load optimizer from checkpoint {checkpoint_name} (missing {exc}). '
+                f'Specify --no-load-optim or --finetune to prevent attempting to load the optimizer state.'
+            ) from exc
+    else:
+        if (args.fp16 or args.bf16) and optimizer is not None:
+            optimizer.reload_model_params()
+
+    # RNG states.
+    if not release and not args.finetune and not args.no_load_rng:
+        try:
+            rng_states = state_dict['rng_state']
+            if args.data_parallel_random_init:
+                dp_rank = mpu.get_data_parallel_rank()
+                if dp_rank >= len(rng_states):
+                    raise KeyError(f'rng_state[{dp_rank}] (checkpoint has {len(rng_states)} entries)')
+                rng_state = rng_states[dp_rank]
+            else:
+                rng_state = rng_states[0]
+            _set_rng_state(rng_state, checkpoint_name)
+        except KeyError as exc:
+            raise ValueError(
+                f'Unable to load rng state from checkpoint {checkpoint_name} (missing {exc}). '
+                f'Specify --no-load-rng or --finetune to prevent attempting to load the rng state.'
+            ) from exc
+
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    print_rank_0(
+        f'  successfully loaded checkpoint from {load_dir} '
+        f'[ t {mpu.get_tensor_model_parallel_rank()}, p {mpu.get_pipeline_model_parallel_rank()} ] '
+        f'at iteration {iteration}'
+    )
+    return iteration, num_floating_point_operations_so_far

@@ -1,0 +1,1 @@
+"""Data loading pieces of the training layer (samplers, data loaders)."""

@@ -1,0 +1,179 @@
+"""`initialize_megatron`: args, globals, torch.distributed, model-parallel groups, seeds, helpers.
+
+torch.distributed is initialized from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT) with `--distributed-backend` (nccl on GPUs; validate_args falls back to
+gloo when no GPU exists). An already-initialized default process group (tests, notebooks) is reused,
+and so are already-initialized model-parallel groups when their sizes match the args.
+"""
+
+import random
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.global_vars import get_args, set_global_variables
+
+
+def initialize_megatron(
+    extra_args_provider=None,
+    args_defaults={},
+    ignore_unknown_args=False,
+    allow_no_cuda=True,
+    skip_mpu_initialization=False,
+    get_embedding_ranks=None,
+    get_position_embedding_ranks=None,
+    args_list=None,
+):
+    """Set global variables, initialize distributed, set seeds, compile the dataset helpers.
+
+    Args:
+        extra_args_provider: callable(parser) adding script flags.
+        args_defaults: script defaults applied to args left None (e.g. the tokenizer type).
+        ignore_unknown_args: drop unknown flags instead of failing.
+        allow_no_cuda: kept for API parity; CPU runs are always allowed here.
+        skip_mpu_initialization: only set up args and globals (no torch.distributed).
+        get_embedding_ranks, get_position_embedding_ranks: unused hooks kept for API parity.
+        args_list: argument strings to parse instead of sys.argv (tests, notebooks).
+    """
+    args = parse_args(extra_args_provider, ignore_unknown_args, args_list=args_list)
+    if args.use_checkpoint_args or args_defaults.get('use_checkpoint_args', False):
+        if args.load is None:
+            raise ValueError('--use-checkpoint-args requires --load')
+        from megatron.training.checkpointing import load_args_from_checkpoint
+
+        load_args_from_checkpoint(args)
+    validate_args(args, args_defaults)
+
+    set_global_variables(args)
+
+    if skip_mpu_initialization:
+        return None
+
+    _initialize_distributed()
+    if args.rank == 0:
+        print('> setting random seeds to {} ...'.format(args.seed), flush=True)
+    _set_random_seed(args.seed, args.data_parallel_random_init)
+    _compile_dependencies()
+    return None
+
+
+def _compile_dependencies():
+    """Build the dataset helpers on rank 0 (other ranks wait), when the C++ module is missing."""
+    args = get_args()
+    if torch.distributed.get_rank() == 0:
+        start_time = time.time()
+        print('> compiling dataset index builder ...', flush=True)
+        from megatron.core.datasets.utils import compile_helpers
+
+        compile_helpers()
+        print(
+            '>>> done with dataset index builder. Compilation time: {:.3f} seconds'.format(
+                time.time() - start_time
+            ),
+            flush=True,
+        )
+    torch.distributed.barrier()
+    del args
+
+
+def _initialize_distributed():
+    """Initialize torch.distributed (unless already done) and the model-parallel groups."""
+    args = get_args()
+    device_count = torch.cuda.device_count() if args.distributed_backend == 'nccl' else 0
+    if torch.distributed.is_initialized():
+        if args.rank == 0:
+            print('torch distributed is already initialized, skipping initialization ...', flush=True)
+        args.rank = torch.distributed.get_rank()
+        args.world_size = torch.distributed.get_world_size()
+    else:
+        if args.rank == 0:
+            print('> initializing torch distributed ...', flush=True)
+        if device_count > 0:
+            torch.cuda.set_device(args.local_rank % device_count)
+        torch.distributed.init_process_group(
+            backend=args.distributed_backend,
+            world_size=args.world_size,
+            rank=args.rank,
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+        )
+
+    if mpu.model_parallel_is_initialized():
+        have = (
+            mpu.get_tensor_model_parallel_world_size(),
+            mpu.get_pipeline_model_parallel_world_size(),
+            mpu.get_virtual_pipeline_model_parallel_world_size(),
+            mpu.get_context_parallel_world_size(),
+        )
+        want = (
+            args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size,
+            args.context_parallel_size,
+        )
+        if have != want:
+            # Groups from an earlier run in this process: rebuild them for this run's sizes.
+            mpu.destroy_model_parallel()
+    if mpu.model_parallel_is_initialized():
+        if args.rank == 0:
+            print('model parallel is already initialized', flush=True)
+    else:
+        mpu.initialize_model_parallel(
+            args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size,
+            args.pipeline_model_parallel_split_rank,
+            context_parallel_size=args.context_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+            nccl_communicator_config_path=args.nccl_communicator_config_path,
+            order='tp-cp-ep-dp-pp' if not args.use_tp_pp_dp_mapping else 'tp-pp-dp',
+        )
+        if args.rank == 0:
+            print(
+                f'> initialized tensor model parallel with size '
+                f'{mpu.get_tensor_model_parallel_world_size()}',
+                flush=True,
+            )
+            print(
+                f'> initialized pipeline model parallel with size '
+                f'{mpu.get_pipeline_model_parallel_world_size()}',
+                flush=True,
+            )
+
+
+def _set_random_seed(seed_, data_parallel_random_init=False):
+    """Seed python, numpy, torch and the model-parallel RNG tracker.
+
+    Each pipeline stage gets seed + 100 * pp_rank (and + 10 * dp_rank with
+    --data-parallel-random-init), as Megatron does.
+    """
+    if seed_ is None or seed_ <= 0:
+        raise ValueError(f'--seed must be a positive integer, got {seed_}')
+    seed = seed_ + (100 * mpu.get_pipeline_model_parallel_rank())
+    if data_parallel_random_init:
+        seed = seed + (10 * mpu.get_data_parallel_rank())
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def write_args_to_tensorboard():
+    """Write the args as text to TensorBoard."""
+    from megatron.training.global_vars import get_tensorboard_writer
+
+    args = get_args()
+    writer = get_tensorboard_writer()
+    if writer:
+        for arg in vars(args):
+            writer.add_text(arg, str(getattr(args, arg)), global_step=args.iteration)
+
+
+def set_jit_fusion_options():
+    """Nothing to set on CPU; kept for API parity with Megatron's entry points."""
+    return None

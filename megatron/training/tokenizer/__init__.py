@@ -1,0 +1,3 @@
+"""Tokenizers of the training layer (`--tokenizer-type`)."""
+
+from .tokenizer import build_tokenizer

@@ -1,0 +1,158 @@
+"""GPT-2 byte-level BPE (vocab JSON + merges file), written from the published algorithm.
+
+Text is split with GPT-2's regex (the `regex` package, for `\\p{L}`/`\\p{N}`), every piece's UTF-8
+bytes are mapped to printable characters, and BPE merges are applied by rank. Results of `bpe()`
+are kept in an LRU cache, which makes natural text several times faster.
+"""
+
+import json
+from functools import lru_cache
+from typing import Dict, List, Optional, Tuple
+
+import regex as re
+
+GPT2_PRETOKENIZE_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+@lru_cache()
+def bytes_to_unicode() -> Dict[int, str]:
+    """The reversible map byte -> printable unicode character GPT-2 uses.
+
+    Printable Latin-1 bytes map to themselves; the other 68 bytes map to code points 256.. in order.
+    """
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(2**8):
+        if b not in bs:
+            bs.append(b)
+            cs.append(2**8 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs]))
+
+
+def get_pairs(word: Tuple[str, ...]) -> set:
+    """Set of adjacent symbol pairs in a word."""
+    return set(zip(word[:-1], word[1:]))
+
+
+class GPT2Tokenizer(object):
+    """GPT-2 byte-level BPE tokenizer.
+
+    Args:
+        vocab_file: JSON token -> id.
+        merges_file: `#version` line then one merge `a b` per line, best first.
+        errors: how `decode` handles invalid UTF-8 ('replace' as in GPT-2).
+        special_tokens: extra tokens appended after the vocabulary.
+        max_len: unused limit kept for API compatibility.
+        cache_size: entries of the LRU cache on `bpe()`.
+    """
+
+    def __init__(self, vocab_file: str, merges_file: str, errors: str = "replace",
+                 special_tokens: Optional[List[str]] = None, max_len: Optional[int] = None,
+                 cache_size: int = 1 << 16):
+        self.max_len = max_len if max_len is not None else int(1e12)
+        with open(vocab_file, encoding="utf-8") as f:
+            self.encoder = json.load(f)
+        self.decoder = {v: k for k, v in self.encoder.items()}
+        self.errors = errors
+        self.byte_encoder = bytes_to_unicode()
+        self.byte_decoder = {v: k for k, v in self.byte_encoder.items()}
+        with open(merges_file, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        if lines and lines[0].startswith("#version"):
+            lines = lines[1:]
+        bpe_merges = [tuple(line.split()) for line in lines if line.strip()]
+        self.bpe_ranks = dict(zip(bpe_merges, range(len(bpe_merges))))
+        self.pat = re.compile(GPT2_PRETOKENIZE_PATTERN)
+        self.special_tokens = {}
+        self.special_tokens_decoder = {}
+        self.set_special_tokens(special_tokens)
+        self.bpe = lru_cache(maxsize=cache_size)(self._bpe)
+
+    def __len__(self) -> int:
+        return len(self.encoder) + len(self.special_tokens)
+
+    def set_special_tokens(self, special_tokens: Optional[List[str]]) -> None:
+        """Add special tokens numbered after the vocabulary."""
+        if not special_tokens:
+            self.special_tokens = {}
+            self.special_tokens_decoder = {}
+            return
+        self.special_tokens = dict((tok, len(self.encoder) + i) for i, tok in enumerate(special_tokens))
+        self.special_tokens_decoder = {v: k for k, v in self.special_tokens.items()}
+
+    def _bpe(self, token: str) -> str:
+        word = tuple(token)
+        pairs = get_pairs(word)
+        if not pairs:
+            return token
+        while True:
+            bigram = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, float("inf")))
+            if bigram not in self.bpe_ranks:
+                break
+            first, second = bigram
+            new_word = []
+            i = 0
+            while i < len(word):
+                try:
+                    j = word.index(first, i)
+                except ValueError:
+                    new_word.extend(word[i:])
+                    break
+                new_word.extend(word[i:j])
+                i = j
+                if word[i] == first and i < len(word) - 1 and word[i + 1] == second:
+                    new_word.append(first + second)
+                    i += 2
+                else:
+                    new_word.append(word[i])
+                    i += 1
+            word = tuple(new_word)
+            if len(word) == 1:
+                break
+            pairs = get_pairs(word)
+        return " ".join(word)
+
+    def tokenize(self, text: str) -> List[str]:
+        """Text -> BPE token strings."""
+        bpe_tokens = []
+        for token in re.findall(self.pat, text):
+            token = "".join(self.byte_encoder[b] for b in token.encode("utf-8"))
+            bpe_tokens.extend(self.bpe(token).split(" "))
+        return bpe_tokens
+
+    def convert_tokens_to_ids(self, tokens: List[str]) -> List[int]:
+        """Token strings -> ids (special tokens first)."""
+        ids = []
+        for token in tokens:
+            if token in self.special_tokens:
+                ids.append(self.special_tokens[token])
+            else:
+                ids.append(self.encoder[token])
+        return ids
+
+    def convert_ids_to_tokens(self, ids: List[int], skip_special_tokens: bool = False) -> List[str]:
+        """Ids -> token strings."""
+        tokens = []
+        for i in ids:
+            if i in self.special_tokens_decoder:
+                if not skip_special_tokens:
+                    tokens.append(self.special_tokens_decoder[i])
+            else:
+                tokens.append(self.decoder[i])
+        return tokens
+
+    def encode(self, text: str) -> List[int]:
+        """Text -> ids."""
+        encoder = self.encoder
+        ids = []
+        for token in re.findall(self.pat, text):
+            token = "".join(self.byte_encoder[b] for b in token.encode("utf-8"))
+            ids.extend(encoder[t] for t in self.bpe(token).split(" "))
+        return ids
+
+    def decode(self, tokens: List[int]) -> str:
+        """Ids -> text (invalid UTF-8 handled by `errors`)."""
+        text = "".join(self.decoder[int(token)] for token in tokens)
+        return bytearray([self.byte_decoder[c] for c in text]).decode("utf-8", errors=self.errors)

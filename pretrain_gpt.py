@@ -1,0 +1,174 @@
+"""Pretrain GPT.
+
+Thin entry script: the model provider, the batch getter, the loss, the forward step and the dataset
+provider; `pretrain()` does the rest. Run with torchrun, e.g. `bash examples/quickstart.sh`.
+"""
+
+import dataclasses
+from functools import partial
+
+import torch
+
+from megatron.core import parallel_state as mpu
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.global_vars import get_args, get_timers, get_tokenizer
+from megatron.training.training import pretrain
+from megatron.training.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank, print_rank_0
+
+
+def model_provider(pre_process=True, post_process=True) -> GPTModel:
+    """Build the GPT model of this pipeline stage.
+
+    Args:
+        pre_process: this stage holds the embedding (first stage).
+        post_process: this stage holds the output layer and computes the loss (last stage).
+    """
+    args = get_args()
+    print_rank_0('building GPT model ...')
+    config = core_transformer_config_from_args(args)
+    if args.spec is not None:
+        import importlib
+
+        module_name, function_name = args.spec
+        transformer_layer_spec = getattr(importlib.import_module(module_name), function_name)()
+    else:
+        transformer_layer_spec = get_gpt_layer_local_spec(
+            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm
+        )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=transformer_layer_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
+
+
+def get_batch(data_iterator):
+    """The micro-batch of this rank: (tokens, labels, loss_mask, attention_mask, position_ids).
+
+    Middle pipeline stages take their input from the previous stage and get Nones.
+    """
+    if (not mpu.is_pipeline_first_stage()) and (not mpu.is_pipeline_last_stage()):
+        return None, None, None, None, None
+    batch = get_batch_on_this_tp_rank(data_iterator)
+    batch = get_batch_on_this_cp_rank(batch)
+    return batch.values()
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Masked token loss.
+
+    Returns:
+        (sum of masked token losses, number of loss tokens, {'lm loss': (sum, count) summed over the
+        data-parallel group}); the schedule divides by the token count (and micro-batch count).
+    """
+    args = get_args()
+    losses = output_tensor.float()
+    loss_mask = loss_mask.view(-1).float()
+    total_tokens = loss_mask.sum()
+    loss = torch.cat([torch.sum(losses.view(-1) * loss_mask).view(1), total_tokens.view(1)])
+
+    if args.check_for_nan_in_loss_and_grad:
+        if loss[0].isnan():
+            raise RuntimeError(
+                f'Rank {torch.distributed.get_rank()}: found NaN in local forward loss calculation'
+            )
+
+    # Reduce loss for logging.
+    reporting_loss = loss.clone().detach()
+    torch.distributed.all_reduce(reporting_loss, group=mpu.get_data_parallel_group())
+
+    local_num_tokens = loss[1].clone().detach().to(torch.int)
+    return (
+        loss[0] * args.context_parallel_size,
+        local_num_tokens,
+        {'lm loss': (reporting_loss[0], reporting_loss[1])},
+    )
+
+
+def forward_step(data_iterator, model: GPTModel):
+    """Forward one micro-batch; returns (per-token losses or hidden states, loss function)."""
+    timers = get_timers()
+    timers('batch-generator', log_level=2).start()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    timers('batch-generator').stop()
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def is_dataset_built_on_rank():
+    """Datasets are read on TP rank 0 of the first and last pipeline stages."""
+    return (
+        mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage()
+    ) and mpu.get_tensor_model_parallel_rank() == 0
+
+
+def core_gpt_dataset_config_from_args(args):
+    """GPTDatasetConfig from args (the one place args become a dataset config)."""
+    kwargs = dict(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=get_blend_from_list(args.data_path),
+        blend_per_split=[
+            get_blend_from_list(args.train_data_path),
+            get_blend_from_list(args.valid_data_path),
+            get_blend_from_list(args.test_data_path),
+        ],
+        renormalize_blend_weights=args.renormalize_blend_weights,
+        split=args.split,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+    fields = {f.name for f in dataclasses.fields(GPTDatasetConfig)}
+    return GPTDatasetConfig(**{k: v for k, v in kwargs.items() if k in fields})
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """Build the train, validation and test datasets.
+
+    Args:
+        train_val_test_num_samples: samples wanted for each split.
+    """
+    args = get_args()
+    config = core_gpt_dataset_config_from_args(args)
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0('> building train, validation, and test datasets for GPT ...')
+    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, is_dataset_built_on_rank, config
+    ).build()
+    print_rank_0('> finished creating GPT datasets ...')
+    return train_ds, valid_ds, test_ds
+
+
+# The core datasets are distributed-aware: every rank calls the provider.
+train_valid_test_datasets_provider.is_distributed = True
+
+
+if __name__ == '__main__':
+    pretrain(
+        train_valid_test_datasets_provider,
+        model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        args_defaults={'tokenizer_type': 'GPT2BPETokenizer'},
+    )

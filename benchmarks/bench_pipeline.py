@@ -127,7 +127,9 @@ class StageStack(torch.nn.Module):
             self.layers = torch.nn.ModuleList(SleepLayer(sleep_s) for _ in range(num_local))
         else:
             self.layers = torch.nn.ModuleList(
-                torch.nn.Sequential(torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h))
+                torch.nn.Sequential(
+                    torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h)
+                )
                 for _ in range(num_local)
             )
 
@@ -172,6 +174,8 @@ def _run_rank(rank, world_size, port, args, result_q):
             num_layers=args.num_layers,
             timers=timers,
             deallocate_pipeline_outputs=True,
+            overlap_p2p_comm=bool(vp and args.overlap_p2p_comm),
+            batch_p2p_comm=not (vp and args.overlap_p2p_comm),
         )
         chunks = []
         num_chunks = vp or 1
@@ -197,7 +201,7 @@ def _run_rank(rank, world_size, port, args, result_q):
             for _ in range(args.num_microbatches)
         ]
         fb = get_forward_backward_func()
-        bubbles, totals = [], []
+        p2p, compute, totals = [], [], []
         for step in range(args.warmup_steps + args.steps):
             timers.reset()
             torch.distributed.barrier()
@@ -211,20 +215,19 @@ def _run_rank(rank, world_size, port, args, result_q):
             )
             total = timers.total(['forward-backward'])
             if step >= args.warmup_steps:
-                bubbles.append(timers.total(P2P_TIMERS) / total)
+                p2p.append(timers.total(P2P_TIMERS))
+                compute.append(timers.total(COMPUTE_TIMERS))
                 totals.append(total)
-        results[schedule] = {
-            'bubble': sum(bubbles) / len(bubbles),
-            'step_s': sum(totals) / len(totals),
-            'compute_s': timers.total(COMPUTE_TIMERS),
-        }
+        results[schedule] = {'p2p': p2p, 'compute': compute, 'total': totals}
     result_q.put((rank, results))
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument('--pipeline-model-parallel-size', type=int, default=4)
     parser.add_argument('--virtual-stages', type=int, default=2)
     parser.add_argument('--num-layers', type=int, default=16)
@@ -234,6 +237,12 @@ def main():
     parser.add_argument('--micro-batch-size', type=int, default=4)
     parser.add_argument('--compute', choices=('sleep', 'matmul'), default='sleep')
     parser.add_argument('--sleep-ms-per-layer', type=float, default=5.0)
+    parser.add_argument(
+        '--overlap-p2p-comm',
+        action='store_true',
+        help='interleaved schedule with overlapped, unbatched p2p (then only idle/step is '
+        'meaningful: waits on background transfers are not timed as p2p)',
+    )
     parser.add_argument('--steps', type=int, default=3)
     parser.add_argument('--warmup-steps', type=int, default=1)
     args = parser.parse_args()
@@ -257,27 +266,57 @@ def main():
     print(
         f"pipeline bubble, PP={p}, micro-batches={m}, virtual stages={v}, layers={args.num_layers}, "
         f"compute={args.compute}"
-        + (f" ({args.sleep_ms_per_layer} ms/layer fwd, 2x bwd)" if args.compute == 'sleep' else
-           f" (hidden {args.hidden_size}, seq {args.seq_length}, mbs {args.micro_batch_size})")
+        + (
+            f" ({args.sleep_ms_per_layer} ms/layer fwd, 2x bwd)"
+            if args.compute == 'sleep'
+            else f" (hidden {args.hidden_size}, seq {args.seq_length}, mbs {args.micro_batch_size})"
+        )
         + f", {os.cpu_count()} CPU cores"
+        + (", interleaved with overlap_p2p_comm" if args.overlap_p2p_comm else "")
     )
     theory = {
         '1F1B': ((p - 1) / m, (p - 1) / (m + p - 1)),
         'interleaved': ((p - 1) / (v * m), (p - 1) / (v * m + p - 1)),
     }
-    header = f"{'schedule':<12} {'stage':>5} {'idle/total':>10} {'step s':>8}"
-    print(header)
+    print(
+        "p2p-wait/own: time blocked in p2p / the stage's own forward_backward time (its fill/drain\n"
+        "idle before its first and after its last p2p is partly outside its own call);\n"
+        "idle/step: 1 - compute / pipeline step, pipeline step = slowest stage's forward_backward\n"
+        "(all stages start together after a barrier)."
+    )
+    print(
+        f"{'schedule':<12} {'stage':>5} {'p2p-wait/own':>12} {'idle/step':>10} {'own s':>7} {'step s':>7}"
+    )
+    summary = {}
     for schedule in ('1F1B', 'interleaved'):
+        steps = args.steps
+        pipeline_step = [
+            max(results[r][schedule]['total'][i] for r in range(p)) for i in range(steps)
+        ]
+        waits, idles = [], []
         for rank in range(p):
-            r = results[rank][schedule]
-            print(f"{schedule:<12} {rank:>5} {r['bubble']:>10.3f} {r['step_s']:>8.3f}")
-        mean = sum(results[rank][schedule]['bubble'] for rank in range(p)) / p
-        step = sum(results[rank][schedule]['step_s'] for rank in range(p)) / p
+            res = results[rank][schedule]
+            wait = sum(res['p2p'][i] / res['total'][i] for i in range(steps)) / steps
+            idle = sum(1 - res['compute'][i] / pipeline_step[i] for i in range(steps)) / steps
+            own = sum(res['total']) / steps
+            waits.append(wait)
+            idles.append(idle)
+            print(
+                f"{schedule:<12} {rank:>5} {wait:>12.3f} {idle:>10.3f} {own:>7.3f} "
+                f"{sum(pipeline_step) / steps:>7.3f}"
+            )
         t_ratio, t_frac = theory[schedule]
+        summary[schedule] = (sum(waits) / p, sum(idles) / p, sum(pipeline_step) / steps)
         print(
-            f"{schedule:<12} {'mean':>5} {mean:>10.3f} {step:>8.3f}   theory: bubble/compute "
-            f"{t_ratio:.3f}, bubble/step {t_frac:.3f}"
+            f"{schedule:<12} {'mean':>5} {summary[schedule][0]:>12.3f} {summary[schedule][1]:>10.3f}"
+            f"{'':>8} {summary[schedule][2]:>7.3f}   theory: bubble/compute {t_ratio:.3f}, "
+            f"bubble/step {t_frac:.3f}"
         )
+    ratio = summary['1F1B'][2] / summary['interleaved'][2]
+    print(
+        f"step time 1F1B / interleaved = {ratio:.2f} (theory for equal compute: "
+        f"{(m + p - 1) / m * v * m / (v * m + p - 1):.2f})"
+    )
 
 
 if __name__ == '__main__':

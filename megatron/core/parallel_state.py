@@ -86,6 +86,9 @@ _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = None
 # Every process group created by initialize_model_parallel on this rank (destroyed on reset).
 _CREATED_GROUPS = []
 
+# Reusable scratch buffers (see get_global_memory_buffer).
+_GLOBAL_MEMORY_BUFFER = None
+
 _INIT_HINT = "call megatron.core.parallel_state.initialize_model_parallel() first"
 
 
@@ -503,6 +506,8 @@ def initialize_model_parallel(
         _DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP_GLOO,
         _,
     ) = _build(groups["dp-modulo-ep-cp"], timeout, with_gloo=True)
+
+    _set_global_memory_buffer()
 
 
 def model_parallel_is_initialized() -> bool:
@@ -1005,6 +1010,53 @@ def get_data_modulo_expert_parallel_world_size(with_context_parallel: bool = Fal
 
 
 # --------------------------------------------------------------------------------------------
+# Global memory buffer
+# --------------------------------------------------------------------------------------------
+
+
+class GlobalMemoryBuffer:
+    """Scratch tensors reused across calls, one per (name, dtype), grown on demand.
+
+    Used for temporary activations that would otherwise be allocated every step (e.g. the
+    attention score buffer of baddbmm). A returned tensor stays valid until the next
+    get_tensor() call with the same name and dtype.
+    """
+
+    def __init__(self):
+        self.buffer = {}
+
+    def get_tensor(self, tensor_shape, dtype, name):
+        """A tensor of `tensor_shape` and `dtype` backed by the buffer `name` (contents undefined)."""
+        from megatron.core.utils import get_current_device
+
+        required_len = 1
+        for dim in tensor_shape:
+            required_len *= dim
+        key = (name, dtype)
+        if key not in self.buffer or self.buffer[key].numel() < required_len:
+            self.buffer[key] = torch.empty(
+                required_len, dtype=dtype, device=get_current_device(), requires_grad=False
+            )
+        return self.buffer[key][0:required_len].view(*tensor_shape)
+
+
+def _set_global_memory_buffer():
+    global _GLOBAL_MEMORY_BUFFER
+    _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+
+
+def get_global_memory_buffer() -> GlobalMemoryBuffer:
+    """The global scratch buffer (created by initialize_model_parallel)."""
+    return _checked(_GLOBAL_MEMORY_BUFFER, "global memory buffer")
+
+
+def destroy_global_memory_buffer() -> None:
+    """Drop the global scratch buffer."""
+    global _GLOBAL_MEMORY_BUFFER
+    _GLOBAL_MEMORY_BUFFER = None
+
+
+# --------------------------------------------------------------------------------------------
 # Teardown
 # --------------------------------------------------------------------------------------------
 
@@ -1043,6 +1095,7 @@ _RESET_TO_NONE = [
     "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
     "_TENSOR_AND_CONTEXT_PARALLEL_GROUP",
     "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
+    "_GLOBAL_MEMORY_BUFFER",
 ]
 
 

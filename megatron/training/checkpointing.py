@@ -22,8 +22,8 @@ the tracker file (again temp + rename). A process killed at any point of a save 
 tracker pointing at the previous, complete checkpoint.
 
 Loading uses `torch.load(weights_only=True)` (only tensors, containers, numbers, strings, dtypes and
-argparse.Namespace can be unpickled), checks the checkpoint's parallel layout and model shape against
-the run, and names both values of every difference.
+argparse.Namespace can be unpickled), checks the checkpoint's parallel layout and model shape
+against the run, and names both values of every difference.
 """
 
 import argparse
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from megatron.core import parallel_state as mpu
+from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import update_num_microbatches
 from megatron.core.utils import get_current_device, unwrap_model
 from megatron.training.global_vars import get_args
@@ -47,7 +48,7 @@ MODEL_CHECKPOINT_BASENAME = 'model_optim_rng.pt'
 DISTRIB_OPTIM_BASENAME = 'distrib_optim.pt'
 
 #: Classes `torch.load(weights_only=True)` may build besides tensors and plain containers.
-SAFE_GLOBALS = [argparse.Namespace]
+SAFE_GLOBALS = [argparse.Namespace, ModelType]
 
 _CHECKPOINT_VERSION = None
 
@@ -135,7 +136,9 @@ def get_distributed_optimizer_checkpoint_name(model_checkpoint_name: str) -> str
     return os.path.join(os.path.dirname(model_checkpoint_name), DISTRIB_OPTIM_BASENAME)
 
 
-def find_checkpoint_rank_0(checkpoints_path: str, iteration: int, release: bool = False) -> Optional[str]:
+def find_checkpoint_rank_0(
+    checkpoints_path: str, iteration: int, release: bool = False
+) -> Optional[str]:
     """The rank-0 checkpoint file of an iteration whatever its pipeline / expert layout, or None."""
     for pipeline_parallel in (False, True):
         for expert_parallel in (False, True):
@@ -166,6 +169,21 @@ def checkpoint_exists(checkpoints_path: Optional[str]) -> bool:
     return os.path.exists(get_checkpoint_tracker_filename(checkpoints_path))
 
 
+def _parse_tracker(tracker_filename: str) -> Tuple[int, bool]:
+    """(iteration, release) from the tracker file's text, without collectives."""
+    with open(tracker_filename, 'r') as f:
+        metastring = f.read().strip()
+    try:
+        return int(metastring), False
+    except ValueError:
+        if metastring == 'release':
+            return 0, True
+        raise ValueError(
+            f'invalid metadata file {tracker_filename}: expected an iteration number or '
+            f'"release", found {metastring!r}'
+        )
+
+
 def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
     """Read the tracker file: (iteration, release).
 
@@ -175,20 +193,7 @@ def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
     Raises:
         ValueError: if the file holds neither an integer nor the word "release".
     """
-    iteration = 0
-    release = False
-    with open(tracker_filename, 'r') as f:
-        metastring = f.read().strip()
-        try:
-            iteration = int(metastring)
-        except ValueError:
-            release = metastring == 'release'
-            if not release:
-                raise ValueError(
-                    f'invalid metadata file {tracker_filename}: expected an iteration number or '
-                    f'"release", found {metastring!r}'
-                )
-
+    iteration, release = _parse_tracker(tracker_filename)
     if torch.distributed.is_initialized():
         iters = torch.tensor([iteration], dtype=torch.long, device=get_current_device())
         torch.distributed.all_reduce(iters, op=torch.distributed.ReduceOp.MAX)
@@ -211,7 +216,8 @@ def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
 def _np_state_to_checkpoint(state: tuple) -> tuple:
     """numpy's MT19937 state with the key array as a tensor (loadable with weights_only=True)."""
     name, keys, pos, has_gauss, cached_gaussian = state
-    return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached_gaussian))
+    keys = torch.from_numpy(keys.astype(np.int64))
+    return (name, keys, int(pos), int(has_gauss), float(cached_gaussian))
 
 
 def _np_state_from_checkpoint(state: tuple) -> tuple:
@@ -246,7 +252,9 @@ def get_rng_state(use_dist_ckpt: bool = False) -> List[Dict[str, Any]]:
         and args.data_parallel_random_init
     ):
         rng_state_list = [None] * mpu.get_data_parallel_world_size()
-        torch.distributed.all_gather_object(rng_state_list, rng_state, group=mpu.get_data_parallel_group())
+        torch.distributed.all_gather_object(
+            rng_state_list, rng_state, group=mpu.get_data_parallel_group()
+        )
     else:
         rng_state_list = [rng_state]
     return rng_state_list
@@ -263,7 +271,9 @@ def _set_rng_state(rng_state: Dict[str, Any], checkpoint_name: str) -> None:
         if 'cuda_rng_state' in rng_state:
             torch.cuda.set_rng_state(rng_state['cuda_rng_state'])
         else:
-            print_rank_0(f'WARNING: {checkpoint_name} was saved without CUDA; CUDA RNG state not restored')
+            print_rank_0(
+                f'WARNING: {checkpoint_name} was saved without CUDA; CUDA RNG state not restored'
+            )
     if not rng_state['rng_tracker_states']:
         raise KeyError('rng_tracker_states')
     tensor_parallel.get_cuda_rng_tracker().set_states(rng_state['rng_tracker_states'])
@@ -272,7 +282,7 @@ def _set_rng_state(rng_state: Dict[str, Any], checkpoint_name: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # saving
 
-_PLAIN_SCALARS = (type(None), bool, int, float, str, torch.dtype)
+_PLAIN_SCALARS = (type(None), bool, int, float, str, torch.dtype, ModelType)
 
 
 def _is_plain(value: Any) -> bool:
@@ -343,7 +353,9 @@ def generate_state_dict(
 
 def _fsync_path(path: str) -> None:
     """Flush a file (or a directory entry) to disk."""
-    flags = os.O_RDONLY | getattr(os, 'O_DIRECTORY', 0) if os.path.isdir(path) else os.O_RDONLY
+    flags = os.O_RDONLY
+    if os.path.isdir(path):
+        flags |= getattr(os, 'O_DIRECTORY', 0)
     fd = os.open(path, flags)
     try:
         os.fsync(fd)
@@ -363,6 +375,7 @@ def _atomic_torch_save(obj: Any, filename: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, filename)
+        _fsync_path(os.path.dirname(filename) or '.')
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -384,10 +397,27 @@ def _agree_all_ranks_succeeded(ok: bool) -> List[int]:
     """A barrier that also tells every rank which ranks failed (empty list: none)."""
     if not torch.distributed.is_initialized():
         return [] if ok else [0]
-    flags = torch.zeros(torch.distributed.get_world_size(), dtype=torch.int32, device=get_current_device())
+    world_size = torch.distributed.get_world_size()
+    flags = torch.zeros(world_size, dtype=torch.int32, device=get_current_device())
     flags[torch.distributed.get_rank()] = 0 if ok else 1
     torch.distributed.all_reduce(flags)
     return [rank for rank, failed in enumerate(flags.tolist()) if failed]
+
+
+def _raise_if_any_rank_failed(
+    error: Optional[BaseException], iteration: int, save_dir: str
+) -> None:
+    """Collective: raise on every rank if any rank failed its part of the save."""
+    failed = _agree_all_ranks_succeeded(error is None)
+    if not failed:
+        return
+    message = (
+        f'saving checkpoint at iteration {iteration} to {save_dir} failed on rank(s) {failed}; '
+        f'{TRACKER_FILENAME} was not updated'
+    )
+    if error is not None:
+        raise RuntimeError(f'{message}: {error!r}') from error
+    raise RuntimeError(message)
 
 
 def _warn_unsupported_format_flags(args) -> None:
@@ -437,41 +467,46 @@ def save_checkpoint(
         or mpu.get_data_modulo_expert_parallel_rank(with_context_parallel=True) == 0
     )
 
+    save_optim_state = (
+        args.use_distributed_optimizer and not args.no_save_optim and optimizer is not None
+    )
+    optim_checkpoint_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
+    tmp_optim_name = optim_checkpoint_name + '.tmp'
+
     error = None
     try:
-        if args.use_distributed_optimizer and not args.no_save_optim and optimizer is not None:
-            optim_checkpoint_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
+        if save_optim_state:
             ensure_directory_exists(optim_checkpoint_name)
-            tmp_optim_name = optim_checkpoint_name + '.tmp'
-            # Gathers each DP group's shards; the group's rank 0 writes the file.
+            # Gathers each DP group's shards; the group's rank 0 writes the (temporary) file.
             optimizer.save_parameter_state(tmp_optim_name)
-            if is_writer:
-                _fsync_path(tmp_optim_name)
-                os.replace(tmp_optim_name, optim_checkpoint_name)
-
         if is_writer:
             state_dict = generate_state_dict(
                 args, model, optimizer, opt_param_scheduler, rng_state, iteration=iteration
             )
-            state_dict['num_floating_point_operations_so_far'] = num_floating_point_operations_so_far
+            state_dict['num_floating_point_operations_so_far'] = (
+                num_floating_point_operations_so_far
+            )
             ensure_directory_exists(checkpoint_name)
             _atomic_torch_save(state_dict, checkpoint_name)
     except Exception as exc:  # every rank must still reach the agreement below
         error = exc
+    _raise_if_any_rank_failed(error, iteration, args.save)
 
-    failed = _agree_all_ranks_succeeded(error is None)
-    if failed:
-        message = (
-            f'saving checkpoint at iteration {iteration} to {args.save} failed on rank(s) {failed}; '
-            f'{TRACKER_FILENAME} was not updated'
-        )
-        if error is not None:
-            raise RuntimeError(f'{message}: {error!r}') from error
-        raise RuntimeError(message)
+    if save_optim_state:
+        # The agreement above is also a barrier: the optimizer file is complete on disk now. One
+        # rank per (tp, pp[, ep]) folder moves it into place.
+        try:
+            if is_writer and os.path.exists(tmp_optim_name):
+                _fsync_path(tmp_optim_name)
+                os.replace(tmp_optim_name, optim_checkpoint_name)
+        except Exception as exc:
+            error = exc
+        _raise_if_any_rank_failed(error, iteration, args.save)
 
     print_rank_0(
         f'  successfully saved checkpoint from iteration {iteration:7d} to {args.save} '
-        f'[ t {mpu.get_tensor_model_parallel_world_size()}, p {mpu.get_pipeline_model_parallel_world_size()} ]'
+        f'[ t {mpu.get_tensor_model_parallel_world_size()}, '
+        f'p {mpu.get_pipeline_model_parallel_world_size()} ]'
     )
 
     # All rank files are complete and on disk: only now does the new iteration become visible.
@@ -542,21 +577,17 @@ def _load_base_checkpoint(
 
     if checkpoint_step is not None:
         iteration, release = checkpoint_step, False
-    elif rank0 and torch.distributed.is_initialized():
-        # No collective here: only some ranks may call with rank0=True.
-        with open(tracker_filename) as f:
-            metastring = f.read().strip()
-        release = metastring == 'release'
-        iteration = 0 if release else int(metastring)
+    elif rank0:
+        # No collective here: only some ranks (or none yet initialized) call with rank0=True.
+        iteration, release = _parse_tracker(tracker_filename)
     else:
         iteration, release = read_metadata(tracker_filename)
 
     if rank0:
         checkpoint_name = find_checkpoint_rank_0(load_dir, iteration, release)
         if checkpoint_name is None:
-            raise FileNotFoundError(
-                f'no rank-0 checkpoint file under {get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)}'
-            )
+            base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+            raise FileNotFoundError(f'no rank-0 checkpoint file under {base_dir}')
     else:
         checkpoint_name = get_checkpoint_name(load_dir, iteration, release)
         if not os.path.isfile(checkpoint_name):
@@ -568,7 +599,8 @@ def _load_base_checkpoint(
         state_dict = _torch_load(checkpoint_name)
     except Exception as exc:
         raise RuntimeError(
-            f'could not load checkpoint file {checkpoint_name} with torch.load(weights_only=True): {exc}'
+            f'could not load checkpoint file {checkpoint_name} with '
+            f'torch.load(weights_only=True): {exc}'
         ) from exc
     return state_dict, checkpoint_name, release
 
@@ -640,13 +672,16 @@ def _check_model_state_dict(module, model_state_dict, key: str, checkpoint_name:
     for name, tensor in expected.items():
         if name not in model_state_dict:
             if strict and isinstance(tensor, torch.Tensor):
-                lines.append(f'{name}: missing from the checkpoint (model shape {list(tensor.shape)})')
+                lines.append(
+                    f'{name}: missing from the checkpoint (model shape {list(tensor.shape)})'
+                )
             continue
         saved = model_state_dict[name]
         if isinstance(tensor, torch.Tensor) and isinstance(saved, torch.Tensor):
             if tuple(saved.shape) != tuple(tensor.shape):
                 lines.append(
-                    f'{name}: shape in checkpoint {list(saved.shape)} != shape in model {list(tensor.shape)}'
+                    f'{name}: shape in checkpoint {list(saved.shape)} != '
+                    f'shape in model {list(tensor.shape)}'
                 )
     if strict:
         for name in model_state_dict:
@@ -660,7 +695,9 @@ def _check_model_state_dict(module, model_state_dict, key: str, checkpoint_name:
         )
 
 
-def load_args_from_checkpoint(args, load_arg: str = 'load', exit_on_missing_checkpoint: bool = False):
+def load_args_from_checkpoint(
+    args, load_arg: str = 'load', exit_on_missing_checkpoint: bool = False
+):
     """Copy the model-defining args of the checkpoint in `args.<load_arg>` into `args`.
 
     Used by `--use-checkpoint-args` before the model is built (no collectives). Args that are
@@ -693,7 +730,7 @@ def load_args_from_checkpoint(args, load_arg: str = 'load', exit_on_missing_chec
 
     # One-off conversion for foundation models.
     if hasattr(checkpoint_args, 'disable_bias_linear'):
-        setattr(checkpoint_args, 'add_bias_linear', not getattr(checkpoint_args, 'disable_bias_linear'))
+        checkpoint_args.add_bias_linear = not checkpoint_args.disable_bias_linear
 
     def _set_arg(arg_name, old_arg_name=None, force=False):
         if not force and getattr(args, arg_name, None) is not None:
@@ -705,7 +742,8 @@ def load_args_from_checkpoint(args, load_arg: str = 'load', exit_on_missing_chec
         else:
             print_rank_0(f'Checkpoint did not provide arguments {arg_name}')
 
-    for name in ('num_layers', 'hidden_size', 'ffn_hidden_size', 'seq_length', 'num_attention_heads'):
+    for name in ('num_layers', 'hidden_size', 'ffn_hidden_size', 'seq_length',
+                 'num_attention_heads'):
         _set_arg(name)
     for name in ('num_query_groups', 'group_query_attention'):
         _set_arg(name, force=True)
@@ -738,7 +776,9 @@ def load_args_from_checkpoint(args, load_arg: str = 'load', exit_on_missing_chec
     return args, checkpoint_args
 
 
-def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = 'load', strict: bool = True):
+def load_checkpoint(
+    model, optimizer, opt_param_scheduler, load_arg: str = 'load', strict: bool = True
+):
     """Load the latest (or `--ckpt-step`) checkpoint of `args.<load_arg>` into model, optimizer,
     scheduler and RNGs (every rank must call it).
 
@@ -758,6 +798,21 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = 'load
     _warn_unsupported_format_flags(args)
     model = unwrap_model(model if isinstance(model, list) else [model])
 
+    # --pretrained-checkpoint: start a finetuning run from it until the run has its own checkpoint.
+    pretrained_dir = getattr(args, 'pretrained_checkpoint', None)
+    if pretrained_dir is not None and not checkpoint_exists(load_dir):
+        print_rank_0(
+            f'Checkpoint file not found in load directory {load_dir}; attempting to finetune with '
+            f'the checkpoint in {pretrained_dir}'
+        )
+        load_dir = pretrained_dir
+        if not checkpoint_exists(load_dir):
+            raise FileNotFoundError(
+                f'no checkpoint ({TRACKER_FILENAME}) in --load ({getattr(args, load_arg)}) or '
+                f'--pretrained-checkpoint ({pretrained_dir})'
+            )
+        args.finetune = True
+
     state_dict, checkpoint_name, release = _load_base_checkpoint(
         load_dir,
         rank0=False,
@@ -767,7 +822,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = 'load
     if state_dict is None:
         return 0, 0
 
-    # A different process may have loaded an older version before (tools): take this one.
+    # One process may load several checkpoints (tests, tools): record this one's version.
     global _CHECKPOINT_VERSION
     _CHECKPOINT_VERSION = None
     set_checkpoint_version(state_dict.get('checkpoint_version', 0))
@@ -806,7 +861,9 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = 'load
         keys = ['model']
     else:
         keys = ['model%d' % i for i in range(len(model))]
-    saved_chunks = sorted(k for k in state_dict if k == 'model' or (k.startswith('model') and k[5:].isdigit()))
+    saved_chunks = sorted(
+        k for k in state_dict if k == 'model' or (k.startswith('model') and k[5:].isdigit())
+    )
     if saved_chunks != sorted(keys):
         raise ValueError(
             f'{checkpoint_name} holds model chunks {saved_chunks} but this run has {len(model)} '
@@ -830,10 +887,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = 'load
             if optimizer is not None:
                 optimizer.load_state_dict(state_dict['optimizer'])
                 if args.use_distributed_optimizer:
-                    optim_checkpoint_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
-                    if not os.path.isfile(optim_checkpoint_name):
-                        raise KeyError(optim_checkpoint_name)
-                    optimizer.load_parameter_state(optim_checkpoint_name)
+                    optim_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
+                    if not os.path.isfile(optim_name):
+                        raise KeyError(optim_name)
+                    optimizer.load_parameter_state(optim_name)
             if opt_param_scheduler is not None:
                 if 'lr_scheduler' in state_dict:  # backward compatibility
                     opt_param_scheduler.load_state_dict(state_dict['lr_scheduler'])
@@ -842,7 +899,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = 'load
         except KeyError as exc:
             raise ValueError(
                 f'Unable to load optimizer from checkpoint {checkpoint_name} (missing {exc}). '
-                f'Specify --no-load-optim or --finetune to prevent attempting to load the optimizer state.'
+                f'Specify --no-load-optim or --finetune to prevent attempting to load the '
+                f'optimizer state.'
             ) from exc
     else:
         if (args.fp16 or args.bf16) and optimizer is not None:
@@ -855,7 +913,9 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = 'load
             if args.data_parallel_random_init:
                 dp_rank = mpu.get_data_parallel_rank()
                 if dp_rank >= len(rng_states):
-                    raise KeyError(f'rng_state[{dp_rank}] (checkpoint has {len(rng_states)} entries)')
+                    raise KeyError(
+                        f'rng_state[{dp_rank}] (checkpoint has {len(rng_states)} entries)'
+                    )
                 rng_state = rng_states[dp_rank]
             else:
                 rng_state = rng_states[0]

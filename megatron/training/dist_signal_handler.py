@@ -32,7 +32,9 @@ def get_device(local_rank: Optional[int] = None) -> torch.device:
     raise RuntimeError(f"dist_signal_handler: unsupported torch.distributed backend {backend!r}")
 
 
-def all_gather_item(item, dtype: torch.dtype, group=None, async_op: bool = False, local_rank=None) -> List:
+def all_gather_item(
+    item, dtype: torch.dtype, group=None, async_op: bool = False, local_rank=None
+) -> List:
     """All-gather one Python scalar from every rank of `group` (default: the world).
 
     Args:
@@ -52,7 +54,9 @@ def all_gather_item(item, dtype: torch.dtype, group=None, async_op: bool = False
     device = get_device(local_rank)
     group_size = group.size() if group is not None else get_world_size()
     tensor = torch.tensor([item], device=device, dtype=dtype)
-    output_tensors = [torch.zeros(1, dtype=tensor.dtype, device=tensor.device) for _ in range(group_size)]
+    output_tensors = [
+        torch.zeros(1, dtype=tensor.dtype, device=tensor.device) for _ in range(group_size)
+    ]
     torch.distributed.all_gather(output_tensors, tensor, group)
     return [elem.item() for elem in output_tensors]
 

@@ -115,6 +115,7 @@ def pretrain(
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
     timers('model-and-optimizer-setup').stop()
     print_datetime('after model, optimizer, and learning rate scheduler are built')
+    write_args_to_tensorboard()
     config = get_model_config(model[0])
 
     # Data stuff.
@@ -638,10 +639,23 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     # Hooks the schedules use.
     config.grad_scale_func = optimizer.scale_loss
     config.timers = timers
-    if len(model) == 1:
-        config.no_sync_func = model[0].no_sync if hasattr(model[0], 'no_sync') else None
-    else:
-        config.no_sync_func = [m.no_sync for m in model] if hasattr(model[0], 'no_sync') else None
+    if args.overlap_grad_reduce and hasattr(model[0], 'no_sync'):
+        # Grad all-reduces are launched by DDP's hooks during the last micro-batch's backward;
+        # the schedules disable them for the other micro-batches.
+        config.no_sync_func = [model_chunk.no_sync for model_chunk in model]
+        if len(model) == 1:
+            config.no_sync_func = config.no_sync_func[0]
+        if args.delay_grad_reduce:
+            config.grad_sync_func = [model_chunk.start_grad_sync for model_chunk in model]
+            if len(model) == 1:
+                config.grad_sync_func = config.grad_sync_func[0]
+    if args.overlap_param_gather and args.delay_param_gather and hasattr(optimizer, 'finish_param_sync'):
+        config.param_sync_func = [
+            (lambda x, model_index=model_index: optimizer.finish_param_sync(model_index, x))
+            for model_index in range(len(model))
+        ]
+        if len(model) == 1:
+            config.param_sync_func = config.param_sync_func[0]
     config.finalize_model_grads_func = finalize_model_grads
 
     timers('interval-time', log_level=0).start(barrier=True)

@@ -1,4 +1,4 @@
-"""The one distributed test harness: run a function on N spawned gloo ranks.
+"""The one distributed test harness: run a function on N gloo ranks in worker processes.
 
 Usage::
 
@@ -12,10 +12,12 @@ Usage::
 
 How it works:
 
-- One persistent pool of spawned worker processes per world size (at most `MAX_POOLS` pools alive,
-  least recently used killed first). Each worker runs `torch.set_num_threads(1)`, joins a gloo
-  default process group on a free TCP port once, then loops over jobs. Starting processes and
-  importing torch is the slow part, so pools are reused across tests.
+- One persistent pool of worker processes per (world size, backend), at most `MAX_POOLS` alive
+  (least recently used closed first). Workers are forked from a clean forkserver that has
+  imported torch once (or spawned, see START_METHOD). Each runs `torch.set_num_threads(1)`,
+  joins a gloo (or, with backend="nccl", NCCL) default process group on a free TCP port once,
+  then loops over jobs. Starting processes and importing torch is the slow part, so pools are
+  reused across tests.
 - Per job every rank: `destroy_model_parallel()`, `initialize_model_parallel(tp, pp, vpp,
   split_rank, context_parallel_size=cp, expert_model_parallel_size=ep)`, reset RNG
   (`torch.manual_seed(1234)` and `model_parallel_cuda_manual_seed(1234)`), run `fn(*args,
@@ -44,12 +46,24 @@ import torch.multiprocessing as mp
 
 #: Seed every rank's RNGs are reset to before each job.
 SEED = 1234
-#: Most pools (world sizes) kept alive at once.
+#: Most pools (world size, backend) kept alive at once.
 MAX_POOLS = 2
 #: Seconds to wait for a fresh pool's workers to join the default process group.
 POOL_START_TIMEOUT = 180.0
 #: After one rank failed, seconds to wait for the others' answers before killing the pool.
 ERROR_GRACE = 5.0
+#: How workers are started. "forkserver" (default) forks them from one clean server process that
+#: has imported torch once, which is much cheaper than importing torch in every spawned worker
+#: on a busy machine; "spawn" starts each from scratch. Override with DIST_UTILS_START_METHOD.
+START_METHOD = os.environ.get("DIST_UTILS_START_METHOD", "forkserver")
+_PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state"]
+
+
+def _mp_context():
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def _find_free_port() -> int:
@@ -72,6 +86,16 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _reset_state(tp, pp, vpp, cp, ep, split_rank):
     from megatron.core import parallel_state
 
@@ -92,9 +116,11 @@ def _reset_state(tp, pp, vpp, cp, ep, split_rank):
     model_parallel_cuda_manual_seed(SEED)
 
 
-def _worker_main(rank: int, world_size: int, port: int, job_q, result_q, parent_pid: int):
+def _worker_main(rank: int, world_size: int, port: int, job_q, result_q, parent_pid: int, backend: str):
     """Entry point of one pool worker: join the default group, then run jobs until told to stop."""
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
@@ -102,7 +128,7 @@ def _worker_main(rank: int, world_size: int, port: int, job_q, result_q, parent_
     os.environ["LOCAL_RANK"] = str(rank)
     try:
         torch.distributed.init_process_group(
-            backend="gloo",
+            backend=backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -116,7 +142,7 @@ def _worker_main(rank: int, world_size: int, port: int, job_q, result_q, parent_
         try:
             job = job_q.get(timeout=1.0)
         except queue.Empty:
-            if os.getppid() != parent_pid:  # the test runner died: do not linger
+            if not _process_alive(parent_pid):  # the test runner died: do not linger
                 return
             continue
         if job is None:
@@ -146,11 +172,12 @@ def _worker_main(rank: int, world_size: int, port: int, job_q, result_q, parent_
 
 
 class _Pool:
-    """`world_size` spawned workers sharing one gloo default process group."""
+    """`world_size` worker processes sharing one default process group (gloo or nccl)."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, backend: str = "gloo"):
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        self.backend = backend
+        ctx = _mp_context()
         self.result_q = ctx.Queue()
         self.job_qs = [ctx.Queue() for _ in range(world_size)]
         self.port = _find_free_port()
@@ -159,7 +186,7 @@ class _Pool:
         for rank in range(world_size):
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, self.port, self.job_qs[rank], self.result_q, os.getpid()),
+                args=(rank, world_size, self.port, self.job_qs[rank], self.result_q, os.getpid(), backend),
                 name=f"dist_utils-ws{world_size}-rank{rank}",
             )
             proc.start()
@@ -284,21 +311,23 @@ class _Pool:
             q.close()
 
 
-_POOLS: "collections.OrderedDict[int, _Pool]" = collections.OrderedDict()
+# Pools by (world_size, backend), least recently used first.
+_POOLS: "collections.OrderedDict[tuple, _Pool]" = collections.OrderedDict()
 
 
-def _get_pool(world_size: int) -> _Pool:
-    pool = _POOLS.get(world_size)
+def _get_pool(world_size: int, backend: str = "gloo") -> _Pool:
+    key = (world_size, backend)
+    pool = _POOLS.get(key)
     if pool is not None and not pool.alive():
-        _POOLS.pop(world_size).kill()
+        _POOLS.pop(key).kill()
         pool = None
     if pool is None:
         while len(_POOLS) >= MAX_POOLS:
             _, old = _POOLS.popitem(last=False)  # least recently used
             old.close()
-        pool = _Pool(world_size)
-        _POOLS[world_size] = pool
-    _POOLS.move_to_end(world_size)
+        pool = _Pool(world_size, backend)
+        _POOLS[key] = pool
+    _POOLS.move_to_end(key)
     return pool
 
 
@@ -324,6 +353,7 @@ def run_distributed(
     args=(),
     kwargs=None,
     timeout: float = 180,
+    backend: str = "gloo",
 ) -> List[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks with model parallel state initialized.
 
@@ -334,6 +364,7 @@ def run_distributed(
             parallel sizes and the pipeline split rank passed to `initialize_model_parallel`.
         args, kwargs: arguments for `fn` (pickled; tensors are copied).
         timeout: seconds to wait for every rank's answer before failing.
+        backend: "gloo" (CPU, default) or "nccl" (one GPU per rank; mark such tests `gpu`).
 
     Returns:
         The per-rank return values, index = rank, with tensors detached and moved to CPU.
@@ -344,12 +375,17 @@ def run_distributed(
     """
     kwargs = {} if kwargs is None else kwargs
     layout = dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, split_rank=split_rank)
-    pool = _get_pool(world_size)
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(
+            f"run_distributed: backend='nccl' with world_size {world_size} needs {world_size} GPUs, "
+            f"found {torch.cuda.device_count()} (mark the test with @pytest.mark.gpu)"
+        )
+    pool = _get_pool(world_size, backend)
     try:
         return pool.run(fn, args, kwargs, layout, timeout)
     except BaseException:
-        # A failed or stuck job leaves the gloo group in an unknown state: rebuild next time.
-        if _POOLS.get(world_size) is pool:
-            del _POOLS[world_size]
+        # A failed or stuck job leaves the process group in an unknown state: rebuild next time.
+        if _POOLS.get((world_size, backend)) is pool:
+            del _POOLS[(world_size, backend)]
         pool.kill()
         raise

@@ -226,6 +226,8 @@ def _check_live_groups(expected, tp, pp, cp, ep, vpp=None):
                 assert ps.is_rank_in_embedding_group() == (chunk == 0)
             elif rank == emb[-1]:
                 assert ps.is_rank_in_embedding_group() == (chunk == vpp - 1)
+    buf = ps.get_global_memory_buffer().get_tensor((3, 4), torch.float32, "mpu")
+    assert buf.shape == (3, 4) and ps.get_global_memory_buffer().get_tensor((2,), torch.float32, "mpu").data_ptr() == buf.data_ptr()
     # The groups really communicate: a tp all-reduce sums over tp ranks only.
     t = torch.tensor([float(rank)])
     torch.distributed.all_reduce(t, group=ps.get_tensor_model_parallel_group())

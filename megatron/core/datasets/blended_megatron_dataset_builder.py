@@ -75,6 +75,8 @@ class BlendedMegatronDatasetBuilder(object):
             for split in Split:
                 size_is_none = self.sizes[split.value] is None
                 if self.config.blend_per_split is None:
+                    if self.config.split_matrix[split.value] is None:
+                        continue  # a zero-width split is never built
                     weights_are_none = self.config.blend[1] is None
                 else:
                     if self.config.blend_per_split[split.value] is None:
@@ -134,7 +136,10 @@ class BlendedMegatronDatasetBuilder(object):
                     continue
                 weights_i = weights
                 if weights_i is not None and self.sizes[i] is not None:
-                    size_i = sum(list(zip(*sizes_per_dataset))[i])
+                    size_per_dataset = list(zip(*sizes_per_dataset))[i]
+                    size_i = sum(size_per_dataset)
+                    if self.config.renormalize_blend_weights:
+                        weights_i = [s / size_i for s in size_per_dataset]
                 elif weights_i is None:
                     try:
                         weights_i = [len(megatron_dataset) for megatron_dataset in megatron_datasets[i]]
@@ -177,7 +182,10 @@ class BlendedMegatronDatasetBuilder(object):
             megatron_datasets = self._build_megatron_datasets_parallel(prefixes, split_spoof, sizes_per_dataset)[i]
 
             if weights is not None and self.sizes[i] is not None:
-                size = list(map(sum, zip(*sizes_per_dataset)))[i]
+                size_per_dataset = list(zip(*sizes_per_dataset))[i]
+                size = sum(size_per_dataset)
+                if self.config.renormalize_blend_weights:
+                    weights = [s / size for s in size_per_dataset]
             elif weights is None:
                 try:
                     weights = [len(megatron_dataset) for megatron_dataset in megatron_datasets]

@@ -1,6 +1,5 @@
 """Configuration of the blended Megatron datasets (core_v0.8.0 fields and rules)."""
 
-import functools
 import logging
 import re
 from dataclasses import dataclass, field
@@ -51,6 +50,10 @@ class BlendedMegatronDatasetConfig:
 
     tokenizer: Optional[MegatronTokenizer] = None
     """The tokenizer (its eod id is used; its identity keys the cache)."""
+
+    renormalize_blend_weights: bool = False
+    """Re-derive a weighted blend's weights from the per-dataset sample counts actually requested
+    (--renormalize-blend-weights of later Megatron versions). False keeps core_v0.8.0 behaviour."""
 
     def __post_init__(self) -> None:
         if self.sequence_length is None or self.sequence_length <= 0:

@@ -22,7 +22,6 @@ import struct
 from enum import Enum
 from functools import lru_cache
 from itertools import accumulate
-from types import TracebackType
 from typing import List, Optional, Tuple, Type, Union
 
 import numpy
@@ -161,6 +160,8 @@ class _IndexReader(object):
                 f"{self.sequence_count} sequences and {self.document_count} document entries)"
             )
         self.idx_path = idx_path
+        # The memmaps are never closed explicitly: numpy views handed out (sequence_lengths, token
+        # arrays) keep them alive, and closing under a live view would crash.
         self.bin_buffer_mmap = numpy.memmap(idx_path, mode="r", order="C")
         self.bin_buffer = memoryview(self.bin_buffer_mmap)
         offset = _HEADER_SIZE
@@ -187,11 +188,6 @@ class _IndexReader(object):
                 f"{idx_path}: corrupt index: last document index {last} != sequence count "
                 f"{self.sequence_count}"
             )
-
-    def __del__(self) -> None:
-        if hasattr(self, "bin_buffer_mmap"):
-            self.bin_buffer_mmap._mmap.close()
-            del self.bin_buffer_mmap
 
     def __len__(self) -> int:
         return self.sequence_count
@@ -263,13 +259,6 @@ class IndexedDataset(torch.utils.data.Dataset):
     def __setstate__(self, state: Tuple[str, bool, bool]) -> None:
         path_prefix, multimodal, mmap = state
         self.initialize(path_prefix, multimodal, mmap)
-
-    def __del__(self) -> None:
-        if getattr(self, "bin_buffer_mmap", None) is not None:
-            self.bin_buffer_mmap._mmap.close()
-            del self.bin_buffer_mmap
-        if hasattr(self, "index"):
-            del self.index
 
     def __len__(self) -> int:
         return len(self.index)

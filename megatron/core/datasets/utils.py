@@ -6,7 +6,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import sysconfig
 import tempfile
 from enum import Enum
@@ -39,6 +38,10 @@ def compile_helpers() -> None:
     Raises:
         RuntimeError: when no C++ compiler or no pybind11 is available, or the compile fails.
     """
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    target = os.path.join(_HELPERS_DIR, "helpers_cpp" + suffix)
+    if _is_fresh(target):
+        return
     try:
         import pybind11
     except ImportError as exc:
@@ -53,13 +56,11 @@ def compile_helpers() -> None:
             "(looked for $CXX, c++, g++, clang++); install one (e.g. `apt-get install g++`) or install "
             "a wheel built elsewhere"
         )
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    target = os.path.join(_HELPERS_DIR, "helpers_cpp" + suffix)
     lock_path = os.path.join(tempfile.gettempdir(), "megatron_helpers_cpp_build.lock")
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if os.path.exists(target) and os.path.getmtime(target) >= os.path.getmtime(_HELPERS_SRC):
+            if _is_fresh(target):
                 return
             tmp = target + f".tmp{os.getpid()}"
             cmd = [
@@ -75,6 +76,13 @@ def compile_helpers() -> None:
             os.replace(tmp, target)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _is_fresh(target: str) -> bool:
+    """Whether the built extension exists and is not older than helpers.cpp."""
+    if not os.path.exists(target):
+        return False
+    return not os.path.exists(_HELPERS_SRC) or os.path.getmtime(target) >= os.path.getmtime(_HELPERS_SRC)
 
 
 def normalize(weights: List[float]) -> List[float]:
@@ -119,9 +127,12 @@ def get_blend_from_list(
             except ValueError:
                 weight = None
             weight_per_dataset.append(weight)
-        is_none = map(lambda _: _ is None, weight_per_dataset)
-        if any(is_none):
-            assert all(map(lambda _: _ is None, weight_per_dataset))
+        if any(w is None for w in weight_per_dataset):
+            if not all(w is None for w in weight_per_dataset):
+                raise ValueError(
+                    f"--data-path: cannot tell weights from prefixes in {blend}; give either only "
+                    "prefixes or 'weight prefix' pairs"
+                )
             weight_per_dataset = None
             raw_prefix_per_dataset = blend
         else:

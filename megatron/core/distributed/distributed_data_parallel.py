@@ -94,7 +94,9 @@ class DistributedDataParallel(torch.nn.Module):
             for param in input_params:
                 param_dtype = param.dtype
                 grad_dtype = torch.float if ddp_config.grad_reduce_in_fp32 else param.dtype
-                param_and_grad_dtype_to_params.setdefault((param_dtype, grad_dtype), []).append(param)
+                param_and_grad_dtype_to_params.setdefault((param_dtype, grad_dtype), []).append(
+                    param
+                )
             buffers = []
             for (param_dtype, grad_dtype), params in param_and_grad_dtype_to_params.items():
                 buffers.append(
@@ -140,7 +142,9 @@ class DistributedDataParallel(torch.nn.Module):
             ):
                 expert_gradient_scaling_factor = 1.0 / expert_dp_size
             self.expert_parallel_buffers = allocate_buffers_for_parameters(
-                expert_parallel_params, self.expert_data_parallel_group, expert_gradient_scaling_factor
+                expert_parallel_params,
+                self.expert_data_parallel_group,
+                expert_gradient_scaling_factor,
             )
 
         # Backward hooks: move param.grad into main_grad, and signal readiness for overlap.
@@ -149,6 +153,20 @@ class DistributedDataParallel(torch.nn.Module):
             if param.requires_grad:
                 handle = param.register_post_accumulate_grad_hook(self._make_param_hook(param))
                 self.grad_accs.append(handle)
+
+        # With the distributed optimizer's overlap_param_gather, parameter all-gathers run in the
+        # background after the optimizer step; each submodule waits, just before its forward,
+        # for the gathers of the buckets holding its own parameters.
+        self.param_to_bucket = {}
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            self.param_to_bucket.update(buffer.param_to_bucket)
+        self.forward_pre_hook_handles = []
+        if ddp_config.use_distributed_optimizer:
+            for module in self.module.modules():
+                if any(p in self.param_to_bucket for p in module.parameters(recurse=False)):
+                    self.forward_pre_hook_handles.append(
+                        module.register_forward_pre_hook(self._make_forward_pre_hook())
+                    )
 
     def forward(self, *inputs, **kwargs):
         """Run the wrapped module."""
@@ -162,9 +180,9 @@ class DistributedDataParallel(torch.nn.Module):
         def param_hook(*unused):
             if param.requires_grad:
                 if overlap:
-                    assert param.grad is not None, (
-                        "param.grad being None is not safe when overlap_grad_reduce is True"
-                    )
+                    assert (
+                        param.grad is not None
+                    ), "param.grad being None is not safe when overlap_grad_reduce is True"
                 if param.grad is not None and (
                     not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False)
                 ):
@@ -174,6 +192,28 @@ class DistributedDataParallel(torch.nn.Module):
                     param_to_buffer[param].register_grad_ready(param)
 
         return param_hook
+
+    def _make_forward_pre_hook(self):
+        """Hook that finishes the param all-gathers of the module's own parameters' buckets."""
+
+        def hook(module, *unused):
+            for param in module.parameters(recurse=False):
+                bucket = self.param_to_bucket.get(param)
+                if bucket is not None and bucket.param_gather_handle is not None:
+                    bucket.finish_param_sync()
+
+        return hook
+
+    def start_param_sync(self, *unused, async_op: bool = False):
+        """All-gather the updated parameter shards (distributed optimizer); async if asked."""
+        for buffer in self._all_buffers():
+            buffer.start_param_sync(async_op=async_op)
+
+    def finish_param_sync(self, *unused):
+        """Wait for all outstanding parameter all-gathers (before reading the parameters)."""
+        for buffer in self._all_buffers():
+            if buffer.param_data is not None:
+                buffer.finish_param_sync()
 
     def _all_buffers(self):
         return self.buffers + self.expert_parallel_buffers
@@ -214,6 +254,9 @@ class DistributedDataParallel(torch.nn.Module):
         for param in self.module.parameters():
             if param.requires_grad:
                 param.grad_added_to_main_grad = False
+                # An optimizer may have left `.grad` aliasing main_grad; the next backward must
+                # start from None or the hook would add the buffer into itself.
+                param.grad = None
         for buffer in self._all_buffers():
             buffer.reset()
 
@@ -221,7 +264,9 @@ class DistributedDataParallel(torch.nn.Module):
         """Make all data-parallel replicas equal to the first rank's parameters."""
         for param in self.module.parameters():
             is_expert_parallel = not getattr(param, "allreduce", True)
-            group = self.expert_data_parallel_group if is_expert_parallel else self.data_parallel_group
+            group = (
+                self.expert_data_parallel_group if is_expert_parallel else self.data_parallel_group
+            )
             if torch.distributed.get_world_size(group=group) == 1:
                 continue
             src = torch.distributed.get_global_rank(group, 0)
@@ -229,16 +274,19 @@ class DistributedDataParallel(torch.nn.Module):
 
     def state_dict(self, prefix: str = "", keep_vars: bool = False):
         """The wrapped module's state dict (no `module.` prefix)."""
+        self.finish_param_sync()
         return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         """The wrapped module's checkpoint state dict."""
+        self.finish_param_sync()
         if hasattr(self.module, "state_dict_for_save_checkpoint"):
             return self.module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
         return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load into the wrapped module (parameters keep their buffer views: copied in place)."""
+        self.finish_param_sync()
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def sharded_state_dict(self, *args, **kwargs):

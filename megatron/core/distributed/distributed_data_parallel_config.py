@@ -38,4 +38,6 @@ class DistributedDataParallelConfig:
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size <= 0:
-            raise ValueError(f"bucket_size (--ddp-bucket-size) must be positive, got {self.bucket_size}")
+            raise ValueError(
+                f"bucket_size (--ddp-bucket-size) must be positive, got {self.bucket_size}"
+            )

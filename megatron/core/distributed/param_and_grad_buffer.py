@@ -50,6 +50,14 @@ def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group, as
     return gather(output, input_, group=group, async_op=async_op)
 
 
+def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, op, group, async_op=False):
+    """Reduce a flat tensor and scatter equal shards (rank order), using the non-deprecated API."""
+    scatter = getattr(torch.distributed, "reduce_scatter_single", None)
+    if scatter is None:  # older torch
+        scatter = torch.distributed.reduce_scatter_tensor
+    return scatter(output, input_, op=op, group=group, async_op=async_op)
+
+
 class Bucket:
     """A contiguous group of parameters whose gradients are reduced by one collective.
 
@@ -91,6 +99,9 @@ class Bucket:
         self.data_parallel_world_size = data_parallel_world_size
         self.data_parallel_rank = torch.distributed.get_rank(group=data_parallel_group)
         self.gradient_scaling_factor = gradient_scaling_factor
+        # Outstanding async all-gather of this bucket's parameters (distributed optimizer with
+        # overlap_param_gather), waited for before the bucket's params are used.
+        self.param_gather_handle = None
         self.reset()
 
     def reset(self):
@@ -134,7 +145,7 @@ class Bucket:
             local_data_view = shard_buffer(self.grad_data, self.data_parallel_world_size)[
                 self.data_parallel_rank
             ]
-            self.communication_handle = torch.distributed.reduce_scatter_tensor(
+            self.communication_handle = reduce_scatter_tensor(
                 local_data_view,
                 self.grad_data,
                 op=reduce_op,
@@ -148,10 +159,13 @@ class Bucket:
         self.communication_issued = True
 
     def finish_grad_sync(self):
-        """Wait for the bucket's reduction; start it synchronously first if overlap is off."""
-        if not self.ddp_config.overlap_grad_reduce:
+        """Wait for the bucket's reduction; start it (synchronously) first if overlap is off.
+
+        A reduction already started (by the backward hooks, or by `start_grad_sync` from a
+        pipeline schedule's grad_sync_func) is not issued a second time.
+        """
+        if not self.communication_issued and not self.ddp_config.overlap_grad_reduce:
             self.start_grad_sync()
-            return
         if not self.communication_issued:
             raise RuntimeError(
                 "Communication call has not been issued for this bucket "
@@ -161,12 +175,40 @@ class Bucket:
             )
         if self.communication_handle is not None:
             self.communication_handle.wait()
+            self.communication_handle = None
+
+    def start_param_sync(self, async_op: bool = False):
+        """All-gather the bucket's parameter shards over DP into `param_data` (distributed optimizer).
+
+        Each data-parallel rank contributes the shard it updated; with `async_op` the gather runs in
+        the background until `finish_param_sync()`.
+        """
+        assert self.param_data is not None, "start_param_sync() needs the distributed optimizer"
+        self.finish_param_sync()
+        if self.data_parallel_world_size == 1:
+            return
+        local = shard_buffer(self.param_data, self.data_parallel_world_size)[
+            self.data_parallel_rank
+        ]
+        if torch.distributed.get_backend(self.data_parallel_group) == "gloo":
+            local = local.clone()  # gloo does not promise in-place (aliased) gathers
+        self.param_gather_handle = all_gather_into_tensor(
+            self.param_data, local, group=self.data_parallel_group, async_op=async_op
+        )
+
+    def finish_param_sync(self):
+        """Wait for an outstanding parameter all-gather, if any."""
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
 
     def register_grad_ready(self, param: torch.nn.Parameter):
         """Record that `param`'s gradient is accumulated; start the reduction once all are."""
         assert param in self.params, "Param is not in the bucket"
         assert param not in self.params_with_grad, "Cannot set grad twice"
-        assert self.ddp_config.overlap_grad_reduce, "register_grad_ready() should only be called with overlap"
+        assert (
+            self.ddp_config.overlap_grad_reduce
+        ), "register_grad_ready() should only be called with overlap"
         self.params_with_grad.add(param)
         if len(self.params_with_grad) == len(self.params):
             self.start_grad_sync()
@@ -235,7 +277,10 @@ class ParamAndGradBuffer:
         def _does_param_require_new_bucket(param) -> bool:
             # The shared embedding gets a bucket of its own with the distributed optimizer so that
             # its all-reduce over the embedding group does not straddle DP shards awkwardly.
-            return getattr(param, "shared_embedding", False) and self.ddp_config.use_distributed_optimizer
+            return (
+                getattr(param, "shared_embedding", False)
+                and self.ddp_config.use_distributed_optimizer
+            )
 
         # First pass: compute the layout.
         data_start_index = 0
@@ -265,7 +310,8 @@ class ParamAndGradBuffer:
             self.param_index_map[param] = (data_start_index, data_end_index, bucket_id)
             bucket_params.append(param)
             if (
-                bucket_size is not None and (data_end_index - bucket_data_start_index) >= bucket_size
+                bucket_size is not None
+                and (data_end_index - bucket_data_start_index) >= bucket_size
             ) or _does_param_require_new_bucket(param):
                 data_end_index = _close_bucket(data_end_index)
             data_start_index = data_end_index
@@ -294,7 +340,9 @@ class ParamAndGradBuffer:
                 del old_param_data
             param.main_grad = self._get(param.data.shape, start, BufferType.GRAD)
 
-        for bucket_id, ((start, end), bparams) in enumerate(zip(self.bucket_indices, per_bucket_params)):
+        for bucket_id, ((start, end), bparams) in enumerate(
+            zip(self.bucket_indices, per_bucket_params)
+        ):
             bucket_param_data = None
             if self.param_data is not None:
                 bucket_param_data = self._get(torch.Size([end - start]), start, BufferType.PARAM)
@@ -316,7 +364,9 @@ class ParamAndGradBuffer:
                 self.param_to_bucket[param] = bucket
 
         if logger.isEnabledFor(logging.INFO) and torch.distributed.get_rank() == 0:
-            lines = [f"Number of buckets for gradient all-reduce / reduce-scatter: {len(self.buckets)}"]
+            lines = [
+                f"Number of buckets for gradient all-reduce / reduce-scatter: {len(self.buckets)}"
+            ]
             for index, bucket in enumerate(self.buckets):
                 numel = sum(p.data.nelement() for p in bucket.params_list)
                 lines.append(f"Params for bucket {index + 1} ({numel} elements):")
@@ -348,17 +398,30 @@ class ParamAndGradBuffer:
         self.is_last_microbatch = True
 
     def start_grad_sync(self):
-        """Start the reduction of every bucket (async with overlap_grad_reduce)."""
+        """Start the reduction of every bucket not yet started (async with overlap_grad_reduce)."""
         for bucket in self.buckets:
-            bucket.start_grad_sync()
+            if not bucket.communication_issued:
+                bucket.start_grad_sync()
 
     def finish_grad_sync(self):
         """Finish the reduction of every bucket (start it synchronously without overlap)."""
         for bucket in self.buckets:
             bucket.finish_grad_sync()
 
+    def start_param_sync(self, async_op: bool = False):
+        """All-gather every bucket's parameters (last bucket first: the forward needs it first)."""
+        for bucket in reversed(self.buckets):
+            bucket.start_param_sync(async_op=async_op)
+
+    def finish_param_sync(self):
+        """Wait for every outstanding parameter all-gather of this buffer."""
+        for bucket in self.buckets:
+            bucket.finish_param_sync()
+
     def register_grad_ready(self, param: torch.nn.Parameter):
         """Called by the backward hook when `param`'s gradient is in `main_grad` (overlap only)."""
-        assert self.ddp_config.overlap_grad_reduce, "register_grad_ready() should only be called with overlap"
+        assert (
+            self.ddp_config.overlap_grad_reduce
+        ), "register_grad_ready() should only be called with overlap"
         if self.is_last_microbatch:
             self.param_to_bucket[param].register_grad_ready(param)

@@ -44,7 +44,9 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
         self.softmax_in_fp32 = softmax_in_fp32
         self.scale = scale
         if not (self.scale is None or softmax_in_fp32 or not self.input_in_float16):
-            raise ValueError("FusedScaleMaskSoftmax: a scale with 16-bit input needs softmax_in_fp32=True")
+            raise ValueError(
+                "FusedScaleMaskSoftmax: a scale with 16-bit input needs softmax_in_fp32=True"
+            )
 
     def forward(self, input: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """input: [b, np, sq, sk] scores; mask: bool broadcastable to it (True = masked) or None."""
@@ -61,7 +63,11 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
         sq, sk = input.size(2), input.size(3)
         if self.attn_mask_type == AttnMaskType.causal and mask is None and sq > 1:
             # Causal mask for the last sq queries against sk keys.
-            mask = get_default_causal_mask(sq, sk) if sq == sk else _offset_causal_mask(sq, sk, input.device)
+            mask = (
+                get_default_causal_mask(sq, sk)
+                if sq == sk
+                else _offset_causal_mask(sq, sk, input.device)
+            )
 
         mask_output = self.mask_func(input, mask) if mask is not None else input
         probs = torch.nn.Softmax(dim=-1)(mask_output)

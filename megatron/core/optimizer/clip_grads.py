@@ -13,7 +13,7 @@ from typing import List, Optional, Union
 
 import torch
 
-from ..tensor_parallel import param_is_not_tensor_parallel_duplicate
+from .. import tensor_parallel
 from ..utils import get_current_device
 
 
@@ -43,7 +43,9 @@ def get_grad_norm_fp32(
     device = get_current_device()
 
     if norm_type == math.inf:
-        local = max([g.detach().abs().max().item() for g in grads_for_norm if g.numel() > 0] or [0.0])
+        local = max(
+            [g.detach().abs().max().item() for g in grads_for_norm if g.numel() > 0] or [0.0]
+        )
         total_norm = torch.tensor([float(local)], dtype=torch.float, device=device)
         torch.distributed.all_reduce(
             total_norm, op=torch.distributed.ReduceOp.MAX, group=model_parallel_group
@@ -54,12 +56,16 @@ def get_grad_norm_fp32(
     for grad in grads_for_norm:
         grad_norm = torch.linalg.vector_norm(grad.detach().float(), ord=norm_type)
         total_norm += grad_norm.to(device) ** norm_type
-    torch.distributed.all_reduce(total_norm, op=torch.distributed.ReduceOp.SUM, group=model_parallel_group)
+    torch.distributed.all_reduce(
+        total_norm, op=torch.distributed.ReduceOp.SUM, group=model_parallel_group
+    )
     return total_norm[0].item() ** (1.0 / norm_type)
 
 
 def clip_grad_by_total_norm_fp32(
-    parameters: Union[List[torch.Tensor], torch.Tensor], max_norm: Union[int, float], total_norm: float
+    parameters: Union[List[torch.Tensor], torch.Tensor],
+    max_norm: Union[int, float],
+    total_norm: float,
 ):
     """Scale the `.grad` of `parameters` in place by max_norm / total_norm if that is < 1.
 
@@ -93,7 +99,9 @@ def count_zeros_fp32(
     for param in parameters:
         if param.grad is None:
             continue
-        if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+        if param_is_not_shared(param) and tensor_parallel.param_is_not_tensor_parallel_duplicate(
+            param
+        ):
             grad = param.grad.detach()
             total_num_zeros += (grad.numel() - torch.count_nonzero(grad)).to(device).float()
     torch.distributed.all_reduce(

@@ -81,13 +81,17 @@ class DynamicGradScaler(MegatronGradScaler):
     ):
         super().__init__(initial_scale)
         if not 0.0 < min_scale <= initial_scale:
-            raise ValueError(f"min loss scale must be in (0, initial scale {initial_scale}], got {min_scale}")
+            raise ValueError(
+                f"min loss scale must be in (0, initial scale {initial_scale}], got {min_scale}"
+            )
         if growth_factor <= 1.0:
             raise ValueError(f"loss scale growth factor must be > 1, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"loss scale backoff factor must be in (0, 1), got {backoff_factor}")
         if growth_interval <= 0:
-            raise ValueError(f"loss scale window (growth interval) must be positive, got {growth_interval}")
+            raise ValueError(
+                f"loss scale window (growth interval) must be positive, got {growth_interval}"
+            )
         if hysteresis <= 0:
             raise ValueError(f"hysteresis must be positive, got {hysteresis}")
         device = get_current_device()

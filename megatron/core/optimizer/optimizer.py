@@ -99,9 +99,9 @@ class MegatronOptimizer(ABC):
             grad = param.grad
             if grad is None:
                 continue
-            if param_is_not_shared(param) and tensor_parallel.param_is_not_tensor_parallel_duplicate(
+            if param_is_not_shared(
                 param
-            ):
+            ) and tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
                 grads_for_norm.append(grad)
         return grads_for_norm
 
@@ -112,7 +112,8 @@ class MegatronOptimizer(ABC):
     def get_grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) main gradients."""
         return get_grad_norm_fp32(
-            self.get_main_grads_for_grad_norm(), model_parallel_group=self.get_model_parallel_group()
+            self.get_main_grads_for_grad_norm(),
+            model_parallel_group=self.get_model_parallel_group(),
         )
 
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -124,7 +125,9 @@ class MegatronOptimizer(ABC):
 
     def count_zeros(self) -> float:
         """Number of zero entries in the main gradients over the model-parallel group."""
-        return count_zeros_fp32(self.get_parameters(), model_parallel_group=self.get_model_parallel_group())
+        return count_zeros_fp32(
+            self.get_parameters(), model_parallel_group=self.get_model_parallel_group()
+        )
 
     @abstractmethod
     def zero_grad(self, set_to_none: bool = True):
@@ -457,7 +460,9 @@ class FP32Optimizer(MegatronOptimizer):
         init_state_fn: creates empty optimizer state.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, init_state_fn: Callable):
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, init_state_fn: Callable
+    ):
         super().__init__(optimizer, config, init_state_fn)
         self._scale = torch.tensor([1.0], dtype=torch.float, device=get_current_device())
 
@@ -602,4 +607,6 @@ class ChainedOptimizer(MegatronOptimizer):
                 continue
             if states is None and optimizer.is_dp_zero():
                 states = torch.load(filename, weights_only=True)
-            optimizer.load_parameter_state_from_dp_zero(states[index] if states is not None else None)
+            optimizer.load_parameter_state_from_dp_zero(
+                states[index] if states is not None else None
+            )

@@ -86,7 +86,8 @@ class OptimizerConfig:
     """Overlap the data-parallel gradient reduction with backward (mirrors the DDP config)."""
 
     overlap_param_gather: bool = False
-    """Overlap the parameter all-gather with the forward pass (accepted; gathered after step)."""
+    """With the distributed optimizer, run the parameter all-gathers after each step in the
+    background; DDP's forward pre-hooks wait for each bucket before its parameters are used."""
 
     ################
     # Miscellaneous
@@ -105,7 +106,9 @@ class OptimizerConfig:
 
     def __post_init__(self):
         if self.optimizer not in ('adam', 'sgd'):
-            raise ValueError(f"optimizer (--optimizer) must be 'adam' or 'sgd', got {self.optimizer!r}")
+            raise ValueError(
+                f"optimizer (--optimizer) must be 'adam' or 'sgd', got {self.optimizer!r}"
+            )
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 (--fp16, --bf16) cannot both be set")
         if self.clip_grad < 0:
@@ -113,7 +116,9 @@ class OptimizerConfig:
         if self.hysteresis < 1:
             raise ValueError(f"hysteresis (--hysteresis) must be >= 1, got {self.hysteresis}")
         if self.loss_scale_window < 1:
-            raise ValueError(f"loss_scale_window (--loss-scale-window) must be >= 1, got {self.loss_scale_window}")
+            raise ValueError(
+                f"loss_scale_window (--loss-scale-window) must be >= 1, got {self.loss_scale_window}"
+            )
         if self.min_loss_scale <= 0 or self.initial_loss_scale <= 0:
             raise ValueError(
                 f"min_loss_scale ({self.min_loss_scale}) and initial_loss_scale "

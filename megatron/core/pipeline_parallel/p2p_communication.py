@@ -46,7 +46,7 @@ def _timer(config: 'ModelParallelConfig', name: str):
 
 
 def _pipeline_group():
-    # Fallback to the global pipeline group: p2p helpers keep Megatron's signatures, which take no group.
+    # Fallback to the global pipeline group: the p2p helpers keep Megatron's group-less signatures.
     return parallel_state.get_pipeline_model_parallel_group()
 
 
@@ -178,9 +178,13 @@ def _communicate_shapes(
     if recv_next:
         recv_next_shape_tensor = torch.empty((3,), device=device, dtype=torch.int64)
     if tensor_send_prev is not None:
-        send_prev_shape_tensor = torch.tensor(tensor_send_prev.size(), device=device, dtype=torch.int64)
+        send_prev_shape_tensor = torch.tensor(
+            tensor_send_prev.size(), device=device, dtype=torch.int64
+        )
     if tensor_send_next is not None:
-        send_next_shape_tensor = torch.tensor(tensor_send_next.size(), device=device, dtype=torch.int64)
+        send_next_shape_tensor = torch.tensor(
+            tensor_send_next.size(), device=device, dtype=torch.int64
+        )
 
     p2p_func = _batched_p2p_ops if config.batch_p2p_comm else _p2p_ops
     reqs = p2p_func(
@@ -193,8 +197,12 @@ def _communicate_shapes(
     for req in reqs:
         req.wait()
 
-    recv_prev_shape = recv_prev_shape_tensor.tolist() if recv_prev_shape_tensor is not None else None
-    recv_next_shape = recv_next_shape_tensor.tolist() if recv_next_shape_tensor is not None else None
+    recv_prev_shape = (
+        recv_prev_shape_tensor.tolist() if recv_prev_shape_tensor is not None else None
+    )
+    recv_next_shape = (
+        recv_next_shape_tensor.tolist() if recv_next_shape_tensor is not None else None
+    )
     return recv_prev_shape, recv_next_shape
 
 
@@ -245,13 +253,17 @@ def _communicate(
     # receive .grad in its backward.
     if recv_prev:
         if recv_prev_shape is None:
-            raise ValueError("tensor_shape must be given to receive when variable_seq_lengths is False")
+            raise ValueError(
+                "tensor_shape must be given to receive when variable_seq_lengths is False"
+            )
         tensor_recv_prev = torch.empty(
             recv_prev_shape, requires_grad=True, device=device, dtype=config.pipeline_dtype
         )
     if recv_next:
         if recv_next_shape is None:
-            raise ValueError("tensor_shape must be given to receive when variable_seq_lengths is False")
+            raise ValueError(
+                "tensor_shape must be given to receive when variable_seq_lengths is False"
+            )
         tensor_recv_next = torch.empty(
             recv_next_shape, requires_grad=True, device=device, dtype=config.pipeline_dtype
         )

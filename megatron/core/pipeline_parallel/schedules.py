@@ -96,7 +96,9 @@ def validate_pipeline_config(config, num_microbatches: int, num_model_chunks: in
         )
 
 
-def deallocate_output_tensor(out: Optional[torch.Tensor], deallocate_pipeline_outputs: bool = False):
+def deallocate_output_tensor(
+    out: Optional[torch.Tensor], deallocate_pipeline_outputs: bool = False
+):
     """Free an output tensor's data once it has been sent to the next stage.
 
     Only the tensor's `.grad_fn` is needed for the backward pass, so its storage is replaced with a
@@ -370,7 +372,7 @@ def forward_backward_no_pipelining(
 
     forward_data_store = []
     input_tensor, output_tensor_grad = None, None
-    total_num_tokens = torch.zeros([], dtype=torch.int)
+    total_num_tokens = torch.zeros([], dtype=torch.int, device=get_current_device())
     with no_sync_func():
         for i in range(num_microbatches - 1):
             output_tensor, num_tokens = forward_step(
@@ -385,7 +387,7 @@ def forward_backward_no_pipelining(
                 is_first_microbatch=check_first_val_step(first_val_step, forward_only, i == 0),
                 current_microbatch=i,
             )
-            total_num_tokens += num_tokens
+            total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
             if not forward_only:
                 backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
 
@@ -404,7 +406,7 @@ def forward_backward_no_pipelining(
         ),
         current_microbatch=num_microbatches - 1,
     )
-    total_num_tokens += num_tokens
+    total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
 
     if not forward_only:
         backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
@@ -632,7 +634,7 @@ def forward_backward_pipelining_without_interleaving(
     # Input, output tensors only need to be saved when doing backward passes
     input_tensors = None
     output_tensors = None
-    total_num_tokens = torch.zeros([], dtype=torch.int)
+    total_num_tokens = torch.zeros([], dtype=torch.int, device=get_current_device())
 
     if not forward_only:
         input_tensors = []
@@ -664,7 +666,7 @@ def forward_backward_pipelining_without_interleaving(
             current_microbatch=i,
         )
         send_forward(output_tensor, send_tensor_shapes, config)
-        total_num_tokens += num_tokens
+        total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
 
         if not forward_only:
             input_tensors.append(input_tensor)
@@ -696,7 +698,7 @@ def forward_backward_pipelining_without_interleaving(
             ),
             current_microbatch=i + num_warmup_microbatches,
         )
-        total_num_tokens += num_tokens
+        total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
 
         if forward_only:
             send_forward(output_tensor, send_tensor_shapes, config)
@@ -815,8 +817,8 @@ def forward_backward_pipelining_with_interleaving(
 ):
     """Interleaved 1F1B schedule over virtual pipeline stages (model chunks).
 
-    Each rank holds `len(model)` chunks; chunk c of rank r is virtual stage c * pp + r. Micro-batches
-    go through the chunks in groups of pp: the k-th forward step runs chunk (k mod (pp * v)) // pp,
+    Each rank holds `len(model)` chunks; chunk c of rank r is virtual stage c * pp + r.
+    Micro-batches go through the chunks in groups of pp: the k-th forward step runs chunk (k mod (pp * v)) // pp,
     the k-th backward step the mirrored chunk. `model` and `data_iterator` are lists with one entry
     per chunk.
 
@@ -834,11 +836,8 @@ def forward_backward_pipelining_with_interleaving(
         )
 
     config = get_model_config(model[0])
-    if config.overlap_p2p_comm:
-        raise ValueError(
-            "overlap_p2p_comm is not supported by this implementation of the interleaved schedule; "
-            "set overlap_p2p_comm=False"
-        )
+    if config.overlap_p2p_comm and config.batch_p2p_comm:
+        raise ValueError("Can not use both overlap_p2p_comm and batch_p2p_comm")
 
     pipeline_parallel_size = parallel_state.get_pipeline_model_parallel_world_size()
     pipeline_parallel_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -899,7 +898,7 @@ def forward_backward_pipelining_with_interleaving(
 
     input_tensors = [[] for _ in range(len(model))]
     output_tensors = [[] for _ in range(len(model))]
-    total_num_tokens = torch.zeros([], dtype=torch.int)
+    total_num_tokens = torch.zeros([], dtype=torch.int, device=get_current_device())
 
     forward_data_store = []
     if not forward_only:
@@ -913,12 +912,14 @@ def forward_backward_pipelining_with_interleaving(
     # Compute number of warmup and remaining microbatches.
     num_model_chunks = len(model)
     total_num_microbatches = num_microbatches * num_model_chunks
-    num_warmup_microbatches, all_warmup_microbatches = get_num_warmup_microbatches_with_interleaving(
-        pipeline_parallel_size,
-        pipeline_parallel_rank,
-        num_microbatches,
-        num_model_chunks,
-        forward_only,
+    num_warmup_microbatches, all_warmup_microbatches = (
+        get_num_warmup_microbatches_with_interleaving(
+            pipeline_parallel_size,
+            pipeline_parallel_rank,
+            num_microbatches,
+            num_model_chunks,
+            forward_only,
+        )
     )
     num_microbatches_remaining = total_num_microbatches - num_warmup_microbatches
 
@@ -1022,7 +1023,7 @@ def forward_backward_pipelining_with_interleaving(
         output_tensors[model_chunk_id].append(output_tensor)
 
         nonlocal total_num_tokens
-        total_num_tokens += num_tokens
+        total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
 
         # if forward-only, no need to save tensors for a backward pass
         if forward_only:
@@ -1069,12 +1070,118 @@ def forward_backward_pipelining_with_interleaving(
 
         return input_tensor_grad
 
+    def steady_state_step_with_overlap(k, forward_k, current_microbatch):
+        """One 1F1B step whose sends / receives overlap with the other direction's compute."""
+        nonlocal input_tensor, output_tensor, output_tensor_grad
+        nonlocal fwd_wait_handles, bwd_wait_handles, output_tensor_in_flight
+        wait_forward_handles()
+        output_tensor = forward_step_helper(
+            forward_k, current_microbatch, checkpoint_flag(forward_k)
+        )
+
+        # Determine if current stage has anything to send, otherwise set tensor to None.
+        forward_model_chunk_id = get_model_chunk_id(forward_k, forward=True)
+        parallel_state.set_virtual_pipeline_model_parallel_rank(forward_model_chunk_id)
+        # Last virtual stage no activation tensor to send
+        if parallel_state.is_pipeline_last_stage():
+            output_tensor = None
+
+        # Determine if peers are sending, and where in data structure to put received tensors.
+        recv_prev = True
+        if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+            # First stage is ahead of last stage by (pipeline_parallel_size - 1).
+            next_forward_model_chunk_id = get_model_chunk_id(
+                forward_k - (pipeline_parallel_size - 1), forward=True
+            )
+            if next_forward_model_chunk_id == (num_model_chunks - 1):
+                recv_prev = False
+            next_forward_model_chunk_id += 1
+        else:
+            next_forward_model_chunk_id = get_model_chunk_id(forward_k + 1, forward=True)
+
+        # If last iteration, don't receive; we already received one extra
+        # before the start of the for loop.
+        if k == (num_microbatches_remaining - 1):
+            recv_prev = False
+
+        # Send activation tensor to the next stage and receive activation tensor from the
+        # previous stage, in the background.
+        input_tensor, fwd_wait_handles = p2p_communication.send_forward_recv_forward(
+            output_tensor,
+            recv_prev=recv_prev,
+            tensor_shape=tensor_shape,
+            config=config,
+            overlap_p2p_comm=True,
+        )
+        output_tensor_in_flight = output_tensor
+
+        wait_backward_handles()
+
+        # Backward pass.
+        backward_k = k
+        input_tensor_grad = backward_step_helper(backward_k)
+
+        backward_model_chunk_id = get_model_chunk_id(backward_k, forward=False)
+        parallel_state.set_virtual_pipeline_model_parallel_rank(backward_model_chunk_id)
+
+        # First virtual stage no activation gradient tensor to send
+        if parallel_state.is_pipeline_first_stage():
+            input_tensor_grad = None
+
+        # Determine if the current virtual stage has an activation gradient tensor to receive
+        recv_next = True
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            # Last stage is ahead of first stage by (pipeline_parallel_size - 1).
+            next_backward_model_chunk_id = get_model_chunk_id(
+                backward_k - (pipeline_parallel_size - 1), forward=False
+            )
+            if next_backward_model_chunk_id == 0:
+                recv_next = False
+            next_backward_model_chunk_id -= 1
+        else:
+            next_backward_model_chunk_id = get_model_chunk_id(backward_k + 1, forward=False)
+
+        output_tensor_grad, bwd_wait_handles = p2p_communication.send_backward_recv_backward(
+            input_tensor_grad,
+            recv_next=recv_next,
+            tensor_shape=tensor_shape,
+            config=config,
+            overlap_p2p_comm=True,
+        )
+        return recv_prev, next_forward_model_chunk_id, recv_next, next_backward_model_chunk_id
+
     # Run warmup forward passes.
+    input_tensor = None
+    output_tensor_grad = None
     parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     input_tensors[0].append(p2p_communication.recv_forward(tensor_shape, config))
 
+    # With overlap_p2p_comm, sends and receives run in the background while the next chunk
+    # computes: fwd_wait_handles / bwd_wait_handles are waited on before the received tensors are
+    # used. An output tensor is freed only once its (asynchronous) send has completed.
+    fwd_wait_handles = None
+    bwd_wait_handles = None
+    output_tensor_in_flight = None
+
+    def wait_forward_handles():
+        nonlocal fwd_wait_handles, output_tensor_in_flight
+        if fwd_wait_handles is not None:
+            for req in fwd_wait_handles:
+                req.wait()
+            fwd_wait_handles = None
+        deallocate_output_tensor(output_tensor_in_flight, config.deallocate_pipeline_outputs)
+        output_tensor_in_flight = None
+
+    def wait_backward_handles():
+        nonlocal bwd_wait_handles
+        if bwd_wait_handles is not None:
+            for req in bwd_wait_handles:
+                req.wait()
+            bwd_wait_handles = None
+
     output_tensor = None
     for k in range(num_warmup_microbatches):
+        wait_forward_handles()
         current_microbatch = get_microbatch_id_in_model_chunk(k, forward=True)
         output_tensor = forward_step_helper(k, current_microbatch, checkpoint_flag(k))
 
@@ -1093,11 +1200,38 @@ def forward_backward_pipelining_with_interleaving(
 
         # Send and receive tensors as appropriate (send tensors computed
         # in this iteration; receive tensors for next iteration).
-        if (
-            k == (num_warmup_microbatches - 1)
-            and not forward_only
-            and not all_warmup_microbatches
-        ):
+        if config.overlap_p2p_comm:
+            input_tensor, fwd_wait_handles = p2p_communication.send_forward_recv_forward(
+                output_tensor,
+                recv_prev=recv_prev,
+                tensor_shape=tensor_shape,
+                config=config,
+                overlap_p2p_comm=True,
+            )
+            output_tensor_in_flight = output_tensor
+            if (
+                k == (num_warmup_microbatches - 1)
+                and not forward_only
+                and not all_warmup_microbatches
+            ):
+                input_tensor_grad = None
+                recv_next = True
+                if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+                    recv_next = False
+                output_tensor_grad, bwd_wait_handles = (
+                    p2p_communication.send_backward_recv_backward(
+                        input_tensor_grad,
+                        recv_next=recv_next,
+                        tensor_shape=tensor_shape,
+                        config=config,
+                        overlap_p2p_comm=True,
+                    )
+                )
+                output_tensor_grads[num_model_chunks - 1].append(output_tensor_grad)
+            input_tensors[next_forward_model_chunk_id].append(input_tensor)
+            continue
+
+        if k == (num_warmup_microbatches - 1) and not forward_only and not all_warmup_microbatches:
             input_tensor_grad = None
             recv_next = True
             if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
@@ -1126,6 +1260,16 @@ def forward_backward_pipelining_with_interleaving(
         # Forward pass.
         forward_k = k + num_warmup_microbatches
         current_microbatch = get_microbatch_id_in_model_chunk(forward_k, forward=True)
+        if config.overlap_p2p_comm:
+            recv_prev, next_forward_model_chunk_id, recv_next, next_backward_model_chunk_id = (
+                steady_state_step_with_overlap(k, forward_k, current_microbatch)
+            )
+            if recv_prev:
+                input_tensors[next_forward_model_chunk_id].append(input_tensor)
+            if recv_next:
+                output_tensor_grads[next_backward_model_chunk_id].append(output_tensor_grad)
+            continue
+
         output_tensor = forward_step_helper(
             forward_k, current_microbatch, checkpoint_flag(forward_k)
         )
@@ -1201,6 +1345,10 @@ def forward_backward_pipelining_with_interleaving(
         if recv_next:
             output_tensor_grads[next_backward_model_chunk_id].append(output_tensor_grad)
 
+    # Every tensor received in the background must have arrived before it is used below (and
+    # every send must have completed before its buffer is freed).
+    wait_forward_handles()
+    wait_backward_handles()
     deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
 
     # Run cooldown backward passes (flush out pipeline).

@@ -84,7 +84,9 @@ class DotProductAttention(MegatronModule):
         )
         self.attention_dropout = torch.nn.Dropout(self.attention_dropout_p)
 
-    def _can_use_sdpa(self, query: Tensor, attention_mask: Optional[Tensor], attn_mask_type) -> bool:
+    def _can_use_sdpa(
+        self, query: Tensor, attention_mask: Optional[Tensor], attn_mask_type
+    ) -> bool:
         """Whether torch's scaled_dot_product_attention gives the same result as the explicit path:
         causal with no explicit mask, no dropout, and the softmax in the input precision."""
         if attention_mask is not None or attn_mask_type != AttnMaskType.causal:
@@ -107,7 +109,9 @@ class DotProductAttention(MegatronModule):
         """query [sq, b, np, hn], key / value [sk, b, ng, hn], attention_mask bool [b, 1, sq, sk]
         (True = masked out) or None -> context [sq, b, hp]."""
         if packed_seq_params is not None:
-            raise NotImplementedError("packed_seq_params is not supported by the local DotProductAttention")
+            raise NotImplementedError(
+                "packed_seq_params is not supported by the local DotProductAttention"
+            )
         attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
 
         # Expand key/value heads to one per query head (grouped-query attention).
@@ -154,7 +158,9 @@ class DotProductAttention(MegatronModule):
             attention_probs = self.attention_dropout(attention_probs)
 
         value = value.reshape(sk, b * np_, hn)  # [sk, b, np, hn] -> [sk, b * np, hn]
-        attention_probs = attention_probs.view(b * np_, sq, sk)  # [b, np, sq, sk] -> [b * np, sq, sk]
+        attention_probs = attention_probs.view(
+            b * np_, sq, sk
+        )  # [b, np, sq, sk] -> [b * np, sq, sk]
         context = torch.bmm(attention_probs, value.transpose(0, 1))  # [b * np, sq, hn]
         context = context.view(b, np_, sq, hn)  # [b * np, sq, hn] -> [b, np, sq, hn]
         context = context.permute(2, 0, 1, 3).contiguous()  # [b, np, sq, hn] -> [sq, b, np, hn]

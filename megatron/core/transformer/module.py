@@ -106,7 +106,9 @@ class Float16Module(MegatronModule):
                 return val.bfloat16()
 
         else:
-            raise ValueError("Float16Module needs config.fp16 or config.bf16 to be True (both are False)")
+            raise ValueError(
+                "Float16Module needs config.fp16 or config.bf16 to be True (both are False)"
+            )
 
         self.float16_convertor = float16_convertor
 

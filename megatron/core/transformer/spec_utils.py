@@ -52,7 +52,9 @@ def build_module(spec_or_module: Union[ModuleSpec, type], *args, **kwargs):
     if isinstance(spec_or_module, types.FunctionType):
         return spec_or_module
 
-    if isinstance(spec_or_module, ModuleSpec) and isinstance(spec_or_module.module, types.FunctionType):
+    if isinstance(spec_or_module, ModuleSpec) and isinstance(
+        spec_or_module.module, types.FunctionType
+    ):
         return spec_or_module.module
 
     if isinstance(spec_or_module, type):

@@ -58,7 +58,9 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.config = config
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=get_current_device()))
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=get_current_device())
+        )
         _mark_sequence_parallel(self, config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

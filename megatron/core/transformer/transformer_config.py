@@ -320,9 +320,13 @@ class TransformerConfig(ModelParallelConfig):
                 "in this project; leave num_moe_experts None."
             )
         if self.fp8 is not None:
-            raise ValueError(f"fp8 ({self.fp8!r}) needs Transformer Engine, which is not supported.")
+            raise ValueError(
+                f"fp8 ({self.fp8!r}) needs Transformer Engine, which is not supported."
+            )
         if self.window_size is not None:
-            raise ValueError(f"window_size ({self.window_size}): sliding-window attention is not supported.")
+            raise ValueError(
+                f"window_size ({self.window_size}): sliding-window attention is not supported."
+            )
 
         if self.recompute_granularity is not None:
             if self.recompute_granularity not in ("full", "selective"):

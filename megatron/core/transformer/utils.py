@@ -29,7 +29,9 @@ def get_default_causal_mask(sq: int, sk: int = None) -> torch.Tensor:
     return _causal_mask(sq, sq if sk is None else sk, get_current_device())
 
 
-def attention_mask_func(attention_scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def attention_mask_func(
+    attention_scores: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
     """Fill masked positions (mask True) of the scores with -10000.0, in place (Megatron's value)."""
     attention_scores.masked_fill_(attention_mask, -10000.0)
     return attention_scores

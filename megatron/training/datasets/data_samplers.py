@@ -208,13 +208,18 @@ def build_pretraining_data_loader(dataset, consumed_samples):
     from megatron.training.global_vars import get_args
 
     args = get_args()
+    if parallel_state.model_parallel_is_initialized():
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_world_size()
+    else:  # a single process without model-parallel state
+        dp_rank, dp_size = 0, 1
     return build_data_loader(
         dataset,
         consumed_samples,
         dataloader_type=getattr(args, "dataloader_type", None) or "single",
         micro_batch_size=args.micro_batch_size,
-        data_parallel_rank=parallel_state.get_data_parallel_rank(),
-        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        data_parallel_rank=dp_rank,
+        data_parallel_size=dp_size,
         num_workers=args.num_workers,
         data_sharding=getattr(args, "data_sharding", True),
     )

@@ -8,7 +8,7 @@ multiple of make_vocab_size_divisible_by x tensor_model_parallel_size) and print
 
 import math
 import os
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
 

@@ -53,7 +53,7 @@ def _layer_params(global_index: int, fan_in: int, fan_out: int):
 
 
 class StageModel(torch.nn.Module):
-    """Layers [offset, offset + num_local_layers) of the stack; embed / head on first / last stage."""
+    """Layers [offset, offset + num_local) of the stack; embed / head on first / last stage."""
 
     def __init__(self, config, pre_process: bool, post_process: bool, offset: int, num_local: int):
         super().__init__()
@@ -226,7 +226,11 @@ def _p2p_body(batch_p2p_comm: bool, variable_seq_lengths: bool):
 )
 def test_p2p_exchanges_reach_the_right_neighbour(world_size, batch_p2p_comm, variable_seq_lengths):
     outs = run_distributed(
-        _p2p_body, world_size, pp=world_size, args=(batch_p2p_comm, variable_seq_lengths), timeout=90
+        _p2p_body,
+        world_size,
+        pp=world_size,
+        args=(batch_p2p_comm, variable_seq_lengths),
+        timeout=90,
     )
     fwd_shape = [3, 2, 4]
     bwd_shape = [5, 2, 4] if variable_seq_lengths else fwd_shape
@@ -310,6 +314,17 @@ def _check_against_reference(outs, num_microbatches: int, forward_only: bool):
         (4, None, 2, False, {}),  # fewer micro-batches than stages
         (4, 2, NUM_MICROBATCHES, False, {'deallocate_pipeline_outputs': True}),
         (4, 2, 4, True, {}),
+        # Megatron's CLI default for interleaving: overlapped, unbatched p2p.
+        (2, 2, NUM_MICROBATCHES, False, {'overlap_p2p_comm': True, 'batch_p2p_comm': False}),
+        (2, 2, 2, False, {'overlap_p2p_comm': True, 'batch_p2p_comm': False}),
+        (4, 2, 4, True, {'overlap_p2p_comm': True, 'batch_p2p_comm': False}),
+        (
+            4,
+            2,
+            NUM_MICROBATCHES,
+            False,
+            {'overlap_p2p_comm': True, 'batch_p2p_comm': False, 'deallocate_pipeline_outputs': True},
+        ),
     ],
 )
 def test_schedule_matches_serial_reference(
@@ -328,12 +343,14 @@ def test_schedule_matches_serial_reference(
 
 def test_get_forward_backward_func_picks_schedule():
     assert run_distributed(_pick_body, 1) == ['forward_backward_no_pipelining']
-    assert run_distributed(_pick_body, 2, pp=2) == [
-        'forward_backward_pipelining_without_interleaving'
-    ] * 2
-    assert run_distributed(_pick_body, 2, pp=2, vpp=2) == [
-        'forward_backward_pipelining_with_interleaving'
-    ] * 2
+    assert (
+        run_distributed(_pick_body, 2, pp=2)
+        == ['forward_backward_pipelining_without_interleaving'] * 2
+    )
+    assert (
+        run_distributed(_pick_body, 2, pp=2, vpp=2)
+        == ['forward_backward_pipelining_with_interleaving'] * 2
+    )
 
 
 def _pick_body():
@@ -413,7 +430,9 @@ def test_warmup_forward_counts(world_size, vpp, num_microbatches):
         warmup = _expected_warmup(world_size, rank, num_microbatches, vpp)
         # The steady state starts with one more forward unless everything ran as warm-up.
         expected = warmup if warmup == total else warmup + 1
-        assert leading == expected, f"rank {rank}: {leading} forwards before first backward, trace {trace}"
+        assert (
+            leading == expected
+        ), f"rank {rank}: {leading} forwards before first backward, trace {trace}"
         if warmup < total:
             # Steady state alternates one forward and one backward.
             steady = [kind for kind, _ in trace[leading : leading + 2 * (total - warmup) - 1]]
@@ -483,7 +502,9 @@ def _hooks_body(num_microbatches: int):
 @pytest.mark.parametrize('world_size,vpp', [(1, None), (2, None), (2, 2)])
 def test_schedule_hooks(world_size, vpp):
     num_microbatches = 4
-    outs = run_distributed(_hooks_body, world_size, pp=world_size, vpp=vpp, args=(num_microbatches,))
+    outs = run_distributed(
+        _hooks_body, world_size, pp=world_size, vpp=vpp, args=(num_microbatches,)
+    )
     _, ref_grads = _serial_reference(num_microbatches)
     for rank, out in enumerate(outs):
         events = out['events']
@@ -542,6 +563,131 @@ def test_impossible_settings_raise_value_error_before_communication():
         assert msg is not None and 'microbatches (3)' in msg and '(2)' in msg, msg
 
 
+def _tensor_shapes_body():
+    out = {}
+    config = _config()
+    for model_type in (ModelType.encoder_or_decoder, ModelType.encoder_and_decoder):
+        out[model_type.name] = [
+            schedules.get_tensor_shapes(
+                rank=rank,
+                model_type=model_type,
+                seq_length=16,
+                micro_batch_size=MBS,
+                decoder_seq_length=8,
+                config=config,
+            )
+            for rank in range(2)
+        ]
+    return out
+
+
+def test_tensor_shapes_for_encoder_decoder_split():
+    # pp=2 with the split at rank 1: rank 0 runs the encoder, rank 1 the decoder.
+    out = run_distributed(_tensor_shapes_body, 2, pp=2, split_rank=1)[0]
+    assert out['encoder_or_decoder'] == [[(16, MBS, HIDDEN)]] * 2
+    assert out['encoder_and_decoder'] == [
+        [(16, MBS, HIDDEN)],
+        [(8, MBS, HIDDEN), (16, MBS, HIDDEN)],
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# loss_func forms: (loss, num_tokens, dict), per-token normalisation, non-loss data
+
+
+@dataclasses.dataclass
+class PerTokenConfig(StageConfig):
+    """StageConfig with TransformerConfig's per-token loss switch."""
+
+    calculate_per_token_loss: bool = False
+
+
+def _token_loss_body(num_microbatches: int, per_token: bool):
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    config = PerTokenConfig(
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=(
+            parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        ),
+        pipeline_dtype=torch.float32,
+        calculate_per_token_loss=per_token,
+        finalize_model_grads_func=finalize_model_grads,
+    )
+    chunks = _build_chunks(config)
+
+    def forward_step_func(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch['x'])
+
+        def loss_func(out):
+            loss_sum = ((out - batch['y']) ** 2).sum()
+            num_tokens = torch.tensor(out.numel(), dtype=torch.int)
+            return loss_sum, num_tokens, {'loss': loss_sum.detach() / out.numel()}
+
+        return output, loss_func
+
+    batches = _batches(num_microbatches)
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=[iter(batches) for _ in chunks],
+        model=chunks,
+        num_microbatches=num_microbatches,
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+    )
+    grads = {}
+    for chunk in chunks:
+        grads.update(chunk.global_named_grads())
+    return {'losses': [d['loss'] for d in losses], 'grads': grads}
+
+
+@pytest.mark.parametrize('per_token', [False, True])
+def test_three_tuple_loss_func_and_per_token_normalisation(per_token):
+    # Every micro-batch has the same token count, so both normalisations equal the mean of means.
+    outs = run_distributed(_token_loss_body, 2, pp=2, args=(4, per_token))
+    _check_against_reference(outs, 4, forward_only=False)
+
+
+def _non_loss_data_body():
+    config = _config()
+    chunks = _build_chunks(config)
+    batches = _batches(4)
+
+    def forward_step_func(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch['x'])
+
+        def loss_func(out, non_loss_data=False):
+            assert (
+                non_loss_data
+            ), "collect_non_loss_data must call loss_func(out, non_loss_data=True)"
+            return out.detach().clone()
+
+        return output, loss_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=iter(batches),
+        model=chunks[0],
+        num_microbatches=4,
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+        forward_only=True,
+        collect_non_loss_data=True,
+    )
+
+
+def test_collect_non_loss_data_returns_last_stage_outputs():
+    outs = run_distributed(_non_loss_data_body, 2, pp=2)
+    assert outs[0] == []
+    model = StageModel(None, True, True, 0, NUM_LAYERS)
+    with torch.no_grad():
+        expected = [model(batch['x']) for batch in _batches(4)]
+    torch.testing.assert_close(torch.stack(outs[1]), torch.stack(expected), rtol=1e-5, atol=1e-6)
+
+
+# A failing job kills its worker pool, so this runs last in the file.
 def _raising_body():
     config = _config()
     chunks = _build_chunks(config)

@@ -66,10 +66,14 @@ class RotaryEmbedding(torch.nn.Module):
             )  # [s, d] with each angle repeated for its channel pair
         emb = emb[:, None, None, :]  # [s, 1, 1, d]
         if parallel_state.get_context_parallel_world_size() > 1:
-            raise NotImplementedError("context parallelism is not implemented for rotary embeddings")
+            raise NotImplementedError(
+                "context parallelism is not implemented for rotary embeddings"
+            )
         return emb
 
-    def get_rotary_seq_len(self, inference_params, transformer, transformer_input, transformer_config) -> int:
+    def get_rotary_seq_len(
+        self, inference_params, transformer, transformer_input, transformer_config
+    ) -> int:
         """Full sequence length the angles are needed for.
 
         The decoder input (or the pipeline input tensor) is [s, b, h], or [s/tp, b, h] under

@@ -1,0 +1,243 @@
+"""Checkpoint save / load time and size for a ~125M-parameter GPT; optimizer-state bytes per rank.
+
+Each configuration runs as DP gloo (or NCCL on GPUs) ranks spawned by this script. Every rank
+builds the model, optimizer and scheduler exactly as pretrain_gpt.py does
+(`initialize_megatron` + `setup_model_and_optimizer`), takes one Adam step on synthetic gradients
+(so the Adam moments exist), then:
+
+- save: `save_checkpoint` into a fresh directory (wall time on rank 0 between two barriers;
+  includes fsync and the tracker update);
+- size: bytes of every file of the iteration directory (model_optim_rng.pt, distrib_optim.pt);
+- load: a freshly built model/optimizer, `load_checkpoint` (wall time between barriers);
+- optimizer state per rank: bytes of the inner optimizer's state tensors plus fp32 main copies that
+  do not alias model parameters.
+
+Usage:
+    python benchmarks/bench_checkpoint.py                        # GPT-2 small (124M), DP=1
+    python benchmarks/bench_checkpoint.py --dp 1 2 4 --use-distributed-optimizer both
+    python benchmarks/bench_checkpoint.py --num-layers 2 --hidden-size 128   # quick smoke run
+"""
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _parse():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument('--num-layers', type=int, default=12)
+    parser.add_argument('--hidden-size', type=int, default=768)
+    parser.add_argument('--num-attention-heads', type=int, default=12)
+    parser.add_argument('--seq-length', type=int, default=1024)
+    parser.add_argument('--dp', type=int, nargs='+', default=[1], help='data-parallel sizes to run')
+    parser.add_argument('--use-distributed-optimizer', choices=['no', 'yes', 'both'], default='no')
+    parser.add_argument('--bf16', action='store_true', help='bf16 params with fp32 main params')
+    parser.add_argument('--dir', default=None, help='checkpoint folder (default: a temp dir)')
+    parser.add_argument('--json', default=None, help='also write the results to this file')
+    return parser.parse_args()
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
+def _optimizer_state_bytes(model, optimizer) -> int:
+    """Bytes of optimizer state tensors + main params that are not views of model params."""
+    import torch
+
+    model_storages = {p.untyped_storage().data_ptr() for chunk in model for p in chunk.parameters()}
+    seen, total = set(), 0
+    for opt in getattr(optimizer, 'chained_optimizers', [optimizer]):
+        inner = opt.optimizer
+        for state in inner.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
+                    seen.add(value.data_ptr())
+                    total += value.numel() * value.element_size()
+        for group in inner.param_groups:
+            for param in group['params']:
+                if param.untyped_storage().data_ptr() in model_storages or param.data_ptr() in seen:
+                    continue
+                seen.add(param.data_ptr())
+                total += param.numel() * param.element_size()
+    return total
+
+
+def _synthetic_step(model, optimizer, opt_param_scheduler, args):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    for chunk in model:
+        for param in chunk.parameters():
+            grad = torch.randn(param.shape, generator=gen) * 1e-3
+            param.main_grad.copy_(grad.to(param.main_grad.device, param.main_grad.dtype))
+    optimizer.step()
+    opt_param_scheduler.step(increment=args.global_batch_size)
+    args.consumed_train_samples += args.global_batch_size
+
+
+def _rank_main(rank, world_size, port, bench, use_dist_opt, ckpt_dir, result_file):
+    os.environ.update(
+        MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    sys.path.insert(0, REPO)
+    import torch
+
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training import checkpointing
+    from megatron.training.global_vars import get_args
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import setup_model_and_optimizer
+
+    argv = [
+        '--num-layers', str(bench.num_layers), '--hidden-size', str(bench.hidden_size),
+        '--num-attention-heads', str(bench.num_attention_heads),
+        '--seq-length', str(bench.seq_length), '--max-position-embeddings', str(bench.seq_length),
+        '--micro-batch-size', '1', '--global-batch-size', str(world_size), '--train-iters', '10',
+        '--lr', '1e-4', '--tokenizer-type', 'GPT2BPETokenizer',
+        '--vocab-file', os.path.join(REPO, 'data', 'gpt2', 'gpt2-vocab.json'),
+        '--merge-file', os.path.join(REPO, 'data', 'gpt2', 'gpt2-merges.txt'),
+        '--save', ckpt_dir, '--save-interval', '1',
+    ]
+    if not torch.cuda.is_available():
+        argv += ['--distributed-backend', 'gloo']
+    if use_dist_opt:
+        argv.append('--use-distributed-optimizer')
+    if bench.bf16:
+        argv.append('--bf16')
+
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        initialize_megatron(args_list=argv)
+        model, optimizer, scheduler = setup_model_and_optimizer(
+            pretrain_gpt.model_provider, ModelType.encoder_or_decoder
+        )
+    args = get_args()
+    _synthetic_step(model, optimizer, scheduler, args)
+    num_params = sum(p.numel() for chunk in model for p in chunk.parameters())
+    opt_bytes = _optimizer_state_bytes(model, optimizer)
+
+    def timed(fn):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            out = fn()
+        torch.distributed.barrier()
+        return time.perf_counter() - start, out
+
+    save_s, _ = timed(lambda: checkpointing.save_checkpoint(1, model, optimizer, scheduler, 0))
+
+    del model, optimizer, scheduler  # keep one copy in memory at a time
+    gc.collect()
+    with contextlib.redirect_stdout(io.StringIO()):
+        model, optimizer, scheduler = setup_model_and_optimizer(
+            pretrain_gpt.model_provider, ModelType.encoder_or_decoder
+        )
+    args.consumed_train_samples = 0
+    args.consumed_valid_samples = 0
+    args.load = ckpt_dir
+    load_s, (iteration, _) = timed(
+        lambda: checkpointing.load_checkpoint(model, optimizer, scheduler)
+    )
+    assert iteration == 1
+
+    opt_bytes_all = [None] * world_size
+    torch.distributed.all_gather_object(opt_bytes_all, opt_bytes)
+    if rank == 0:
+        iter_dir = checkpointing.get_checkpoint_name(ckpt_dir, 1, return_base_dir=True)
+        files = {}
+        for root, _, names in os.walk(iter_dir):
+            for name in names:
+                path = os.path.join(root, name)
+                files[os.path.relpath(path, iter_dir)] = os.path.getsize(path)
+        with open(result_file, 'w') as f:
+            json.dump(
+                {
+                    'dp': world_size,
+                    'distributed_optimizer': use_dist_opt,
+                    'params': num_params,
+                    'save_s': save_s,
+                    'load_s': load_s,
+                    'files': files,
+                    'total_bytes': sum(files.values()),
+                    'optimizer_state_bytes_per_rank': opt_bytes_all,
+                },
+                f,
+            )
+    torch.distributed.destroy_process_group()
+
+
+def _run_config(bench, world_size, use_dist_opt, base_dir):
+    import torch.multiprocessing as mp
+
+    ckpt_dir = tempfile.mkdtemp(prefix=f'ckpt_dp{world_size}_{int(use_dist_opt)}_', dir=base_dir)
+    result_file = os.path.join(ckpt_dir, 'result.json')
+    try:
+        mp.spawn(
+            _rank_main,
+            args=(world_size, _free_port(), bench, use_dist_opt, ckpt_dir, result_file),
+            nprocs=world_size,
+            join=True,
+        )
+        with open(result_file) as f:
+            return json.load(f)
+    finally:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def main():
+    bench = _parse()
+    base_dir = bench.dir or tempfile.mkdtemp(prefix='bench_checkpoint_')
+    os.makedirs(base_dir, exist_ok=True)
+    choices = {'no': [False], 'yes': [True], 'both': [False, True]}
+    dist_opt_values = choices[bench.use_distributed_optimizer]
+    results = []
+    mib = 1024.0**2
+    print(
+        f'{"DP":>3} {"dist-opt":>8} {"params":>12} {"ckpt MiB":>9} {"save s":>7} '
+        f'{"save MiB/s":>10} '
+        f'{"load s":>7} {"opt-state MiB/rank":>20}',
+        flush=True,
+    )
+    for world_size in bench.dp:
+        for use_dist_opt in dist_opt_values:
+            res = _run_config(bench, world_size, use_dist_opt, base_dir)
+            results.append(res)
+            per_rank = ', '.join(f'{b / mib:.1f}' for b in res['optimizer_state_bytes_per_rank'])
+            print(
+                f'{res["dp"]:>3} {str(use_dist_opt):>8} {res["params"]:>12,} '
+                f'{res["total_bytes"] / mib:>9.1f} '
+                f'{res["save_s"]:>7.2f} {res["total_bytes"] / mib / res["save_s"]:>10.1f} '
+                f'{res["load_s"]:>7.2f} {per_rank:>20}',
+                flush=True,
+            )
+            for name, size in sorted(res['files'].items()):
+                print(f'      {name}: {size / mib:.1f} MiB', flush=True)
+    if bench.json:
+        with open(bench.json, 'w') as f:
+            json.dump(results, f, indent=1)
+    if bench.dir is None:
+        shutil.rmtree(base_dir, ignore_errors=True)
+
+
+if __name__ == '__main__':
+    main()

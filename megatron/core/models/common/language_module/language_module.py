@@ -1,0 +1,111 @@
+"""Base class of language models: the loss and the tying of input embedding and output layer."""
+
+import logging
+
+import torch
+from torch import Tensor
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class LanguageModule(MegatronModule):
+    """Base language module: per-token loss over vocab-parallel logits and tied embeddings.
+
+    Subclasses set `pre_process`, `post_process`, `share_embeddings_and_output_weights`,
+    `embedding` (first stage) and `output_layer` (last stage), then call
+    `setup_embeddings_and_output_layer()`.
+
+    Args:
+        config (TransformerConfig): the model config.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__(config=config)
+
+    def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
+        """Per-token cross entropy.
+
+        Args:
+            labels: [b, s] target ids.
+            logits: [s, b, v/p] vocab-parallel logits (split across the TP group).
+
+        Returns:
+            [b, s] loss (fp32 unless fp16_lm_cross_entropy keeps the logits in 16 bits).
+        """
+        # [b, s] -> [s, b]
+        labels = labels.transpose(0, 1).contiguous()
+        if not getattr(self, 'fp16_lm_cross_entropy', False):
+            logits = logits.float()
+        # Softmax statistics are all-reduced across the TP group inside.
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        # [s, b] -> [b, s]
+        loss = loss.transpose(0, 1).contiguous()
+        return loss
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        """Tag embedding/output parameters and tie them across pipeline stages.
+
+        With shared embeddings and more than one pipeline stage, the first stage owns the word
+        embedding and the last stage holds a separate `output_layer.weight`: it is zero-filled
+        and all-reduced over the embedding group (first and last stage) so it starts equal to
+        the first stage's table; `finalize_model_grads` keeps the two in sync by all-reducing
+        their gradients over the same group. Both copies are marked `shared_embedding = True`.
+        """
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if self.post_process and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
+
+        if not self.share_embeddings_and_output_weights:
+            return
+
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            # One stage holds both ends: the output layer reads the embedding weight directly.
+            self.shared_embedding_or_output_weight().zero_out_wgrad = True
+            return
+
+        if parallel_state.is_pipeline_first_stage() and self.pre_process and not self.post_process:
+            self.shared_embedding_or_output_weight().shared_embedding = True
+
+        if self.post_process and not self.pre_process:
+            assert not parallel_state.is_pipeline_first_stage()
+            # Zero out the last stage's copy, then all-reduce it with the first stage's table.
+            self.output_layer.weight.data.fill_(0)
+            self.output_layer.weight.shared = True
+            self.output_layer.weight.shared_embedding = True
+
+        # Parameters are shared between the word embeddings layers, and the heads at the end of
+        # the model. In a pipelined setup with more than one stage, the initial embedding layer
+        # and the head are on different workers, so we do the following:
+        # 1. Create a second copy of word_embeddings on the last stage, with initial parameters
+        #    of 0.0.
+        # 2. Do an all-reduce between the first and last stage to ensure that the two copies of
+        #    word_embeddings start off with the same parameter values.
+        # 3. In the training loop, all-reduce the grads of the two copies (finalize_model_grads).
+        if torch.distributed.is_initialized():
+            if parallel_state.is_rank_in_embedding_group():
+                weight = self.shared_embedding_or_output_weight()
+                torch.distributed.all_reduce(
+                    weight.data, group=parallel_state.get_embedding_group()
+                )
+        elif not getattr(LanguageModule, "embedding_warning_printed", False):
+            logger.warning(
+                "Distributed processes aren't initialized, so the output layer is not initialized "
+                "with weights from the word embeddings. If you are just manipulating a model this "
+                "is fine, but this needs to be handled manually. If you are training something is "
+                "definitely wrong."
+            )
+            LanguageModule.embedding_warning_printed = True
+
+    def shared_embedding_or_output_weight(self) -> Tensor:
+        """The word-embedding weight on the first stage, the output-layer weight on the last
+        stage without embedding, else None."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        elif self.post_process:
+            return self.output_layer.weight
+        return None

@@ -1,0 +1,1 @@
+from .gpt_model import GPTModel

@@ -1,0 +1,70 @@
+"""Layer specs of GPT models built from this project's modules only (no Transformer Engine)."""
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+# LayerNorm or RMSNorm, following config.normalization.
+LNImpl = WrappedTorchNorm
+
+
+def get_gpt_layer_local_spec(
+    num_experts: int = None, moe_grouped_gemm: bool = False, qk_layernorm: bool = False
+) -> ModuleSpec:
+    """GPT layer spec with the local (plain PyTorch) modules.
+
+    Args:
+        num_experts: number of MoE experts; MoE is not implemented, so it must be None.
+        moe_grouped_gemm: MoE grouped GEMM (must be False).
+        qk_layernorm: normalise queries and keys per head.
+
+    Returns:
+        ModuleSpec of a TransformerLayer with separate input / pre-MLP norms, causal
+        self attention (fused QKV) and a dense MLP.
+    """
+    if num_experts is not None or moe_grouped_gemm:
+        raise ValueError(
+            f"num_experts ({num_experts}) / moe_grouped_gemm ({moe_grouped_gemm}): mixture of "
+            "experts is not implemented in this project."
+        )
+    mlp = _get_mlp_module_spec()
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=LNImpl,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=DotProductAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=LNImpl if qk_layernorm else IdentityOp,
+                    k_layernorm=LNImpl if qk_layernorm else IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=LNImpl,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={
+                'input_layernorm.': 'self_attention.linear_qkv.layer_norm_',
+                'pre_mlp_layernorm.': 'mlp.linear_fc1.layer_norm_',
+            },
+        ),
+    )
+
+
+def _get_mlp_module_spec() -> ModuleSpec:
+    """Dense MLP spec: ColumnParallelLinear fc1, RowParallelLinear fc2."""
+    return ModuleSpec(
+        module=MLP,
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+    )

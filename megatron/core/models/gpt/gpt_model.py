@@ -1,0 +1,212 @@
+"""GPTModel: embedding (first stage) -> TransformerBlock -> output layer and loss (last stage).
+
+Notation: b batch, s sequence, h hidden size, v padded vocabulary, p tensor-parallel size.
+"""
+
+from typing import Dict, Literal, Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core import tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class GPTModel(LanguageModule):
+    """Decoder-only transformer language model.
+
+    The output layer is a ColumnParallelLinear [h -> v] split along v: each rank produces v/p
+    logits (no communication in forward, all-reduce of the input gradient in backward), unless
+    `parallel_output=False` gathers them. With `share_embeddings_and_output_weights` the output
+    layer reuses the word-embedding table (on the same stage) or a synchronised copy of it (on
+    the last stage when pp > 1, see LanguageModule.setup_embeddings_and_output_layer).
+
+    Args:
+        config (TransformerConfig): the model config.
+        transformer_layer_spec (ModuleSpec): the layer spec (e.g. get_gpt_layer_local_spec()).
+        vocab_size (int): padded vocabulary size.
+        max_sequence_length (int): maximum sequence length (learned position embeddings).
+        pre_process (bool): this stage holds the embedding (first pipeline stage).
+        post_process (bool): this stage holds the output layer (last pipeline stage).
+        fp16_lm_cross_entropy (bool): compute the cross entropy on 16-bit logits.
+        parallel_output (bool): keep the logits split across the TP group.
+        share_embeddings_and_output_weights (bool): tie input embedding and output layer.
+        position_embedding_type: 'learned_absolute', 'rope' or 'none'.
+        rotary_percent (float): fraction of each head rotated by RoPE.
+        rotary_base (int): RoPE base.
+        seq_len_interpolation_factor (float, optional): RoPE position interpolation.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        transformer_layer_spec: ModuleSpec,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: Literal['learned_absolute', 'rope', 'none'] = 'learned_absolute',
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        seq_len_interpolation_factor: Optional[float] = None,
+    ) -> None:
+        super().__init__(config=config)
+
+        if vocab_size % config.tensor_model_parallel_size != 0:
+            raise ValueError(
+                f"vocab_size ({vocab_size}) must be a multiple of tensor_model_parallel_size "
+                f"({config.tensor_model_parallel_size}); pad the vocabulary first."
+            )
+        if position_embedding_type not in ('learned_absolute', 'rope', 'none'):
+            raise ValueError(
+                "position_embedding_type must be 'learned_absolute', 'rope' or 'none', got "
+                f"{position_embedding_type!r}"
+            )
+
+        self.transformer_layer_spec: ModuleSpec = transformer_layer_spec
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+
+        # megatron core pipelining currently depends on model type
+        self.model_type = ModelType.encoder_or_decoder
+
+        # These 2 attributes are needed for TensorRT-LLM export.
+        self.max_position_embeddings = max_sequence_length
+        self.rotary_percent = rotary_percent
+
+        if self.pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=self.config,
+                vocab_size=self.vocab_size,
+                max_sequence_length=self.max_sequence_length,
+                position_embedding_type=position_embedding_type,
+            )
+
+        if self.position_embedding_type == 'rope':
+            self.rotary_pos_emb = RotaryEmbedding(
+                kv_channels=self.config.kv_channels,
+                rotary_percent=rotary_percent,
+                rotary_interleaved=self.config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+            )
+
+        self.decoder = TransformerBlock(
+            config=self.config,
+            spec=transformer_layer_spec,
+            pre_process=self.pre_process,
+            post_process=self.post_process,
+        )
+
+        if self.post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size,
+                self.vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                skip_bias_add=False,
+                gather_output=not self.parallel_output,
+                skip_weight_param_allocation=self.pre_process
+                and self.share_embeddings_and_output_weights,
+            )
+
+        if self.pre_process or self.post_process:
+            self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Set the input of this pipeline stage (the previous stage's output [s, b, h]).
+
+        The schedule passes a list with one tensor (or a tensor).
+        """
+        if not isinstance(input_tensor, list):
+            input_tensor = [input_tensor]
+        assert len(input_tensor) == 1, 'input_tensor should only be length 1 for gpt'
+        self.decoder.set_input_tensor(input_tensor[0])
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        attention_mask: Optional[Tensor],
+        decoder_input: Tensor = None,
+        labels: Tensor = None,
+        inference_params=None,
+        packed_seq_params=None,
+        extra_block_kwargs: Optional[Dict] = None,
+    ) -> Tensor:
+        """Run this stage.
+
+        Args:
+            input_ids: [b, s] token ids (first stage).
+            position_ids: [b, s] positions (learned_absolute; None = 0..s-1).
+            attention_mask: bool [b, 1, s, s], True = masked out; None = causal.
+            decoder_input: [s, b, h] precomputed embedding output (skips the embedding).
+            labels: [b, s] targets; when given, the per-token loss is returned.
+            inference_params: KV cache (not supported).
+            packed_seq_params: packed sequences (not supported).
+            extra_block_kwargs: extra keyword arguments for the TransformerBlock.
+
+        Returns:
+            Last stage: the loss [b, s] (fp32) when labels are given, else logits [b, s, v/p]
+            ([b, s, v] with parallel_output=False). Other stages: hidden states [s, b, h]
+            ([s/p, b, h] under sequence parallelism).
+        """
+        # Decoder embedding.
+        if decoder_input is not None:
+            pass
+        elif self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        else:
+            # Intermediate stage of the pipeline: the decoder takes its input from
+            # set_input_tensor.
+            decoder_input = None
+
+        # Rotary positional embeddings (embedding is None for PP intermediate devices).
+        rotary_pos_emb = None
+        if self.position_embedding_type == 'rope':
+            rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
+                inference_params, self.decoder, decoder_input, self.config
+            )
+            rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len)
+
+        # Run decoder.
+        hidden_states = self.decoder(
+            hidden_states=decoder_input,
+            attention_mask=attention_mask,
+            inference_params=inference_params,
+            rotary_pos_emb=rotary_pos_emb,
+            packed_seq_params=packed_seq_params,
+            **(extra_block_kwargs or {}),
+        )
+
+        if not self.post_process:
+            return hidden_states
+
+        # Logits [s, b, v/p].
+        output_weight = None
+        if self.share_embeddings_and_output_weights:
+            output_weight = self.shared_embedding_or_output_weight()
+        logits, _ = self.output_layer(hidden_states, weight=output_weight)
+
+        if labels is None:
+            # [s, b, v] -> [b, s, v]
+            return logits.transpose(0, 1).contiguous()
+
+        loss = self.compute_language_model_loss(labels, logits)
+        return loss

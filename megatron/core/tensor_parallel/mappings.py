@@ -1,0 +1,418 @@
+"""Autograd-aware collectives that move activations into and out of tensor parallel regions.
+
+Each public function is an autograd Function whose backward is the adjoint collective of its
+forward (identity <-> all-reduce, split <-> all-gather, reduce-scatter <-> all-gather). Two
+split axes are used:
+
+- last dim ("tensor parallel region"): hidden features split over the tp ranks, [s, b, h/tp];
+- first dim ("sequence parallel region"): the sequence split over the tp ranks, [s/tp, b, h].
+
+Every function takes an optional `group`; None means the global tensor model parallel group
+(through parallel_state.get_tensor_model_parallel_group_if_none). With a group of size 1 every
+collective is the identity, so size 1 runs the same code.
+"""
+
+from typing import List, Optional
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.utils import (
+    all_gather_into_tensor,
+    reduce_scatter_tensor,
+    split_tensor_along_last_dim,
+)
+from megatron.core.utils import divide
+
+
+def _resolve(group):
+    # Fall back to the global tensor model parallel group when the caller passes none.
+    return parallel_state.get_tensor_model_parallel_group_if_none(group)
+
+
+# --------------------------------------------------------------------------------------------
+# Plain (non-autograd) collectives
+# --------------------------------------------------------------------------------------------
+
+
+def _reduce(input_: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce (sum) `input_` over `group`, in place when `input_` is contiguous."""
+    if group.size() == 1:
+        return input_
+    input_ = input_.contiguous()
+    torch.distributed.all_reduce(input_, group=group)
+    return input_
+
+
+def _split_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """This rank's chunk of `input_` along the last dimension ([..., h] -> [..., h/tp])."""
+    world_size = group.size()
+    if world_size == 1:
+        return input_
+    input_list = split_tensor_along_last_dim(input_, world_size)
+    return input_list[group.rank()].contiguous()
+
+
+def _split_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """This rank's chunk of `input_` along the first dimension ([s, ...] -> [s/tp, ...])."""
+    world_size = group.size()
+    if world_size == 1:
+        return input_
+    dim_size = input_.size()[0]
+    if dim_size % world_size != 0:
+        raise ValueError(
+            f"first dimension of the tensor ({dim_size}) is not divisible by the tensor parallel "
+            f"size ({world_size}); with sequence_parallel the sequence length must be divisible"
+        )
+    local_dim_size = dim_size // world_size
+    dim_offset = group.rank() * local_dim_size
+    return input_[dim_offset : dim_offset + local_dim_size].contiguous()
+
+
+def _gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """All-gather along the last dimension ([..., h/tp] -> [..., h])."""
+    world_size = group.size()
+    if world_size == 1:
+        return input_
+    dim_size = list(input_.size())
+    dim_size[0] = dim_size[0] * world_size
+    output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
+    all_gather_into_tensor(output, input_.contiguous(), group=group)
+    # [tp * s, ..., h/tp] -> tp chunks along dim 0, concatenated along the last dim.
+    tensor_list = output.chunk(world_size, dim=0)
+    return torch.cat(tensor_list, dim=-1).contiguous()
+
+
+def _reduce_scatter_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the group and keep this rank's last-dim chunk ([..., h] -> [..., h/tp])."""
+    world_size = group.size()
+    if world_size == 1:
+        return input_
+    target_shape = list(input_.size())
+    target_shape[-1] = target_shape[-1] // world_size
+    input_ = input_.reshape(-1, input_.shape[-1])  # [n, h]
+    split_tensors = torch.split(input_, split_size_or_sections=input_.shape[-1] // world_size, dim=1)
+    concat_tensor = torch.cat(split_tensors, dim=0)  # [tp * n, h/tp]
+    output = _reduce_scatter_along_first_dim(concat_tensor, group).reshape(target_shape)
+    return output
+
+
+def _gather_along_first_dim(input_: torch.Tensor, group, output_split_sizes: Optional[List[int]] = None):
+    """All-gather along the first dimension ([s/tp, ...] -> [s, ...]).
+
+    Args:
+        output_split_sizes: first-dim size of each rank's chunk when they differ (None: equal).
+    """
+    world_size = group.size()
+    if world_size == 1:
+        return input_
+    dim_size = list(input_.size())
+    if output_split_sizes is None:
+        dim_size[0] = dim_size[0] * world_size
+        output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
+        all_gather_into_tensor(output, input_.contiguous(), group=group)
+        return output
+    # Uneven chunks: gather zero-padded chunks of the largest size, then drop the padding.
+    max_size = max(output_split_sizes)
+    padded = input_.new_zeros([max_size] + dim_size[1:])
+    padded[: dim_size[0]] = input_
+    gathered = torch.empty([max_size * world_size] + dim_size[1:], dtype=input_.dtype, device=input_.device)
+    all_gather_into_tensor(gathered, padded, group=group)
+    chunks = gathered.split(max_size, dim=0)
+    return torch.cat([c[:n] for c, n in zip(chunks, output_split_sizes)], dim=0)
+
+
+def _reduce_scatter_along_first_dim(
+    input_: torch.Tensor, group, input_split_sizes: Optional[List[int]] = None
+) -> torch.Tensor:
+    """Sum over the group and keep this rank's first-dim chunk ([s, ...] -> [s/tp, ...]).
+
+    Args:
+        input_split_sizes: first-dim size of each rank's chunk when they differ (None: equal).
+    """
+    world_size = group.size()
+    if world_size == 1:
+        return input_
+    if input_split_sizes is None:
+        dim_size = list(input_.size())
+        if dim_size[0] % world_size != 0:
+            raise ValueError(
+                f"first dimension of the tensor ({dim_size[0]}) is not divisible by the tensor "
+                f"parallel size ({world_size})"
+            )
+        dim_size[0] = dim_size[0] // world_size
+        output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
+        reduce_scatter_tensor(output, input_.contiguous(), group=group)
+        return output
+    # Uneven chunks: all-reduce then keep this rank's slice.
+    reduced = _reduce(input_.clone(), group)
+    offset = sum(input_split_sizes[: group.rank()])
+    return reduced[offset : offset + input_split_sizes[group.rank()]].contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd functions
+# --------------------------------------------------------------------------------------------
+
+
+class _CopyToModelParallelRegion(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce the gradient over the tp group."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return input_
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # Clone: the incoming gradient may be a tensor the caller still holds.
+        return _reduce(grad_output.clone(), ctx.group), None
+
+
+class _ReduceFromModelParallelRegion(torch.autograd.Function):
+    """Forward: all-reduce over the tp group (in place). Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        return _reduce(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
+class _ScatterToModelParallelRegion(torch.autograd.Function):
+    """Forward: keep this rank's last-dim chunk. Backward: all-gather along the last dim."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _split_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_last_dim(grad_output, ctx.group), None
+
+
+class _GatherFromModelParallelRegion(torch.autograd.Function):
+    """Forward: all-gather along the last dim. Backward: keep this rank's last-dim chunk."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _gather_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _split_along_last_dim(grad_output, ctx.group), None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Forward: keep this rank's first-dim chunk. Backward: all-gather along the first dim."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _split_along_first_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_first_dim(grad_output, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Forward: all-gather along the first dim.
+
+    Backward: reduce-scatter along the first dim when the consumer of the gathered tensor is in
+    a tensor parallel region (each rank holds a partial gradient), else keep this rank's chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, input_, group, tensor_parallel_output_grad=True, output_split_sizes=None):
+        ctx.group = group
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        ctx.output_split_sizes = output_split_sizes
+        return _gather_along_first_dim(input_, group, output_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.tensor_parallel_output_grad:
+            grad = _reduce_scatter_along_first_dim(grad_output, ctx.group, ctx.output_split_sizes)
+        elif ctx.output_split_sizes is not None:
+            offset = sum(ctx.output_split_sizes[: ctx.group.rank()])
+            grad = grad_output[offset : offset + ctx.output_split_sizes[ctx.group.rank()]].contiguous()
+        else:
+            grad = _split_along_first_dim(grad_output, ctx.group)
+        return grad, None, None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Forward: reduce-scatter along the first dim. Backward: all-gather along the first dim."""
+
+    @staticmethod
+    def forward(ctx, input_, group, input_split_sizes=None):
+        ctx.group = group
+        ctx.input_split_sizes = input_split_sizes
+        return _reduce_scatter_along_first_dim(input_, group, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_first_dim(grad_output, ctx.group, ctx.input_split_sizes), None, None
+
+
+class _AllGatherFromTensorParallelRegion(torch.autograd.Function):
+    """Forward: all-gather along the last dim. Backward: reduce-scatter along the last dim."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _gather_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _reduce_scatter_along_last_dim(grad_output, ctx.group), None
+
+
+class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
+    """Forward: reduce-scatter along the last dim. Backward: all-gather along the last dim."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _reduce_scatter_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_last_dim(grad_output, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: all-to-all along the first dim. Backward: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, group, input_, output_split_sizes, input_split_sizes):
+        ctx.group = group
+        ctx.output_split_sizes = output_split_sizes
+        ctx.input_split_sizes = input_split_sizes
+        world_size = group.size()
+        if world_size == 1:
+            return input_
+        input_ = input_.contiguous()
+        if output_split_sizes is None:
+            output = torch.empty_like(input_)
+        else:
+            output = input_.new_empty(size=[sum(output_split_sizes)] + list(input_.size()[1:]))
+        torch.distributed.all_to_all_single(
+            output,
+            input_,
+            output_split_sizes=output_split_sizes,
+            input_split_sizes=input_split_sizes,
+            group=group,
+        )
+        return output
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        return (
+            None,
+            _AllToAll.apply(ctx.group, *grad_output, ctx.input_split_sizes, ctx.output_split_sizes),
+            None,
+            None,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def copy_to_tensor_model_parallel_region(input_, group=None):
+    """Enter a tp region: forward identity, backward all-reduce of the gradient."""
+    return _CopyToModelParallelRegion.apply(input_, _resolve(group))
+
+
+def reduce_from_tensor_model_parallel_region(input_, group=None):
+    """Leave a tp region: forward all-reduce (sum, in place), backward identity."""
+    return _ReduceFromModelParallelRegion.apply(input_, _resolve(group))
+
+
+def scatter_to_tensor_model_parallel_region(input_, group=None):
+    """Split the last dim: forward keeps this rank's [..., h/tp] chunk, backward all-gathers."""
+    return _ScatterToModelParallelRegion.apply(input_, _resolve(group))
+
+
+def gather_from_tensor_model_parallel_region(input_, group=None):
+    """Gather the last dim: forward all-gathers [..., h/tp] -> [..., h], backward splits."""
+    return _GatherFromModelParallelRegion.apply(input_, _resolve(group))
+
+
+def scatter_to_sequence_parallel_region(input_, group=None):
+    """Split the first dim: forward keeps [s/tp, ...], backward all-gathers along dim 0."""
+    return _ScatterToSequenceParallelRegion.apply(input_, _resolve(group))
+
+
+def gather_from_sequence_parallel_region(
+    input_, tensor_parallel_output_grad=True, output_split_sizes=None, group=None
+):
+    """Gather the first dim: forward all-gathers [s/tp, ...] -> [s, ...].
+
+    Backward reduce-scatters along dim 0 if `tensor_parallel_output_grad` (the gathered tensor
+    feeds a tensor parallel computation, so each rank holds a partial gradient), else splits.
+    """
+    return _GatherFromSequenceParallelRegion.apply(
+        input_, _resolve(group), tensor_parallel_output_grad, output_split_sizes
+    )
+
+
+def reduce_scatter_to_sequence_parallel_region(input_, input_split_sizes=None, group=None):
+    """Leave a tp region into a sequence parallel one: forward reduce-scatters along dim 0
+    ([s, ...] partial sums -> [s/tp, ...]), backward all-gathers along dim 0."""
+    return _ReduceScatterToSequenceParallelRegion.apply(input_, _resolve(group), input_split_sizes)
+
+
+def all_gather_last_dim_from_tensor_parallel_region(input_, group=None):
+    """Forward all-gathers along the last dim, backward reduce-scatters along the last dim."""
+    return _AllGatherFromTensorParallelRegion.apply(input_, _resolve(group))
+
+
+def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None):
+    """Forward reduce-scatters along the last dim, backward all-gathers along the last dim."""
+    return _ReduceScatterToTensorParallelRegion.apply(input_, _resolve(group))
+
+
+def gather_from_sequence_parallel_region_to_moe(input_, output_split_sizes=None):
+    """gather_from_sequence_parallel_region over the tensor + expert parallel group (MoE)."""
+    group = parallel_state.get_tensor_and_expert_parallel_group()
+    return _GatherFromSequenceParallelRegion.apply(input_, group, True, output_split_sizes)
+
+
+def reduce_scatter_to_sequence_parallel_region_from_moe(input_, input_split_sizes=None):
+    """reduce_scatter_to_sequence_parallel_region over the tensor + expert parallel group (MoE)."""
+    group = parallel_state.get_tensor_and_expert_parallel_group()
+    return _ReduceScatterToSequenceParallelRegion.apply(input_, group, input_split_sizes)
+
+
+def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes_=None):
+    """All-to-all along the first dim over `group` (backward: the reverse all-to-all)."""
+    return _AllToAll.apply(group, input_, output_split_sizes_, input_split_sizes_)
+
+
+def all_to_all_sp2hp(input_, group=None):
+    """Sequence-split to hidden-split: [s/tp * b, h] -> [s * b, h/tp] with one all-to-all."""
+    group = _resolve(group)
+    world_size = group.size()
+    input_ = input_.reshape(-1, input_.shape[-1])  # [s/tp * b, h]
+    split_tensors = torch.split(input_, split_size_or_sections=divide(input_.shape[-1], world_size), dim=1)
+    concat_tensor = torch.cat(split_tensors, dim=0)  # [tp * s/tp * b, h/tp]
+    return all_to_all(group, concat_tensor)  # [s * b, h/tp]
+
+
+def all_to_all_hp2sp(input_, group=None):
+    """Hidden-split to sequence-split: [s * b, h/tp] -> [s/tp * b, h] with one all-to-all."""
+    group = _resolve(group)
+    world_size = group.size()
+    input_ = input_.reshape(-1, input_.shape[-1])  # [s * b, h/tp]
+    input_exchanged = all_to_all(group, input_)  # [tp * s/tp * b, h/tp]
+    input_reshaped = input_exchanged.reshape(-1, input_exchanged.shape[-1])
+    split_tensors = torch.split(input_reshaped, split_size_or_sections=divide(input_reshaped.shape[0], world_size), dim=0)
+    return torch.cat(split_tensors, dim=-1)  # [s/tp * b, h]

@@ -1,0 +1,256 @@
+"""The stack of transformer layers held by one pipeline stage (or model chunk), plus the final norm.
+
+Notation: s sequence (s/tp under sequence parallelism), b batch, h hidden size.
+"""
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+import torch
+from torch import Tensor
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+from megatron.core.utils import make_viewless_tensor
+
+
+def get_num_layers_to_build(config: TransformerConfig) -> int:
+    """Layers held by this pipeline stage (per model chunk with virtual pipeline)."""
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if config.num_layers % pp_size != 0:
+        raise ValueError(
+            f"num_layers ({config.num_layers}) must be a multiple of the pipeline model parallel "
+            f"size ({pp_size})"
+        )
+    num_layers_per_pipeline_rank = config.num_layers // pp_size
+    vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vp_size is not None:
+        if num_layers_per_pipeline_rank % vp_size != 0:
+            raise ValueError(
+                f"num_layers per pipeline stage ({num_layers_per_pipeline_rank}) must be a multiple "
+                f"of the virtual pipeline size ({vp_size})"
+            )
+        # Interleaved schedule: each stage holds vp chunks of num_layers / (pp * vp) layers.
+        return num_layers_per_pipeline_rank // vp_size
+    return num_layers_per_pipeline_rank
+
+
+@dataclass
+class TransformerBlockSubmodules:
+    """The layer specs of a block and the spec of its final norm."""
+
+    layer_specs: List[ModuleSpec] = None
+    layer_norm: Optional[Union[ModuleSpec, torch.nn.Module]] = None
+
+
+def _get_block_submodules(
+    config: TransformerConfig, spec: Union[TransformerBlockSubmodules, ModuleSpec]
+) -> TransformerBlockSubmodules:
+    """Expand a block spec: a layer spec is repeated for every layer of this stage."""
+    if isinstance(spec, TransformerBlockSubmodules):
+        return spec
+    if isinstance(spec, ModuleSpec):
+        if issubclass(spec.module, TransformerBlock):
+            return spec.submodules
+        if issubclass(spec.module, BaseTransformerLayer):
+            num_layers = get_num_layers_to_build(config)
+            return TransformerBlockSubmodules(
+                layer_specs=[spec] * num_layers, layer_norm=WrappedTorchNorm
+            )
+        raise Exception(f"specialize for {spec.module.__name__}.")
+    raise Exception(f"specialize for {type(spec).__name__}.")
+
+
+class TransformerBlock(MegatronModule):
+    """The transformer layers of this pipeline stage and, on the last stage, the final norm.
+
+    Args:
+        config (TransformerConfig): the model config.
+        spec: a layer spec (repeated for every layer of the stage) or TransformerBlockSubmodules.
+        post_layer_norm (bool): add the final norm (on the last stage).
+        pre_process (bool): first stage: the input comes from the embedding; otherwise from
+            `set_input_tensor`.
+        post_process (bool): last stage.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        spec: Union[TransformerBlockSubmodules, ModuleSpec],
+        post_layer_norm: bool = True,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ):
+        super().__init__(config=config)
+
+        self.submodules = _get_block_submodules(config, spec)
+        self.post_layer_norm = post_layer_norm
+        self.pre_process = pre_process
+        self.post_process = post_process
+        # Set by set_input_tensor on stages after the first.
+        self.input_tensor = None
+
+        self.checkpoint_core_attention = self.config.recompute_granularity == 'selective'
+
+        self._build_layers()
+        self.num_layers_per_pipeline_rank = len(self.layers)
+
+    def _build_layers(self):
+        # Layer numbers are 1-based and local; each layer adds its stage offset.
+        self.layers = torch.nn.ModuleList(
+            [
+                build_module(layer_spec, config=self.config, layer_number=i + 1)
+                for i, layer_spec in enumerate(self.submodules.layer_specs)
+            ]
+        )
+
+        if self.submodules.layer_norm and self.post_process and self.post_layer_norm:
+            self.final_layernorm = build_module(
+                self.submodules.layer_norm,
+                config=self.config,
+                hidden_size=self.config.hidden_size,
+                eps=self.config.layernorm_epsilon,
+            )
+        else:
+            self.final_layernorm = None
+
+    def _get_layer(self, layer_number: int):
+        return self.layers[layer_number]
+
+    def _checkpointed_forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Tensor,
+        context: Tensor,
+        context_mask: Tensor,
+        rotary_pos_emb: Tensor,
+        packed_seq_params=None,
+    ):
+        """Full activation recomputation: only the inputs of checkpointed layer groups are kept,
+        the layers are re-run in backward (tensor_parallel.checkpoint restores the RNG states so
+        dropout masks are the same)."""
+
+        def custom(start: int, end: int):
+            def custom_forward(
+                hidden_states, attention_mask, context, context_mask, rotary_pos_emb
+            ):
+                for index in range(start, end):
+                    layer = self._get_layer(index)
+                    hidden_states, context = layer(
+                        hidden_states=hidden_states,
+                        attention_mask=attention_mask,
+                        context=context,
+                        context_mask=context_mask,
+                        rotary_pos_emb=rotary_pos_emb,
+                        inference_params=None,
+                        packed_seq_params=packed_seq_params,
+                    )
+                return hidden_states, context
+
+            return custom_forward
+
+        def checkpoint_handler(forward_func):
+            return tensor_parallel.checkpoint(
+                forward_func,
+                self.config.distribute_saved_activations,
+                hidden_states,
+                attention_mask,
+                context,
+                context_mask,
+                rotary_pos_emb,
+            )
+
+        if self.config.recompute_method == 'uniform':
+            # Checkpoint groups of recompute_num_layers layers; only the group inputs are stored.
+            layer_idx = 0
+            while layer_idx < self.num_layers_per_pipeline_rank:
+                end = min(
+                    layer_idx + self.config.recompute_num_layers, self.num_layers_per_pipeline_rank
+                )
+                hidden_states, context = checkpoint_handler(custom(layer_idx, end))
+                layer_idx += self.config.recompute_num_layers
+
+        elif self.config.recompute_method == 'block':
+            # Checkpoint the first recompute_num_layers layers of the stage; run the rest normally.
+            for layer_idx in range(self.num_layers_per_pipeline_rank):
+                if layer_idx < self.config.recompute_num_layers:
+                    hidden_states, context = checkpoint_handler(custom(layer_idx, layer_idx + 1))
+                else:
+                    hidden_states, context = custom(layer_idx, layer_idx + 1)(
+                        hidden_states, attention_mask, context, context_mask, rotary_pos_emb
+                    )
+        else:
+            raise ValueError(
+                f"Invalid activation recompute method {self.config.recompute_method!r}."
+            )
+
+        return hidden_states
+
+    def set_input_tensor(self, input_tensor: Tensor):
+        """Set the input of this stage (the previous stage's output) for pipeline parallelism.
+
+        The pipeline schedule calls this on every stage; the first stage ignores it and reads the
+        embedding output passed to forward.
+        """
+        self.input_tensor = input_tensor
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor],
+        context: Tensor = None,
+        context_mask: Tensor = None,
+        rotary_pos_emb: Tensor = None,
+        inference_params=None,
+        packed_seq_params=None,
+    ):
+        """hidden_states [s, b, h] (ignored on stages after the first) -> [s, b, h]."""
+        if not self.pre_process:
+            # See set_input_tensor().
+            hidden_states = self.input_tensor
+
+        # The pipeline schedule frees this tensor's storage after sending it: keep it viewless.
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+
+        if self.config.sequence_parallel:
+            # Each TP rank holds a different slice of the sequence: draw dropout masks from the
+            # model-parallel RNG so they differ across TP ranks.
+            rng_context = tensor_parallel.get_cuda_rng_tracker().fork()
+        else:
+            rng_context = nullcontext()
+
+        with rng_context:
+            if self.config.recompute_granularity == 'full' and self.training:
+                hidden_states = self._checkpointed_forward(
+                    hidden_states=hidden_states,
+                    attention_mask=attention_mask,
+                    context=context,
+                    context_mask=context_mask,
+                    rotary_pos_emb=rotary_pos_emb,
+                    packed_seq_params=packed_seq_params,
+                )
+            else:
+                for layer in self.layers:
+                    hidden_states, context = layer(
+                        hidden_states=hidden_states,
+                        attention_mask=attention_mask,
+                        context=context,
+                        context_mask=context_mask,
+                        rotary_pos_emb=rotary_pos_emb,
+                        inference_params=inference_params,
+                        packed_seq_params=packed_seq_params,
+                    )
+
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+            # Viewless for the same reason as above (the last stage's output may be kept).
+            hidden_states = make_viewless_tensor(
+                inp=hidden_states, requires_grad=True, keep_graph=True
+            )
+
+        return hidden_states

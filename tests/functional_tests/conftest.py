@@ -1,0 +1,11 @@
+"""Fixtures of the end-to-end tests: the bundled corpus preprocessed once per session."""
+
+import pytest
+
+from tests.functional_tests.gpt_utils import prepare_data
+
+
+@pytest.fixture(scope='session')
+def gpt_data_prefix(tmp_path_factory):
+    """Prefix of mobydick.jsonl preprocessed with GPT-2 BPE (.bin/.idx), shared by the session."""
+    return prepare_data(str(tmp_path_factory.mktemp('gpt_data')))

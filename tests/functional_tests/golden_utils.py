@@ -1,0 +1,60 @@
+"""Golden-value cases: tests/functional_tests/test_cases/<model>/<case>/{model_config.yaml,
+golden_values.json}. The JSON follows Megatron's layout: metric -> {"start_step", "end_step",
+"step_interval", "values": {"<step>": value}} with values rounded to 5 decimals."""
+
+import glob
+import os
+
+import yaml
+
+from tests.functional_tests.gpt_utils import run_pretrain
+from tests.unit_tests.dist_utils import run_distributed
+
+CASES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'test_cases')
+
+
+def list_cases():
+    """Case directories (relative names like 'gpt/gpt_tiny_tp2_pp2')."""
+    paths = sorted(glob.glob(os.path.join(CASES_DIR, '*', '*', 'model_config.yaml')))
+    return [os.path.relpath(os.path.dirname(p), CASES_DIR) for p in paths]
+
+
+def load_case(case):
+    with open(os.path.join(CASES_DIR, case, 'model_config.yaml')) as f:
+        return yaml.safe_load(f)
+
+
+def flags_from_config(config):
+    flags = []
+    for key, value in config['MODEL_ARGS'].items():
+        if value is True:
+            flags.append(key)
+        elif value is not False and value is not None:
+            flags.extend([key, str(value)])
+    return flags
+
+
+def run_case(case, data_prefix, cache_dir):
+    """Run a case; returns {metric: {step: value}} from the last rank."""
+    config = load_case(case)
+    args = config['MODEL_ARGS']
+    tp = int(args.get('--tensor-model-parallel-size', 1))
+    pp = int(args.get('--pipeline-model-parallel-size', 1))
+    extra = flags_from_config(config) + ['--data-path', data_prefix, '--data-cache-path', cache_dir]
+    result = run_distributed(run_pretrain, world_size=config['WORLD_SIZE'], tp=tp, pp=pp,
+                             args=(extra,), timeout=600)[-1]
+    metrics = {}
+    for metric in config['METRICS']:
+        metrics[metric] = {step: losses[metric] for step, losses in sorted(result['train_losses'].items())}
+    return metrics
+
+
+def to_golden_json(metrics):
+    out = {}
+    for metric, values in metrics.items():
+        steps = sorted(values)
+        out[metric] = {
+            'start_step': steps[0], 'end_step': steps[-1], 'step_interval': 1,
+            'values': {str(s): round(float(values[s]), 5) for s in steps},
+        }
+    return out

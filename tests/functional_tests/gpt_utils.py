@@ -1,0 +1,165 @@
+"""Shared pieces of the GPT end-to-end tests: data preparation, the tiny model's flags, and the
+worker function that runs `pretrain()` from pretrain_gpt.py inside a `run_distributed` rank.
+"""
+
+import fcntl
+import os
+import subprocess
+import sys
+import zlib
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOCAB = os.path.join(REPO, 'data', 'gpt2', 'gpt2-vocab.json')
+MERGES = os.path.join(REPO, 'data', 'gpt2', 'gpt2-merges.txt')
+
+#: A tiny GPT on GPT-2 BPE: 2 layers, hidden 64, seq 32. make-vocab-size-divisible-by 64 gives
+#: the same padded vocabulary (50304) at TP=1 and TP=2, so layouts are comparable.
+TINY_GPT_ARGS = [
+    '--num-layers', '2', '--hidden-size', '64', '--num-attention-heads', '4',
+    '--seq-length', '32', '--max-position-embeddings', '32',
+    '--attention-dropout', '0.0', '--hidden-dropout', '0.0',
+    '--make-vocab-size-divisible-by', '64',
+    '--lr', '3e-3', '--min-lr', '3e-4', '--lr-decay-style', 'cosine', '--lr-warmup-iters', '2',
+    '--weight-decay', '0.01', '--clip-grad', '1.0', '--seed', '1234',
+    '--vocab-file', VOCAB, '--merge-file', MERGES, '--split', '98,2,0',
+    '--num-workers', '0', '--log-interval', '1', '--eval-interval', '1000',
+]
+
+
+def prepare_data(work_dir):
+    """Preprocess data/corpus/mobydick.jsonl once into work_dir; returns the data prefix.
+
+    Safe to call from several processes: a file lock serialises the build.
+    """
+    os.makedirs(work_dir, exist_ok=True)
+    prefix = os.path.join(work_dir, 'mobydick_text_document')
+    with open(os.path.join(work_dir, '.lock'), 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(prefix + '.idx'):
+            subprocess.run(
+                [sys.executable, os.path.join(REPO, 'tools', 'preprocess_data.py'),
+                 '--input', os.path.join(REPO, 'data', 'corpus', 'mobydick.jsonl'),
+                 '--output-prefix', os.path.join(work_dir, 'mobydick'),
+                 '--tokenizer-type', 'GPT2BPETokenizer', '--vocab-file', VOCAB, '--merge-file', MERGES,
+                 '--append-eod', '--workers', '1'],
+                check=True, capture_output=True, text=True,
+            )
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return prefix
+
+
+def set_reference_weights(model_chunk, num_layers, layer_offset):
+    """Overwrite every parameter with values that depend only on its *global* name.
+
+    Each full (unsharded) tensor is drawn from a generator seeded by crc32 of the global name and
+    this rank's TP slice is taken along `partition_dim`. Layer indices are made global with
+    `layer_offset`, and a last-stage `output_layer.weight` of a tied model gets the word embedding's
+    values, so every TP/PP layout starts from the same model.
+    """
+    from megatron.core import parallel_state as mpu
+
+    tp = mpu.get_tensor_model_parallel_world_size()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in model_chunk.named_parameters():
+            parts = name.split('.')
+            if 'layers' in parts:
+                i = parts.index('layers') + 1
+                parts[i] = str(int(parts[i]) + layer_offset)
+            global_name = '.'.join(parts)
+            if global_name == 'output_layer.weight':
+                global_name = 'embedding.word_embeddings.weight'
+            full_shape = list(param.shape)
+            partitioned = getattr(param, 'tensor_model_parallel', False)
+            if partitioned:
+                full_shape[param.partition_dim] *= tp
+            gen = torch.Generator().manual_seed(zlib.crc32(global_name.encode()))
+            full = torch.randn(full_shape, generator=gen) * 0.02
+            if 'norm' in global_name and global_name.endswith('weight'):
+                full = 1.0 + 5.0 * full
+            if partitioned:
+                full = torch.chunk(full, tp, dim=param.partition_dim)[tp_rank]
+            param.copy_(full.to(param.dtype))
+
+
+def _reference_model_provider(pre_process=True, post_process=True):
+    import pretrain_gpt
+    from megatron.core import parallel_state as mpu
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    model = pretrain_gpt.model_provider(pre_process, post_process)
+    pp, pp_rank = args.pipeline_model_parallel_size, mpu.get_pipeline_model_parallel_rank()
+    vp = args.virtual_pipeline_model_parallel_size
+    if vp is None:
+        offset = pp_rank * (args.num_layers // pp)
+    else:
+        # Interleaved: chunk v of stage p holds layers [v * L/vp + p * L/vp/pp, ...).
+        vp_rank = mpu.get_virtual_pipeline_model_parallel_rank()
+        offset = vp_rank * (args.num_layers // vp) + pp_rank * (args.num_layers // vp // pp)
+    set_reference_weights(model, args.num_layers, offset)
+    return model
+
+
+_INJECT_AT = {'iteration': None}
+
+
+def _forward_step_with_overflow(data_iterator, model):
+    """pretrain_gpt.forward_step, but the loss used for backward is inf at one chosen iteration."""
+    import pretrain_gpt
+    from megatron.training.global_vars import get_args
+
+    output_tensor, loss_func = pretrain_gpt.forward_step(data_iterator, model)
+    if get_args().curr_iteration + 1 != _INJECT_AT['iteration']:
+        return output_tensor, loss_func
+
+    def overflowing_loss_func(output):
+        loss, num_tokens, report = loss_func(output)
+        return loss * float('inf'), num_tokens, report
+
+    return output_tensor, overflowing_loss_func
+
+
+def run_pretrain(extra_args, reference_weights=False, inject_overflow_at=None, capture_stdout=False):
+    """Run pretrain_gpt's pretrain() on this rank (called inside a run_distributed worker).
+
+    Args:
+        extra_args: flags added to TINY_GPT_ARGS.
+        reference_weights: start from `set_reference_weights` instead of Megatron's init.
+        inject_overflow_at: iteration whose backward loss is made inf (fp16 skip test).
+        capture_stdout: return what this rank printed as result['stdout'].
+
+    Returns pretrain()'s result dict (losses are filled on the last rank).
+    """
+    import contextlib
+    import io
+
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training.global_vars import destroy_global_vars
+    from megatron.training.training import pretrain
+
+    destroy_global_vars()
+    _INJECT_AT['iteration'] = inject_overflow_at
+    forward_step = _forward_step_with_overflow if inject_overflow_at else pretrain_gpt.forward_step
+    buffer = io.StringIO()
+    redirect = contextlib.redirect_stdout(buffer) if capture_stdout else contextlib.nullcontext()
+    try:
+        with redirect:
+            result = pretrain(
+                pretrain_gpt.train_valid_test_datasets_provider,
+                _reference_model_provider if reference_weights else pretrain_gpt.model_provider,
+                ModelType.encoder_or_decoder,
+                forward_step,
+                args_defaults={'tokenizer_type': 'GPT2BPETokenizer'},
+                args_list=TINY_GPT_ARGS + list(extra_args),
+            )
+    finally:
+        destroy_global_vars()
+    if capture_stdout:
+        result['stdout'] = buffer.getvalue()
+    return result

@@ -1,0 +1,55 @@
+"""vocab_parallel_cross_entropy against torch.nn.functional.cross_entropy (loss and logit grads)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from tests.unit_tests.dist_utils import run_distributed
+
+S, B, V = 6, 3, 32
+
+
+def _reference(logits, target, label_smoothing):
+    # Megatron's smoothing puts `label_smoothing` on the V - 1 non-target classes, which is
+    # torch's smoothing (spread over all V classes) with eps = label_smoothing * V / (V - 1).
+    eps = label_smoothing * V / (V - 1)
+    logits = logits.clone().requires_grad_(True)
+    loss = F.cross_entropy(logits.view(-1, V), target.view(-1), reduction="none", label_smoothing=eps)
+    loss = loss.view(S, B)
+    return loss, logits
+
+
+def _check_cross_entropy():
+    group = ps.get_tensor_model_parallel_group()
+    r, n = group.rank(), group.size()
+    gen = torch.Generator().manual_seed(11)
+    logits_full = torch.randn(S, B, V, generator=gen) * 3
+    target = torch.randint(0, V, (S, B), generator=gen)
+    target[0, 0], target[1, 1] = 0, V - 1  # first and last vocabulary entries
+    grad_loss = torch.rand(S, B, generator=gen)
+    for label_smoothing in (0.0, 0.1):
+        ref_loss, ref_logits = _reference(logits_full, target, label_smoothing)
+        ref_loss.backward(grad_loss)
+
+        shard = logits_full.chunk(n, dim=-1)[r].clone()
+        logits = shard.clone().requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(logits, target, label_smoothing)
+        loss.backward(grad_loss)
+        msg = f"label_smoothing={label_smoothing}"
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"loss {msg}: {m}")
+        torch.testing.assert_close(logits.grad, ref_logits.grad.chunk(n, dim=-1)[r], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"grad {msg}: {m}")
+        assert torch.equal(logits.detach(), shard), "the caller's logits were modified"
+    # Low precision logits are computed in fp32.
+    loss16 = vocab_parallel_cross_entropy(logits_full.chunk(n, dim=-1)[r].bfloat16(), target)
+    ref = F.cross_entropy(logits_full.bfloat16().float().view(-1, V), target.view(-1), reduction="none")
+    assert loss16.dtype == torch.float32
+    torch.testing.assert_close(loss16, ref.view(S, B), rtol=1e-4, atol=1e-4)
+    return True
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vocab_parallel_cross_entropy_matches_torch(tp):
+    assert all(run_distributed(_check_cross_entropy, 4, tp=tp))

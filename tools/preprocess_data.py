@@ -1,0 +1,334 @@
+"""Tokenize a loose-JSON corpus (one JSON object per line) into Megatron `.bin`/`.idx` datasets.
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix my-gpt2 \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \\
+        --append-eod --workers 2
+
+writes `my-gpt2_text_document.bin/.idx` (one per `--json-keys` key; `_sentence` with
+`--split-sentences`). Documents are encoded by `--workers` processes but written in input order,
+so the output is byte-identical whatever the worker count. Output goes to temporary names that are
+renamed only on success: a bad line (malformed JSON, missing key) stops the run with
+`FILE:LINE: ...` and leaves no `.bin`/`.idx` under the final names.
+"""
+
+import argparse
+import glob
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder  # noqa: E402
+from megatron.training.tokenizer.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+
+_TMP_SUFFIX = ".tmp-preprocess"
+
+
+class PreprocessError(Exception):
+    """A user-facing, one-line error."""
+
+
+def _load_sentence_splitter(lang: str, keep_newlines: bool):
+    """NLTK punkt for `lang`, or a PreprocessError explaining how to get it."""
+    try:
+        import nltk
+    except ImportError:
+        raise PreprocessError("--split-sentences needs NLTK (pip install nltk) and its punkt model") from None
+    splitter = None
+    try:
+        if hasattr(nltk.tokenize, "PunktTokenizer"):
+            splitter = nltk.tokenize.PunktTokenizer(lang)
+        else:
+            splitter = nltk.load(f"tokenizers/punkt/{lang}.pickle")
+    except (LookupError, OSError, ValueError):
+        splitter = None
+    if splitter is None:
+        try:
+            splitter = nltk.load(f"tokenizers/punkt/{lang}.pickle")
+        except Exception:
+            raise PreprocessError(
+                f"--split-sentences needs NLTK's punkt model for '{lang}', which is not installed; "
+                "run `python -m nltk.downloader punkt punkt_tab` on a machine with network access "
+                "(or drop --split-sentences)"
+            ) from None
+    if keep_newlines:
+        from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer
+
+        class CustomLanguageVars(PunktLanguageVars):
+            """Punkt variables that keep the newline after a sentence end with the sentence."""
+
+            _period_context_fmt = r"""
+                \S*                          # some word material
+                %(SentEndChars)s             # a potential sentence ending
+                \s*                          # keep whitespace (newlines) with the sentence
+                (?=(?P<after_tok>
+                    %(NonWord)s              # either other punctuation
+                    |
+                    (?P<next_tok>\S+)        # or the next token
+                ))"""
+
+        splitter = PunktSentenceTokenizer(train_text=splitter._params, lang_vars=CustomLanguageVars())
+    return splitter
+
+
+class Encoder(object):
+    """Per-process tokenizer (and sentence splitter); `encode` turns one input line into ids."""
+
+    tokenizer = None
+    splitter = None
+
+    def __init__(self, args):
+        self.args = args
+
+    def initializer(self):
+        """Build the tokenizer in each worker."""
+        Encoder.tokenizer = build_tokenizer(self.args)
+        if self.args.split_sentences:
+            Encoder.splitter = _load_sentence_splitter(self.args.lang, self.args.keep_newlines)
+
+    def encode(self, item):
+        """(path, line number, line) -> (ids per key, sequence lengths per key, bytes) or ('error', msg)."""
+        path, lineno, json_line = item
+        try:
+            data = json.loads(json_line)
+        except json.JSONDecodeError as exc:
+            return "error", f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno})"
+        if not isinstance(data, dict):
+            return "error", f"{path}:{lineno}: expected a JSON object, got {type(data).__name__}"
+        ids = {}
+        lens = {}
+        for key in self.args.json_keys:
+            if key not in data:
+                return "error", f"{path}:{lineno}: missing key '{key}' (--json-keys {' '.join(self.args.json_keys)})"
+            text = data[key]
+            if isinstance(text, str):
+                sentences = Encoder.splitter.tokenize(text) if Encoder.splitter is not None else [text]
+            elif isinstance(text, list) and all(isinstance(t, str) for t in text):
+                sentences = text
+            else:
+                return "error", f"{path}:{lineno}: key '{key}' must be a string or a list of strings"
+            doc_ids = []
+            sentence_lens = []
+            for sentence in sentences:
+                sentence_ids = Encoder.tokenizer.tokenize(sentence)
+                if len(sentence_ids) > 0:
+                    doc_ids.extend(sentence_ids)
+                    sentence_lens.append(len(sentence_ids))
+            if len(doc_ids) > 0 and self.args.append_eod:
+                doc_ids.append(Encoder.tokenizer.eod)
+                sentence_lens[-1] += 1
+            ids[key] = doc_ids
+            lens[key] = sentence_lens
+        return ids, lens, len(json_line.encode("utf-8"))
+
+
+def _read_lines(paths):
+    """(path, line number, line) for every non-blank line of every input file."""
+    for path in paths:
+        opener = open
+        if path.endswith(".gz"):
+            import gzip
+
+            opener = gzip.open
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    yield path, lineno, line
+
+
+def _output_prefix(args, key, level, partition=None):
+    prefix = args.output_prefix if partition is None else f"{args.output_prefix}_{partition}"
+    return f"{prefix}_{key}_{level}"
+
+
+class Partition(object):
+    """Encodes a stream of lines into one set of builders (written under temporary names)."""
+
+    def __init__(self, args, workers):
+        self.args = args
+        self.workers = workers
+
+    def print_processing_stats(self, count, proc_start, total_bytes_processed, final=False):
+        """`Processed N documents (X docs/s, Y MB/s).` on stderr every --log-interval documents."""
+        if final or count % self.args.log_interval == 0:
+            elapsed = max(time.time() - proc_start, 1e-9)
+            mbs = total_bytes_processed / elapsed / 1024 / 1024
+            print(f"Processed {count} documents", f"({count / elapsed} docs/s, {mbs} MB/s).", file=sys.stderr, flush=True)
+
+    def process(self, items, prefixes, tokenizer):
+        """Encode `items` with a pool and write one dataset per key to `prefixes[key]` + tmp suffix."""
+        encoder = Encoder(self.args)
+        dtype = DType.optimal_dtype(tokenizer.vocab_size)
+        builders = {
+            key: IndexedDatasetBuilder(prefixes[key] + _TMP_SUFFIX + ".bin", dtype=dtype) for key in self.args.json_keys
+        }
+        count = 0
+        total_bytes = 0
+        proc_start = time.time()
+        pool = multiprocessing.Pool(self.workers, initializer=encoder.initializer)
+        try:
+            for result in pool.imap(encoder.encode, items, 32):
+                if result[0] == "error":
+                    raise PreprocessError(result[1])
+                doc, sentence_lens, bytes_processed = result
+                count += 1
+                total_bytes += bytes_processed
+                for key in doc.keys():
+                    builders[key].add_document(doc[key], sentence_lens[key])
+                self.print_processing_stats(count, proc_start, total_bytes)
+        except BaseException:
+            pool.terminate()
+            pool.join()
+            for key, builder in builders.items():
+                builder.data_file.close()
+                _remove_tmp(prefixes[key])
+            raise
+        pool.close()
+        pool.join()
+        for key in self.args.json_keys:
+            builders[key].finalize(prefixes[key] + _TMP_SUFFIX + ".idx")
+        self.print_processing_stats(count, proc_start, total_bytes, final=True)
+        return count
+
+
+def _remove_tmp(prefix):
+    for ext in (".bin", ".idx"):
+        try:
+            os.remove(prefix + _TMP_SUFFIX + ext)
+        except FileNotFoundError:
+            pass
+
+
+def _commit(prefix):
+    # .bin first: a reader checks for both files, and the .idx appears last.
+    os.replace(prefix + _TMP_SUFFIX + ".bin", prefix + ".bin")
+    os.replace(prefix + _TMP_SUFFIX + ".idx", prefix + ".idx")
+
+
+def get_args(argv=None):
+    """Megatron's preprocess_data flags."""
+    parser = argparse.ArgumentParser()
+    group = parser.add_argument_group(title="input data")
+    group.add_argument("--input", type=str, required=True, help="Path to input JSON (a glob with --partitions > 1)")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="space separate listed of keys to extract from json")
+    group.add_argument("--split-sentences", action="store_true", help="Split documents into sentences (NLTK punkt).")
+    group.add_argument("--keep-newlines", action="store_true", help="Keep newlines between sentences when splitting.")
+
+    group = parser.add_argument_group(title="tokenizer")
+    group.add_argument("--tokenizer-type", type=str, required=True, choices=list(TOKENIZER_TYPES), help="What type of tokenizer to use.")
+    group.add_argument("--tokenizer-model", type=str, default=None, help="YTTM tokenizer model.")
+    group.add_argument("--vocab-file", type=str, default=None, help="Path to the vocab file")
+    group.add_argument("--vocab-size", default=786, help="size of vocab for use with NullTokenizer")
+    group.add_argument("--merge-file", type=str, default=None, help="Path to the BPE merge file (if necessary).")
+    group.add_argument("--append-eod", action="store_true", help="Append an <eod> token to the end of a document.")
+    group.add_argument("--lang", type=str, default="english", help="Language to use for NLTK-powered sentence splitting.")
+    group.add_argument("--vocab-extra-ids", type=int, default=0, help="Number of additional vocabulary tokens (T5 sentinels).")
+
+    group = parser.add_argument_group(title="output data")
+    group.add_argument("--output-prefix", type=str, required=True, help="Path to binary output file without suffix")
+
+    group = parser.add_argument_group(title="runtime")
+    group.add_argument("--workers", type=int, required=True, help="Number of worker processes to launch")
+    group.add_argument("--partitions", type=int, default=1, help="Number of file partitions")
+    group.add_argument("--log-interval", type=int, default=1000, help="Interval between progress updates")
+    group.add_argument("--keep-sequential-samples", action="store_true",
+                       help="Ensure ordering of samples in .jsonl files is preserved when using partitions>1.")
+    args = parser.parse_args(argv)
+    args.keep_empty = False
+
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.partitions < 1:
+        parser.error(f"--partitions must be >= 1, got {args.partitions}")
+    if args.workers % args.partitions != 0:
+        parser.error(f"--workers ({args.workers}) must be divisible by --partitions ({args.partitions})")
+    if args.log_interval < 1:
+        parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
+    if args.keep_newlines and not args.split_sentences:
+        print("--keep-newlines only applies with --split-sentences; ignored", file=sys.stderr)
+
+    # Tokenizer settings build_tokenizer expects from the training arguments.
+    args.rank = 1
+    args.make_vocab_size_divisible_by = 128
+    args.tensor_model_parallel_size = 1
+    args.padded_vocab_size = None
+    if args.tokenizer_type == "NullTokenizer":
+        args.vocab_size = int(args.vocab_size)
+    return args
+
+
+def _input_files(args):
+    if any(ch in args.input for ch in "*?["):
+        paths = sorted(glob.glob(args.input))
+        if not paths:
+            raise PreprocessError(f"--input {args.input}: no file matches")
+    else:
+        paths = [args.input]
+    for path in paths:
+        if not os.path.isfile(path):
+            raise PreprocessError(f"--input {path}: no such file")
+    return paths
+
+
+def run(args):
+    """Preprocess as configured by `args`; returns the number of documents."""
+    paths = _input_files(args)
+    if not any(True for _ in _read_lines(paths)):
+        raise PreprocessError(f"--input {', '.join(paths)}: empty input (no JSON lines)")
+    if args.split_sentences:
+        _load_sentence_splitter(args.lang, args.keep_newlines)  # fail fast with a clear message
+    tokenizer = build_tokenizer(args)
+    level = "sentence" if args.split_sentences else "document"
+    final_prefixes = {key: _output_prefix(args, key, level) for key in args.json_keys}
+
+    if args.partitions == 1:
+        count = Partition(args, args.workers).process(_read_lines(paths), final_prefixes, tokenizer)
+        for key in args.json_keys:
+            _commit(final_prefixes[key])
+        return count
+
+    # Partitions: deal documents round-robin (or contiguously), encode each, then merge in order.
+    lines = list(_read_lines(paths))
+    n = args.partitions
+    if args.keep_sequential_samples:
+        per = (len(lines) + n - 1) // n
+        parts = [lines[i * per:(i + 1) * per] for i in range(n)]
+    else:
+        parts = [lines[i::n] for i in range(n)]
+    count = 0
+    partition_prefixes = []
+    for i, part in enumerate(parts):
+        prefixes = {key: _output_prefix(args, key, level, partition=i) for key in args.json_keys}
+        count += Partition(args, args.workers // n).process(iter(part), prefixes, tokenizer)
+        for key in args.json_keys:
+            _commit(prefixes[key])
+        partition_prefixes.append(prefixes)
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    for key in args.json_keys:
+        builder = IndexedDatasetBuilder(final_prefixes[key] + _TMP_SUFFIX + ".bin", dtype=dtype)
+        for prefixes in partition_prefixes:
+            builder.add_index(prefixes[key])
+        builder.finalize(final_prefixes[key] + _TMP_SUFFIX + ".idx")
+        _commit(final_prefixes[key])
+    return count
+
+
+def main(argv=None):
+    args = get_args(argv)
+    try:
+        count = run(args)
+    except (PreprocessError, FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    level = "sentence" if args.split_sentences else "document"
+    for key in args.json_keys:
+        prefix = _output_prefix(args, key, level)
+        ds = IndexedDataset(prefix)
+        print(f"Wrote {prefix}.bin/.idx: {count} documents, {len(ds)} sequences, "
+              f"{int(ds.sequence_lengths.sum(dtype='int64'))} tokens", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -102,13 +102,6 @@ def test_exact_resume_tp2_pp2(tmp_path):
     _check_resume(reference, stopped, resumed, train_iters, stop_at)
 
 
-@pytest.mark.xfail(
-    reason='creating the DataLoader iterator after load_checkpoint draws a base seed from the '
-    'global torch RNG (torch.utils.data without generator=), so the restored RNG state is advanced '
-    'before iteration N/2+1 and dropout masks differ; fix: give the DataLoader in '
-    'megatron/training/datasets/data_samplers.py its own torch.Generator()',
-    strict=False,
-)
 def test_exact_resume_with_dropout_tp2(tmp_path):
     """With dropout on, exact resume also needs the torch and model-parallel RNG states restored."""
     from tests.unit_tests.dist_utils import run_distributed

@@ -194,6 +194,9 @@ def build_data_loader(dataset, consumed_samples: int, dataloader_type: str, micr
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
+        # A private generator: creating the iterator must not draw from the global torch RNG,
+        # or a resumed run (whose RNG state was just restored) would see different dropout masks.
+        generator=torch.Generator(),
     )
 
 

@@ -103,7 +103,8 @@ def pretrain(
     set_jit_fusion_options()
 
     # Adjust the startup time so it reflects the largest value across ranks.
-    global _TRAIN_START_TIME
+    global _TRAIN_START_TIME, _LAST_SAVED_ITERATION
+    _LAST_SAVED_ITERATION = None  # a process may run pretrain() more than once (tests)
     start_time_tensor = torch.tensor([_TRAIN_START_TIME], dtype=torch.double, device=get_current_device())
     torch.distributed.all_reduce(start_time_tensor, op=torch.distributed.ReduceOp.MIN)
     _TRAIN_START_TIME = start_time_tensor.item()
@@ -159,7 +160,10 @@ def pretrain(
             num_floating_point_operations_so_far = args.num_floating_point_operations_so_far
         print_datetime('after training is done')
 
-        if args.save and iteration != 0 and iteration % args.save_interval != 0:
+        # An exit by signal, --exit-interval or --exit-duration-in-mins has just saved this
+        # iteration; saving it again would only double the cost.
+        already_saved = _LAST_SAVED_ITERATION == iteration
+        if args.save and iteration != 0 and iteration % args.save_interval != 0 and not already_saved:
             save_checkpoint_and_time(
                 iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
             )
@@ -595,6 +599,10 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
     return report_memory_flag
 
 
+# Iteration of the last checkpoint this process saved (None: none yet).
+_LAST_SAVED_ITERATION = None
+
+
 def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
                              num_floating_point_operations_so_far):
     """save_checkpoint with a 'save-checkpoint' timer."""
@@ -604,6 +612,8 @@ def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
     _checkpointing().save_checkpoint(
         iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
     )
+    global _LAST_SAVED_ITERATION
+    _LAST_SAVED_ITERATION = iteration
     timers('save-checkpoint').stop(barrier=True)
     timers.log(['save-checkpoint'])
     if args.log_progress:

@@ -466,7 +466,26 @@ class _SentencePieceTokenizer(MegatronTokenizer):
         return [self.vocab[k] for k in self._t5_tokens]
 
 
-class _GPTSentencePieceTokenizer(_SentencePieceTokenizer):
+class _NoBertSpecialTokens:
+    """cls, sep and mask are -1 for tokenizers without BERT's special tokens (as in Megatron).
+
+    Listed first among the bases so that it overrides a SentencePiece parent's real ids.
+    """
+
+    @property
+    def cls(self):
+        return -1
+
+    @property
+    def sep(self):
+        return -1
+
+    @property
+    def mask(self):
+        return -1
+
+
+class _GPTSentencePieceTokenizer(_NoBertSpecialTokens, _SentencePieceTokenizer):
     """Plain SentencePiece ids (no added specials); eod = the model's eos id."""
 
     def __init__(self, model_file: str):
@@ -485,18 +504,6 @@ class _GPTSentencePieceTokenizer(_SentencePieceTokenizer):
         return self.tokenizer.decode_ids(ids)
 
     @property
-    def cls(self):
-        return -1
-
-    @property
-    def sep(self):
-        return -1
-
-    @property
-    def mask(self):
-        return -1
-
-    @property
     def eod(self):
         return self._eos_id
 
@@ -505,7 +512,7 @@ class _GPTSentencePieceTokenizer(_SentencePieceTokenizer):
         return None
 
 
-class _Llama2Tokenizer(_SentencePieceTokenizer):
+class _Llama2Tokenizer(_NoBertSpecialTokens, _SentencePieceTokenizer):
     """Llama-2 SentencePiece: tokenize(text, bos=True, eos=False)."""
 
     def __init__(self, model_file: str):
@@ -530,18 +537,6 @@ class _Llama2Tokenizer(_SentencePieceTokenizer):
         return self.tokenizer.decode_ids(ids)
 
     @property
-    def cls(self):
-        return -1
-
-    @property
-    def sep(self):
-        return -1
-
-    @property
-    def mask(self):
-        return -1
-
-    @property
     def eod(self):
         return self.eos_id
 
@@ -550,7 +545,7 @@ class _Llama2Tokenizer(_SentencePieceTokenizer):
         return None
 
 
-class _NullTokenizer(MegatronTokenizer):
+class _NullTokenizer(_NoBertSpecialTokens, MegatronTokenizer):
     """Text is space-separated integer ids; eod = vocab_size (so the vocabulary is vocab_size + 1)."""
 
     def __init__(self, vocab_size: int):
@@ -582,18 +577,6 @@ class _NullTokenizer(MegatronTokenizer):
     @property
     def inv_vocab(self):
         raise NotImplementedError("NullTokenizer has no inv_vocab")
-
-    @property
-    def cls(self):
-        return -1
-
-    @property
-    def sep(self):
-        return -1
-
-    @property
-    def mask(self):
-        return -1
 
     @property
     def eod(self):

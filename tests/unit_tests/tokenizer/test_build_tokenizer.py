@@ -73,6 +73,7 @@ def test_null_tokenizer():
     assert tok.tokenize("5 17 999") == [5, 17, 999]
     assert tok.detokenize([5, 17]) == "5 17"
     assert tok.eod == 1000 and tok.vocab_size == 1001
+    assert (tok.cls, tok.sep, tok.mask) == (-1, -1, -1)
     assert args.padded_vocab_size == 1024
 
 
@@ -91,6 +92,8 @@ def test_gpt_sentencepiece_round_trip(sp_model):
     ref = sentencepiece.SentencePieceProcessor(model_file=sp_model)
     tok = build_tokenizer(_args(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp_model))
     assert tok.vocab_size == 256 and tok.eod == ref.eos_id() and tok.pad == 3
+    # Unlike SentencePieceTokenizer, the GPT variant adds no BERT special tokens.
+    assert (tok.cls, tok.sep, tok.mask) == (-1, -1, -1)
     for line in _mobydick_lines(200)[:200]:
         ids = tok.tokenize(line)
         assert ids == ref.encode_as_ids(line)
@@ -164,4 +167,5 @@ def test_llama2_tokenizer_adds_bos(sp_model):
     assert ids == [ref.bos_id()] + ref.encode_as_ids("Call me Ishmael.")
     assert tok.tokenize("Call me", bos=False, eos=True) == ref.encode_as_ids("Call me") + [ref.eos_id()]
     assert tok.eod == ref.eos_id() and tok.vocab_size == 256
+    assert (tok.cls, tok.sep, tok.mask) == (-1, -1, -1)
     assert tok.detokenize(ids[1:]) == "Call me Ishmael."

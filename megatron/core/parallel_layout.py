@@ -1,0 +1,264 @@
+"""Megatron's rank layout as a pure function: every process group's rank lists, no processes.
+
+`generate_model_parallel_groups(world_size, ...)` returns the tensor, pipeline, data, context,
+model, embedding, position-embedding, tensor-and-data and expert groups that
+`parallel_state.initialize_model_parallel()` creates. A rank's coordinates follow `order`
+(default "tp-cp-ep-dp-pp", first = fastest varying); see `parallel_state`'s docstring for the
+16-rank example.
+"""
+
+from typing import Dict, List, Optional, Sequence
+
+
+def _prefix_product(sizes: Sequence[int]) -> List[int]:
+    out = [1]
+    for size in sizes:
+        out.append(out[-1] * size)
+    return out
+
+
+def generate_masked_orthogonal_rank_groups(
+    world_size: int, parallel_size: Sequence[int], mask: Sequence[bool]
+) -> List[List[int]]:
+    """Rank groups spanning the masked dimensions of a multi-dimensional rank grid.
+
+    The world is viewed as a grid of shape `parallel_size` (first dimension fastest varying), so
+    rank = sum(coord[i] * stride[i]) with stride[i] = prod(parallel_size[:i]). A group holds every
+    rank that shares the coordinates of the unmasked dimensions; within a group, ranks are listed
+    with the first masked dimension fastest. Example: sizes [tp=2, dp=3, pp=4] with mask
+    [True, False, False] gives the tensor parallel groups [0, 1], [2, 3], ...
+
+    Args:
+        world_size: product of `parallel_size`.
+        parallel_size: size of each dimension, fastest first.
+        mask: which dimensions the groups span.
+
+    Returns:
+        world_size / prod(masked sizes) groups of global ranks.
+    """
+    assert len(parallel_size) == len(mask)
+    strides = _prefix_product(parallel_size)
+    assert strides[-1] == world_size, f"{parallel_size} does not multiply to {world_size}"
+    masked = [(size, strides[i]) for i, (size, m) in enumerate(zip(parallel_size, mask)) if m]
+    unmasked = [(size, strides[i]) for i, (size, m) in enumerate(zip(parallel_size, mask)) if not m]
+
+    def offsets(dims):
+        # Every combination of coordinates of `dims`, first dimension fastest, as rank offsets.
+        result = [0]
+        for size, stride in dims:
+            result = [base + c * stride for c in range(size) for base in result]
+        return result
+
+    in_group = offsets(masked)
+    return [[base + off for off in in_group] for base in offsets(unmasked)]
+
+
+class RankGenerator:
+    """Rank groups of a tp/cp/ep/dp/pp grid laid out in a given `order` (first = fastest).
+
+    Expert parallelism subdivides data parallelism: the grid without ep has dimensions
+    (tp, cp, dp, pp) in `order`, the grid with ep replaces dp by (ep, dp / ep).
+
+    Args:
+        tp, ep, dp, pp, cp: tensor, expert, data, pipeline and context parallel sizes
+            (dp counts all data parallel ranks, including the expert parallel ones).
+        order: dash-separated dimension names, e.g. "tp-cp-ep-dp-pp".
+    """
+
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str):
+        self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
+        self.world_size = tp * dp * pp * cp
+        sizes = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
+        tokens = order.lower().split("-")
+        for token in tokens:
+            if token not in sizes:
+                raise ValueError(f"order {order!r}: unknown dimension {token!r} (expected tp/cp/ep/dp/pp)")
+        if len(set(tokens)) != len(tokens):
+            raise ValueError(f"order {order!r} repeats a dimension")
+        if "ep" in tokens and "ep-dp" not in order and "dp-ep" not in order:
+            raise ValueError(f"order {order!r}: ep and dp must be adjacent")
+        for name, size in sizes.items():
+            if name not in tokens:
+                if size != 1:
+                    raise ValueError(f"order {order!r} lacks {name!r} but its size is {size}, not 1")
+                tokens.append(name)
+        self.order_w_ep = "-".join(tokens)
+        self.order_wo_ep = "-".join(t for t in tokens if t != "ep")
+        self.ordered_size_w_ep = []
+        self.ordered_size_wo_ep = []
+        for token in tokens:
+            if token == "dp":
+                self.ordered_size_w_ep.append(dp // ep)
+                self.ordered_size_wo_ep.append(dp)
+            elif token == "ep":
+                self.ordered_size_w_ep.append(ep)
+            else:
+                self.ordered_size_w_ep.append(sizes[token])
+                self.ordered_size_wo_ep.append(sizes[token])
+
+    @staticmethod
+    def get_mask(order: str, token: str) -> List[bool]:
+        """Which dimensions of `order` the dash-separated `token` names."""
+        dims = order.split("-")
+        mask = [False] * len(dims)
+        for t in token.split("-"):
+            mask[dims.index(t)] = True
+        return mask
+
+    def get_ranks(self, token: str, independent_ep: bool = False) -> List[List[int]]:
+        """Groups spanning the dimensions in `token` (e.g. "tp-pp" = model parallel groups).
+
+        Args:
+            token: dash-separated dimension names.
+            independent_ep: use the grid where ep is its own dimension (dp then means dp / ep).
+        """
+        if independent_ep:
+            order, sizes = self.order_w_ep, self.ordered_size_w_ep
+        else:
+            order, sizes = self.order_wo_ep, self.ordered_size_wo_ep
+        return generate_masked_orthogonal_rank_groups(self.world_size, sizes, self.get_mask(order, token))
+
+
+def _check_sizes(
+    world_size: int,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    context_parallel_size: int,
+    expert_model_parallel_size: int,
+    virtual_pipeline_model_parallel_size: Optional[int],
+    pipeline_model_parallel_split_rank: Optional[int],
+) -> int:
+    """Validate the sizes; returns the data parallel size."""
+    sizes = {
+        "world_size": world_size,
+        "tensor_model_parallel_size": tensor_model_parallel_size,
+        "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        "context_parallel_size": context_parallel_size,
+        "expert_model_parallel_size": expert_model_parallel_size,
+    }
+    for name, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    model_size = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    if world_size % model_size != 0:
+        raise ValueError(
+            f"world_size ({world_size}) is not divisible by tensor_model_parallel_size "
+            f"({tensor_model_parallel_size}) x pipeline_model_parallel_size "
+            f"({pipeline_model_parallel_size}) x context_parallel_size ({context_parallel_size}) "
+            f"= {model_size}"
+        )
+    data_parallel_size = world_size // model_size
+    if data_parallel_size % expert_model_parallel_size != 0:
+        raise ValueError(
+            f"data parallel size ({data_parallel_size}) is not divisible by "
+            f"expert_model_parallel_size ({expert_model_parallel_size})"
+        )
+    if expert_model_parallel_size > 1 and context_parallel_size > 1:
+        raise ValueError(
+            f"expert_model_parallel_size ({expert_model_parallel_size}) > 1 together with "
+            f"context_parallel_size ({context_parallel_size}) > 1 is not supported"
+        )
+    if virtual_pipeline_model_parallel_size is not None:
+        if pipeline_model_parallel_size <= 1:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size ({virtual_pipeline_model_parallel_size}) "
+                f"needs pipeline_model_parallel_size > 1, got {pipeline_model_parallel_size}"
+            )
+        if virtual_pipeline_model_parallel_size < 1:
+            raise ValueError(
+                "virtual_pipeline_model_parallel_size must be >= 1, got "
+                f"{virtual_pipeline_model_parallel_size}"
+            )
+    if pipeline_model_parallel_split_rank is not None and not (
+        0 <= pipeline_model_parallel_split_rank < pipeline_model_parallel_size
+    ):
+        raise ValueError(
+            f"pipeline_model_parallel_split_rank ({pipeline_model_parallel_split_rank}) must be in "
+            f"[0, pipeline_model_parallel_size ({pipeline_model_parallel_size}))"
+        )
+    return data_parallel_size
+
+
+def _embedding_ranks(pipeline_ranks: List[int], split_rank: Optional[int]):
+    """Embedding and position-embedding group ranks of one pipeline group."""
+    if len(pipeline_ranks) == 1:
+        return list(pipeline_ranks), list(pipeline_ranks)
+    embedding = [pipeline_ranks[0], pipeline_ranks[-1]]
+    position = [pipeline_ranks[0]]
+    if split_rank is not None:
+        split = pipeline_ranks[split_rank]
+        if split not in embedding:
+            embedding = [pipeline_ranks[0], split, pipeline_ranks[-1]]
+        if split not in position:
+            position = [pipeline_ranks[0], split]
+    return embedding, position
+
+
+def generate_model_parallel_groups(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    order: str = "tp-cp-ep-dp-pp",
+    pipeline_model_parallel_split_rank: Optional[int] = None,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+) -> Dict[str, List[List[int]]]:
+    """Every group's rank lists of Megatron's layout, computed without processes.
+
+    Args:
+        world_size: total number of ranks.
+        tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
+            expert_model_parallel_size: parallel sizes (data parallel size is what remains).
+        order: rank layout, first dimension fastest varying.
+        pipeline_model_parallel_split_rank: encoder/decoder split stage (adds the split rank
+            to the embedding and position-embedding groups).
+        virtual_pipeline_model_parallel_size: only validated here.
+
+    Returns:
+        A dict from group kind to the list of groups (each a list of global ranks):
+        "tp", "pp", "dp", "dp-cp" (data parallel with context parallel), "cp", "mp" (tensor +
+        pipeline), "embedding", "position_embedding", "tp-dp", "tp-dp-cp", "tp-cp", "tp-ep",
+        "ep", "dp-modulo-ep", "dp-modulo-ep-cp".
+
+    Raises:
+        ValueError: sizes that do not divide the world size, or an invalid order / split rank.
+    """
+    dp = _check_sizes(
+        world_size,
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+        virtual_pipeline_model_parallel_size,
+        pipeline_model_parallel_split_rank,
+    )
+    gen = RankGenerator(
+        tp=tensor_model_parallel_size,
+        ep=expert_model_parallel_size,
+        dp=dp,
+        pp=pipeline_model_parallel_size,
+        cp=context_parallel_size,
+        order=order,
+    )
+    groups = {
+        "dp": gen.get_ranks("dp"),
+        "dp-cp": gen.get_ranks("dp-cp"),
+        "cp": gen.get_ranks("cp"),
+        "mp": gen.get_ranks("tp-pp"),
+        "tp": gen.get_ranks("tp"),
+        "pp": gen.get_ranks("pp"),
+        "tp-dp-cp": gen.get_ranks("tp-dp-cp"),
+        "tp-dp": gen.get_ranks("tp-dp"),
+        "tp-cp": gen.get_ranks("tp-cp"),
+        "tp-ep": gen.get_ranks("tp-ep", independent_ep=True),
+        "ep": gen.get_ranks("ep", independent_ep=True),
+        "dp-modulo-ep": gen.get_ranks("dp", independent_ep=True),
+        "dp-modulo-ep-cp": gen.get_ranks("dp-cp", independent_ep=True),
+    }
+    groups["embedding"], groups["position_embedding"] = [], []
+    for ranks in groups["pp"]:
+        emb, pos = _embedding_ranks(ranks, pipeline_model_parallel_split_rank)
+        groups["embedding"].append(emb)
+        groups["position_embedding"].append(pos)
+    return groups

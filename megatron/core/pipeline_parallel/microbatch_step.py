@@ -1,0 +1,287 @@
+"""One micro-batch's forward and backward step, shared by every schedule in `schedules.py`.
+
+`forward_step` runs the user's forward_step_func on one model chunk and, on the last stage, applies
+the loss function and scales the loss by 1/num_microbatches; `backward_step` back-propagates a
+stage's output gradient to its input. Neither communicates: the schedules move tensors between
+stages with `p2p_communication`.
+"""
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch.autograd.variable import Variable
+
+from megatron.core import parallel_state
+from megatron.core.enums import ModelType
+from megatron.core.utils import get_attr_wrapped_model, get_current_device, get_model_type
+
+
+def validate_pipeline_config(config, num_microbatches: int, num_model_chunks: int = 1) -> None:
+    """Raise ValueError for layouts no schedule can run; called before any communication.
+
+    Checks that config.num_layers (when the config has one) splits evenly over
+    pipeline size x virtual size, and that the interleaved schedule gets a number of
+    micro-batches divisible by the pipeline size.
+
+    Args:
+        config: the model's config (TransformerConfig or ModelParallelConfig).
+        num_microbatches: micro-batches per step.
+        num_model_chunks: model chunks on this rank (the virtual pipeline size, 1 without).
+    """
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches ({num_microbatches}) must be at least 1")
+    if vp_size is not None and num_model_chunks != vp_size:
+        raise ValueError(
+            f"got {num_model_chunks} model chunks but virtual_pipeline_model_parallel_size is "
+            f"{vp_size}; pass one model chunk per virtual stage"
+        )
+    num_layers = getattr(config, 'num_layers', None)
+    if num_layers is not None:
+        stages = pp_size * (vp_size or 1)
+        if num_layers % stages != 0:
+            raise ValueError(
+                f"num_layers ({num_layers}) is not divisible by pipeline_model_parallel_size "
+                f"({pp_size}) x virtual_pipeline_model_parallel_size ({vp_size or 1}) = {stages}"
+            )
+    if vp_size is not None and num_microbatches % pp_size != 0:
+        raise ValueError(
+            f"number of microbatches ({num_microbatches}) is not divisible by "
+            f"pipeline-model-parallel-size ({pp_size}) when using interleaved schedule"
+        )
+
+
+def deallocate_output_tensor(
+    out: Optional[torch.Tensor], deallocate_pipeline_outputs: bool = False
+):
+    """Free an output tensor's data once it has been sent to the next stage.
+
+    Only the tensor's `.grad_fn` is needed for the backward pass, so its storage is replaced with a
+    one-element tensor; `custom_backward` then runs backward without the shape check.
+    """
+    if (out is None) or (not deallocate_pipeline_outputs):
+        return
+    assert isinstance(out, torch.Tensor), "expected Tensor, found %s." % type(out).__name__
+    assert out._base is None, "counter-productive to free a view of another tensor."
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def custom_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]):
+    """Run backward from `output` with `grad_output`, skipping autograd's shape check.
+
+    `torch.autograd.backward` requires output and grad to have equal shapes; after
+    `deallocate_output_tensor` the output's data is a one-element placeholder, so the C++ engine
+    is called directly.
+    """
+    assert output.numel() == 1, "output should be pseudo-'freed' in schedule, to optimize memory"
+    assert isinstance(output, torch.Tensor), "output == '%s'." % type(output).__name__
+    assert isinstance(grad_output, (torch.Tensor, type(None))), (
+        "grad_output == '%s'." % type(grad_output).__name__
+    )
+
+    # Handle scalar output (the loss on the last stage).
+    if grad_output is None:
+        assert output.numel() == 1, "implicit grad requires scalar output."
+        grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
+
+    Variable._execution_engine.run_backward(
+        tensors=(output,),
+        grad_tensors=(grad_output,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=tuple(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+def set_current_microbatch(model, microbatch_id: int) -> None:
+    """Tell the model's decoder which micro-batch runs (used by some layers for logging/FP8)."""
+    decoder_exists = True
+    decoder = None
+    try:
+        decoder = get_attr_wrapped_model(model, "decoder")
+    except RuntimeError:
+        decoder_exists = False
+    if decoder_exists and decoder is not None:
+        decoder.current_microbatch = microbatch_id
+
+
+def _calculate_per_token_loss(config) -> bool:
+    # A ModelParallelConfig (no transformer fields) never asks for per-token loss normalisation.
+    return bool(getattr(config, 'calculate_per_token_loss', False))
+
+
+def forward_step(
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    input_tensor,
+    forward_data_store: list,
+    config,
+    collect_non_loss_data: bool = False,
+    checkpoint_activations_microbatch: Optional[bool] = None,
+    is_first_microbatch: bool = False,
+    current_microbatch: Optional[int] = None,
+):
+    """Forward one micro-batch through one model chunk.
+
+    If this is the last stage, `loss_func` reduces the output: the loss is scaled by
+    1/num_microbatches (and 1/num_tokens for the 3-tuple form without per-token loss) and the
+    reduced dict is appended to forward_data_store. Otherwise the output tensor is returned to be
+    sent downstream.
+
+    Returns:
+        (output_tensor, num_tokens): output_tensor is a list unless input_tensor was a single
+        tensor; num_tokens is an int tensor (0 unless loss_func reported a token count).
+    """
+    if config.timers is not None:
+        config.timers('forward-compute', log_level=2).start()
+
+    if is_first_microbatch and hasattr(model, 'set_is_first_microbatch'):
+        model.set_is_first_microbatch()
+    if current_microbatch is not None:
+        set_current_microbatch(model, current_microbatch)
+
+    unwrap_output_tensor = False
+    if not isinstance(input_tensor, list):
+        input_tensor = [input_tensor]
+        unwrap_output_tensor = True
+
+    set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
+    set_input_tensor(input_tensor)
+
+    if config.enable_autocast:
+        context_manager = torch.autocast(get_current_device().type, dtype=config.autocast_dtype)
+    else:
+        context_manager = contextlib.nullcontext()
+    with context_manager:
+        if checkpoint_activations_microbatch is None:
+            output_tensor, loss_func = forward_step_func(data_iterator, model)
+        else:
+            output_tensor, loss_func = forward_step_func(
+                data_iterator, model, checkpoint_activations_microbatch
+            )
+
+    num_tokens = torch.tensor(0, dtype=torch.int)
+    if parallel_state.is_pipeline_last_stage():
+        if not collect_non_loss_data:
+            outputs = loss_func(output_tensor)
+            if len(outputs) == 3:
+                output_tensor, num_tokens, loss_reduced = outputs
+                if not _calculate_per_token_loss(config):
+                    output_tensor = output_tensor / num_tokens
+                    output_tensor = output_tensor / num_microbatches
+            else:
+                # preserve legacy loss averaging behavior (ie, over the number of microbatches)
+                assert len(outputs) == 2, "loss_func must return (loss, dict) or (loss, n, dict)"
+                output_tensor, loss_reduced = outputs
+                output_tensor = output_tensor / num_microbatches
+            forward_data_store.append(loss_reduced)
+        else:
+            data = loss_func(output_tensor, non_loss_data=True)
+            forward_data_store.append(data)
+
+    if config.timers is not None:
+        config.timers('forward-compute').stop()
+
+    # If T5 model (or other model with encoder and decoder) and in decoder stack, then send encoder
+    # hidden state downstream as well.
+    model_type = get_model_type(model)
+    if (
+        parallel_state.is_pipeline_stage_after_split()
+        and model_type == ModelType.encoder_and_decoder
+    ):
+        return [output_tensor, input_tensor[-1]], num_tokens
+
+    if unwrap_output_tensor:
+        return output_tensor, num_tokens
+    return [output_tensor], num_tokens
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+    """Backward one micro-batch through one model chunk.
+
+    Seeds autograd with output_tensor_grad (None on the last stage, where output_tensor is the
+    scaled loss, then grad_scale_func applies the loss scale) and returns the gradient of the
+    stage's input for the previous stage (None on the first stage).
+    """
+    if config.timers is not None:
+        config.timers('backward-compute', log_level=2).start()
+
+    # Retain the grad on the input_tensor.
+    unwrap_input_tensor_grad = False
+    if not isinstance(input_tensor, list):
+        input_tensor = [input_tensor]
+        unwrap_input_tensor_grad = True
+    for x in input_tensor:
+        if x is not None:
+            x.retain_grad()
+
+    if not isinstance(output_tensor, list):
+        output_tensor = [output_tensor]
+    if not isinstance(output_tensor_grad, list):
+        output_tensor_grad = [output_tensor_grad]
+
+    # Backward pass.
+    if output_tensor_grad[0] is None and config.grad_scale_func is not None:
+        output_tensor[0] = config.grad_scale_func(output_tensor[0])
+
+    if config.deallocate_pipeline_outputs:
+        custom_backward(output_tensor[0], output_tensor_grad[0])
+    else:
+        torch.autograd.backward(output_tensor[0], grad_tensors=output_tensor_grad[0])
+
+    # Collect the grad of the input_tensor.
+    input_tensor_grad = [None]
+    if input_tensor is not None:
+        input_tensor_grad = []
+        for x in input_tensor:
+            if x is None:
+                input_tensor_grad.append(None)
+            else:
+                input_tensor_grad.append(x.grad)
+
+    # Handle skip connections between the encoder and decoder (the decoder consumes the encoder's
+    # output too, so its gradient arrives with the decoder's).
+    if (
+        len(output_tensor_grad) > 1
+        and parallel_state.is_pipeline_stage_after_split()
+        and model_type == ModelType.encoder_and_decoder
+    ):
+        if output_tensor_grad[1] is not None:
+            input_tensor_grad[-1].add_(output_tensor_grad[1])
+    if unwrap_input_tensor_grad:
+        input_tensor_grad = input_tensor_grad[0]
+
+    if config.timers is not None:
+        config.timers('backward-compute').stop()
+
+    return input_tensor_grad
+
+
+def check_first_val_step(first_val_step, forward_only, cond):
+    """Whether this micro-batch counts as the first one (for FP8 weight caching in validation)."""
+    if (first_val_step is not None) and forward_only:
+        return first_val_step and cond
+    return cond
+
+
+def start_timer(config, name):
+    if config.timers is not None:
+        config.timers(name, log_level=1).start(barrier=config.barrier_with_L1_time)
+
+
+def stop_timer(config, name):
+    if config.timers is not None:
+        config.timers(name).stop()
+
+
+def finalize_model_grads_if_training(config, model: list, forward_only: bool, total_num_tokens: torch.Tensor) -> None:
+    if config.finalize_model_grads_func is not None and not forward_only:
+        config.finalize_model_grads_func(
+            model, total_num_tokens if _calculate_per_token_loss(config) else None
+        )

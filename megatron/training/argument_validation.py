@@ -110,9 +110,6 @@ def validate_args(args, defaults={}):
     if args.distributed_backend == 'nccl' and not torch.cuda.is_available():
         _note(args, 'no CUDA device found: --distributed-backend nccl -> gloo')
         args.distributed_backend = 'gloo'
-    if not torch.cuda.is_available() and args.gradient_accumulation_fusion:
-        # The fused weight-gradient kernel is CUDA only; on CPU the plain path gives the same grads.
-        args.gradient_accumulation_fusion = False
     if args.transformer_impl == 'transformer_engine':
         try:
             import transformer_engine  # noqa: F401

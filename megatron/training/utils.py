@@ -115,7 +115,10 @@ def report_memory(name):
         string = name + ' memory (MB)'
         string += ' | rss: {:.1f}'.format(_rss_bytes() / mega_bytes)
         string += ' | max rss: {:.1f}'.format(_max_rss_bytes() / mega_bytes)
-    print('[Rank {}] {}'.format(_rank(), string), flush=True)
+    # One write per line: the dp-rank-0 of every stage prints at once, and separate writes of
+    # text and newline interleave between processes sharing a terminal.
+    sys.stdout.write('[Rank {}] {}\n'.format(_rank(), string))
+    sys.stdout.flush()
 
 
 def _rss_bytes():

@@ -20,6 +20,7 @@ The unbatched path additionally uses Megatron's even/odd ordering, so that block
 complete a send only when it is received still make progress.
 """
 
+import contextlib
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple, Union
 
 import torch
@@ -38,11 +39,15 @@ _FORWARD_TAG = 0
 _BACKWARD_TAG = 1
 
 
-def _timer(config: 'ModelParallelConfig', name: str):
-    """The Megatron timer `name` from config.timers, or None when timing is off."""
-    if config.timers is None:
-        return None
-    return config.timers(name, log_level=2)
+@contextlib.contextmanager
+def _timed(config: 'ModelParallelConfig', name: str):
+    """Time the block with the Megatron timer `name` (log level 2) when config.timers is set."""
+    timer = None if config.timers is None else config.timers(name, log_level=2)
+    if timer is not None:
+        timer.start()
+    yield
+    if timer is not None:
+        timer.stop()
 
 
 def _pipeline_group():
@@ -298,19 +303,15 @@ def recv_forward(tensor_shape: Shape, config: 'ModelParallelConfig') -> Optional
     """Receive the input activation [s, b, h] from the previous stage (None on the first stage)."""
     if parallel_state.is_pipeline_first_stage():
         return None
-    timer = _timer(config, 'forward-recv')
-    if timer is not None:
-        timer.start()
-    input_tensor, _, _ = _communicate(
-        tensor_send_next=None,
-        tensor_send_prev=None,
-        recv_prev=True,
-        recv_next=False,
-        tensor_shape=tensor_shape,
-        config=config,
-    )
-    if timer is not None:
-        timer.stop()
+    with _timed(config, 'forward-recv'):
+        input_tensor, _, _ = _communicate(
+            tensor_send_next=None,
+            tensor_send_prev=None,
+            recv_prev=True,
+            recv_next=False,
+            tensor_shape=tensor_shape,
+            config=config,
+        )
     return input_tensor
 
 
@@ -318,19 +319,15 @@ def recv_backward(tensor_shape: Shape, config: 'ModelParallelConfig') -> Optiona
     """Receive the gradient of this stage's output from the next stage (None on the last stage)."""
     if parallel_state.is_pipeline_last_stage():
         return None
-    timer = _timer(config, 'backward-recv')
-    if timer is not None:
-        timer.start()
-    _, output_tensor_grad, _ = _communicate(
-        tensor_send_next=None,
-        tensor_send_prev=None,
-        recv_prev=False,
-        recv_next=True,
-        tensor_shape=tensor_shape,
-        config=config,
-    )
-    if timer is not None:
-        timer.stop()
+    with _timed(config, 'backward-recv'):
+        _, output_tensor_grad, _ = _communicate(
+            tensor_send_next=None,
+            tensor_send_prev=None,
+            recv_prev=False,
+            recv_next=True,
+            tensor_shape=tensor_shape,
+            config=config,
+        )
     return output_tensor_grad
 
 
@@ -338,38 +335,30 @@ def send_forward(output_tensor: torch.Tensor, config: 'ModelParallelConfig') -> 
     """Send this stage's output activation to the next stage (no-op on the last stage)."""
     if parallel_state.is_pipeline_last_stage():
         return
-    timer = _timer(config, 'forward-send')
-    if timer is not None:
-        timer.start()
-    _communicate(
-        tensor_send_next=output_tensor,
-        tensor_send_prev=None,
-        recv_prev=False,
-        recv_next=False,
-        tensor_shape=None,
-        config=config,
-    )
-    if timer is not None:
-        timer.stop()
+    with _timed(config, 'forward-send'):
+        _communicate(
+            tensor_send_next=output_tensor,
+            tensor_send_prev=None,
+            recv_prev=False,
+            recv_next=False,
+            tensor_shape=None,
+            config=config,
+        )
 
 
 def send_backward(input_tensor_grad: torch.Tensor, config: 'ModelParallelConfig') -> None:
     """Send the gradient of this stage's input to the previous stage (no-op on the first stage)."""
     if parallel_state.is_pipeline_first_stage():
         return
-    timer = _timer(config, 'backward-send')
-    if timer is not None:
-        timer.start()
-    _communicate(
-        tensor_send_next=None,
-        tensor_send_prev=input_tensor_grad,
-        recv_prev=False,
-        recv_next=False,
-        tensor_shape=None,
-        config=config,
-    )
-    if timer is not None:
-        timer.stop()
+    with _timed(config, 'backward-send'):
+        _communicate(
+            tensor_send_next=None,
+            tensor_send_prev=input_tensor_grad,
+            recv_prev=False,
+            recv_next=False,
+            tensor_shape=None,
+            config=config,
+        )
 
 
 def send_forward_recv_backward(
@@ -378,19 +367,15 @@ def send_forward_recv_backward(
     """Send the output to the next stage and receive its gradient back (None on the last stage)."""
     if parallel_state.is_pipeline_last_stage():
         return None
-    timer = _timer(config, 'forward-send-backward-recv')
-    if timer is not None:
-        timer.start()
-    _, output_tensor_grad, _ = _communicate(
-        tensor_send_next=output_tensor,
-        tensor_send_prev=None,
-        recv_prev=False,
-        recv_next=True,
-        tensor_shape=tensor_shape,
-        config=config,
-    )
-    if timer is not None:
-        timer.stop()
+    with _timed(config, 'forward-send-backward-recv'):
+        _, output_tensor_grad, _ = _communicate(
+            tensor_send_next=output_tensor,
+            tensor_send_prev=None,
+            recv_prev=False,
+            recv_next=True,
+            tensor_shape=tensor_shape,
+            config=config,
+        )
     return output_tensor_grad
 
 
@@ -403,19 +388,15 @@ def send_backward_recv_forward(
     """
     if parallel_state.is_pipeline_first_stage():
         return None
-    timer = _timer(config, 'backward-send-forward-recv')
-    if timer is not None:
-        timer.start()
-    input_tensor, _, _ = _communicate(
-        tensor_send_next=None,
-        tensor_send_prev=input_tensor_grad,
-        recv_prev=True,
-        recv_next=False,
-        tensor_shape=tensor_shape,
-        config=config,
-    )
-    if timer is not None:
-        timer.stop()
+    with _timed(config, 'backward-send-forward-recv'):
+        input_tensor, _, _ = _communicate(
+            tensor_send_next=None,
+            tensor_send_prev=input_tensor_grad,
+            recv_prev=True,
+            recv_next=False,
+            tensor_shape=tensor_shape,
+            config=config,
+        )
     return input_tensor
 
 
@@ -432,20 +413,16 @@ def send_forward_recv_forward(
         The received input tensor (None if recv_prev is False); with overlap_p2p_comm, the tuple
         (input_tensor, work handles) without waiting.
     """
-    timer = _timer(config, 'forward-send-forward-recv')
-    if timer is not None:
-        timer.start()
-    input_tensor, _, wait_handles = _communicate(
-        tensor_send_next=output_tensor,
-        tensor_send_prev=None,
-        recv_prev=recv_prev,
-        recv_next=False,
-        tensor_shape=tensor_shape,
-        wait_on_reqs=(not overlap_p2p_comm),
-        config=config,
-    )
-    if timer is not None:
-        timer.stop()
+    with _timed(config, 'forward-send-forward-recv'):
+        input_tensor, _, wait_handles = _communicate(
+            tensor_send_next=output_tensor,
+            tensor_send_prev=None,
+            recv_prev=recv_prev,
+            recv_next=False,
+            tensor_shape=tensor_shape,
+            wait_on_reqs=(not overlap_p2p_comm),
+            config=config,
+        )
     if overlap_p2p_comm:
         return input_tensor, wait_handles
     return input_tensor
@@ -464,20 +441,16 @@ def send_backward_recv_backward(
         The received output gradient (None if recv_next is False); with overlap_p2p_comm, the tuple
         (output_tensor_grad, work handles) without waiting.
     """
-    timer = _timer(config, 'backward-send-backward-recv')
-    if timer is not None:
-        timer.start()
-    _, output_tensor_grad, wait_handles = _communicate(
-        tensor_send_next=None,
-        tensor_send_prev=input_tensor_grad,
-        recv_prev=False,
-        recv_next=recv_next,
-        tensor_shape=tensor_shape,
-        wait_on_reqs=(not overlap_p2p_comm),
-        config=config,
-    )
-    if timer is not None:
-        timer.stop()
+    with _timed(config, 'backward-send-backward-recv'):
+        _, output_tensor_grad, wait_handles = _communicate(
+            tensor_send_next=None,
+            tensor_send_prev=input_tensor_grad,
+            recv_prev=False,
+            recv_next=recv_next,
+            tensor_shape=tensor_shape,
+            wait_on_reqs=(not overlap_p2p_comm),
+            config=config,
+        )
     if overlap_p2p_comm:
         return output_tensor_grad, wait_handles
     return output_tensor_grad
@@ -496,17 +469,13 @@ def send_forward_backward_recv_forward_backward(
     Returns:
         (input_tensor, output_tensor_grad); None where not received.
     """
-    timer = _timer(config, 'forward-backward-send-forward-backward-recv')
-    if timer is not None:
-        timer.start()
-    input_tensor, output_tensor_grad, _ = _communicate(
-        tensor_send_next=output_tensor,
-        tensor_send_prev=input_tensor_grad,
-        recv_prev=recv_prev,
-        recv_next=recv_next,
-        tensor_shape=tensor_shape,
-        config=config,
-    )
-    if timer is not None:
-        timer.stop()
+    with _timed(config, 'forward-backward-send-forward-backward-recv'):
+        input_tensor, output_tensor_grad, _ = _communicate(
+            tensor_send_next=output_tensor,
+            tensor_send_prev=input_tensor_grad,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+            tensor_shape=tensor_shape,
+            config=config,
+        )
     return input_tensor, output_tensor_grad

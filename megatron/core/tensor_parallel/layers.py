@@ -345,12 +345,20 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                         'gradient_accumulation_fusion needs `main_grad` on the weights '
                         '(wrap the model in DistributedDataParallel)'
                     )
-                weight.main_grad.add_(
-                    grad_output_2d.t().to(weight.main_grad.dtype).matmul(total_input_2d.to(weight.main_grad.dtype))
+                main_grad = weight.main_grad
+                # One GEMM accumulating in place (main_grad += dY^T X): no weight-sized temporary.
+                main_grad.addmm_(
+                    grad_output_2d.t().to(main_grad.dtype), total_input_2d.to(main_grad.dtype)
                 )
                 if hasattr(weight, 'grad_added_to_main_grad'):
-                    # The DDP hook must not add this gradient again: hand autograd zeros.
-                    grad_weight = torch.zeros(weight.shape, dtype=input.dtype, device=input.device)
+                    # The DDP hook must not add this gradient again. Autograd still needs a tensor:
+                    # zeros when another use of the weight (the tied embedding) adds a real
+                    # gradient to it that the hook must keep, else uninitialized memory that the
+                    # hook drops unread.
+                    if getattr(weight, 'zero_out_wgrad', False):
+                        grad_weight = torch.zeros(weight.shape, dtype=input.dtype, device=input.device)
+                    else:
+                        grad_weight = torch.empty(weight.shape, dtype=input.dtype, device=input.device)
                     weight.grad_added_to_main_grad = True
             else:
                 grad_weight = grad_output_2d.t().matmul(total_input_2d)  # [o, h]

@@ -230,10 +230,17 @@ def _check_grad_accumulation_fusion():
         out.backward(_shard(g, -1))
     _close("main_grad", layer.weight.main_grad, 2 * expected)
     assert layer.weight.grad is None
-    # With the DDP marker attribute, autograd gets zeros and the marker is set.
+    # With the DDP marker attribute the marker is set (the hook then skips the add); a weight
+    # with zero_out_wgrad (tied to the embedding) hands autograd zeros.
     layer.weight.grad_added_to_main_grad = False
     layer(x)[0].backward(_shard(g, -1))
+    assert layer.weight.grad_added_to_main_grad and layer.weight.grad.shape == layer.weight.shape
+    _close("main_grad", layer.weight.main_grad, 3 * expected)
+    layer.weight.grad, layer.weight.grad_added_to_main_grad = None, False
+    layer.weight.zero_out_wgrad = True
+    layer(x)[0].backward(_shard(g, -1))
     assert layer.weight.grad_added_to_main_grad and torch.count_nonzero(layer.weight.grad) == 0
+    _close("main_grad", layer.weight.main_grad, 4 * expected)
     return True
 
 

@@ -31,6 +31,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # Fall back to the global tensor model parallel group when none is given.
         group = parallel_state.get_tensor_model_parallel_group_if_none(group)
         rank, world_size = group.rank(), group.size()
+        if label_smoothing > 0 and not label_smoothing < 1.0:
+            raise ValueError(f'label_smoothing must be in [0, 1), got {label_smoothing}')
 
         # Stable softmax: subtract the global max (out of place: the caller keeps its logits).
         logits_max = torch.max(vocab_parallel_logits, dim=-1)[0]  # [s, b]
@@ -54,7 +56,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         predicted_logits[target_mask] = 0.0
         torch.distributed.all_reduce(predicted_logits, op=torch.distributed.ReduceOp.SUM, group=group)
 
-        exp_logits = torch.exp(logits)  # [s, b, v/tp]
+        # Label smoothing needs sum_j z_j; take it before exp overwrites the logits in place (the
+        # logits tensor is this function's own copy, and one vocab-sized buffer fewer matters).
+        sum_logits = logits.sum(dim=-1) if label_smoothing > 0 else None  # [s, b]
+        exp_logits = torch.exp(logits, out=logits)  # [s, b, v/tp]
         sum_exp_logits = exp_logits.sum(dim=-1)  # [s, b]
         torch.distributed.all_reduce(sum_exp_logits, op=torch.distributed.ReduceOp.SUM, group=group)
 
@@ -67,11 +72,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_size = partition_vocab_size * world_size
         smoothing = 0.0
         if label_smoothing > 0:
-            if not 0.0 < label_smoothing < 1.0:
-                raise ValueError(f'label_smoothing must be in [0, 1), got {label_smoothing}')
             smoothing = label_smoothing * vocab_size / (vocab_size - 1)
             # log p_j = z_j - log(sum exp); sum over the whole vocabulary.
-            sum_log_probs = logits.sum(dim=-1) - partition_vocab_size * torch.log(sum_exp_logits)
+            sum_log_probs = sum_logits - partition_vocab_size * torch.log(sum_exp_logits)
             sum_log_probs = sum_log_probs.contiguous()
             torch.distributed.all_reduce(sum_log_probs, op=torch.distributed.ReduceOp.SUM, group=group)
             mean_log_probs = sum_log_probs / vocab_size  # [s, b]

@@ -200,6 +200,27 @@ def forward_backward_pipelining_with_interleaving(
             model_chunk_id = num_model_chunks - model_chunk_id - 1
         return model_chunk_id
 
+    def next_forward_receive(forward_k):
+        """(recv_prev, chunk that receives it) for the steady-state step running forward_k.
+
+        The first stage runs (pp - 1) forwards ahead of the last, so its next input comes from the
+        chunk (pp - 1) steps back, and nothing arrives when that chunk is the last one.
+        """
+        if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+            chunk_id = get_model_chunk_id(forward_k - (pipeline_parallel_size - 1), forward=True)
+            return chunk_id != num_model_chunks - 1, chunk_id + 1
+        return True, get_model_chunk_id(forward_k + 1, forward=True)
+
+    def next_backward_receive(backward_k):
+        """(recv_next, chunk that receives it) for the steady-state step running backward_k.
+
+        Mirror of next_forward_receive: the last stage runs (pp - 1) backwards ahead of the first.
+        """
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            chunk_id = get_model_chunk_id(backward_k - (pipeline_parallel_size - 1), forward=False)
+            return chunk_id != 0, chunk_id - 1
+        return True, get_model_chunk_id(backward_k + 1, forward=False)
+
     def get_microbatch_id_in_model_chunk(iteration_id, forward):
         """Helper method to get the microbatch_id within model chunk given the iteration number."""
         assert forward
@@ -336,17 +357,7 @@ def forward_backward_pipelining_with_interleaving(
             output_tensor = None
 
         # Determine if peers are sending, and where in data structure to put received tensors.
-        recv_prev = True
-        if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
-            # First stage is ahead of last stage by (pipeline_parallel_size - 1).
-            next_forward_model_chunk_id = get_model_chunk_id(
-                forward_k - (pipeline_parallel_size - 1), forward=True
-            )
-            if next_forward_model_chunk_id == (num_model_chunks - 1):
-                recv_prev = False
-            next_forward_model_chunk_id += 1
-        else:
-            next_forward_model_chunk_id = get_model_chunk_id(forward_k + 1, forward=True)
+        recv_prev, next_forward_model_chunk_id = next_forward_receive(forward_k)
 
         # If last iteration, don't receive; we already received one extra
         # before the start of the for loop.
@@ -378,17 +389,7 @@ def forward_backward_pipelining_with_interleaving(
             input_tensor_grad = None
 
         # Determine if the current virtual stage has an activation gradient tensor to receive
-        recv_next = True
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            # Last stage is ahead of first stage by (pipeline_parallel_size - 1).
-            next_backward_model_chunk_id = get_model_chunk_id(
-                backward_k - (pipeline_parallel_size - 1), forward=False
-            )
-            if next_backward_model_chunk_id == 0:
-                recv_next = False
-            next_backward_model_chunk_id -= 1
-        else:
-            next_backward_model_chunk_id = get_model_chunk_id(backward_k + 1, forward=False)
+        recv_next, next_backward_model_chunk_id = next_backward_receive(backward_k)
 
         output_tensor_grad, bwd_wait_handles = p2p_communication.send_backward_recv_backward(
             input_tensor_grad,
@@ -544,29 +545,9 @@ def forward_backward_pipelining_with_interleaving(
 
         # Determine if peers are sending, and where in data structure to put
         # received tensors.
-        recv_prev = True
-        if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
-            # First stage is ahead of last stage by (pipeline_parallel_size - 1).
-            next_forward_model_chunk_id = get_model_chunk_id(
-                forward_k - (pipeline_parallel_size - 1), forward=True
-            )
-            if next_forward_model_chunk_id == (num_model_chunks - 1):
-                recv_prev = False
-            next_forward_model_chunk_id += 1
-        else:
-            next_forward_model_chunk_id = get_model_chunk_id(forward_k + 1, forward=True)
+        recv_prev, next_forward_model_chunk_id = next_forward_receive(forward_k)
 
-        recv_next = True
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            # Last stage is ahead of first stage by (pipeline_parallel_size - 1).
-            next_backward_model_chunk_id = get_model_chunk_id(
-                backward_k - (pipeline_parallel_size - 1), forward=False
-            )
-            if next_backward_model_chunk_id == 0:
-                recv_next = False
-            next_backward_model_chunk_id -= 1
-        else:
-            next_backward_model_chunk_id = get_model_chunk_id(backward_k + 1, forward=False)
+        recv_next, next_backward_model_chunk_id = next_backward_receive(backward_k)
 
         # If last iteration, don't receive; we already received one extra
         # before the start of the for loop.

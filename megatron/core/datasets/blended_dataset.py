@@ -122,12 +122,12 @@ class BlendedDataset(torch.utils.data.Dataset):
                 )
 
             if path_to_cache:
-                from megatron.core.datasets.gpt_dataset import _atomic_save, _atomic_write_text
+                from megatron.core.datasets.utils import atomic_save_npy, atomic_write_text
 
                 os.makedirs(path_to_cache, exist_ok=True)
-                _atomic_write_text(path_to_description, self.unique_description)
-                _atomic_save(path_to_dataset_index, dataset_index)
-                _atomic_save(path_to_dataset_sample_index, dataset_sample_index)
+                atomic_write_text(path_to_description, self.unique_description)
+                atomic_save_npy(path_to_dataset_index, dataset_index)
+                atomic_save_npy(path_to_dataset_sample_index, dataset_sample_index)
             else:
                 log_single_rank(logger, logging.WARNING, "Unable to save the blending indexes because path_to_cache is None")
             log_single_rank(logger, logging.DEBUG, f"\t> time elapsed: {time.time() - t_beg:4f} seconds")

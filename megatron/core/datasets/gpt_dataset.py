@@ -24,7 +24,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatr
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
-from megatron.core.datasets.utils import Split, log_single_rank
+from megatron.core.datasets.utils import Split, atomic_save_npy, atomic_write_text, log_single_rank
 
 logger = logging.getLogger(__name__)
 
@@ -241,10 +241,10 @@ class GPTDataset(MegatronDataset):
             document_index, sample_index, shuffle_index = self._build_indices()
             if paths is not None:
                 os.makedirs(paths["dir"], exist_ok=True)
-                _atomic_write_text(paths["description"], self.unique_description)
-                _atomic_save(paths["document_index"], document_index)
-                _atomic_save(paths["sample_index"], sample_index)
-                _atomic_save(paths["shuffle_index"], shuffle_index)
+                atomic_write_text(paths["description"], self.unique_description)
+                atomic_save_npy(paths["document_index"], document_index)
+                atomic_save_npy(paths["sample_index"], sample_index)
+                atomic_save_npy(paths["shuffle_index"], shuffle_index)
             else:
                 log_single_rank(
                     logger, logging.WARNING,
@@ -340,19 +340,6 @@ class GPTDataset(MegatronDataset):
             num_epochs += 1
             num_tokens += num_tokens_per_epoch
         return num_epochs
-
-
-def _atomic_save(path: str, array: numpy.ndarray) -> None:
-    tmp = f"{path}.tmp{os.getpid()}.npy"
-    numpy.save(tmp, array, allow_pickle=True)
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wt") as writer:
-        writer.write(text)
-    os.replace(tmp, path)
 
 
 def _build_document_index(

@@ -15,6 +15,7 @@ import pytest
 from megatron.core.datasets.bert_dataset import (
     BERTMaskedWordPieceDataset,
     BERTMaskedWordPieceDatasetConfig,
+    _truncate_segments,
 )
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import (
@@ -135,6 +136,19 @@ def test_hand_checked_toy_samples(tmp_path):
     for key in ("text", "types", "labels", "padding_mask", "loss_mask"):
         assert s[key].dtype == numpy.int64 and s[key].shape == (12,)
     assert type(s["is_random"]) is int and type(s["truncated"]) is int
+
+
+def test_truncation_draws_and_tie_rule():
+    """One draw per dropped token; the longer segment loses one (B on a tie), first if < 0.5."""
+    # RandomState(1) draws 0.417, 0.720, ...
+    a, b = [1, 2, 3], [4, 5, 6]
+    assert _truncate_segments(a, b, 4, numpy.random.RandomState(1))
+    # tie -> B, 0.417 < 0.5 drops B's first; then A is longer, 0.720 drops A's last.
+    assert (a, b) == ([1, 2], [5, 6])
+    a, b = [1, 2, 3, 7], [4, 5]
+    rs = numpy.random.RandomState(1)
+    assert not _truncate_segments(a, b, 6, rs) and (a, b) == ([1, 2, 3, 7], [4, 5])
+    assert rs.random() == numpy.random.RandomState(1).random()  # nothing drawn when it fits
 
 
 @pytest.fixture(scope="module")

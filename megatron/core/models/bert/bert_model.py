@@ -4,7 +4,7 @@ layer, plus the pooler and binary (sentence-order) head, as megatron-core builds
 Notation: b batch, s sequence, h hidden size, v padded vocabulary, p tensor-parallel size.
 """
 
-from typing import Literal, Optional, Tuple
+from typing import Literal, Optional
 
 import torch
 from torch import Tensor

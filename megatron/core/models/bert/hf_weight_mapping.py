@@ -119,7 +119,8 @@ def megatron_bert_hf_to_mcore_state_dict(
                 hf_state_dict[f'{hf_prefix}attention.self.{n}.{kind}']
                 for n in ('query', 'key', 'value')
             )
-            out[f'{mc_prefix}self_attention.linear_qkv.{kind}'] = qkv_to_grouped(q, k, v, nh, nh, hd)
+            fused = qkv_to_grouped(q, k, v, nh, nh, hd)  # [nh * 3 * hd, ...]
+            out[f'{mc_prefix}self_attention.linear_qkv.{kind}'] = fused
     for name in _VOCAB_ROWS:
         if name in out:
             out[name] = _pad_vocab(out[name], padded_vocab_size)

@@ -221,7 +221,7 @@ class T5Model(LanguageModule):
             self.encoder = TransformerBlock(
                 config=self.config,
                 spec=_stage_block_spec(
-                    transformer_encoder_layer_spec, '--encoder-num-layers', 'encoder'
+                    transformer_encoder_layer_spec, 'encoder num_layers', 'encoder'
                 ),
                 pre_process=self.pre_process,
                 post_process=self.post_process,
@@ -237,7 +237,7 @@ class T5Model(LanguageModule):
             self.decoder = TransformerBlock(
                 config=decoder_config,
                 spec=_stage_block_spec(
-                    transformer_decoder_layer_spec, '--decoder-num-layers', 'decoder'
+                    transformer_decoder_layer_spec, 'decoder num_layers', 'decoder'
                 ),
                 pre_process=self.pre_process,
                 post_process=self.post_process,

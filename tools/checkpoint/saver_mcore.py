@@ -76,7 +76,7 @@ def check_arguments(args, md):
                          f'mixture of experts is not implemented here (only 1)')
     margs = md.checkpoint_args
     heads = md.num_attention_heads
-    groups = getattr(margs, 'num_query_groups', None) or heads
+    groups = margs.num_query_groups if getattr(margs, 'group_query_attention', False) else heads
     if heads % tp:
         raise ValueError(f'--target-tensor-parallel-size {tp} does not divide the number of '
                          f'attention heads ({heads})')

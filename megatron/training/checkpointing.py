@@ -762,6 +762,11 @@ def load_args_from_checkpoint(
         'untie_embeddings_and_output_weights',
         'apply_layernorm_1p',
         'normalization',
+        # Not carried by Megatron: without them a converted Llama-3 (RoPE base 500000), an
+        # RMSNorm eps other than 1e-5 or GPT-2's tanh GeLU would silently change the model.
+        'rotary_base',
+        'norm_epsilon',
+        'openai_gelu',
     ):
         _set_arg(name, force=True)
     _set_arg('tokenizer_type')

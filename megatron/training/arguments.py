@@ -11,6 +11,7 @@ training layer reads (`data_parallel_size`, `params_dtype`, ...).
 import argparse
 import dataclasses
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -55,9 +56,22 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args_list=No
     return args
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a parse error prints one line (not the full usage of every flag), once for
+    the job (global rank 0), and exits with argparse's code 2."""
+
+    def error(self, message):
+        from megatron.training.errors import global_rank
+
+        if global_rank() == 0:
+            sys.stderr.write(f'{self.prog}: error: {message}\n')
+            sys.stderr.flush()
+        sys.exit(2)
+
+
 def get_args_parser(extra_args_provider=None):
     """The full argparse parser (all `_add_*_args` groups plus the script's extra flags)."""
-    parser = argparse.ArgumentParser(description='Megatron-LM Arguments', allow_abbrev=False)
+    parser = _OneLineErrorParser(description='Megatron-LM Arguments', allow_abbrev=False)
     parser = _add_network_size_args(parser)
     parser = _add_regularization_args(parser)
     parser = _add_training_args(parser)

@@ -17,6 +17,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables
+from megatron.training.startup_checks import check_output_directories
 
 
 def initialize_megatron(
@@ -50,6 +51,7 @@ def initialize_megatron(
 
         load_args_from_checkpoint(args)
     validate_args(args, args_defaults)
+    check_output_directories(args)
 
     set_global_variables(args)
 

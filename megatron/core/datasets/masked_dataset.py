@@ -25,14 +25,10 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_config import (
     BlendedMegatronDatasetConfig,
 )
+from megatron.core.datasets.index_cache import load_index, save_index, write_text
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
-from megatron.core.datasets.utils import (
-    Split,
-    atomic_save_npy,
-    atomic_write_text,
-    log_single_rank,
-)
+from megatron.core.datasets.utils import Split, log_single_rank
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +196,7 @@ class MaskedWordPieceDataset(MegatronDataset):
             )
             self.built_anew_on_cache_miss = True
             os.makedirs(path_to_cache, exist_ok=True)
-            atomic_write_text(path_to_description, self.unique_description)
+            write_text(path_to_description, self.unique_description)
             log_single_rank(
                 logger,
                 logging.INFO,
@@ -210,7 +206,7 @@ class MaskedWordPieceDataset(MegatronDataset):
             sample_index, num_epochs = self._build_mapping(
                 sequence_length, min_sentences_per_sample
             )
-            atomic_save_npy(path_to_sample_index, sample_index)
+            save_index(path_to_sample_index, sample_index)
             log_single_rank(
                 logger, logging.DEBUG, f"\t> time elapsed: {time.time() - t_beg:4f} seconds"
             )
@@ -234,7 +230,7 @@ class MaskedWordPieceDataset(MegatronDataset):
             f"\tLoad the sample index from {os.path.basename(path_to_sample_index)}",
         )
         t_beg = time.time()
-        sample_index = numpy.load(path_to_sample_index, mmap_mode="r")
+        sample_index = load_index(path_to_sample_index, ndim=2)
         log_single_rank(
             logger, logging.DEBUG, f"\t> time elapsed: {time.time() - t_beg:4f} seconds"
         )

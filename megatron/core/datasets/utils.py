@@ -93,21 +93,6 @@ def normalize(weights: List[float]) -> List[float]:
     return w
 
 
-def atomic_save_npy(path: str, array: numpy.ndarray) -> None:
-    """numpy.save to a temporary name then rename, so a reader never sees a partial file."""
-    tmp = f"{path}.tmp{os.getpid()}.npy"
-    numpy.save(tmp, array, allow_pickle=False)
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write a text file under a temporary name then rename it into place."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wt") as writer:
-        writer.write(text)
-    os.replace(tmp, path)
-
-
 def log_single_rank(logger: logging.Logger, *args, rank: int = 0, **kwargs) -> None:
     """Log through `logger` only on global rank `rank` (always when torch.distributed is off)."""
     if torch.distributed.is_initialized():

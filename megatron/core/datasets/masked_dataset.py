@@ -337,6 +337,8 @@ class MaskedWordPieceDataset(MegatronDataset):
         nprobs = nprobs / nprobs.sum(keepdims=True)
         if self.config.masking_use_longer_ngrams:
             nprobs = nprobs[::-1]
+        # Megatron renormalises the weights per candidate (p = w / w.sum()) before choice(p=p).
+        ngram_cdf = _choice_cdf(nprobs / nprobs.sum(keepdims=True))
 
         # candidate -> its N-grams for N = 1..max (shorter near the end) -> word -> positions
         candidate_ngrams = [
@@ -353,7 +355,7 @@ class MaskedWordPieceDataset(MegatronDataset):
                 break
             ngram_indices = self._draw_fitting_ngram(
                 ngrams,
-                nprobs,
+                ngram_cdf,
                 ngram_nvals,
                 n_maskings,
                 len(masked_positions_and_labels),
@@ -394,7 +396,7 @@ class MaskedWordPieceDataset(MegatronDataset):
     def _draw_fitting_ngram(
         self,
         ngrams: List[List[List[int]]],
-        nprobs: numpy.ndarray,
+        ngram_cdf: numpy.ndarray,
         ngram_nvals: numpy.ndarray,
         budget: float,
         used: int,
@@ -402,12 +404,13 @@ class MaskedWordPieceDataset(MegatronDataset):
         geometric: bool,
     ) -> Optional[List[int]]:
         """Draw N, then back off N until the N-gram's positions fit the budget (None: none fits)."""
-        n_ngrams = len(ngrams)
+        # Every candidate lists one N-gram per N (shorter ones near the end), so Megatron's
+        # per-candidate renormalisation of the N weights over len(ngrams) is the identity.
+        assert len(ngrams) == len(ngram_nvals)
         if geometric:
             n = min(numpy_random_state.geometric(_GEOMETRIC_P), self.config.masking_max_ngram)
         else:
-            probs = nprobs[:n_ngrams] / nprobs[:n_ngrams].sum(keepdims=True)
-            n = numpy_random_state.choice(ngram_nvals[:n_ngrams], p=probs)
+            n = _weighted_choice(numpy_random_state, ngram_nvals, ngram_cdf)
         while True:
             ngram_indices = sum(ngrams[n - 1], [])
             n = n - 1
@@ -465,6 +468,25 @@ class MaskedWordPieceDataset(MegatronDataset):
     @abstractmethod
     def _get_token_mask(self, numpy_random_state: numpy.random.RandomState) -> Optional[int]:
         """The replacement id for one masked position, or None to keep the original."""
+
+
+def _choice_cdf(probs: numpy.ndarray) -> numpy.ndarray:
+    """The cumulative table `RandomState.choice(a, p=probs)` builds: p.cumsum() / its last entry."""
+    cdf = probs.cumsum()
+    cdf /= cdf[-1]
+    return cdf
+
+
+def _weighted_choice(
+    numpy_random_state: numpy.random.RandomState, values: numpy.ndarray, cdf: numpy.ndarray
+) -> numpy.int64:
+    """`numpy_random_state.choice(values, p=probs)` with its cdf precomputed (`_choice_cdf`).
+
+    RandomState.choice(a, p) draws exactly one random_sample() and returns
+    a[cdf.searchsorted(u, side='right')]; legacy RandomState streams are frozen, so this gives the
+    same value and leaves the state where choice would, without re-validating p on every call.
+    """
+    return values[cdf.searchsorted(numpy_random_state.random_sample(), side="right")]
 
 
 def _any_document_makes_a_sample(

@@ -22,6 +22,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import (
     BlendedMegatronDatasetBuilder,
 )
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.masked_dataset import _choice_cdf, _weighted_choice
 from megatron.core.datasets.utils import Split
 from megatron.training.datasets.masked_dataset_configs import (
     core_bert_dataset_config_from_args,
@@ -149,6 +150,23 @@ def test_truncation_draws_and_tie_rule():
     rs = numpy.random.RandomState(1)
     assert not _truncate_segments(a, b, 6, rs) and (a, b) == ([1, 2, 3, 7], [4, 5])
     assert rs.random() == numpy.random.RandomState(1).random()  # nothing drawn when it fits
+
+
+@pytest.mark.parametrize("max_ngram, longer", [(3, False), (10, False), (4, True)])
+def test_weighted_n_draw_is_randomstate_choice(max_ngram, longer):
+    """The N draw equals Megatron's `rs.choice(n_values, p=p)`, value and stream position."""
+    values = numpy.arange(max_ngram, dtype=numpy.int64) + 1
+    weights = 1.0 / values
+    weights = weights / weights.sum(keepdims=True)
+    if longer:
+        weights = weights[::-1]
+    p = weights / weights.sum(keepdims=True)
+    cdf = _choice_cdf(p)
+    for seed in range(300):
+        ours, megatron = numpy.random.RandomState(seed), numpy.random.RandomState(seed)
+        for _ in range(8):
+            assert _weighted_choice(ours, values, cdf) == megatron.choice(values, p=p)
+        assert ours.random() == megatron.random()
 
 
 @pytest.fixture(scope="module")

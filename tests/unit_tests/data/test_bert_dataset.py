@@ -27,46 +27,15 @@ from megatron.core.datasets.utils import Split
 from megatron.training.datasets.masked_dataset_configs import (
     core_bert_dataset_config_from_args,
 )
-from megatron.training.tokenizer.tokenizer import _BertWordPieceTokenizer
 from tests.unit_tests.data.sentence_corpus import (
     bert_tokenizer,
     bundled_sentence_corpus,
     masking_args,
+    toy_corpus,
     write_sentence_dataset,
 )
 
-# Toy WordPiece vocabulary: ids 0-15 in file order; the tokenizer appends [BOS] = 16, [EOS] = 17.
-TOY_VOCAB = [
-    "[PAD]",
-    "[UNK]",
-    "[CLS]",
-    "[SEP]",
-    "[MASK]",
-    "the",
-    "whale",
-    "ship",
-    "sea",
-    "cap",
-    "##tain",
-    "ahab",
-    "##s",
-    "white",
-    "sails",
-    "on",
-]
 PAD, CLS, SEP, MASK = 0, 2, 3, 4
-# doc 0: "the white whale" / "cap ##tain ahab" / "sails on the sea"
-# doc 1: "the ship" / "ahab ##s sails"
-TOY_DOCS = [[[5, 13, 6], [9, 10, 11], [14, 15, 5, 8]], [[5, 7], [11, 12, 14]]]
-
-
-def _toy(tmp_path, vocab_extra_ids=0):
-    vocab = tmp_path / "toy-vocab.txt"
-    vocab.write_text("\n".join(TOY_VOCAB) + "\n")
-    prefix = write_sentence_dataset(str(tmp_path / "toy"), TOY_DOCS, len(TOY_VOCAB))
-    return prefix, _BertWordPieceTokenizer(
-        str(vocab), lower_case=True, vocab_extra_ids=vocab_extra_ids
-    )
 
 
 def _bert(prefix, tokenizer, num_samples=None, documents=None, **overrides):
@@ -86,7 +55,7 @@ def test_hand_checked_toy_samples(tmp_path):
     target is 9), seed 2070, one epoch. build_mapping makes one row per document (both fit the
     target) and its shuffle keeps their order here.
     """
-    prefix, tok = _toy(tmp_path)
+    prefix, tok = toy_corpus(tmp_path)
     ds = _bert(
         prefix,
         tok,

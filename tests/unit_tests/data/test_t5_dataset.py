@@ -20,8 +20,8 @@ from tests.unit_tests.data.sentence_corpus import (
     bert_tokenizer,
     bundled_sentence_corpus,
     masking_args,
+    toy_corpus,
 )
-from tests.unit_tests.data.test_bert_dataset import _toy
 
 T5_MASKING = masking_args(masking_max_ngram=10, masking_use_geometric_distribution=True)
 
@@ -49,11 +49,11 @@ def _masks_from_lengths(n_enc, n_dec, s_enc, s_dec):
 def test_hand_checked_toy_samples(tmp_path):
     """Two samples worked out by hand from their draws (T5 draws nothing but the masking).
 
-    Toy vocabulary of test_bert_dataset with 3 sentinels: [BOS] 16, [EOS] 17, <extra_id_0..2> =
-    18, 19, 20. Config: encoder 11 (target 9 = 11 - 2), decoder 10, mask prob 0.45, no short
-    sequences, seed 25, geometric spans up to 10 whole words.
+    Toy vocabulary of sentence_corpus.toy_corpus with 3 sentinels: [BOS] 16, [EOS] 17,
+    <extra_id_0..2> = 18, 19, 20. Config: encoder 11 (target 9 = 11 - 2), decoder 10, mask prob
+    0.45, no short sequences, seed 25, geometric spans up to 10 whole words.
     """
-    prefix, tok = _toy(tmp_path, vocab_extra_ids=3)
+    prefix, tok = toy_corpus(tmp_path, vocab_extra_ids=3)
     assert tok.additional_special_tokens_ids == [18, 19, 20] and (tok.bos, tok.eos) == (16, 17)
     ds = _t5(
         prefix,

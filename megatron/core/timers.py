@@ -260,7 +260,7 @@ class Timers:
             print(output_string, flush=True)
 
     def write(self, names: List[str], writer, iteration: int, normalizer: float = 1.0,
-              reset: bool = False, barrier: bool = False):
+              reset: bool = True, barrier: bool = False):
         """Write the max time across ranks of each timer to a TensorBoard `writer` as '<name>-time'."""
         assert normalizer > 0.0
         name_to_min_max_time = self._get_global_min_max_time(names, reset, barrier, normalizer)

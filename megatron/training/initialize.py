@@ -6,6 +6,8 @@ gloo when no GPU exists). An already-initialized default process group (tests, n
 and so are already-initialized model-parallel groups when their sizes match the args.
 """
 
+import logging
+import os
 import random
 import time
 from datetime import timedelta
@@ -50,6 +52,7 @@ def initialize_megatron(
     validate_args(args, args_defaults)
 
     set_global_variables(args)
+    setup_logging()
 
     if skip_mpu_initialization:
         return None
@@ -60,6 +63,20 @@ def initialize_megatron(
     _set_random_seed(args.seed, args.data_parallel_random_init)
     _compile_dependencies()
     return None
+
+
+def setup_logging() -> None:
+    """Set the root logging level: --logging-level, else $MEGATRON_LOGGING_LEVEL, else unchanged."""
+    args = get_args()
+    logging_level = None
+    env_logging_level = os.getenv('MEGATRON_LOGGING_LEVEL', None)
+    if env_logging_level is not None:
+        logging_level = int(env_logging_level)
+    if args.logging_level is not None:
+        logging_level = args.logging_level
+    if logging_level is not None:
+        logging.getLogger(__name__).info(f'Setting logging level to {logging_level}')
+        logging.getLogger().setLevel(logging_level)
 
 
 def _compile_dependencies():

@@ -24,7 +24,12 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     update_num_microbatches,
 )
-from megatron.core.utils import get_current_device, get_model_config
+from megatron.core.utils import (
+    StragglerDetector,
+    check_param_hashes_across_dp_replicas,
+    get_current_device,
+    get_model_config,
+)
 from megatron.training.global_vars import (
     get_args,
     get_signal_handler,
@@ -44,6 +49,9 @@ from megatron.training.utils import (
 )
 
 _TRAIN_START_TIME = time.time()
+
+# The process-wide straggler detector (a singleton: the script's `stimer` is this object).
+stimer = StragglerDetector()
 
 __all__ = [
     'pretrain', 'get_model', 'setup_model_and_optimizer', 'train_step', 'train', 'evaluate',
@@ -459,6 +467,35 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
 
 
+def _configure_straggler_detector(args):
+    """Arm the straggler detector for --log-straggler (its lines are INFO log records)."""
+    import logging
+
+    stimer.configure(
+        torch.distributed.get_world_size(),
+        torch.distributed.get_rank(),
+        mmcnt=args.straggler_minmax_count,
+        enabled=not args.disable_straggler_on_startup,
+        port=args.straggler_ctrlr_port,
+    )
+    if not logging.getLogger().handlers:
+        logging.basicConfig()
+    if args.logging_level is None:
+        logging.getLogger('megatron.core.utils').setLevel(logging.INFO)
+
+
+def _check_weight_hashes(args, iteration, model):
+    """--check-weight-hash-across-dp-replicas-interval: every N iterations, all DP replicas must
+    hold bit-identical weights."""
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is None or iteration % interval != 0:
+        return
+    if not check_param_hashes_across_dp_replicas(model):
+        raise RuntimeError(f'Parameter hashes not matching across DP replicas at iteration {iteration}')
+    torch.distributed.barrier()
+    print_rank_0(f'>>> Weight hashes match after {iteration} iterations...')
+
+
 def _empty_unused_memory(args, level):
     """Release cached CUDA blocks where Megatron does (--empty-unused-memory-level >= level).
 
@@ -681,6 +718,10 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             config.param_sync_func = config.param_sync_func[0]
     config.finalize_model_grads_func = finalize_model_grads
 
+    if args.log_straggler:
+        _configure_straggler_detector(args)
+    total_flops = 0.0
+
     timers('interval-time', log_level=0).start(barrier=True)
     print_datetime('before the start of training step')
     report_memory_flag = True
@@ -699,9 +740,12 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         iteration += 1
         batch_size = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
         args.consumed_train_samples += batch_size
-        num_floating_point_operations_so_far += num_floating_point_operations(args, batch_size)
+        num_fp_ops = num_floating_point_operations(args, batch_size)
+        num_floating_point_operations_so_far += num_fp_ops
+        total_flops += num_fp_ops
         if train_losses is not None and loss_dict:
             train_losses[iteration] = {k: float(v) for k, v in loss_dict.items()}
+        _check_weight_hashes(args, iteration, model)
 
         loss_scale = optimizer.get_loss_scale().item()
         params_norm = None
@@ -715,6 +759,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
             skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
         )
+        if args.log_straggler and iteration % args.log_interval == 0:
+            stimer.report(total_flops, args.log_interval)
+            total_flops = 0.0
 
         if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
             prefix = 'iteration {}'.format(iteration)

@@ -478,7 +478,9 @@ def get_context_parallel_group_if_none(group=None, check_initialized: bool = Tru
 
 def get_model_parallel_group_if_none(group=None, check_initialized: bool = True):
     """`group` if given, else the global model parallel group."""
-    return group if group is not None else get_model_parallel_group(check_initialized=check_initialized)
+    if group is not None:
+        return group
+    return get_model_parallel_group(check_initialized=check_initialized)
 
 
 def get_embedding_group_if_none(group=None, check_initialized: bool = True):

@@ -1,4 +1,4 @@
-"""StragglerDetector: per-rank timing of the marked training sections, reported as min/max over ranks.
+"""StragglerDetector: per-rank timing of marked training sections, reported as min/max over ranks.
 
 Megatron's API (`megatron/core/utils.py` of core_r0.8.0), re-exported from `megatron.core.utils`:
 the class is a process-wide singleton, so the instance a training script creates at import time
@@ -192,7 +192,9 @@ class StragglerDetector:
         def min_max(field, unit, fmt='{:.2f}'):
             column = [(values[_FIELDS.index(field)], rank) for rank, values in enumerate(per_rank)]
             low, high = min(column), max(column)
-            return (f'{fmt.format(low[0])}{unit}/{low[1]}', f'{fmt.format(high[0])}{unit}/{high[1]}')
+            return (
+                f'{fmt.format(low[0])}{unit}/{low[1]}', f'{fmt.format(high[0])}{unit}/{high[1]}'
+            )
 
         rtt, drtt = min_max('rtt_ms', 'ms'), min_max('drtt_ms', 'ms')
         pwr, tmp = min_max('power_w', 'W', '{:.0f}'), min_max('temp_c', 'C', '{:.0f}')

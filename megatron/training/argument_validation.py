@@ -438,7 +438,9 @@ def _validate_megatron_r08_extras(args):
             f'--check-weight-hash-across-dp-replicas-interval must be positive, got {interval}'
         )
     if getattr(args, 'straggler_minmax_count', 1) < 1:
-        raise ValueError(f'--straggler-minmax-count must be >= 1, got {args.straggler_minmax_count}')
+        raise ValueError(
+            f'--straggler-minmax-count must be >= 1, got {args.straggler_minmax_count}'
+        )
 
 
 def _print_args(title, args):

@@ -527,11 +527,12 @@ def _add_distributed_args(parser):
                        help='Use distributed optimizer.')
     group.add_argument('--context-parallel-size', type=int, default=1, help='Degree of context parallelism.')
     group.add_argument('--use-cpu-initialization', action='store_true', default=None,
-                       help='If set, initialize weights on the CPU. This eliminates init differences '
-                       'based on tensor parallelism.')
+                       help='If set, initialize weights on the CPU. This eliminates init '
+                       'differences based on tensor parallelism.')
     group.add_argument('--empty-unused-memory-level', default=0, type=int, choices=[0, 1, 2],
-                       help='Call torch.cuda.empty_cache() each iteration (training and eval), to '
-                       'reduce fragmentation. 0=off, 1=moderate, 2=aggressive (no-op without CUDA).')
+                       help='Call torch.cuda.empty_cache() each iteration (training and eval), '
+                       'to reduce fragmentation. 0=off, 1=moderate, 2=aggressive (no-op without '
+                       'CUDA).')
     group.add_argument('--nccl-communicator-config-path', type=str, default=None,
                        help='Path to the yaml file with NCCL communicator configurations.')
     group.add_argument('--use-tp-pp-dp-mapping', action='store_true', default=False,

@@ -20,6 +20,7 @@ _BIENCODER = 'ICT / biencoder (REALM-style retriever) models are not included'
 _RETRO = 'Retro models are not included'
 _ONE_LOGGER = 'one_logger (an NVIDIA-internal E2E metrics tool) is not available'
 _HYBRID = 'hybrid (Mamba) models are not included'
+_PROFILE = 'the nsys/torch profiler hooks of the training loop are not implemented'
 
 #: flag -> why it cannot take a non-default value here. Audited list: nothing else is refused
 #: at start-up for being unimplemented, and nothing listed here is read anywhere else.
@@ -127,8 +128,8 @@ UNSUPPORTED_FLAGS = {
     '--adlr-autoresume': 'ADLR autoresume (a cluster-internal service) is not available',
     '--adlr-autoresume-interval': 'ADLR autoresume (a cluster-internal service) is not available',
     '--s3-cache-path': 'S3 dataset loading is not implemented',
-    '--dist-ckpt-strictness': 'distributed (torch_dist/zarr) checkpoint loading is not implemented; '
-    'the torch format loads strictly',
+    '--dist-ckpt-strictness': 'distributed (torch_dist/zarr) checkpoint loading is not '
+    'implemented; the torch format loads strictly',
     '--yaml-cfg': 'the experimental YAML run configuration is not implemented (pass flags; '
     'megatron.training.yaml_arguments.core_transformer_config_from_yaml reads the model part)',
     '--use-flash-attn': 'the FlashAttention kernels are not used (attention is plain PyTorch)',
@@ -139,10 +140,10 @@ UNSUPPORTED_FLAGS = {
     '--wandb-project': 'Weights & Biases logging is not implemented',
     '--wandb-exp-name': 'Weights & Biases logging is not implemented',
     '--wandb-save-dir': 'Weights & Biases logging is not implemented',
-    '--profile': 'the nsys/torch profiler hooks of the training loop are not implemented',
-    '--profile-step-start': 'the nsys/torch profiler hooks of the training loop are not implemented',
-    '--profile-step-end': 'the nsys/torch profiler hooks of the training loop are not implemented',
-    '--profile-ranks': 'the nsys/torch profiler hooks of the training loop are not implemented',
+    '--profile': _PROFILE,
+    '--profile-step-start': _PROFILE,
+    '--profile-step-end': _PROFILE,
+    '--profile-ranks': _PROFILE,
     '--non-persistent-save-interval': 'non-persistent checkpoints are not implemented',
     '--non-persistent-ckpt-type': 'non-persistent checkpoints are not implemented',
     '--non-persistent-global-ckpt-dir': 'non-persistent checkpoints are not implemented',
@@ -178,7 +179,8 @@ def add_tp_comm_overlap_args(parser):
     """Megatron's Transformer Engine communication-overlap flags (part of its training group)."""
     group = parser.add_argument_group(title='training')
     group.add_argument('--tp-comm-overlap-cfg', type=str, default=None,
-                       help='Config file when tp_comm_overlap is enabled (Transformer Engine only).')
+                       help='Config file when tp_comm_overlap is enabled (Transformer Engine '
+                       'only).')
     group.add_argument('--disable-tp-comm-overlap-ag', action='store_false',
                        dest='tp_comm_overlap_ag',
                        help='Disables the All-Gather overlap with GEMM by pipelining the GEMM and '

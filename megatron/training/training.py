@@ -24,12 +24,7 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     update_num_microbatches,
 )
-from megatron.core.utils import (
-    StragglerDetector,
-    check_param_hashes_across_dp_replicas,
-    get_current_device,
-    get_model_config,
-)
+from megatron.core.utils import StragglerDetector, get_current_device, get_model_config
 from megatron.training.global_vars import (
     get_args,
     get_signal_handler,
@@ -40,6 +35,9 @@ from megatron.training.initialize import initialize_megatron, set_jit_fusion_opt
 from megatron.training.utils import (
     append_to_progress_log,
     calc_params_l2_norm,
+    check_weight_hashes,
+    configure_straggler_detector,
+    empty_unused_memory,
     num_floating_point_operations,
     print_datetime,
     print_rank_0,
@@ -435,7 +433,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         decoder_seq_length=args.decoder_seq_length,
         forward_only=False,
     )
-    _empty_unused_memory(args, level=1)
+    empty_unused_memory(args, level=1)
 
     timers('optimizer', log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -447,7 +445,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         skipped_iter = 0
     else:
         skipped_iter = 1
-    _empty_unused_memory(args, level=2)
+    empty_unused_memory(args, level=2)
 
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
         loss_reduced = {}
@@ -465,46 +463,6 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             loss_reduced[key] = numerator / denominator
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
-
-
-def _configure_straggler_detector(args):
-    """Arm the straggler detector for --log-straggler (its lines are INFO log records)."""
-    import logging
-
-    stimer.configure(
-        torch.distributed.get_world_size(),
-        torch.distributed.get_rank(),
-        mmcnt=args.straggler_minmax_count,
-        enabled=not args.disable_straggler_on_startup,
-        port=args.straggler_ctrlr_port,
-    )
-    if not logging.getLogger().handlers:
-        logging.basicConfig()
-    if args.logging_level is None:
-        logging.getLogger('megatron.core.utils').setLevel(logging.INFO)
-
-
-def _check_weight_hashes(args, iteration, model):
-    """--check-weight-hash-across-dp-replicas-interval: every N iterations, all DP replicas must
-    hold bit-identical weights."""
-    interval = args.check_weight_hash_across_dp_replicas_interval
-    if interval is None or iteration % interval != 0:
-        return
-    if not check_param_hashes_across_dp_replicas(model):
-        raise RuntimeError(f'Parameter hashes not matching across DP replicas at iteration {iteration}')
-    torch.distributed.barrier()
-    print_rank_0(f'>>> Weight hashes match after {iteration} iterations...')
-
-
-def _empty_unused_memory(args, level):
-    """Release cached CUDA blocks where Megatron does (--empty-unused-memory-level >= level).
-
-    Level 1: after each forward-backward (training and evaluation); level 2: also after the
-    optimizer step. A no-op when the model does not live on a CUDA device.
-    """
-    if getattr(args, 'empty_unused_memory_level', 0) >= level:
-        if get_current_device().type == 'cuda':
-            torch.cuda.empty_cache()
 
 
 _TIMERS_TO_LOG = [
@@ -719,7 +677,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     config.finalize_model_grads_func = finalize_model_grads
 
     if args.log_straggler:
-        _configure_straggler_detector(args)
+        configure_straggler_detector(args)
     total_flops = 0.0
 
     timers('interval-time', log_level=0).start(barrier=True)
@@ -745,7 +703,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         total_flops += num_fp_ops
         if train_losses is not None and loss_dict:
             train_losses[iteration] = {k: float(v) for k, v in loss_dict.items()}
-        _check_weight_hashes(args, iteration, model)
+        check_weight_hashes(args, iteration, model)
 
         loss_scale = optimizer.get_loss_scale().item()
         params_norm = None
@@ -861,7 +819,7 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
                 forward_only=True,
             )
             config.timers = get_timers()
-            _empty_unused_memory(args, level=1)
+            empty_unused_memory(args, level=1)
             if mpu.is_pipeline_last_stage(ignore_virtual=True):
                 for loss_dict in loss_dicts:
                     for key in loss_dict:
@@ -1018,7 +976,9 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
             if args.skip_train:
                 valid_dataloader = build_pretraining_data_loader(valid_ds, 0)
             else:
-                valid_dataloader = build_pretraining_data_loader(valid_ds, args.consumed_valid_samples)
+                valid_dataloader = build_pretraining_data_loader(
+                    valid_ds, args.consumed_valid_samples
+                )
             test_dataloader = build_pretraining_data_loader(test_ds, 0)
         do_train = train_dataloader is not None and args.train_iters > 0
         do_valid = valid_dataloader is not None and args.eval_iters > 0

@@ -87,7 +87,8 @@ def test_fp8_and_fully_parallel_save_use_megatron_attribute_names(capsys):
     assert args.fp8 is None and args.fp8_wgrad is True
     assert args.ckpt_fully_parallel_save is True and args.ckpt_fully_parallel_save_deprecated
     assert args.async_save is True
-    assert '--ckpt-fully-parallel-save flag is deprecated and has no effect' in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert '--ckpt-fully-parallel-save flag is deprecated and has no effect' in out
     assert _validate(['--no-ckpt-fully-parallel-save']).ckpt_fully_parallel_save is False
     assert _validate().async_save is None
 
@@ -117,9 +118,9 @@ def test_other_wired_flags_validate():
 
 
 def test_empty_unused_memory_is_a_no_op_on_cpu():
-    from megatron.training.training import _empty_unused_memory
+    from megatron.training.utils import empty_unused_memory
 
     args = argparse.Namespace(empty_unused_memory_level=2)
-    _empty_unused_memory(args, level=1)  # must not touch CUDA on a CPU host
+    empty_unused_memory(args, level=1)  # must not touch CUDA on a CPU host
     if not torch.cuda.is_available():
         assert not torch.cuda.is_initialized()

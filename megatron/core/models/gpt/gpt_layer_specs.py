@@ -87,7 +87,9 @@ def get_gpt_layer_with_transformer_engine_spec(
         fp8: TE's fp8 format; fp8 is not supported, so it must be None.
     """
     if fp8 is not None:
-        raise ValueError(f"fp8 ({fp8!r}): fp8 needs Transformer Engine, which this package does not use")
+        raise ValueError(
+            f"fp8 ({fp8!r}): fp8 needs Transformer Engine, which this package does not use"
+        )
     logger.warning(
         "get_gpt_layer_with_transformer_engine_spec: Transformer Engine is not used by this "
         "package; returning the local spec (get_gpt_layer_local_spec)"

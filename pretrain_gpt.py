@@ -58,6 +58,7 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
     )
 
 

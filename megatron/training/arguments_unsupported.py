@@ -147,6 +147,9 @@ UNSUPPORTED_FLAGS = {
     '--non-persistent-save-interval': 'non-persistent checkpoints are not implemented',
     '--non-persistent-ckpt-type': 'non-persistent checkpoints are not implemented',
     '--non-persistent-global-ckpt-dir': 'non-persistent checkpoints are not implemented',
+    '--decrease-batch-size-if-needed': 'shrinking the global batch to fit the data-parallel '
+    'size is not implemented',
+    '--test-mode': 'the real-time test mode is not implemented',
     '--output-bert-embeddings': 'the Retro BERT embedders are not included',
     '--bert-embedder-type': 'the Retro BERT embedders are not included',
 }

@@ -722,11 +722,15 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             total_flops = 0.0
 
         if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+            if args.manual_gc and args.manual_gc_eval:
+                gc.collect()  # everything, before evaluation
             prefix = 'iteration {}'.format(iteration)
             evaluate_and_print_results(
                 prefix, forward_step_func, valid_data_iterator, model, iteration,
                 process_non_loss_data_func, config, False,
             )
+            if args.manual_gc and args.manual_gc_eval:
+                gc.collect(generation=0)  # only the objects evaluation created
 
         # Checkpointing and exiting.
         saved_checkpoint = False

@@ -149,7 +149,7 @@ UNSUPPORTED_FLAGS = {
     '--non-persistent-global-ckpt-dir': 'non-persistent checkpoints are not implemented',
     '--decrease-batch-size-if-needed': 'shrinking the global batch to fit the data-parallel '
     'size is not implemented',
-    '--test-mode': 'the real-time test mode is not implemented',
+    '--test-mode': 'the real-time tests run alongside training are not implemented',
     '--output-bert-embeddings': 'the Retro BERT embedders are not included',
     '--bert-embedder-type': 'the Retro BERT embedders are not included',
 }

@@ -10,8 +10,9 @@ from tests.unit_tests.training.freeze_cli_flags import FROZEN, live_flags
 MEGATRON_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'megatron_r08_flags.txt')
 
 # Flags of core_r0.8.0's arguments.py that the name list misses (it holds only single-quoted,
-# underscore-free names): the underscore spellings and Retro's double-quoted flags.
+# underscore-free names): the underscore spellings and the double-quoted flags.
 MEGATRON_FLAGS_NOT_IN_LIST = {
+    '--test-mode',
     '--local_rank',
     '--override-opt_param-scheduler',
     '--use-checkpoint-opt_param-scheduler',

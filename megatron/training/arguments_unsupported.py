@@ -155,6 +155,19 @@ UNSUPPORTED_FLAGS = {
 }
 
 
+def unsupported_flag_defaults(parser):
+    """{dest: (flag, default)} of every flag in `UNSUPPORTED_FLAGS`, read from `parser`.
+
+    Tools that merge args saved in a Megatron checkpoint (where e.g. --use-flash-attn may be set)
+    can use it to put these back to their defaults before `validate_args`.
+    """
+    actions = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            actions[option] = action
+    return {actions[flag].dest: (flag, actions[flag].default) for flag in UNSUPPORTED_FLAGS}
+
+
 def check_unsupported_flags(args, parser):
     """Stop start-up if a flag of `UNSUPPORTED_FLAGS` was set to anything but its default.
 
@@ -165,17 +178,15 @@ def check_unsupported_flags(args, parser):
     Raises:
         ValueError: one line naming the first offending flag, its value and why it is refused.
     """
-    actions = {}
-    for action in parser._actions:
-        for option in action.option_strings:
-            actions[option] = action
-    for flag, reason in UNSUPPORTED_FLAGS.items():
-        action = actions[flag]
-        if not hasattr(args, action.dest):
+    for dest, (flag, default) in unsupported_flag_defaults(parser).items():
+        if not hasattr(args, dest):
             continue
-        value = getattr(args, action.dest)
-        if value != action.default:
-            raise ValueError(f'{flag} (got {value!r}) is not supported by this package: {reason}')
+        value = getattr(args, dest)
+        if value != default:
+            raise ValueError(
+                f'{flag} (got {value!r}) is not supported by this package: '
+                f'{UNSUPPORTED_FLAGS[flag]}'
+            )
 
 
 def add_tp_comm_overlap_args(parser):

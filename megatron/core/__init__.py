@@ -9,6 +9,7 @@ import megatron.core.utils
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.enums import ModelType
+from megatron.core.inference_params import InferenceParams
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 from megatron.core.timers import Timers
@@ -21,6 +22,7 @@ __all__ = [
     "tensor_parallel",
     "utils",
     "DistributedDataParallel",
+    "InferenceParams",
     "init_num_microbatches_calculator",
     "ModelParallelConfig",
     "ModelType",

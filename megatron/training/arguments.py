@@ -11,10 +11,12 @@ training layer reads (`data_parallel_size`, `params_dtype`, ...).
 import argparse
 import dataclasses
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
+from megatron.core.transformer.utils import openai_gelu, squared_relu
 from megatron.training.argument_validation import validate_args  # noqa: F401 (re-exported)
 from megatron.training.arguments_unsupported import (
     add_biencoder_args,
@@ -54,9 +56,22 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args_list=No
     return args
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a parse error prints one line (not the full usage of every flag), once for
+    the job (global rank 0), and exits with argparse's code 2."""
+
+    def error(self, message):
+        from megatron.training.errors import global_rank
+
+        if global_rank() == 0:
+            sys.stderr.write(f'{self.prog}: error: {message}\n')
+            sys.stderr.flush()
+        sys.exit(2)
+
+
 def get_args_parser(extra_args_provider=None):
     """The full argparse parser (all `_add_*_args` groups plus the script's extra flags)."""
-    parser = argparse.ArgumentParser(description='Megatron-LM Arguments', allow_abbrev=False)
+    parser = _OneLineErrorParser(description='Megatron-LM Arguments', allow_abbrev=False)
     parser = _add_network_size_args(parser)
     parser = _add_regularization_args(parser)
     parser = _add_training_args(parser)
@@ -130,16 +145,6 @@ def core_transformer_config_from_args(args, config_class=None):
         put('scaled_init_method', torch.nn.init.xavier_uniform_)
     put('num_query_groups', args.num_query_groups if args.group_query_attention else None)
     return config_class(**kw_args)
-
-
-def squared_relu(x):
-    """relu(x)**2 (--squared-relu)."""
-    return torch.pow(F.relu(x), 2)
-
-
-def openai_gelu(x):
-    """The tanh approximation of GeLU used by OpenAI's GPT-2 (--openai-gelu)."""
-    return F.gelu(x, approximate='tanh')
 
 
 # ---------------------------------------------------------------------------------------------

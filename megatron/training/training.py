@@ -296,7 +296,11 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             overlap_grad_reduce=args.overlap_grad_reduce,
             use_distributed_optimizer=args.use_distributed_optimizer,
-            check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+            # fp16: inf/NaN gradients are an overflow of the loss scale, which the optimizer
+            # detects after the reduction and answers by skipping the step and lowering the
+            # scale. A real NaN still stops the run: the forward loss is checked in the loss
+            # function, and overflow at the minimum loss scale stops training.
+            check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not args.fp16,
             bucket_size=args.ddp_bucket_size,
             average_in_collective=args.ddp_average_in_collective,
         )
@@ -635,6 +639,19 @@ def _exit_flag(value):
     return bool(flag.item())
 
 
+def _check_overflow_is_not_a_real_nan(args, iteration, skipped_iter, scale_before_step):
+    """An fp16 overflow is skipped and the dynamic loss scale lowered; an overflow that happens
+    at the minimum scale cannot be cured that way: the gradients hold a real NaN/inf."""
+    if not (skipped_iter and args.fp16 and args.loss_scale is None):
+        return
+    if scale_before_step <= args.min_loss_scale:
+        raise RuntimeError(
+            f'iteration {iteration}: inf/NaN gradients at the minimum loss scale '
+            f'({args.min_loss_scale}, --min-loss-scale): not an fp16 overflow but a real NaN/inf '
+            f'in the backward pass'
+        )
+
+
 def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
           valid_data_iterator, process_non_loss_data_func, config, train_losses=None):
     """The training loop. Returns (iteration, num_floating_point_operations_so_far).
@@ -692,9 +709,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     while iteration < args.train_iters:
         update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         args.curr_iteration = iteration
+        scale_before_step = optimizer.get_loss_scale().item()
         loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config
         )
+        _check_overflow_is_not_a_real_nan(args, iteration + 1, skipped_iter, scale_before_step)
         iteration += 1
         batch_size = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
         args.consumed_train_samples += batch_size

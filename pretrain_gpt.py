@@ -21,7 +21,11 @@ from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.training import pretrain
-from megatron.training.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank, print_rank_0
+from megatron.training.utils import (
+    get_batch_on_this_cp_rank,
+    get_batch_on_this_tp_rank,
+    print_rank_0,
+)
 
 # Times the sections below when --log-straggler is set (a no-op otherwise).
 stimer = StragglerDetector()

@@ -5,7 +5,7 @@ in its pretrain scripts); `mpu` is the legacy name of `parallel_state`.
 """
 
 import megatron.core.tensor_parallel
-import megatron.core.utils
+import megatron.core.utils  # noqa: F401 (megatron.core.utils, as in Megatron)
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.enums import ModelType

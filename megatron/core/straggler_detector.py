@@ -42,8 +42,12 @@ def _gpu_readings() -> List[float]:
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return [0.0, 0.0, 0.0, 0.0]
     readings = []
-    for read in (torch.cuda.power_draw, torch.cuda.temperature, torch.cuda.utilization,
-                 torch.cuda.clock_rate):
+    for read in (
+        torch.cuda.power_draw,
+        torch.cuda.temperature,
+        torch.cuda.utilization,
+        torch.cuda.clock_rate,
+    ):
         try:
             readings.append(float(read()))
         except Exception:  # NVML (pynvml) missing or not permitted: Megatron reports 0 too.
@@ -77,8 +81,16 @@ class StragglerDetector:
 
     # ---- configuration -------------------------------------------------------------------
 
-    def configure(self, world: int, rank: int, mmcnt: int = 1, amp: float = 3.0,
-                  port: int = 65535, prefill: int = 1024, enabled: bool = False) -> None:
+    def configure(
+        self,
+        world: int,
+        rank: int,
+        mmcnt: int = 1,
+        amp: float = 3.0,
+        port: int = 65535,
+        prefill: int = 1024,
+        enabled: bool = False,
+    ) -> None:
         """Arm the detector (Megatron's signature; `prefill` sizes CUDA-event queues there).
 
         Args:
@@ -193,7 +205,8 @@ class StragglerDetector:
             column = [(values[_FIELDS.index(field)], rank) for rank, values in enumerate(per_rank)]
             low, high = min(column), max(column)
             return (
-                f'{fmt.format(low[0])}{unit}/{low[1]}', f'{fmt.format(high[0])}{unit}/{high[1]}'
+                f'{fmt.format(low[0])}{unit}/{low[1]}',
+                f'{fmt.format(high[0])}{unit}/{high[1]}',
             )
 
         rtt, drtt = min_max('rtt_ms', 'ms'), min_max('drtt_ms', 'ms')
@@ -209,8 +222,9 @@ class StragglerDetector:
             f'MnEtpt/Rnk: {etpt[0]} | MxEtpt/Rnk: {etpt[1]}'
         )
         if self.mmcnt > 1:
-            by_tpt = sorted((values[_FIELDS.index('etpt_tflops')], rank)
-                            for rank, values in enumerate(per_rank))
+            by_tpt = sorted(
+                (values[_FIELDS.index('etpt_tflops')], rank) for rank, values in enumerate(per_rank)
+            )
             count = min(self.mmcnt, len(by_tpt))
             low = ' | '.join(f'{t:.2f}TF/{r}' for t, r in by_tpt[:count])
             high = ' | '.join(f'{t:.2f}TF/{r}' for t, r in reversed(by_tpt[-count:]))

@@ -31,7 +31,11 @@ from megatron.training.global_vars import (
     get_tensorboard_writer,
     get_timers,
 )
-from megatron.training.initialize import initialize_megatron, set_jit_fusion_options, write_args_to_tensorboard
+from megatron.training.initialize import (
+    initialize_megatron,
+    set_jit_fusion_options,
+    write_args_to_tensorboard,
+)
 from megatron.training.utils import (
     append_to_progress_log,
     calc_params_l2_norm,

@@ -34,8 +34,10 @@ ACTIVATIONS = ('swiglu', 'squaredrelu', 'gelu')
 
 def load_yaml(yaml_path):
     """The YAML file as nested SimpleNamespaces, with `yaml_cfg` set to its path."""
-    print('warning using experimental yaml arguments feature, argparse arguments will be ignored',
-          flush=True)
+    print(
+        'warning using experimental yaml arguments feature, argparse arguments will be ignored',
+        flush=True,
+    )
     with open(yaml_path, 'r') as f:
         config = yaml.safe_load(f)
     namespace = json.loads(json.dumps(config), object_hook=lambda item: SimpleNamespace(**item))

@@ -95,7 +95,10 @@ def test_every_flag_has_help_and_megatron_names():
         '--defer-embedding-wgrad-compute': ('defer_embedding_wgrad_compute', None, False),
         '--wgrad-deferral-limit': ('wgrad_deferral_limit', 'int', 0),
         '--check-weight-hash-across-dp-replicas-interval': (
-            'check_weight_hash_across_dp_replicas_interval', 'int', None),
+            'check_weight_hash_across_dp_replicas_interval',
+            'int',
+            None,
+        ),
         '--dist-ckpt-strictness': ('dist_ckpt_strictness', 'str', 'assume_ok_unexpected'),
         '--disable-tp-comm-overlap-ag': ('tp_comm_overlap_ag', None, True),
         '--tp-comm-overlap-rs-dgrad': ('tp_comm_overlap_rs_dgrad', None, False),

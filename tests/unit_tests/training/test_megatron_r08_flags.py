@@ -15,9 +15,22 @@ from megatron.training.arguments import (
 from megatron.training.arguments_unsupported import UNSUPPORTED_FLAGS
 
 BASE = [
-    '--num-layers', '4', '--hidden-size', '64', '--num-attention-heads', '4',
-    '--seq-length', '32', '--max-position-embeddings', '32',
-    '--micro-batch-size', '2', '--train-iters', '10', '--lr', '1e-3',
+    '--num-layers',
+    '4',
+    '--hidden-size',
+    '64',
+    '--num-attention-heads',
+    '4',
+    '--seq-length',
+    '32',
+    '--max-position-embeddings',
+    '32',
+    '--micro-batch-size',
+    '2',
+    '--train-iters',
+    '10',
+    '--lr',
+    '1e-3',
 ]
 
 
@@ -71,8 +84,19 @@ def test_unsupported_flag_with_non_default_value_stops_start_up(flag, capsys):
 
 def test_unsupported_flags_at_default_values_are_accepted():
     # Spelling out a default is not a request for the feature.
-    args = _validate(['--moe-router-topk', '2', '--img-h', '224', '--fp8-margin', '0',
-                      '--retro-encoder-layers', '2', '--no-one-logger'])
+    args = _validate(
+        [
+            '--moe-router-topk',
+            '2',
+            '--img-h',
+            '224',
+            '--fp8-margin',
+            '0',
+            '--retro-encoder-layers',
+            '2',
+            '--no-one-logger',
+        ]
+    )
     assert args.enable_one_logger is False
 
 
@@ -106,9 +130,19 @@ def test_defer_embedding_wgrad_compute_validated_as_megatron_does():
 
 
 def test_other_wired_flags_validate():
-    args = _validate(['--no-data-sharding', '--empty-unused-memory-level', '2',
-                      '--check-weight-hash-across-dp-replicas-interval', '5', '--log-straggler',
-                      '--straggler-minmax-count', '4', '--disable-straggler-on-startup'])
+    args = _validate(
+        [
+            '--no-data-sharding',
+            '--empty-unused-memory-level',
+            '2',
+            '--check-weight-hash-across-dp-replicas-interval',
+            '5',
+            '--log-straggler',
+            '--straggler-minmax-count',
+            '4',
+            '--disable-straggler-on-startup',
+        ]
+    )
     assert args.data_sharding is False and args.empty_unused_memory_level == 2
     assert args.check_weight_hash_across_dp_replicas_interval == 5
     with pytest.raises(ValueError, match='--check-weight-hash-across-dp-replicas-interval'):

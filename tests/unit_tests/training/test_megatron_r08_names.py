@@ -72,7 +72,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core import mpu, tensor_parallel
-"""
+"""  # noqa: E501 (Megatron's lines as written)
 
 PRETRAIN_T5_R08_IMPORTS = """
 from copy import deepcopy
@@ -101,7 +101,7 @@ from megatron.core.models.T5.t5_spec import (get_t5_encoder_with_transformer_eng
                                             get_t5_encoder_with_local_block_spec,
                                             get_t5_decoder_with_local_block_spec)
 from megatron.legacy.model import T5Model as LegacyT5Model
-"""
+"""  # noqa: E501 (Megatron's lines as written)
 
 
 def test_pretrain_gpt_r08_import_block_runs():
@@ -135,8 +135,15 @@ def test_top_level_core_names():
     assert init_num_microbatches_calculator is init_calculator
     assert tensor_parallel.ColumnParallelLinear is not None
     assert {m.name for m in ModelType} >= {'encoder_or_decoder', 'encoder_and_decoder'}
-    for name in ('parallel_state', 'tensor_parallel', 'utils', 'DistributedDataParallel',
-                 'init_num_microbatches_calculator', 'ModelParallelConfig', 'Timers'):
+    for name in (
+        'parallel_state',
+        'tensor_parallel',
+        'utils',
+        'DistributedDataParallel',
+        'init_num_microbatches_calculator',
+        'ModelParallelConfig',
+        'Timers',
+    ):
         assert name in megatron.core.__all__
 
 
@@ -149,9 +156,17 @@ def test_training_names():
         get_batch_on_this_tp_rank,
     )
 
-    for fn in (get_args, get_timers, get_tokenizer, pretrain, print_rank_0,
-               core_transformer_config_from_args, average_losses_across_data_parallel_group,
-               get_batch_on_this_cp_rank, get_batch_on_this_tp_rank):
+    for fn in (
+        get_args,
+        get_timers,
+        get_tokenizer,
+        pretrain,
+        print_rank_0,
+        core_transformer_config_from_args,
+        average_losses_across_data_parallel_group,
+        get_batch_on_this_cp_rank,
+        get_batch_on_this_tp_rank,
+    ):
         assert callable(fn)
 
 
@@ -196,8 +211,18 @@ def test_te_spec_getter_returns_local_spec_with_one_line_warning(caplog):
         get_gpt_layer_with_transformer_engine_spec(fp8='hybrid')
 
 
-@pytest.mark.parametrize('name', ['GPTModel', 'BertModel', 'T5Model', 'Float16Module',
-                                  'LayerNorm', 'RMSNorm', 'get_language_model'])
+@pytest.mark.parametrize(
+    'name',
+    [
+        'GPTModel',
+        'BertModel',
+        'T5Model',
+        'Float16Module',
+        'LayerNorm',
+        'RMSNorm',
+        'get_language_model',
+    ],
+)
 def test_legacy_models_refuse_with_one_line(name):
     import megatron.legacy.model
 
@@ -326,18 +351,54 @@ def test_core_transformer_config_from_yaml_matches_the_flags(tmp_path, capsys):
     assert config.params_dtype == config.pipeline_dtype == torch.bfloat16
     assert config.normalization == 'RMSNorm' and config.add_bias_linear is False
 
-    flags = parse_args(args_list=[
-        '--num-layers', '2', '--hidden-size', '64', '--num-attention-heads', '4',
-        '--ffn-hidden-size', '128', '--seq-length', '16', '--max-position-embeddings', '16',
-        '--micro-batch-size', '2', '--train-iters', '1', '--hidden-dropout', '0.0',
-        '--attention-dropout', '0.0', '--disable-bias-linear', '--swiglu', '--bf16',
-        '--normalization', 'RMSNorm', '--no-persist-layer-norm'])
+    flags = parse_args(
+        args_list=[
+            '--num-layers',
+            '2',
+            '--hidden-size',
+            '64',
+            '--num-attention-heads',
+            '4',
+            '--ffn-hidden-size',
+            '128',
+            '--seq-length',
+            '16',
+            '--max-position-embeddings',
+            '16',
+            '--micro-batch-size',
+            '2',
+            '--train-iters',
+            '1',
+            '--hidden-dropout',
+            '0.0',
+            '--attention-dropout',
+            '0.0',
+            '--disable-bias-linear',
+            '--swiglu',
+            '--bf16',
+            '--normalization',
+            'RMSNorm',
+            '--no-persist-layer-norm',
+        ]
+    )
     flags.world_size, flags.rank = 1, 0
     from_flags = core_transformer_config_from_args(validate_args(flags, {}))
-    for field in ('num_layers', 'hidden_size', 'ffn_hidden_size', 'num_attention_heads',
-                  'kv_channels', 'gated_linear_unit', 'add_bias_linear', 'normalization',
-                  'params_dtype', 'layernorm_epsilon', 'hidden_dropout', 'init_method_std',
-                  'bias_activation_fusion', 'num_query_groups'):
+    for field in (
+        'num_layers',
+        'hidden_size',
+        'ffn_hidden_size',
+        'num_attention_heads',
+        'kv_channels',
+        'gated_linear_unit',
+        'add_bias_linear',
+        'normalization',
+        'params_dtype',
+        'layernorm_epsilon',
+        'hidden_dropout',
+        'init_method_std',
+        'bias_activation_fusion',
+        'num_query_groups',
+    ):
         assert getattr(config, field) == getattr(from_flags, field), field
 
     with pytest.raises(ValueError, match="activation_func: 'relu' is not a supported"):
@@ -366,9 +427,12 @@ def test_bert_t5_model_and_inference_names():
     assert isinstance(bert_layer_local_spec, ModuleSpec)
     assert isinstance(bert_layer_with_transformer_engine_spec, ModuleSpec)
     assert callable(BertModel) and callable(T5Model)
-    for getter in (get_t5_encoder_with_local_block_spec, get_t5_decoder_with_local_block_spec,
-                   get_t5_encoder_with_transformer_engine_block_spec,
-                   get_t5_decoder_with_transformer_engine_block_spec):
+    for getter in (
+        get_t5_encoder_with_local_block_spec,
+        get_t5_decoder_with_local_block_spec,
+        get_t5_encoder_with_transformer_engine_block_spec,
+        get_t5_decoder_with_transformer_engine_block_spec,
+    ):
         assert callable(getter)
 
 

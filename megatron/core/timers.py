@@ -11,9 +11,11 @@ from typing import List
 
 import torch
 
+from megatron.core.utils import get_current_device, uses_cuda
+
 
 def _synchronize():
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if uses_cuda() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 
@@ -172,10 +174,7 @@ class Timers:
         else:
             world_size, rank = 1, 0
         # gloo has no all_gather_into_tensor for CPU tensors in every torch version: use the list form.
-        device = torch.device('cuda', torch.cuda.current_device()) if (
-            torch.cuda.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_backend() == 'nccl'
-        ) else torch.device('cpu')
+        device = get_current_device()
         rank_name_to_time = torch.zeros((world_size, len(names)), dtype=torch.float, device=device)
         for i, name in enumerate(names):
             if name in self._timers:

@@ -24,7 +24,7 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     update_num_microbatches,
 )
-from megatron.core.utils import get_current_device, get_model_config
+from megatron.core.utils import get_current_device, get_model_config, uses_cuda
 from megatron.training.global_vars import (
     get_args,
     get_signal_handler,
@@ -558,7 +558,7 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         if params_norm is not None:
             writer.add_scalar('params-norm', params_norm, iteration)
             writer.add_scalar('params-norm vs samples', params_norm, args.consumed_train_samples)
-        if args.log_memory_to_tensorboard and torch.cuda.is_available():
+        if args.log_memory_to_tensorboard and uses_cuda():
             mem_stats = torch.cuda.memory_stats()
             writer.add_scalar('mem-reserved-bytes', mem_stats['reserved_bytes.all.current'], iteration)
             writer.add_scalar('mem-allocated-bytes', mem_stats['allocated_bytes.all.current'], iteration)

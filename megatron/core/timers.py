@@ -258,9 +258,17 @@ class Timers:
         if rank == current and output_string is not None:
             print(output_string, flush=True)
 
-    def write(self, names: List[str], writer, iteration: int, normalizer: float = 1.0,
-              reset: bool = False, barrier: bool = False):
-        """Write the max time across ranks of each timer to a TensorBoard `writer` as '<name>-time'."""
+    def write(
+        self,
+        names: List[str],
+        writer,
+        iteration: int,
+        normalizer: float = 1.0,
+        reset: bool = True,
+        barrier: bool = False,
+    ):
+        """Write the max time across ranks of each timer to a TensorBoard `writer` as '<name>-time'.
+        Resets the timers by default, as Megatron's Timers.write does."""
         assert normalizer > 0.0
         name_to_min_max_time = self._get_global_min_max_time(names, reset, barrier, normalizer)
         if writer is not None:

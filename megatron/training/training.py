@@ -564,7 +564,9 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
             writer.add_scalar('mem-allocated-bytes', mem_stats['allocated_bytes.all.current'], iteration)
             writer.add_scalar('mem-allocated-count', mem_stats['allocation.all.current'], iteration)
     if args.log_timers_to_tensorboard and (iteration % args.tensorboard_log_interval == 0):
-        timers.write(timers_to_log, writer, iteration, normalizer=total_iterations)
+        # reset=False: the log line below still reports these timers (Megatron resets here, so
+        # its log line shows zeros with --log-timers-to-tensorboard).
+        timers.write(timers_to_log, writer, iteration, normalizer=total_iterations, reset=False)
 
     if iteration % args.log_interval == 0:
         elapsed_time = timers('interval-time').elapsed(barrier=True)

@@ -16,9 +16,31 @@ from megatron.core.straggler_detector import StragglerDetector  # noqa: F401 (Me
 logger = logging.getLogger(__name__)
 
 
+def uses_cuda(backend: Optional[str] = None) -> bool:
+    """The one device rule of the package: compute runs on CUDA iff a CUDA device exists and the
+    torch.distributed backend is not gloo.
+
+    gloo means CPU everywhere, also on a host that has GPUs: model, activations, collectives,
+    timers, RNG and memory reports all stay on the CPU, so a gloo run on a GPU host behaves like
+    one on a CPU host (gloo cannot run every collective on CUDA tensors). NCCL (or no process
+    group at all) on a CUDA host means the current CUDA device.
+
+    Args:
+        backend: the backend to decide for (e.g. `--distributed-backend` before the process
+            group exists). None: the default process group's backend, or none when
+            torch.distributed is not initialized.
+    """
+    if not torch.cuda.is_available():
+        return False
+    if backend is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        backend = torch.distributed.get_backend()
+    return backend != "gloo"
+
+
 def get_current_device() -> torch.device:
-    """The device tensors are created on: the current CUDA device when one exists, else the CPU."""
-    if torch.cuda.is_available():
+    """The device tensors are created on, by the rule of `uses_cuda`: the current CUDA device,
+    or the CPU."""
+    if uses_cuda():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -7,6 +7,7 @@ Re-exported by `arguments.py`, where Megatron users import it from.
 
 import torch
 
+from megatron.core.utils import uses_cuda
 from megatron.training.arguments_unsupported import check_unsupported_flags
 
 
@@ -114,7 +115,7 @@ def validate_args(args, defaults={}):
             setattr(args, key, value)
 
     # Backend: nccl needs CUDA. Without a GPU we fall back to gloo (and say so).
-    if args.distributed_backend == 'nccl' and not torch.cuda.is_available():
+    if args.distributed_backend == 'nccl' and not uses_cuda('nccl'):
         _note(args, 'no CUDA device found: --distributed-backend nccl -> gloo')
         args.distributed_backend = 'gloo'
     if args.transformer_impl == 'transformer_engine':

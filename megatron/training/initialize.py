@@ -17,6 +17,7 @@ import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
+from megatron.core.utils import uses_cuda
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables
 from megatron.training.startup_checks import check_output_directories
@@ -105,7 +106,7 @@ def _compile_dependencies():
 def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ranks=None):
     """Initialize torch.distributed (unless already done) and the model-parallel groups."""
     args = get_args()
-    device_count = torch.cuda.device_count() if args.distributed_backend == 'nccl' else 0
+    device_count = torch.cuda.device_count() if uses_cuda(args.distributed_backend) else 0
     if torch.distributed.is_initialized():
         if args.rank == 0:
             print('torch distributed is already initialized, skipping initialization ...', flush=True)

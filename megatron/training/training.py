@@ -24,7 +24,7 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     update_num_microbatches,
 )
-from megatron.core.utils import StragglerDetector, get_current_device, get_model_config
+from megatron.core.utils import StragglerDetector, get_current_device, get_model_config, uses_cuda
 from megatron.training.global_vars import (
     get_args,
     get_signal_handler,
@@ -574,13 +574,15 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         if params_norm is not None:
             writer.add_scalar('params-norm', params_norm, iteration)
             writer.add_scalar('params-norm vs samples', params_norm, args.consumed_train_samples)
-        if args.log_memory_to_tensorboard and torch.cuda.is_available():
+        if args.log_memory_to_tensorboard and uses_cuda():
             mem_stats = torch.cuda.memory_stats()
             writer.add_scalar('mem-reserved-bytes', mem_stats['reserved_bytes.all.current'], iteration)
             writer.add_scalar('mem-allocated-bytes', mem_stats['allocated_bytes.all.current'], iteration)
             writer.add_scalar('mem-allocated-count', mem_stats['allocation.all.current'], iteration)
     if args.log_timers_to_tensorboard and (iteration % args.tensorboard_log_interval == 0):
-        timers.write(timers_to_log, writer, iteration, normalizer=total_iterations)
+        # reset=False: the log line below still reports these timers (Megatron resets here, so
+        # its log line shows zeros with --log-timers-to-tensorboard).
+        timers.write(timers_to_log, writer, iteration, normalizer=total_iterations, reset=False)
 
     if iteration % args.log_interval == 0:
         elapsed_time = timers('interval-time').elapsed(barrier=True)

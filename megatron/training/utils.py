@@ -19,6 +19,7 @@ from megatron.core.utils import (  # noqa: F401
     get_attr_wrapped_model,
     get_current_device,
     unwrap_model,
+    uses_cuda,
 )
 from megatron.training.global_vars import get_args
 
@@ -112,7 +113,7 @@ def report_memory(name):
     if mpu.get_data_parallel_rank() != 0:
         return
     mega_bytes = 1024.0 * 1024.0
-    if torch.cuda.is_available():
+    if uses_cuda():
         string = name + ' memory (MB)'
         string += ' | allocated: {}'.format(torch.cuda.memory_allocated() / mega_bytes)
         string += ' | max allocated: {}'.format(torch.cuda.max_memory_allocated() / mega_bytes)

@@ -2,18 +2,20 @@
 # BERT quickstart: split the bundled corpus into sentences and preprocess it with the bundled BERT
 # WordPiece vocabulary (offline, no download), then train a small BERT (masked LM + sentence-order
 # prediction) with tensor parallel 2 and pipeline parallel 2 on 4 processes; `lm loss` and
-# `sop loss` are logged every 10 iterations. Runs on a CPU-only machine (gloo) in a few minutes;
-# with 4+ GPUs the same command uses NCCL.
+# `sop loss` are logged every 10 iterations. `lm loss` falls from ln(30592) ~ 10.3 to ~7 (unigram
+# statistics) within 40 iterations; `sop loss` stays near ln(2) ~ 0.69 at this size (sentence
+# order takes thousands of iterations to learn). Runs on a CPU-only machine (gloo) in a few
+# minutes; with 4+ GPUs the same command uses NCCL.
 #
 # Usage (from the repository root):   bash examples/quickstart_bert.sh
-# Environment: WORK_DIR (default ./quickstart_bert_work), TRAIN_ITERS (default 100), NPROC (default 4).
+# Environment: WORK_DIR (default ./quickstart_bert_work), TRAIN_ITERS (default 60), NPROC (default 4).
 
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python}
 WORK_DIR=${WORK_DIR:-quickstart_bert_work}
-TRAIN_ITERS=${TRAIN_ITERS:-100}
+TRAIN_ITERS=${TRAIN_ITERS:-60}
 NPROC=${NPROC:-4}
 MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -71,7 +73,7 @@ DATA_ARGS=(
 )
 EVAL_AND_LOGGING_ARGS=(
     --log-interval 10
-    --eval-interval 50
+    --eval-interval 30
     --eval-iters 4
     --tensorboard-dir "$WORK_DIR/tensorboard"
 )

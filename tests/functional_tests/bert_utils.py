@@ -16,7 +16,7 @@ TINY_BERT_ARGS = [
     '--seq-length', '32', '--max-position-embeddings', '64',
     '--attention-dropout', '0.0', '--hidden-dropout', '0.0',
     '--make-vocab-size-divisible-by', '32', '--spec', 'local',
-    '--lr', '1e-3', '--min-lr', '1e-4', '--lr-decay-style', 'cosine', '--lr-warmup-iters', '2',
+    '--lr', '1e-2', '--min-lr', '1e-3', '--lr-decay-style', 'cosine', '--lr-warmup-iters', '2',
     '--weight-decay', '0.01', '--clip-grad', '1.0', '--seed', '1234',
     '--vocab-file', BERT_VOCAB, '--split', '98,2,0',
     '--num-workers', '0', '--log-interval', '1', '--eval-interval', '1000',

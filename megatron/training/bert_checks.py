@@ -49,7 +49,10 @@ def check_bert_pretraining_inputs(args, tokenizer) -> None:
         args: the parsed Megatron args.
         tokenizer: the Megatron tokenizer built from them.
     """
-    mask_id = getattr(tokenizer, 'mask', None)
+    try:
+        mask_id = tokenizer.mask
+    except (AttributeError, NotImplementedError):
+        mask_id = None
     if mask_id is None or mask_id < 0:
         raise ValueError(
             f'--tokenizer-type {args.tokenizer_type} (--vocab-file {args.vocab_file}): the '

@@ -14,16 +14,16 @@ from tests.functional_tests.bert_utils import BERT_VOCAB, run_bert_pretrain
 from tests.functional_tests.gpt_utils import MERGES, REPO, VOCAB
 from tests.unit_tests.dist_utils import run_distributed
 
-_RUN = ['--micro-batch-size', '2', '--global-batch-size', '2', '--train-iters', '2',
-        '--eval-iters', '1']
+_RUN = ['--micro-batch-size', '2', '--global-batch-size', '2', '--train-iters', '3',
+        '--eval-iters', '1', '--split', '4,1,1']
 
 
 @pytest.fixture(scope='module')
 def document_level_prefix(tmp_path_factory):
-    """Three multi-sentence documents preprocessed *without* --split-sentences."""
+    """Six multi-sentence documents preprocessed *without* --split-sentences."""
     work = tmp_path_factory.mktemp('doc_level')
     with open(work / 'docs.jsonl', 'w') as f:
-        for i in range(3):
+        for i in range(6):
             text = ' '.join(f'This is sentence {j} of document {i}, about whales.' for j in range(40))
             f.write(json.dumps({'text': text}) + '\n')
     subprocess.run(
@@ -45,7 +45,7 @@ def _error_of(extra):
 def test_binary_head_needs_sentence_split_data(document_level_prefix, tmp_path):
     message = _error_of(_RUN + ['--data-path', document_level_prefix,
                                 '--data-cache-path', str(tmp_path)])
-    assert (f'ValueError: --data-path {document_level_prefix}: every one of its 3 documents is a '
+    assert (f'ValueError: --data-path {document_level_prefix}: every one of its 6 documents is a '
             'single sequence') in message
     assert '--split-sentences' in message and '--bert-no-binary-head' in message
 
@@ -57,7 +57,7 @@ def test_document_level_data_trains_without_binary_head(document_level_prefix, t
                       '--data-cache-path', str(tmp_path)],),
         timeout=300,
     )
-    assert result['iteration'] == 2
+    assert result['iteration'] == 3
     assert set(result['train_losses'][1]) == {'lm loss'}
 
 

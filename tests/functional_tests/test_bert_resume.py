@@ -58,7 +58,7 @@ def _stop_and_resume(work_dir, data_prefix, train_iters, stop_at):
         '--tensor-model-parallel-size', '2', '--pipeline-model-parallel-size', '2',
         '--micro-batch-size', '2', '--global-batch-size', '4', '--eval-iters', '1',
         '--train-iters', str(train_iters), '--data-path', data_prefix,
-        '--data-cache-path', os.path.join(work_dir, 'cache'),
+        '--data-cache-path', os.path.join(work_dir, 'cache'), '--save-interval', '1000',
     ]
     reference = _hex_losses(run_bert_pretrain(common + ['--save', os.path.join(work_dir, 'ref')]))
     resume_dir = os.path.join(work_dir, 'resume')

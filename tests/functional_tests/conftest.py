@@ -1,7 +1,9 @@
-"""Fixtures of the end-to-end tests: the bundled corpus preprocessed once per session."""
+"""Fixtures of the end-to-end tests: the bundled corpus preprocessed once per session (GPT-2 BPE
+documents; BERT WordPiece sentences)."""
 
 import pytest
 
+from tests.functional_tests.bert_utils import prepare_bert_data
 from tests.functional_tests.gpt_utils import prepare_data
 
 
@@ -9,3 +11,10 @@ from tests.functional_tests.gpt_utils import prepare_data
 def gpt_data_prefix(tmp_path_factory):
     """Prefix of mobydick.jsonl preprocessed with GPT-2 BPE (.bin/.idx), shared by the session."""
     return prepare_data(str(tmp_path_factory.mktemp('gpt_data')))
+
+
+@pytest.fixture(scope='session')
+def bert_data_prefix(tmp_path_factory):
+    """Prefix of mobydick.jsonl split into sentences with the BERT vocabulary, shared by the
+    session."""
+    return prepare_bert_data(str(tmp_path_factory.mktemp('bert_data')))

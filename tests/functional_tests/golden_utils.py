@@ -1,16 +1,29 @@
 """Golden-value cases: tests/functional_tests/test_cases/<model>/<case>/{model_config.yaml,
 golden_values.json}. The JSON follows Megatron's layout: metric -> {"start_step", "end_step",
-"step_interval", "values": {"<step>": value}} with values rounded to 5 decimals."""
+"step_interval", "values": {"<step>": value}} with values rounded to 5 decimals. <model> (gpt,
+bert) picks the pretrain script and the preprocessed data (see RUNNERS)."""
 
 import glob
 import os
 
 import yaml
 
-from tests.functional_tests.gpt_utils import run_pretrain
+from tests.functional_tests.bert_utils import prepare_bert_data, run_bert_pretrain
+from tests.functional_tests.gpt_utils import prepare_data, run_pretrain
 from tests.unit_tests.dist_utils import run_distributed
 
 CASES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'test_cases')
+
+#: <model> folder -> (run_distributed worker running its pretrain script, data preparation).
+RUNNERS = {
+    'gpt': (run_pretrain, prepare_data),
+    'bert': (run_bert_pretrain, prepare_bert_data),
+}
+
+
+def case_model(case):
+    """The model family of a case ('gpt/gpt_tiny_tp2_pp2' -> 'gpt')."""
+    return case.split('/')[0]
 
 
 def list_cases():
@@ -41,7 +54,8 @@ def run_case(case, data_prefix, cache_dir):
     tp = int(args.get('--tensor-model-parallel-size', 1))
     pp = int(args.get('--pipeline-model-parallel-size', 1))
     extra = flags_from_config(config) + ['--data-path', data_prefix, '--data-cache-path', cache_dir]
-    result = run_distributed(run_pretrain, world_size=config['WORLD_SIZE'], tp=tp, pp=pp,
+    runner = RUNNERS[case_model(case)][0]
+    result = run_distributed(runner, world_size=config['WORLD_SIZE'], tp=tp, pp=pp,
                              args=(extra,), timeout=600)[-1]
     metrics = {}
     for metric in config['METRICS']:

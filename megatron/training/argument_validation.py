@@ -153,6 +153,12 @@ def validate_args(args, defaults={}):
 
     # Virtual pipeline.
     if args.num_layers_per_virtual_pipeline_stage is not None:
+        if args.pipeline_model_parallel_split_rank is not None:
+            raise ValueError(
+                '--num-layers-per-virtual-pipeline-stage: interleaved (virtual) pipelines are not '
+                'supported for encoder-decoder models (--pipeline-model-parallel-split-rank '
+                f'{args.pipeline_model_parallel_split_rank})'
+            )
         if args.pipeline_model_parallel_size <= 1:
             raise ValueError(
                 '--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1, '

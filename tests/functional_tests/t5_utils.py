@@ -3,7 +3,9 @@ TP/PP layout can load, a synthetic span-corruption batch source, and the worker 
 `pretrain()` from pretrain_t5.py inside a `run_distributed` rank.
 """
 
+import fcntl
 import os
+import subprocess
 import sys
 import zlib
 
@@ -13,6 +15,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BERT_VOCAB = os.path.join(REPO, 'data', 'bert', 'bert-vocab.txt')
 
 ENC_SEQ, DEC_SEQ = 32, 16
+#: Quotations of data/corpus/fortunes.jsonl used by the T5 tests (short documents: one T5 sample
+#: each, most of them shorter than ENC_SEQ).
+NUM_FORTUNES = 3000
 
 #: A tiny T5 on the bundled BERT WordPiece vocabulary with 100 sentinels: 2 + 2 layers, hidden 64.
 #: The padded vocabulary (30522 + [BOS], [EOS] + 100 -> 30720) is the same at TP=1 and TP=2.
@@ -29,6 +34,33 @@ TINY_T5_ARGS = [
     '--split', '98,2,0', '--num-workers', '0', '--log-interval', '1', '--eval-interval', '1000',
     '--distributed-backend', 'gloo',
 ]
+
+
+def prepare_t5_data(work_dir):
+    """Preprocess the first NUM_FORTUNES quotations of data/corpus/fortunes.jsonl with the bundled
+    BERT vocabulary (lower case) into work_dir once; returns the data prefix.
+
+    Safe to call from several processes: a file lock serialises the build.
+    """
+    os.makedirs(work_dir, exist_ok=True)
+    prefix = os.path.join(work_dir, 'fortunes_text_document')
+    with open(os.path.join(work_dir, '.lock'), 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(prefix + '.idx'):
+            subset = os.path.join(work_dir, 'fortunes.jsonl')
+            with open(os.path.join(REPO, 'data', 'corpus', 'fortunes.jsonl')) as src, \
+                    open(subset, 'w') as dst:
+                for _, line in zip(range(NUM_FORTUNES), src):
+                    dst.write(line)
+            subprocess.run(
+                [sys.executable, os.path.join(REPO, 'tools', 'preprocess_data.py'),
+                 '--input', subset, '--output-prefix', os.path.join(work_dir, 'fortunes'),
+                 '--tokenizer-type', 'BertWordPieceLowerCase', '--vocab-file', BERT_VOCAB,
+                 '--workers', '1'],
+                check=True, capture_output=True, text=True,
+            )
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return prefix
 
 
 class SyntheticT5Dataset(torch.utils.data.Dataset):

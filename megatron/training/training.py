@@ -31,6 +31,7 @@ from megatron.training.global_vars import (
     get_tensorboard_writer,
     get_timers,
 )
+from megatron.training.argument_validation import validate_encoder_decoder_args
 from megatron.training.initialize import (
     initialize_megatron,
     set_jit_fusion_options,
@@ -109,6 +110,8 @@ def pretrain(
         args_list=args_list,
     )
     args = get_args()
+    if model_type == ModelType.encoder_and_decoder:
+        validate_encoder_decoder_args(args)
     timers = get_timers()
     set_jit_fusion_options()
 

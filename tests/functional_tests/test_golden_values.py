@@ -8,13 +8,19 @@ import os
 import numpy as np
 import pytest
 
-from tests.functional_tests.golden_utils import CASES_DIR, case_model, list_cases, load_case, run_case
+from tests.functional_tests.golden_utils import (
+    CASES_DIR,
+    MODELS,
+    list_cases,
+    load_case,
+    model_of,
+    run_case,
+)
 
 
 @pytest.mark.parametrize('case', list_cases())
 def test_golden_values(case, request, tmp_path):
-    # The case's model family picks its data fixture (gpt_data_prefix, bert_data_prefix).
-    data_prefix = request.getfixturevalue(f'{case_model(case)}_data_prefix')
+    data_prefix = request.getfixturevalue(MODELS[model_of(case)][2])
     golden_path = os.path.join(CASES_DIR, case, 'golden_values.json')
     with open(golden_path) as f:
         golden = json.load(f)

@@ -106,6 +106,20 @@ def true_vocab_size_from_file(vocab_file: str) -> int:
         raise ValueError(f'--vocab-file {vocab_file}: cannot read it as a JSON vocabulary ({exc})')
 
 
+def recorded_true_vocab_size(args) -> Optional[int]:
+    """The unpadded vocabulary a checkpoint's args reveal, or None.
+
+    Converted checkpoints record it as `true_vocab_size` (an arg Megatron does not have, so the
+    padding can be recomputed at the next conversion); the NullTokenizer has vocab_size + 1 ids.
+    """
+    recorded = getattr(args, 'true_vocab_size', None)
+    if recorded is not None:
+        return recorded
+    if getattr(args, 'tokenizer_type', None) == 'NullTokenizer' and getattr(args, 'vocab_size', None):
+        return args.vocab_size + 1
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # messages <-> mcore layer state dicts
 
@@ -268,6 +282,7 @@ def args_for_target(
     padded_vocab: int,
     save_dir: str,
     iteration: int,
+    true_vocab_size: Optional[int] = None,
 ) -> argparse.Namespace:
     """The args saved with a converted checkpoint: the source's, at the target layout.
 
@@ -282,6 +297,8 @@ def args_for_target(
     args.world_size = tp * pp
     args.data_parallel_size = 1
     args.padded_vocab_size = padded_vocab
+    if true_vocab_size is not None:
+        args.true_vocab_size = true_vocab_size
     args.save = save_dir
     args.load = None
     args.iteration = iteration

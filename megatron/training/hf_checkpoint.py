@@ -3,8 +3,8 @@
 A Hugging Face directory holds `config.json` and the weights (`model.safetensors`, or shards
 listed in `model.safetensors.index.json`), plus tokenizer files. Two families are handled:
 
-- GPT-2 (`model_type` "gpt2"): learned positions, LayerNorm, GeLU (tanh approximation =
-  --openai-gelu), linear biases, tied output layer.
+- GPT-2 (`model_type` "gpt2"): learned positions, LayerNorm, GeLU (the tanh approximation,
+  which Megatron's default fused bias-GeLU computes), linear biases, tied output layer.
 - Llama (`model_type` "llama" or "mistral" without a sliding window): RoPE, RMSNorm, SwiGLU,
   grouped-query attention, no biases, untied output layer.
 
@@ -42,7 +42,7 @@ _LLAMA_DEFAULTS = dict(
     vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=None, hidden_act='silu',
     max_position_embeddings=2048, initializer_range=0.02, rms_norm_eps=1e-6,
-    tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=None, attention_bias=False,
+    tie_word_embeddings=False, rope_scaling=None, attention_bias=False,
     attention_dropout=0.0, mlp_bias=False, head_dim=None,
 )
 _DTYPES = {'float32': torch.float32, 'float16': torch.float16, 'bfloat16': torch.bfloat16}
@@ -87,6 +87,12 @@ def hf_config_namespace(config: dict) -> types.SimpleNamespace:
     values.update(config)
     if values.get('num_key_value_heads', 0) is None:
         values['num_key_value_heads'] = values['num_attention_heads']
+    if defaults is _LLAMA_DEFAULTS:
+        # transformers >= 5 writes RoPE settings as rope_parameters, older versions rope_theta.
+        rope = values.get('rope_parameters') or {}
+        values.setdefault('rope_theta', rope.get('rope_theta', 10000.0))
+        if rope.get('rope_type', 'default') != 'default' and not values.get('rope_scaling'):
+            values['rope_scaling'] = rope
     return types.SimpleNamespace(**values)
 
 
@@ -144,8 +150,10 @@ def megatron_args_list(config: dict, tokenizer_type: str, seq_length: Optional[i
             '--hidden-dropout', c.resid_pdrop, '--attention-dropout', c.attn_pdrop,
             '--init-method-std', c.initializer_range,
         ]
-        if c.activation_function in ('gelu_new', 'gelu_pytorch_tanh', 'gelu_fast'):
-            args.append('--openai-gelu')
+        if c.activation_function == 'gelu':
+            # Megatron's fused bias-GeLU (on by default) is the tanh approximation (gelu_new);
+            # the exact erf GeLU is the unfused F.gelu.
+            args.append('--no-bias-gelu-fusion')
         if not c.tie_word_embeddings:
             args.append('--untie-embeddings-and-output-weights')
     else:
@@ -239,6 +247,12 @@ def hf_family_of_args(args) -> str:
     )
 
 
+def _tanh_gelu(args) -> bool:
+    """Whether a GeLU model computes the tanh approximation: --openai-gelu, or Megatron's fused
+    bias-GeLU (on by default), which is that approximation too."""
+    return bool(args.openai_gelu or (args.bias_gelu_fusion and args.add_bias_linear))
+
+
 def hf_config_from_args(args, vocab_size: int, dtype: torch.dtype) -> dict:
     """config.json for a model with our `args` and `vocab_size` real tokens."""
     family = hf_family_of_args(args)
@@ -255,7 +269,7 @@ def hf_config_from_args(args, vocab_size: int, dtype: torch.dtype) -> dict:
             'vocab_size': vocab_size, 'n_positions': args.max_position_embeddings,
             'n_embd': args.hidden_size, 'n_layer': args.num_layers, 'n_head': heads,
             'n_inner': args.ffn_hidden_size,
-            'activation_function': 'gelu_new' if args.openai_gelu else 'gelu',
+            'activation_function': 'gelu_new' if _tanh_gelu(args) else 'gelu',
             'layer_norm_epsilon': args.norm_epsilon,
             'resid_pdrop': args.hidden_dropout, 'embd_pdrop': args.hidden_dropout,
             'attn_pdrop': args.attention_dropout, 'initializer_range': args.init_method_std,
@@ -271,6 +285,7 @@ def hf_config_from_args(args, vocab_size: int, dtype: torch.dtype) -> dict:
         'num_attention_heads': heads, 'num_key_value_heads': groups, 'head_dim': kv,
         'hidden_act': 'silu', 'max_position_embeddings': args.max_position_embeddings,
         'rms_norm_eps': args.norm_epsilon, 'rope_theta': float(args.rotary_base),
+        'rope_parameters': {'rope_theta': float(args.rotary_base), 'rope_type': 'default'},
         'attention_bias': bool(args.add_bias_linear), 'mlp_bias': bool(args.add_bias_linear),
         'attention_dropout': args.attention_dropout, 'initializer_range': args.init_method_std,
         'tie_word_embeddings': tied, 'torch_dtype': torch_dtype,

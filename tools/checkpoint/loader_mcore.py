@@ -36,7 +36,8 @@ def add_arguments(parser, default_impl=DEFAULT_TRANSFORMER_IMPL):
 
 
 def _true_vocab_size(args, checkpoint_args):
-    """--true-vocab-size, else the size of --vocab-file; checked against the checkpoint."""
+    """--true-vocab-size, else the size of --vocab-file, else what the checkpoint records;
+    checked against the checkpoint's table."""
     from_flag = args.true_vocab_size
     from_file = cc.true_vocab_size_from_file(args.vocab_file) if args.vocab_file else None
     if from_flag is not None and from_file is not None and from_flag != from_file:
@@ -46,6 +47,8 @@ def _true_vocab_size(args, checkpoint_args):
         )
     true_vocab = from_flag if from_flag is not None else from_file
     if true_vocab is None:
+        true_vocab = cc.recorded_true_vocab_size(checkpoint_args)
+    if true_vocab is None:
         return None
     padded = checkpoint_args.padded_vocab_size
     expected = cc.padded_vocab_size(
@@ -53,7 +56,9 @@ def _true_vocab_size(args, checkpoint_args):
         checkpoint_args.tensor_model_parallel_size,
     )
     if expected != padded:
-        flag = f'--vocab-file {args.vocab_file}' if from_flag is None else '--true-vocab-size'
+        flag = ('--true-vocab-size' if from_flag is not None else
+                f'--vocab-file {args.vocab_file}' if from_file is not None else
+                'the checkpoint\'s recorded vocabulary')
         raise ValueError(
             f'{flag} gives a vocabulary of {true_vocab}, which pads to {expected} at TP '
             f'{checkpoint_args.tensor_model_parallel_size} (--make-vocab-size-divisible-by '

@@ -1,7 +1,7 @@
 """Saver plugin: a Hugging Face model directory (GPT-2 or Llama family) that transformers'
 `from_pretrained` loads: config.json, model.safetensors and, with --hf-tokenizer-dir, the
-tokenizer files. The vocabulary padding is removed (true size from the loader, else the
-checkpoint's NullTokenizer size, else the padded table is kept).
+tokenizer files. The vocabulary padding is removed (true size from the loader, else the one the
+checkpoint records, else the padded table is kept).
 """
 
 import os
@@ -40,8 +40,8 @@ def _true_vocab(md):
     if md.true_vocab_size is not None:
         return md.true_vocab_size
     margs = md.checkpoint_args
-    if margs.tokenizer_type == 'NullTokenizer' and getattr(margs, 'vocab_size', None):
-        return margs.vocab_size + 1  # the NullTokenizer's eod id is vocab_size
+    if cc.recorded_true_vocab_size(margs) is not None:
+        return cc.recorded_true_vocab_size(margs)
     print('Original vocab size not specified, keeping the padded embedding table '
           f'({margs.padded_vocab_size} rows) as the Hugging Face vocabulary.')
     return margs.padded_vocab_size

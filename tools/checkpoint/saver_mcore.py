@@ -153,7 +153,8 @@ def _save(queue, args):
         sys.exit(1)
     source_rows = md.checkpoint_args.padded_vocab_size
     padded = target_vocab_size(md, tp, source_rows)
-    margs = cc.args_for_target(md.checkpoint_args, tp, pp, padded, args.save_dir, md.iteration)
+    margs = cc.args_for_target(md.checkpoint_args, tp, pp, padded, args.save_dir, md.iteration,
+                               md.true_vocab_size)
     margs.consumed_train_samples = md.consumed_train_samples or 0
     margs.consumed_valid_samples = md.consumed_valid_samples or 0
     print(f'Setting consumed_train_samples to {margs.consumed_train_samples} and '

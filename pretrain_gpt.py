@@ -17,6 +17,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.training import pretrain
 from megatron.training.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank, print_rank_0
@@ -165,7 +166,8 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 if __name__ == '__main__':
-    pretrain(
+    run_main(
+        pretrain,
         train_valid_test_datasets_provider,
         model_provider,
         ModelType.encoder_or_decoder,

@@ -55,6 +55,9 @@ setup(
             "transformers",
             "tokenizers",
             "nltk",
+            # Style check run by .ci/run (`ruff check .`, `ruff format --check .`); pinned to a
+            # minor version because formatter output may change between minors.
+            "ruff>=0.17,<0.18",
         ],
     },
     ext_modules=ext_modules,

@@ -22,12 +22,14 @@ is what `initialize_model_parallel()` uses and what the layout tests check.
 
 import warnings
 from datetime import timedelta
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
 from megatron.core.parallel_layout import (  # noqa: F401 (re-exported, as in Megatron)
     RankGenerator,
+    default_embedding_ranks,
+    default_position_embedding_ranks,
     generate_masked_orthogonal_rank_groups,
     generate_model_parallel_groups,
 )
@@ -137,6 +139,8 @@ def initialize_model_parallel(
     nccl_communicator_config_path: Optional[str] = None,
     distributed_timeout_minutes: int = 30,
     order: str = "tp-cp-ep-dp-pp",
+    get_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
+    get_position_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
 ) -> None:
     """Create the model and data parallel groups of Megatron's layout.
 
@@ -154,6 +158,10 @@ def initialize_model_parallel(
         nccl_communicator_config_path: NCCL communicator options; accepted, no effect here.
         distributed_timeout_minutes: timeout of every created group.
         order: rank layout, first dimension fastest varying.
+        get_embedding_ranks: pipeline group ranks -> ranks of its word-embedding group
+            (default `default_embedding_ranks`: first and last stage, plus the split stage).
+        get_position_embedding_ranks: pipeline group ranks -> ranks of its position-embedding
+            group (default `default_position_embedding_ranks`: first stage, plus the split stage).
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -175,6 +183,8 @@ def initialize_model_parallel(
         order=order,
         pipeline_model_parallel_split_rank=pipeline_model_parallel_split_rank,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        get_embedding_ranks=get_embedding_ranks,
+        get_position_embedding_ranks=get_position_embedding_ranks,
     )
     if model_parallel_is_initialized():
         raise RuntimeError(

@@ -7,6 +7,8 @@ Re-exported by `arguments.py`, where Megatron users import it from.
 
 import torch
 
+from megatron.training.arguments_unsupported import check_unsupported_flags
+
 
 def _note(args, message):
     """A rank-0 note about a flag that was adjusted or has no effect here."""
@@ -28,6 +30,11 @@ def validate_args(args, defaults={}):
     Returns:
         args, modified in place.
     """
+    # Flags of features this package does not have: refuse any non-default value first.
+    from megatron.training.arguments import get_args_parser
+
+    check_unsupported_flags(args, get_args_parser())
+
     # Model-parallel sizes against the world size.
     if args.tensor_model_parallel_size < 1 or args.pipeline_model_parallel_size < 1:
         raise ValueError(
@@ -390,18 +397,48 @@ def validate_args(args, defaults={}):
     if args.num_experts is not None and args.num_experts <= 0:
         raise ValueError(f'--num-experts must be positive, got {args.num_experts}')
 
-    if args.yaml_cfg is not None:
-        raise ValueError(f'--yaml-cfg {args.yaml_cfg}: YAML configs are not supported; pass flags')
-    if args.adlr_autoresume:
-        raise ValueError('--adlr-autoresume: ADLR autoresume is not available in this package')
-    if args.fp8_format is not None:
-        raise ValueError(f'--fp8-format {args.fp8_format}: fp8 needs Transformer Engine, not available here')
+    _validate_megatron_r08_extras(args)
 
     if args.timing_log_level not in (0, 1, 2):
         raise ValueError(f'--timing-log-level must be 0, 1 or 2, got {args.timing_log_level}')
 
     _print_args('arguments', args)
     return args
+
+
+def _validate_megatron_r08_extras(args):
+    """Rules of the flags added by Megatron core_r0.8.0 that this package accepts."""
+    if getattr(args, 'ckpt_fully_parallel_save_deprecated', False) and args.rank == 0:
+        print('--ckpt-fully-parallel-save flag is deprecated and has no effect. '
+              'Use --no-ckpt-fully-parallel-save to disable parallel save.', flush=True)
+    # Deferring the output layer's weight-gradient GEMM only matters with a pipeline flush.
+    if getattr(args, 'defer_embedding_wgrad_compute', False):
+        if args.pipeline_model_parallel_size == 1:
+            args.defer_embedding_wgrad_compute = False
+        elif not args.gradient_accumulation_fusion:
+            raise ValueError(
+                '--defer-embedding-wgrad-compute: cannot defer embedding wgrad compute when '
+                'gradient accumulation fusion is not used (--no-gradient-accumulation-fusion)'
+            )
+        elif args.wgrad_deferral_limit < 0:
+            raise ValueError(
+                f'--wgrad-deferral-limit ({args.wgrad_deferral_limit}) should be greater than or '
+                'equal to 0 when --defer-embedding-wgrad-compute is set'
+            )
+        else:
+            raise ValueError(
+                '--defer-embedding-wgrad-compute is not supported by this package with '
+                f'--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the '
+                'deferred vocabulary-projection weight gradient at the pipeline flush is not '
+                'implemented (the gradients would be the same; only the GPU overlap differs)'
+            )
+    interval = getattr(args, 'check_weight_hash_across_dp_replicas_interval', None)
+    if interval is not None and interval <= 0:
+        raise ValueError(
+            f'--check-weight-hash-across-dp-replicas-interval must be positive, got {interval}'
+        )
+    if getattr(args, 'straggler_minmax_count', 1) < 1:
+        raise ValueError(f'--straggler-minmax-count must be >= 1, got {args.straggler_minmax_count}')
 
 
 def _print_args(title, args):

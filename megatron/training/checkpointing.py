@@ -27,6 +27,7 @@ against the run, and names both values of every difference.
 """
 
 import argparse
+import glob
 import os
 import random
 import sys
@@ -41,7 +42,8 @@ from megatron.core.num_microbatches_calculator import update_num_microbatches
 from megatron.core.utils import get_current_device, unwrap_model
 from megatron.training.global_vars import get_args
 
-#: Version written into every checkpoint (the QKV layout of section 3.4 of the facts sheet).
+#: Version written into every checkpoint, as in Megatron's megatron/training/checkpointing.py:
+#: 3.0 means linear_qkv rows are grouped per query group [q heads of the group, k, v].
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = 'latest_checkpointed_iteration.txt'
 MODEL_CHECKPOINT_BASENAME = 'model_optim_rng.pt'
@@ -393,6 +395,35 @@ def _write_tracker_atomically(checkpoints_path: str, iteration: int) -> None:
     _fsync_path(checkpoints_path)
 
 
+def _check_tracker_moves_forward(checkpoints_path: str, iteration: int) -> None:
+    """Refuse a save that would move the tracker below the checkpoint it already names."""
+    tracker_filename = get_checkpoint_tracker_filename(checkpoints_path)
+    if not os.path.isfile(tracker_filename):
+        return
+    latest, release = _parse_tracker(tracker_filename)
+    if not release and latest > iteration:
+        raise ValueError(
+            f'{tracker_filename} names iteration {latest}; saving iteration {iteration} would move '
+            f'it backwards (and replace newer checkpoints): save into another directory'
+        )
+
+
+def _remove_stale_temp_files(checkpoints_path: str, checkpoint_name: str) -> None:
+    """Delete the temporary files a killed save left in this rank's folders (any iteration).
+
+    Each writer cleans the `mp_rank_*` folder name it writes, so ranks never delete each other's
+    files in flight; rank 0 also cleans the tracker's temporary files.
+    """
+    rank_folder = os.path.basename(os.path.dirname(checkpoint_name))
+    patterns = [os.path.join(checkpoints_path, '*', rank_folder, '*.tmp*')]
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        patterns.append(get_checkpoint_tracker_filename(checkpoints_path) + '.tmp.*')
+    for pattern in patterns:
+        for path in glob.glob(pattern):
+            print_rank_0(f'removing {path}, left by an interrupted save')
+            os.remove(path)
+
+
 def _agree_all_ranks_succeeded(ok: bool) -> List[int]:
     """A barrier that also tells every rank which ranks failed (empty list: none)."""
     if not torch.distributed.is_initialized():
@@ -415,6 +446,8 @@ def _raise_if_any_rank_failed(
         f'saving checkpoint at iteration {iteration} to {save_dir} failed on rank(s) {failed}; '
         f'{TRACKER_FILENAME} was not updated'
     )
+    if isinstance(error, ValueError):  # the user's to fix: keep it a one-line error
+        raise ValueError(f'{message}: {error}') from error
     if error is not None:
         raise RuntimeError(f'{message}: {error!r}') from error
     raise RuntimeError(message)
@@ -474,6 +507,14 @@ def save_checkpoint(
     tmp_optim_name = optim_checkpoint_name + '.tmp'
 
     error = None
+    try:
+        _check_tracker_moves_forward(args.save, iteration)
+        if is_writer:
+            _remove_stale_temp_files(args.save, checkpoint_name)
+    except Exception as exc:  # every rank must still reach the agreement below
+        error = exc
+    # Also a barrier: no rank writes its files before the stale ones are gone.
+    _raise_if_any_rank_failed(error, iteration, args.save)
     try:
         if save_optim_state:
             ensure_directory_exists(optim_checkpoint_name)

@@ -17,6 +17,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables
+from megatron.training.startup_checks import check_output_directories
 
 
 def initialize_megatron(
@@ -37,7 +38,9 @@ def initialize_megatron(
         ignore_unknown_args: drop unknown flags instead of failing.
         allow_no_cuda: kept for API parity; CPU runs are always allowed here.
         skip_mpu_initialization: only set up args and globals (no torch.distributed).
-        get_embedding_ranks, get_position_embedding_ranks: unused hooks kept for API parity.
+        get_embedding_ranks, get_position_embedding_ranks: callables mapping a pipeline group's
+            ranks to its (position) embedding group's ranks, passed to initialize_model_parallel
+            (None: first and last stage / first stage, plus the split stage).
         args_list: argument strings to parse instead of sys.argv (tests, notebooks).
     """
     args = parse_args(extra_args_provider, ignore_unknown_args, args_list=args_list)
@@ -48,13 +51,14 @@ def initialize_megatron(
 
         load_args_from_checkpoint(args)
     validate_args(args, args_defaults)
+    check_output_directories(args)
 
     set_global_variables(args)
 
     if skip_mpu_initialization:
         return None
 
-    _initialize_distributed()
+    _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks)
     if args.rank == 0:
         print('> setting random seeds to {} ...'.format(args.seed), flush=True)
     _set_random_seed(args.seed, args.data_parallel_random_init)
@@ -81,7 +85,7 @@ def _compile_dependencies():
     del args
 
 
-def _initialize_distributed():
+def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ranks=None):
     """Initialize torch.distributed (unless already done) and the model-parallel groups."""
     args = get_args()
     device_count = torch.cuda.device_count() if args.distributed_backend == 'nccl' else 0
@@ -132,6 +136,8 @@ def _initialize_distributed():
             distributed_timeout_minutes=args.distributed_timeout_minutes,
             nccl_communicator_config_path=args.nccl_communicator_config_path,
             order='tp-cp-ep-dp-pp' if not args.use_tp_pp_dp_mapping else 'tp-pp-dp',
+            get_embedding_ranks=get_embedding_ranks,
+            get_position_embedding_ranks=get_position_embedding_ranks,
         )
         if args.rank == 0:
             print(

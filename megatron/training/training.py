@@ -290,7 +290,11 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             overlap_grad_reduce=args.overlap_grad_reduce,
             use_distributed_optimizer=args.use_distributed_optimizer,
-            check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+            # fp16: inf/NaN gradients are an overflow of the loss scale, which the optimizer
+            # detects after the reduction and answers by skipping the step and lowering the
+            # scale. A real NaN still stops the run: the forward loss is checked in the loss
+            # function, and overflow at the minimum loss scale stops training.
+            check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not args.fp16,
             bucket_size=args.ddp_bucket_size,
             average_in_collective=args.ddp_average_in_collective,
         )
@@ -427,6 +431,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         decoder_seq_length=args.decoder_seq_length,
         forward_only=False,
     )
+    _empty_unused_memory(args, level=1)
 
     timers('optimizer', log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -438,6 +443,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         skipped_iter = 0
     else:
         skipped_iter = 1
+    _empty_unused_memory(args, level=2)
 
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
         loss_reduced = {}
@@ -455,6 +461,17 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             loss_reduced[key] = numerator / denominator
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def _empty_unused_memory(args, level):
+    """Release cached CUDA blocks where Megatron does (--empty-unused-memory-level >= level).
+
+    Level 1: after each forward-backward (training and evaluation); level 2: also after the
+    optimizer step. A no-op when the model does not live on a CUDA device.
+    """
+    if getattr(args, 'empty_unused_memory_level', 0) >= level:
+        if get_current_device().type == 'cuda':
+            torch.cuda.empty_cache()
 
 
 _TIMERS_TO_LOG = [
@@ -627,6 +644,19 @@ def _exit_flag(value):
     return bool(flag.item())
 
 
+def _check_overflow_is_not_a_real_nan(args, iteration, skipped_iter, scale_before_step):
+    """An fp16 overflow is skipped and the dynamic loss scale lowered; an overflow that happens
+    at the minimum scale cannot be cured that way: the gradients hold a real NaN/inf."""
+    if not (skipped_iter and args.fp16 and args.loss_scale is None):
+        return
+    if scale_before_step <= args.min_loss_scale:
+        raise RuntimeError(
+            f'iteration {iteration}: inf/NaN gradients at the minimum loss scale '
+            f'({args.min_loss_scale}, --min-loss-scale): not an fp16 overflow but a real NaN/inf '
+            f'in the backward pass'
+        )
+
+
 def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
           valid_data_iterator, process_non_loss_data_func, config, train_losses=None):
     """The training loop. Returns (iteration, num_floating_point_operations_so_far).
@@ -680,9 +710,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     while iteration < args.train_iters:
         update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         args.curr_iteration = iteration
+        scale_before_step = optimizer.get_loss_scale().item()
         loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config
         )
+        _check_overflow_is_not_a_real_nan(args, iteration + 1, skipped_iter, scale_before_step)
         iteration += 1
         batch_size = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
         args.consumed_train_samples += batch_size
@@ -801,6 +833,7 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
                 forward_only=True,
             )
             config.timers = get_timers()
+            _empty_unused_memory(args, level=1)
             if mpu.is_pipeline_last_stage(ignore_virtual=True):
                 for loss_dict in loss_dicts:
                     for key in loss_dict:
@@ -949,11 +982,16 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
     if is_distributed or mpu.get_tensor_model_parallel_rank() == 0:
         train_ds, valid_ds, test_ds = build_train_valid_test_datasets(build_train_valid_test_datasets_provider)
         train_dataloader = build_pretraining_data_loader(train_ds, args.consumed_train_samples)
-        if args.skip_train:
-            valid_dataloader = build_pretraining_data_loader(valid_ds, 0)
+        if args.eval_iters == 0:
+            # No evaluation: validation/test sets were asked for 0 samples (a mock set then has
+            # none), and a loader over them would never be read.
+            valid_dataloader = test_dataloader = None
         else:
-            valid_dataloader = build_pretraining_data_loader(valid_ds, args.consumed_valid_samples)
-        test_dataloader = build_pretraining_data_loader(test_ds, 0)
+            if args.skip_train:
+                valid_dataloader = build_pretraining_data_loader(valid_ds, 0)
+            else:
+                valid_dataloader = build_pretraining_data_loader(valid_ds, args.consumed_valid_samples)
+            test_dataloader = build_pretraining_data_loader(test_ds, 0)
         do_train = train_dataloader is not None and args.train_iters > 0
         do_valid = valid_dataloader is not None and args.eval_iters > 0
         do_test = test_dataloader is not None and args.eval_iters > 0

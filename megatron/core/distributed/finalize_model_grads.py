@@ -70,18 +70,24 @@ def _allreduce_word_embedding_grads(model: List[torch.nn.Module], config) -> Non
 def _allreduce_position_embedding_grads(model: List[torch.nn.Module], config) -> None:
     """All-reduce position-embedding grads between the first stage and the split-rank stage.
 
-    Only encoder-decoder models (pipeline_model_parallel_split_rank set) keep two copies.
+    Only encoder-decoder models (pipeline_model_parallel_split_rank set) keep two copies of the
+    input embedding. Untied, the word table's two copies are reduced over the same group (tied,
+    the embedding group already covers them).
     """
     if (
         parallel_state.is_rank_in_position_embedding_group()
         and parallel_state.get_pipeline_model_parallel_world_size() > 1
         and config.pipeline_model_parallel_split_rank is not None
     ):
-        model_module = model[0]
-        embedding = get_attr_wrapped_model(model_module, 'embedding')
-        weight = embedding.position_embeddings.weight
-        grad = _grad_for_reduction(weight)
-        torch.distributed.all_reduce(grad, group=parallel_state.get_position_embedding_group())
+        model_module = get_attr_wrapped_model(model[0], 'pre_process', return_model_obj=True)
+        embedding = model_module.embedding
+        group = parallel_state.get_position_embedding_group()
+        if getattr(embedding, 'add_position_embedding', True):
+            grad = _grad_for_reduction(embedding.position_embeddings.weight)
+            torch.distributed.all_reduce(grad, group=group)
+        if not getattr(model_module, 'share_embeddings_and_output_weights', False):
+            grad = _grad_for_reduction(embedding.word_embeddings.weight)
+            torch.distributed.all_reduce(grad, group=group)
 
 
 def _allreduce_embedding_grads(model: List[torch.nn.Module], config) -> None:

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -104,13 +105,15 @@ class DotProductAttention(MegatronModule):
         value: Tensor,
         attention_mask: Optional[Tensor],
         attn_mask_type: AttnMaskType = None,
-        packed_seq_params=None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> Tensor:
         """query [sq, b, np, hn], key / value [sk, b, ng, hn], attention_mask bool [b, 1, sq, sk]
         (True = masked out) or None -> context [sq, b, hp]."""
         if packed_seq_params is not None:
+            # Megatron's local DotProductAttention refuses them too (only TE handles 'thd').
             raise NotImplementedError(
-                "packed_seq_params is not supported by the local DotProductAttention"
+                "Packed sequence is not supported by DotProductAttention. "
+                "Please use TEDotProductAttention instead."
             )
         attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
 

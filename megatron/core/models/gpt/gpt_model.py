@@ -5,7 +5,6 @@ Notation: b batch, s sequence, h hidden size, v padded vocabulary, p tensor-para
 
 from typing import Dict, Literal, Optional
 
-import torch
 from torch import Tensor
 
 from megatron.core import tensor_parallel
@@ -13,6 +12,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -147,19 +147,21 @@ class GPTModel(LanguageModule):
         decoder_input: Tensor = None,
         labels: Tensor = None,
         inference_params=None,
-        packed_seq_params=None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
         extra_block_kwargs: Optional[Dict] = None,
     ) -> Tensor:
         """Run this stage.
 
         Args:
             input_ids: [b, s] token ids (first stage).
-            position_ids: [b, s] positions (learned_absolute; None = 0..s-1).
+            position_ids: [b, s] positions (learned_absolute; None = 0..s-1, or the positions
+                after the cached ones with inference_params).
             attention_mask: bool [b, 1, s, s], True = masked out; None = causal.
             decoder_input: [s, b, h] precomputed embedding output (skips the embedding).
             labels: [b, s] targets; when given, the per-token loss is returned.
-            inference_params: KV cache (not supported).
-            packed_seq_params: packed sequences (not supported).
+            inference_params (InferenceParams): KV cache for autoregressive inference: the
+                tokens of this call follow the `sequence_len_offset` cached positions.
+            packed_seq_params: packed sequences (rejected by the local attention, as in Megatron).
             extra_block_kwargs: extra keyword arguments for the TransformerBlock.
 
         Returns:
@@ -171,6 +173,11 @@ class GPTModel(LanguageModule):
         if decoder_input is not None:
             pass
         elif self.pre_process:
+            if position_ids is None and inference_params is not None:
+                offset = inference_params.sequence_len_offset
+                position_ids = torch.arange(
+                    offset, offset + input_ids.size(1), device=input_ids.device
+                ).unsqueeze(0)
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         else:
             # Intermediate stage of the pipeline: the decoder takes its input from

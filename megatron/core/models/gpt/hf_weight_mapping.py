@@ -3,7 +3,7 @@ and the tensor-parallel split / merge of a megatron-core state dict.
 
 Pure functions on `{name: tensor}` dicts (no `transformers` import): the HF checkpoint converter
 in tools/ and the parity tests use them. "Full" megatron-core state dicts are TP=1, PP=1 state
-dicts (`GPTModel.state_dict()` names, facts sheet section 3.5).
+dicts (`GPTModel.state_dict()` names, as megatron-core core_r0.8.0 writes them).
 
 Layouts handled here:
 - HF GPT-2 uses Conv1D, whose weights are stored [in, out]: they are transposed.

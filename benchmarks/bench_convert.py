@@ -41,8 +41,9 @@ for root, _, files in os.walk(src):
 
 
 def _parse():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument('--small', action='store_true', help='2 layers, hidden 64 (smoke run)')
     parser.add_argument('--dir', default=None, help='work folder (default: a temp dir)')
     return parser.parse_args()
@@ -50,10 +51,30 @@ def _parse():
 
 def _model_flags(small):
     if small:
-        return ['--num-layers', '2', '--hidden-size', '64', '--num-attention-heads', '4',
-                '--seq-length', '128', '--max-position-embeddings', '128']
-    return ['--num-layers', '24', '--hidden-size', '1024', '--num-attention-heads', '16',
-            '--seq-length', '1024', '--max-position-embeddings', '1024']
+        return [
+            '--num-layers',
+            '2',
+            '--hidden-size',
+            '64',
+            '--num-attention-heads',
+            '4',
+            '--seq-length',
+            '128',
+            '--max-position-embeddings',
+            '128',
+        ]
+    return [
+        '--num-layers',
+        '24',
+        '--hidden-size',
+        '1024',
+        '--num-attention-heads',
+        '16',
+        '--seq-length',
+        '1024',
+        '--max-position-embeddings',
+        '1024',
+    ]
 
 
 def write_source(save_dir, small):
@@ -64,9 +85,18 @@ def write_source(save_dir, small):
     from megatron.training.arguments import parse_args
     from megatron.training.checkpoint_conversion import CheckpointWriter
 
-    args = parse_args(args_list=_model_flags(small) + [
-        '--micro-batch-size', '1', '--mock-data', '--tokenizer-type', 'NullTokenizer',
-        '--vocab-size', '50256'])
+    args = parse_args(
+        args_list=_model_flags(small)
+        + [
+            '--micro-batch-size',
+            '1',
+            '--mock-data',
+            '--tokenizer-type',
+            'NullTokenizer',
+            '--vocab-size',
+            '50256',
+        ]
+    )
     args.world_size, args.rank = 1, 0
     import contextlib
     import io
@@ -80,8 +110,10 @@ def write_source(save_dir, small):
     def rand(*shape):
         return torch.randn(*shape, generator=g) * 0.02
 
-    stage = {'embedding.word_embeddings.weight': rand(50304, h),
-             'embedding.position_embeddings.weight': rand(args.max_position_embeddings, h)}
+    stage = {
+        'embedding.word_embeddings.weight': rand(50304, h),
+        'embedding.position_embeddings.weight': rand(args.max_position_embeddings, h),
+    }
     for i in range(L):
         p = f'decoder.layers.{i}.'
         for norm in ('input_layernorm', 'pre_mlp_layernorm'):
@@ -112,13 +144,18 @@ def _run(cmd):
     The command runs under a fresh measuring process, whose RUSAGE_CHILDREN covers only it.
     """
     start = time.time()
-    proc = subprocess.run([sys.executable, '-c', _MEASURE] + cmd, capture_output=True, text=True,
-                          cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    proc = subprocess.run(
+        [sys.executable, '-c', _MEASURE] + cmd,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
     seconds = time.time() - start
     if proc.returncode != 0:
         sys.exit(f'{cmd} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}')
     peak_kib = int(proc.stdout.strip().splitlines()[-1])
-    return seconds, peak_kib / 1024 ** 2
+    return seconds, peak_kib / 1024**2
 
 
 def _bytes(path):
@@ -133,22 +170,43 @@ def main():
     for path in (src, tp2pp2, back, src + '_ref', tp2pp2 + '_ref'):
         shutil.rmtree(path, ignore_errors=True)
     params = write_source(src, opts.small)
-    print(f'source: {params / 1e6:.1f}M parameters, {_bytes(src) / 1024 ** 3:.2f} GiB at TP1 x PP1'
-          f' ({work}); figures are wall times on this machine as loaded at the moment')
-    convert = [sys.executable, os.path.join(REPO, 'tools', 'checkpoint', 'convert.py'),
-               '--model-type', 'GPT', '--loader', 'mcore', '--saver', 'mcore']
+    print(
+        f'source: {params / 1e6:.1f}M parameters, {_bytes(src) / 1024**3:.2f} GiB at TP1 x PP1'
+        f' ({work}); figures are wall times on this machine as loaded at the moment'
+    )
+    convert = [
+        sys.executable,
+        os.path.join(REPO, 'tools', 'checkpoint', 'convert.py'),
+        '--model-type',
+        'GPT',
+        '--loader',
+        'mcore',
+        '--saver',
+        'mcore',
+    ]
     steps = [
-        ('TP1 -> TP2xPP2', src, tp2pp2, ['--target-tensor-parallel-size', '2',
-                                         '--target-pipeline-parallel-size', '2']),
-        ('TP2xPP2 -> TP1', tp2pp2, back, ['--target-tensor-parallel-size', '1',
-                                          '--target-pipeline-parallel-size', '1']),
+        (
+            'TP1 -> TP2xPP2',
+            src,
+            tp2pp2,
+            ['--target-tensor-parallel-size', '2', '--target-pipeline-parallel-size', '2'],
+        ),
+        (
+            'TP2xPP2 -> TP1',
+            tp2pp2,
+            back,
+            ['--target-tensor-parallel-size', '1', '--target-pipeline-parallel-size', '1'],
+        ),
     ]
     for label, load, save, target in steps:
         ours_s, ours_gb = _run(convert + ['--load-dir', load, '--save-dir', save] + target)
         ref_s, ref_gb = _run([sys.executable, '-c', _REFERENCE, load, load + '_ref'])
-        print(f'{label}: convert.py {ours_s:.1f} s, peak RSS {ours_gb:.2f} GiB | torch.load+save '
-              f'{ref_s:.1f} s, peak RSS {ref_gb:.2f} GiB | ratio time {ours_s / ref_s:.2f}x, '
-              f'memory {ours_gb / max(ref_gb, 1e-9):.2f}x', flush=True)
+        print(
+            f'{label}: convert.py {ours_s:.1f} s, peak RSS {ours_gb:.2f} GiB | torch.load+save '
+            f'{ref_s:.1f} s, peak RSS {ref_gb:.2f} GiB | ratio time {ours_s / ref_s:.2f}x, '
+            f'memory {ours_gb / max(ref_gb, 1e-9):.2f}x',
+            flush=True,
+        )
     if opts.dir is None:
         shutil.rmtree(work, ignore_errors=True)
 

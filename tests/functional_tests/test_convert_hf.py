@@ -35,14 +35,29 @@ def _randomize(model, seed):
 def _hf_model(arch):
     if arch == 'gpt2':
         config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+            vocab_size=VOCAB,
+            n_positions=32,
+            n_embd=32,
+            n_layer=4,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         model = transformers.GPT2LMHeadModel(config)
     else:
         config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32,
-            rms_norm_eps=1e-6, rope_theta=5000.0, tie_word_embeddings=False)
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            rms_norm_eps=1e-6,
+            rope_theta=5000.0,
+            tie_word_embeddings=False,
+        )
         model = transformers.LlamaForCausalLM(config)
     _randomize(model, seed=3)
     return model.eval()
@@ -65,19 +80,43 @@ def test_hf_import_export(tmp_path, arch):
     os.makedirs(tok_dir)
     for name in ('vocab.json', 'merges.txt'):
         src = os.path.join(cu.REPO, 'data', 'gpt2', 'gpt2-' + name.replace('.', '-', 0))
-        with open(src if os.path.exists(src) else os.devnull) as f, \
-                open(os.path.join(tok_dir, name), 'w') as g:
+        with (
+            open(src if os.path.exists(src) else os.devnull) as f,
+            open(os.path.join(tok_dir, name), 'w') as g,
+        ):
             g.write(f.read())
 
     ours = {layout: str(tmp_path / f'ours_{layout}') for layout in ('tp2pp2', 'tp1')}
-    cu.convert('--loader', 'hf', '--saver', 'mcore', '--load-dir', hf_dir,
-               '--save-dir', ours['tp2pp2'], '--target-tensor-parallel-size', '2',
-               '--target-pipeline-parallel-size', '2')
-    cu.convert('--loader', 'hf', '--saver', 'megatron', '--load-dir', hf_dir,
-               '--save-dir', ours['tp1'])
+    cu.convert(
+        '--loader',
+        'hf',
+        '--saver',
+        'mcore',
+        '--load-dir',
+        hf_dir,
+        '--save-dir',
+        ours['tp2pp2'],
+        '--target-tensor-parallel-size',
+        '2',
+        '--target-pipeline-parallel-size',
+        '2',
+    )
+    cu.convert(
+        '--loader', 'hf', '--saver', 'megatron', '--load-dir', hf_dir, '--save-dir', ours['tp1']
+    )
     export = str(tmp_path / 'export')
-    cu.convert('--loader', 'mcore', '--saver', 'hf', '--load-dir', ours['tp2pp2'],
-               '--save-dir', export, '--hf-tokenizer-dir', tok_dir)
+    cu.convert(
+        '--loader',
+        'mcore',
+        '--saver',
+        'hf',
+        '--load-dir',
+        ours['tp2pp2'],
+        '--save-dir',
+        export,
+        '--hf-tokenizer-dir',
+        tok_dir,
+    )
 
     original = safetensors_torch.load_file(os.path.join(hf_dir, 'model.safetensors'))
     exported = safetensors_torch.load_file(os.path.join(export, 'model.safetensors'))
@@ -85,7 +124,10 @@ def test_hf_import_export(tmp_path, arch):
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
     assert sorted(n for n in os.listdir(export) if n.endswith(('.json', '.txt'))) == [
-        'config.json', 'merges.txt', 'vocab.json']
+        'config.json',
+        'merges.txt',
+        'vocab.json',
+    ]
     with open(os.path.join(export, 'config.json')) as f:
         assert json.load(f)['vocab_size'] == VOCAB
 

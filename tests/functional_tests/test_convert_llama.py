@@ -15,8 +15,13 @@ from tests.functional_tests import convert_utils as cu
 from tests.unit_tests.dist_utils import run_distributed
 
 ARCH = cu.LLAMA_ARCH + ['--make-vocab-size-divisible-by', '1000']
-SOURCE_LAYOUT = ['--tensor-model-parallel-size', '2', '--pipeline-model-parallel-size', '2',
-                 '--use-distributed-optimizer']
+SOURCE_LAYOUT = [
+    '--tensor-model-parallel-size',
+    '2',
+    '--pipeline-model-parallel-size',
+    '2',
+    '--use-distributed-optimizer',
+]
 VOCAB_TABLES = ('embedding.word_embeddings.weight', 'output_layer.weight')
 
 
@@ -25,17 +30,65 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp('convert_llama')
     src, tp1, pp4, back = (str(root / n) for n in ('src', 'tp1', 'pp4', 'tp2pp2'))
     cu.make_source_checkpoint(src, ARCH, SOURCE_LAYOUT, world_size=4, tp=2, pp=2)
-    cu.convert('--loader', 'mcore', '--saver', 'mcore', '--load-dir', src, '--save-dir', tp1,
-               '--target-tensor-parallel-size', '1', '--target-pipeline-parallel-size', '1',
-               '--true-vocab-size', '4096')
-    refused = cu.convert('--loader', 'mcore', '--saver', 'mcore', '--load-dir', tp1,
-                         '--save-dir', str(root / 'tp4'), '--target-tensor-parallel-size', '4',
-                         check=False)
-    cu.convert('--loader', 'mcore', '--saver', 'mcore', '--load-dir', tp1, '--save-dir', pp4,
-               '--target-pipeline-parallel-size', '4', '--true-vocab-size', '4096')
-    cu.convert('--loader', 'mcore', '--saver', 'mcore', '--load-dir', pp4, '--save-dir', back,
-               '--target-tensor-parallel-size', '2', '--target-pipeline-parallel-size', '2',
-               '--true-vocab-size', '4096')
+    cu.convert(
+        '--loader',
+        'mcore',
+        '--saver',
+        'mcore',
+        '--load-dir',
+        src,
+        '--save-dir',
+        tp1,
+        '--target-tensor-parallel-size',
+        '1',
+        '--target-pipeline-parallel-size',
+        '1',
+        '--true-vocab-size',
+        '4096',
+    )
+    refused = cu.convert(
+        '--loader',
+        'mcore',
+        '--saver',
+        'mcore',
+        '--load-dir',
+        tp1,
+        '--save-dir',
+        str(root / 'tp4'),
+        '--target-tensor-parallel-size',
+        '4',
+        check=False,
+    )
+    cu.convert(
+        '--loader',
+        'mcore',
+        '--saver',
+        'mcore',
+        '--load-dir',
+        tp1,
+        '--save-dir',
+        pp4,
+        '--target-pipeline-parallel-size',
+        '4',
+        '--true-vocab-size',
+        '4096',
+    )
+    cu.convert(
+        '--loader',
+        'mcore',
+        '--saver',
+        'mcore',
+        '--load-dir',
+        pp4,
+        '--save-dir',
+        back,
+        '--target-tensor-parallel-size',
+        '2',
+        '--target-pipeline-parallel-size',
+        '2',
+        '--true-vocab-size',
+        '4096',
+    )
     return dict(src=src, tp1=tp1, pp4=pp4, back=back, refused=refused)
 
 
@@ -43,7 +96,8 @@ def test_tp4_refused_before_any_work(checkpoints):
     refused = checkpoints['refused']
     assert refused.returncode != 0
     assert refused.stderr.strip().splitlines()[-1] == (
-        'error: --target-tensor-parallel-size 4 does not divide the number of query groups (2)')
+        'error: --target-tensor-parallel-size 4 does not divide the number of query groups (2)'
+    )
     assert 'Starting saver' not in refused.stdout
 
 
@@ -87,11 +141,21 @@ def _logits(load_dir, tokens):
 
 def test_logits_agree_at_every_layout(checkpoints):
     tokens = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
-    reference = [o for o in run_distributed(_logits, world_size=4, tp=2, pp=2,
-                                            args=(checkpoints['src'], tokens)) if o is not None][0]
+    reference = [
+        o
+        for o in run_distributed(
+            _logits, world_size=4, tp=2, pp=2, args=(checkpoints['src'], tokens)
+        )
+        if o is not None
+    ][0]
     (tp1,) = run_distributed(_logits, world_size=1, args=(checkpoints['tp1'], tokens))
-    back = [o for o in run_distributed(_logits, world_size=4, tp=2, pp=2,
-                                       args=(checkpoints['back'], tokens)) if o is not None][0]
+    back = [
+        o
+        for o in run_distributed(
+            _logits, world_size=4, tp=2, pp=2, args=(checkpoints['back'], tokens)
+        )
+        if o is not None
+    ][0]
     assert reference.shape == (2, 16, 6000) and tp1.shape == (2, 16, 5000)
     torch.testing.assert_close(tp1[..., :4096], reference[..., :4096], atol=1e-5, rtol=0)
     assert torch.equal(back[..., :5000], reference[..., :5000])

@@ -59,3 +59,86 @@ def _serve_requests(ckpt, arch, tp, pp, requests, extra=()):
         out = fn(model, **req) if rank0 else fn(model)
         results.append(out)
     return results
+
+
+PROMPTS = ["Hello world, this is", "A"]
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{(arch, tp, pp): checkpoint dir} and {arch: HF model} for the layouts tested here."""
+    models, dirs = {}, {}
+    for arch in ("gpt2", "llama"):
+        models[arch] = hc.build_hf_model(arch)
+        for tp, pp in ((1, 1), (2, 1), (1, 2)):
+            path = tmp_path_factory.mktemp(f"{arch}_tp{tp}_pp{pp}")
+            dirs[(arch, tp, pp)] = hc.save_megatron_checkpoint(models[arch], arch, str(path), tp, pp)
+    return models, dirs
+
+
+def _tokenize(text):
+    from megatron.training.tokenizer.gpt2_tokenization import GPT2Tokenizer
+
+    return GPT2Tokenizer(hc.GPT2_VOCAB, hc.GPT2_MERGES).encode(text)
+
+
+def _hf_expected(hf_model, prompts, tokens_to_generate):
+    """Megatron pads every prompt to the longest plus tokens_to_generate, so a shorter prompt
+    gets more new tokens: ask transformers for that many."""
+    ids = [_tokenize(p) for p in prompts]
+    width = max(len(i) for i in ids) + tokens_to_generate
+    return [i + hc.hf_greedy(hf_model, i, width - len(i)) for i in ids]
+
+
+def _hf_token_logprobs(hf_model, tokens, padded_vocab):
+    """log P(token k + 1 | tokens 0..k) from transformers' full forward. Megatron's log-softmax
+    runs over the padded vocabulary, whose extra rows are zero: their logits are 0."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([tokens])).logits[0]
+    pad = logits.new_zeros(logits.size(0), padded_vocab - logits.size(1))
+    log_probs = torch.log_softmax(torch.cat([logits, pad], dim=-1).double(), dim=-1)
+    return [log_probs[k, tokens[k + 1]].item() for k in range(len(tokens) - 1)]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
+def test_greedy_matches_transformers(checkpoints, arch, layout):
+    models, dirs = checkpoints
+    tp, pp = layout
+    greedy = dict(prompts=PROMPTS, tokens_to_generate=NEW, top_k_sampling=1)
+    requests = [dict(greedy, return_output_log_probs=True)]
+    extra = ()
+    if pp > 1:
+        # Small threshold: the prompt step runs in pipelined micro-batches of 1 row.
+        extra = ("--inference-batch-times-seqlen-threshold", "4")
+    outs = run_distributed(
+        _serve_requests, world_size=tp * pp, tp=tp, pp=pp,
+        args=(dirs[(arch, tp, pp)], arch, tp, pp, requests, extra),
+    )
+    texts, segments, logprobs, tokens = outs[0][0]
+    expected = _hf_expected(models[arch], PROMPTS, NEW)
+    for row, want in zip(tokens, expected):
+        # A row may stop early on <|endoftext|> (included), like transformers.
+        assert row == want[: len(row)], (row, want)
+        assert len(row) == len(want) or row[-1] == hc.VOCAB_SIZE - 1
+    from megatron.training.tokenizer.gpt2_tokenization import GPT2Tokenizer
+
+    tok = GPT2Tokenizer(hc.GPT2_VOCAB, hc.GPT2_MERGES)
+    assert texts == [tok.decode(row) for row in tokens]
+    assert [len(s) for s in segments] == [len(row) for row in tokens]
+    for row, lp in zip(tokens, logprobs):
+        assert len(lp) == len(row) - 1
+        torch.testing.assert_close(
+            torch.tensor(lp, dtype=torch.float64),
+            torch.tensor(
+                _hf_token_logprobs(models[arch], row, hc.padded_vocab_size(tp)),
+                dtype=torch.float64,
+            ),
+            atol=1e-5, rtol=0,
+        )
+    # Results are post-processed on the first pipeline stage only (ranks 0..tp-1 here).
+    for rank, out in enumerate(outs):
+        assert (out[0] is not None) == (rank // tp == 0)
+        if out[0] is not None:
+            assert out[0][3] == tokens

@@ -47,6 +47,8 @@ setup(
         "sentencepiece",
         "tensorboard",
         "pyyaml",
+        "flask",
+        "flask-restful",
     ],
     extras_require={
         "test": [
@@ -55,6 +57,8 @@ setup(
             "transformers",
             "tokenizers",
             "nltk",
+            "requests",
+            "openai",
         ],
     },
     ext_modules=ext_modules,

@@ -52,17 +52,42 @@ def _init(args):
     from megatron.training.initialize import initialize_megatron
 
     seq = args.prompt_length + args.new_tokens
-    initialize_megatron(args_list=[
-        "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-        "--num-attention-heads", str(args.num_attention_heads), "--seq-length", "1024",
-        "--max-position-embeddings", "1024", "--micro-batch-size", "1",
-        "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-file", os.path.join(REPO, "data", "gpt2", "gpt2-vocab.json"),
-        "--merge-file", os.path.join(REPO, "data", "gpt2", "gpt2-merges.txt"),
-        "--make-vocab-size-divisible-by", "1", "--openai-gelu", "--no-bias-gelu-fusion",
-        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--distributed-backend", "gloo",
-        "--transformer-impl", "local", "--max-tokens-to-oom", str(max(args.batch_sizes) * seq),
-    ])
+    initialize_megatron(
+        args_list=[
+            "--num-layers",
+            str(args.num_layers),
+            "--hidden-size",
+            str(args.hidden_size),
+            "--num-attention-heads",
+            str(args.num_attention_heads),
+            "--seq-length",
+            "1024",
+            "--max-position-embeddings",
+            "1024",
+            "--micro-batch-size",
+            "1",
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            os.path.join(REPO, "data", "gpt2", "gpt2-vocab.json"),
+            "--merge-file",
+            os.path.join(REPO, "data", "gpt2", "gpt2-merges.txt"),
+            "--make-vocab-size-divisible-by",
+            "1",
+            "--openai-gelu",
+            "--no-bias-gelu-fusion",
+            "--attention-dropout",
+            "0.0",
+            "--hidden-dropout",
+            "0.0",
+            "--distributed-backend",
+            "gloo",
+            "--transformer-impl",
+            "local",
+            "--max-tokens-to-oom",
+            str(max(args.batch_sizes) * seq),
+        ]
+    )
 
 
 def _build_models(args):
@@ -82,8 +107,13 @@ def _build_models(args):
 
     torch.manual_seed(0)
     hf_config = GPT2Config(
-        n_layer=args.num_layers, n_embd=args.hidden_size, n_head=args.num_attention_heads,
-        n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_layer=args.num_layers,
+        n_embd=args.hidden_size,
+        n_head=args.num_attention_heads,
+        n_positions=1024,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     hf = GPT2LMHeadModel(hf_config).eval()
     model = get_model(tool.model_provider, wrap_with_ddp=False)[0]
@@ -121,8 +151,13 @@ def _ours(model, prompts, new_tokens, repeats):
                 first.append(time.perf_counter() - start)
 
         return generate_tokens_probs_and_return_on_first_stage(
-            model, tokens, lengths, top_k=1, use_eod_token_for_early_termination=False,
-            prevent_newline_after_colon=False, step_callback=on_step,
+            model,
+            tokens,
+            lengths,
+            top_k=1,
+            use_eod_token_for_early_termination=False,
+            prevent_newline_after_colon=False,
+            step_callback=on_step,
         )[0]
 
     seconds, tokens = _time(run, repeats)
@@ -145,8 +180,13 @@ def _hf(hf, prompts, new_tokens, repeats):
     def run(n):
         with torch.no_grad():
             return hf.generate(
-                prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
-                min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=50256,
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=50256,
             )
 
     seconds, tokens = _time(lambda: run(new_tokens), repeats)
@@ -161,11 +201,15 @@ def main():
     _init(args)
     hf, model = _build_models(args)
     params = sum(p.numel() for p in hf.parameters())
-    print(f"model: {args.num_layers} layers, hidden {args.hidden_size}, {params / 1e6:.1f}M "
-          f"parameters; prompt {args.prompt_length} tokens, {args.new_tokens} new tokens, "
-          f"torch threads {torch.get_num_threads()}")
-    print(f"{'batch':>5} {'implementation':<16} {'tokens/s':>10} {'first token ms':>15} "
-          f"{'vs HF':>7}")
+    print(
+        f"model: {args.num_layers} layers, hidden {args.hidden_size}, {params / 1e6:.1f}M "
+        f"parameters; prompt {args.prompt_length} tokens, {args.new_tokens} new tokens, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"{'batch':>5} {'implementation':<16} {'tokens/s':>10} {'first token ms':>15} "
+        f"{'vs HF':>7}"
+    )
     g = torch.Generator().manual_seed(1)
     # Warm-up (allocator, kernels) before anything is timed.
     warm = torch.randint(0, 50257, (1, 4), generator=g)
@@ -177,12 +221,17 @@ def main():
         t_kv, ft_kv, kv_tokens = _ours(model, prompts, args.new_tokens, args.repeats)
         t_nc, nc_tokens = _ours_no_cache(model, prompts, args.new_tokens, args.repeats)
         same = torch.equal(kv_tokens, hf_tokens) and torch.equal(nc_tokens, hf_tokens)
-        rows = [("ours, KV cache", t_kv, ft_kv), ("ours, no cache", t_nc, None),
-                ("HF generate", t_hf, ft_hf)]
+        rows = [
+            ("ours, KV cache", t_kv, ft_kv),
+            ("ours, no cache", t_nc, None),
+            ("HF generate", t_hf, ft_hf),
+        ]
         for name, seconds, first in rows:
             first_ms = f"{first * 1e3:.1f}" if first is not None else "-"
-            print(f"{batch:>5} {name:<16} {generated / seconds:>10.1f} {first_ms:>15} "
-                  f"{t_hf / seconds:>6.2f}x")
+            print(
+                f"{batch:>5} {name:<16} {generated / seconds:>10.1f} {first_ms:>15} "
+                f"{t_hf / seconds:>6.2f}x"
+            )
         print(f"{batch:>5} same tokens as HF: {same}")
 
 

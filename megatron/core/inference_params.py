@@ -36,7 +36,7 @@ class InferenceParams:
         if len(self.key_value_memory_dict) == 0:
             raise ValueError("should not swap when dict in empty")
 
-        for layer_number in self.key_value_memory_dict.keys():
+        for layer_number in self.key_value_memory_dict:
             inference_key_memory, inference_value_memory = self.key_value_memory_dict[layer_number]
             assert len(batch_idx) == inference_key_memory.shape[1]  # make sure batch size is same
             new_inference_key_memory = inference_key_memory[:, batch_idx]
@@ -54,4 +54,3 @@ class InferenceParams:
             f"batch_size_offset={self.batch_size_offset}, "
             f"layers_cached={sorted(self.key_value_memory_dict)})"
         )
-

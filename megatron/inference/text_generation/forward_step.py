@@ -35,7 +35,9 @@ class ForwardStep:
     """
 
     def __init__(self, model, max_batch_size, max_sequence_length):
-        assert not isinstance(model, Iterable), 'interleaving schedule is not supported for inference'
+        assert not isinstance(
+            model, Iterable
+        ), 'interleaving schedule is not supported for inference'
         model.eval()
         self.model = model
         # A fresh cache per request.
@@ -148,6 +150,4 @@ def _allocate_recv_buffer(batch_size, sequence_length):
         return None
     args = get_args()
     recv_size = (sequence_length, batch_size, args.hidden_size)
-    return torch.empty(
-        recv_size, dtype=_get_recv_buffer_dtype(args), device=get_current_device()
-    )
+    return torch.empty(recv_size, dtype=_get_recv_buffer_dtype(args), device=get_current_device())

@@ -149,7 +149,9 @@ def generate_tokens_probs_and_return_on_first_stage(
     generated_sequence_lengths = None
     if mpu.is_pipeline_last_stage():
         if return_output_log_probs:
-            output_log_probs = torch.empty(output_log_probs_size, dtype=torch.float32, device=device)
+            output_log_probs = torch.empty(
+                output_log_probs_size, dtype=torch.float32, device=device
+            )
         generated_sequence_lengths = (
             torch.ones(batch_size, dtype=torch.int64, device=device) * max_sequence_length
         )
@@ -259,7 +261,13 @@ def generate_tokens_probs_and_return_on_first_stage(
 
 
 def beam_search_and_return_on_first_stage(
-    model, tokens, lengths, beam_size, stop_token, num_return_gen, length_penalty,
+    model,
+    tokens,
+    lengths,
+    beam_size,
+    stop_token,
+    num_return_gen,
+    length_penalty,
     prevent_newline_after_colon=True,
 ):
     """Beam search for one prompt.
@@ -387,7 +395,9 @@ def beam_search_and_return_on_first_stage(
             if not done:
                 for beam_id in range(beam_size):
                     beam_hyp.add(
-                        tokens[beam_id].clone(), scores[beam_id].squeeze(), context_length + 1 - prompt_length
+                        tokens[beam_id].clone(),
+                        scores[beam_id].squeeze(),
+                        context_length + 1 - prompt_length,
                     )
 
             # Rank based on scores.

@@ -109,14 +109,17 @@ def _hf_token_logprobs(hf_model, tokens, padded_vocab):
 def test_greedy_matches_transformers(checkpoints, arch, layout):
     models, get_ckpt = checkpoints
     tp, pp = layout
-    greedy = dict(prompts=PROMPTS, tokens_to_generate=NEW, top_k_sampling=1)
+    greedy = {"prompts": PROMPTS, "tokens_to_generate": NEW, "top_k_sampling": 1}
     requests = [dict(greedy, return_output_log_probs=True)]
     extra = ()
     if pp > 1:
         # Small threshold: the prompt step runs in pipelined micro-batches of 1 row.
         extra = ("--inference-batch-times-seqlen-threshold", "4")
     outs = run_distributed(
-        _serve_requests, world_size=tp * pp, tp=tp, pp=pp,
+        _serve_requests,
+        world_size=tp * pp,
+        tp=tp,
+        pp=pp,
         args=(get_ckpt(arch, tp, pp), arch, tp, pp, requests, extra),
     )
     texts, segments, logprobs, tokens = outs[0][0]
@@ -138,7 +141,8 @@ def test_greedy_matches_transformers(checkpoints, arch, layout):
                 _hf_token_logprobs(models[arch], row, hc.padded_vocab_size(tp)),
                 dtype=torch.float64,
             ),
-            atol=1e-5, rtol=0,
+            atol=1e-5,
+            rtol=0,
         )
     # Results are post-processed on the first pipeline stage only (ranks 0..tp-1 here).
     for rank, out in enumerate(outs):
@@ -176,13 +180,18 @@ def _behaviours(ckpt, arch):
 
     model = _setup_model(ckpt, arch, 1, 1)
     tokenizer = get_tokenizer()
-    run = lambda **kw: generate_and_post_process(model, prompts=PROMPTS, tokens_to_generate=NEW, **kw)  # noqa: E731
+    run = lambda **kw: generate_and_post_process(
+        model, prompts=PROMPTS, tokens_to_generate=NEW, **kw
+    )
     out = {}
     out["greedy"] = run(top_k_sampling=1, return_output_log_probs=True)
     out["no_cache"] = [
         _greedy_without_cache(
-            model, tokenizer.tokenize(p), len(row) - len(tokenizer.tokenize(p)),
-            tokenizer.vocab_size, tokenizer.eod,
+            model,
+            tokenizer.tokenize(p),
+            len(row) - len(tokenizer.tokenize(p)),
+            tokenizer.vocab_size,
+            tokenizer.eod,
         )
         for p, row in zip(PROMPTS, out["greedy"][3])
     ]
@@ -200,7 +209,11 @@ def _behaviours(ckpt, arch):
         model, prompts=PROMPTS[:1], tokens_to_generate=NEW, beam_size=1, num_return_gen=1
     )
     out["beam_3"] = beam_search_and_post_process(
-        model, prompts=PROMPTS[:1], tokens_to_generate=NEW, beam_size=3, num_return_gen=3,
+        model,
+        prompts=PROMPTS[:1],
+        tokens_to_generate=NEW,
+        beam_size=3,
+        num_return_gen=3,
         length_penalty=1.5,
     )
     return out
@@ -210,7 +223,7 @@ def _behaviours(ckpt, arch):
 def test_generation_behaviours(checkpoints, arch):
     _, get_ckpt = checkpoints
     (out,) = run_distributed(_behaviours, world_size=1, args=(get_ckpt(arch, 1, 1), arch))
-    texts, segments, logprobs, tokens = out["greedy"]
+    _texts, segments, logprobs, tokens = out["greedy"]
 
     # With and without the KV cache: the same tokens.
     assert out["no_cache"] == tokens
@@ -232,7 +245,7 @@ def test_generation_behaviours(checkpoints, arch):
 
     # Beam search with width 1 follows the greedy path; its score is the length-normalised sum
     # of the generated tokens' log probs.
-    beam_texts, beam_segments, beam_scores = out["beam_1"]
+    _beam_texts, beam_segments, beam_scores = out["beam_1"]
     prompt_len = len(_tokenize(PROMPTS[0]))
     greedy_row = tokens[0]
     assert beam_segments[0][: len(greedy_row)] == segments[0]

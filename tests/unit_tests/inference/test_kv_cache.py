@@ -32,8 +32,11 @@ def _cached_vs_full(arch, prefix, micro_batches):
             for chunk in torch.arange(b).chunk(micro_batches):
                 params.batch_size_offset = int(chunk[0])
                 positions = torch.arange(start, end).unsqueeze(0).expand(len(chunk), -1)
-                rows.append(gather_logits(model(tokens[chunk, start:end], positions, None,
-                                                inference_params=params)))
+                rows.append(
+                    gather_logits(
+                        model(tokens[chunk, start:end], positions, None, inference_params=params)
+                    )
+                )
             params.batch_size_offset = 0
             params.sequence_len_offset += end - start
             cached.append(torch.cat(rows, dim=0))

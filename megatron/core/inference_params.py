@@ -21,6 +21,9 @@ class InferenceParams:
             fed width after each forward.
         batch_size_offset (int): first cache row of the current (pipeline) micro-batch.
         key_value_memory_dict (dict): layer_number -> (key_memory, value_memory).
+        materialize_only_last_token_logits (bool): the model computes the logits of the last
+            fed position only (what sampling needs; as in later megatron-core versions). False
+            keeps every position's logits (log probabilities of the fed tokens).
     """
 
     def __init__(self, max_batch_size: int, max_sequence_length: int):
@@ -29,6 +32,7 @@ class InferenceParams:
         self.sequence_len_offset = 0
         self.batch_size_offset = 0
         self.key_value_memory_dict = {}
+        self.materialize_only_last_token_logits = False
 
     def swap_key_value_dict(self, batch_idx):
         """Reorder the batch rows of every layer's cache: row i becomes old row batch_idx[i]

@@ -101,8 +101,11 @@ class ForwardStep:
         logits = None
         if mpu.is_pipeline_last_stage():
             args = get_args()
+            logits_length = (
+                1 if self.inference_params.materialize_only_last_token_logits else sequence_length
+            )
             logits = torch.empty(
-                (batch_size, sequence_length, args.padded_vocab_size),
+                (batch_size, logits_length, args.padded_vocab_size),
                 dtype=torch.float32,
                 device=get_current_device(),
             )

@@ -140,6 +140,9 @@ def generate_tokens_probs_and_return_on_first_stage(
     _check_sizes(batch_size, max_sequence_length, args)
 
     forward_step = ForwardStep(model, batch_size, max_sequence_length)
+    # Without log probs only the last position's logits are sampled from: the output layer
+    # skips the other prompt positions (same tokens, less work on the first step).
+    forward_step.inference_params.materialize_only_last_token_logits = not return_output_log_probs
     termination_id = _termination_id(args, tokenizer)
     device = get_current_device()
 
@@ -303,6 +306,7 @@ def beam_search_and_return_on_first_stage(
         raise ValueError("context length + tokens_to_generate too large")
 
     forward_step = ForwardStep(model, beam_size, final_sequence_length)
+    forward_step.inference_params.materialize_only_last_token_logits = True
     device = get_current_device()
 
     beam_hyp = BeamHypotheses(beam_size, length_penalty)

@@ -38,6 +38,7 @@ setup(
     long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron", "megatron.*"]),
+    package_data={"megatron.inference": ["static/*.html"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.1",

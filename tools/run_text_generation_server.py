@@ -107,6 +107,13 @@ def main(args_list=None):
     ):
         if value < 1:
             raise ValueError(f'{flag} must be at least 1, got {value}')
+    if args.data_parallel_size != 1:
+        # Every rank follows global rank 0's broadcasts: one model replica only.
+        raise ValueError(
+            f'text generation runs one model replica: world size ({args.world_size}) must equal '
+            f'--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x '
+            f'--pipeline-model-parallel-size ({args.pipeline_model_parallel_size})'
+        )
     print_rank_0("WARNING: Forcing exit_on_missing_checkpoint to True for text generation.")
     args.exit_on_missing_checkpoint = True
 

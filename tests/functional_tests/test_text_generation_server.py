@@ -312,6 +312,8 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server):
 
 
 def test_flask_level_answers(server):
+    page = requests.get(server.url + "/index.html", timeout=30)
+    assert page.status_code == 200 and 'fetch("api"' in page.text
     assert (
         requests.post(server.url + "/api", json={"prompts": ["a"]}, timeout=30).status_code == 405
     )

@@ -213,6 +213,14 @@ class GPTModel(LanguageModule):
         if not self.post_process:
             return hidden_states
 
+        if (
+            inference_params is not None
+            and getattr(inference_params, 'materialize_only_last_token_logits', False)
+            and labels is None
+        ):
+            # Sampling needs the last position only: skip the output layer elsewhere.
+            hidden_states = hidden_states[-1:, :, :]  # [s, b, h] -> [1, b, h]
+
         # Logits [s, b, v/p].
         output_weight = None
         if self.share_embeddings_and_output_weights:

@@ -320,9 +320,10 @@ def get_optimizer_param_scheduler(optimizer):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     args = get_args()
-    if args.train_iters:
+    if args.train_iters is not None:
         if args.lr_decay_iters is None:
-            args.lr_decay_iters = args.train_iters
+            # --train-iters 0 runs evaluation only; the schedule is never stepped but must exist.
+            args.lr_decay_iters = args.train_iters or 1
         lr_decay_steps = args.lr_decay_iters * args.global_batch_size
         wd_incr_steps = args.train_iters * args.global_batch_size
         wsd_decay_steps = None
@@ -981,10 +982,26 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
         flags = torch.tensor([0, 0, 0], dtype=torch.long, device=device)
 
     torch.distributed.broadcast(flags, 0)
+    _check_training_data(args, do_train=bool(flags[0].item()))
     args.do_train = getattr(args, 'do_train', False) or bool(flags[0].item())
     args.do_valid = getattr(args, 'do_valid', False) or bool(flags[1].item())
     args.do_test = getattr(args, 'do_test', False) or bool(flags[2].item())
     return train_dataloader, valid_dataloader, test_dataloader
+
+
+def _check_training_data(args, do_train):
+    """Refuse a run that asks for training iterations but whose data yields no training samples
+    (Megatron would run zero iterations and exit 0). Same decision on every rank (broadcast)."""
+    if do_train or args.skip_train or not args.train_iters:
+        return
+    if args.iteration >= args.train_iters:
+        return  # resumed at or past the end: nothing left to train
+    split = '' if args.train_data_path else f' (--split {args.split})'
+    raise ValueError(
+        f'the training data yields no samples{split}, but --train-iters {args.train_iters} asks '
+        f'for training; give the training split a share of the data, or use --skip-train to only '
+        f'evaluate'
+    )
 
 
 def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):

@@ -1,6 +1,6 @@
 """Megatron's memory-mapped indexed dataset: a `.bin` of raw token ids and an `.idx` index.
 
-Byte layout of `.idx` (facts sheet 1.2, little endian):
+Byte layout of `.idx` (Megatron's MMIDIDX format, little endian):
 
     offset 0   9 B   magic b"MMIDIDX\\x00\\x00"
     offset 9   8 B   version <Q (1)
@@ -243,6 +243,13 @@ class IndexedDataset(torch.utils.data.Dataset):
         if bin_size < needed:
             raise ValueError(
                 f"{bin_path}: truncated data file ({bin_size} bytes, the index needs {needed})"
+            )
+        if bin_size > needed:
+            # Every byte of a .bin belongs to a sequence of its .idx: a larger file was paired
+            # with the index of another (smaller) preprocessing run.
+            raise ValueError(
+                f"{bin_path} has {bin_size} bytes but its index {idx_path} describes {needed}: "
+                f"the .bin and .idx come from different preprocessing runs"
             )
         self.bin_buffer = None
         self.bin_buffer_mmap = None

@@ -42,6 +42,7 @@ from megatron.training.utils import (
     report_memory,
     unwrap_model,
 )
+from megatron.training.watchdog import start_watchdog, stop_watchdog, watch
 
 _TRAIN_START_TIME = time.time()
 
@@ -101,6 +102,7 @@ def pretrain(
     args = get_args()
     timers = get_timers()
     set_jit_fusion_options()
+    start_watchdog(args.watchdog_timeout)
 
     # Adjust the startup time so it reflects the largest value across ranks.
     global _TRAIN_START_TIME, _LAST_SAVED_ITERATION
@@ -190,6 +192,7 @@ def pretrain(
         writer.flush()
     if args.tensorboard_dir:
         print_rank_last(f'TensorBoard logs written to {args.tensorboard_dir}')
+    stop_watchdog()
     return result
 
 
@@ -613,10 +616,13 @@ def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
     """save_checkpoint with a 'save-checkpoint' timer."""
     args = get_args()
     timers = get_timers()
-    timers('save-checkpoint', log_level=0).start(barrier=True)
-    _checkpointing().save_checkpoint(
-        iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
-    )
+    # No deadline: a large checkpoint on a slow file system may legitimately take long; a frozen
+    # peer is still found through its heartbeat.
+    with watch('checkpoint save', iteration, deadline=False):
+        timers('save-checkpoint', log_level=0).start(barrier=True)
+        _checkpointing().save_checkpoint(
+            iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
+        )
     global _LAST_SAVED_ITERATION
     _LAST_SAVED_ITERATION = iteration
     timers('save-checkpoint').stop(barrier=True)
@@ -699,9 +705,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         args.curr_iteration = iteration
         scale_before_step = optimizer.get_loss_scale().item()
-        loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config
-        )
+        with watch('train step', iteration + 1):
+            loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
+                forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler,
+                config,
+            )
         _check_overflow_is_not_a_real_nan(args, iteration + 1, skipped_iter, scale_before_step)
         iteration += 1
         batch_size = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
@@ -887,9 +895,10 @@ def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, 
     args = get_args()
     writer = get_tensorboard_writer() if write_to_tensorboard else None
 
-    total_loss_dict, collected_non_loss_data, timelimit = evaluate(
-        forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose
-    )
+    with watch('evaluation', iteration):
+        total_loss_dict, collected_non_loss_data, timelimit = evaluate(
+            forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose
+        )
     if timelimit:
         return None
     losses = {key: float(value) for key, value in total_loss_dict.items()}

@@ -42,7 +42,7 @@ from megatron.training.utils import (
     report_memory,
     unwrap_model,
 )
-from megatron.training.watchdog import start_watchdog, stop_watchdog, watch
+from megatron.training.watchdog import progress, start_watchdog, stop_watchdog, watch
 
 _TRAIN_START_TIME = time.time()
 
@@ -704,12 +704,12 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     while iteration < args.train_iters:
         update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         args.curr_iteration = iteration
+        # The iteration's deadline covers the step and what follows it (logging, saving).
+        progress('training iteration', iteration + 1)
         scale_before_step = optimizer.get_loss_scale().item()
-        with watch('train step', iteration + 1):
-            loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
-                forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler,
-                config,
-            )
+        loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
+            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config
+        )
         _check_overflow_is_not_a_real_nan(args, iteration + 1, skipped_iter, scale_before_step)
         iteration += 1
         batch_size = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
@@ -777,6 +777,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         if args.manual_gc and args.manual_gc_interval != 0 and iteration % args.manual_gc_interval == 0:
             gc.collect()
 
+    progress('after training', iteration, deadline=False)
     timers('interval-time').stop()
     if args.manual_gc:
         gc.enable()

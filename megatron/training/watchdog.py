@@ -15,9 +15,9 @@ or a peer's heartbeat counter has not moved for that long (the peer's process is
 the first rank to notice prints one line naming the silent rank(s), the operation and how long,
 e.g.::
 
-    watchdog: rank 1 stopped making progress: no heartbeat for 31 s (last heartbeat in 'train
-    step' at iteration 4); rank 0 has waited 30 s in 'train step' at iteration 5
-    (--watchdog-timeout 30)
+    watchdog: rank 1 stopped making progress: no heartbeat for 31 s (last heartbeat in
+    'training iteration' at iteration 4); rank 0 has waited 30 s in 'training iteration' at
+    iteration 5 (--watchdog-timeout 30)
 
 and the process exits with code 3 (`errors.EXIT_WATCHDOG`); the launcher then stops the rest.
 Counters rather than timestamps are compared, so clocks of different nodes need not agree.
@@ -78,6 +78,13 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def progress(self, operation: str, iteration: Optional[int] = None, deadline: bool = True):
+        """Progress was made: the rank now is in `operation` (until the next call), clock reset."""
+        with self._lock:
+            self._op, self._op_deadline, self._op_start = operation, deadline, time.monotonic()
+            if iteration is not None:
+                self._iteration = iteration
 
     @contextmanager
     def watch(self, operation: str, iteration: Optional[int] = None, deadline: bool = True):
@@ -196,6 +203,12 @@ def stop_watchdog() -> None:
     if _WATCHDOG is not None:
         _WATCHDOG.stop()
         _WATCHDOG = None
+
+
+def progress(operation: str, iteration: Optional[int] = None, deadline: bool = True) -> None:
+    """`Watchdog.progress` on the running watchdog; a no-op when none runs."""
+    if _WATCHDOG is not None:
+        _WATCHDOG.progress(operation, iteration, deadline)
 
 
 @contextmanager

@@ -503,6 +503,11 @@ def _add_distributed_args(parser):
                        help='overlap pipeline parallel communication with forward and backward chunks')
     group.add_argument('--distributed-backend', default='nccl', choices=['nccl', 'gloo'],
                        help='Which backend to use for distributed training (gloo is used when no GPU exists).')
+    group.add_argument('--watchdog-timeout', type=float, default=300.0,
+                       help='Seconds a rank may go without progress (a training step or '
+                       'evaluation running that long, or no heartbeat from a rank) before the '
+                       'job reports which rank, which operation and how long, and exits with '
+                       'code 3. 0 disables. Not a Megatron flag.')
     group.add_argument('--distributed-timeout-minutes', type=int, default=10,
                        help='Timeout minutes for torch.distributed.')
     group.add_argument('--overlap-grad-reduce', action='store_true', default=False,

@@ -639,9 +639,14 @@ def _load_base_checkpoint(
     try:
         state_dict = _torch_load(checkpoint_name)
     except Exception as exc:
-        raise RuntimeError(
-            f'could not load checkpoint file {checkpoint_name} with '
-            f'torch.load(weights_only=True): {exc}'
+        # Truncated, corrupt, or holding objects other than tensors and plain data (a planted
+        # pickle would run code on a plain torch.load): the file is refused, never executed.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = next((line for line in lines if 'GLOBAL' in line or 'global' in line),
+                      lines[0] if lines else type(exc).__name__)
+        raise ValueError(
+            f'checkpoint file {checkpoint_name} cannot be loaded as weights only (tensors and '
+            f'plain data): {reason}'
         ) from exc
     return state_dict, checkpoint_name, release
 

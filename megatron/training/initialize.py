@@ -21,6 +21,7 @@ from megatron.core.utils import uses_cuda
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables
 from megatron.training.startup_checks import check_output_directories
+from megatron.training.watchdog import exit_when_launcher_dies
 
 
 def initialize_megatron(
@@ -46,6 +47,7 @@ def initialize_megatron(
             (None: first and last stage / first stage, plus the split stage).
         args_list: argument strings to parse instead of sys.argv (tests, notebooks).
     """
+    exit_when_launcher_dies()
     args = parse_args(extra_args_provider, ignore_unknown_args, args_list=args_list)
     if args.use_checkpoint_args or args_defaults.get('use_checkpoint_args', False):
         if args.load is None:

@@ -50,6 +50,7 @@ from megatron.training.utils import (
     report_memory,
     unwrap_model,
 )
+from megatron.training.watchdog import progress, start_watchdog, stop_watchdog, watch
 
 _TRAIN_START_TIME = time.time()
 
@@ -114,6 +115,7 @@ def pretrain(
         validate_encoder_decoder_args(args)
     timers = get_timers()
     set_jit_fusion_options()
+    start_watchdog(args.watchdog_timeout)
 
     # Adjust the startup time so it reflects the largest value across ranks.
     global _TRAIN_START_TIME, _LAST_SAVED_ITERATION
@@ -203,6 +205,7 @@ def pretrain(
         writer.flush()
     if args.tensorboard_dir:
         print_rank_last(f'TensorBoard logs written to {args.tensorboard_dir}')
+    stop_watchdog()
     return result
 
 
@@ -333,9 +336,10 @@ def get_optimizer_param_scheduler(optimizer):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     args = get_args()
-    if args.train_iters:
+    if args.train_iters is not None:
         if args.lr_decay_iters is None:
-            args.lr_decay_iters = args.train_iters
+            # --train-iters 0 runs evaluation only; the schedule is never stepped but must exist.
+            args.lr_decay_iters = args.train_iters or 1
         lr_decay_steps = args.lr_decay_iters * args.global_batch_size
         wd_incr_steps = args.train_iters * args.global_batch_size
         wsd_decay_steps = None
@@ -629,10 +633,13 @@ def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
     """save_checkpoint with a 'save-checkpoint' timer."""
     args = get_args()
     timers = get_timers()
-    timers('save-checkpoint', log_level=0).start(barrier=True)
-    _checkpointing().save_checkpoint(
-        iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
-    )
+    # No deadline: a large checkpoint on a slow file system may legitimately take long; a frozen
+    # peer is still found through its heartbeat.
+    with watch('checkpoint save', iteration, deadline=False):
+        timers('save-checkpoint', log_level=0).start(barrier=True)
+        _checkpointing().save_checkpoint(
+            iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
+        )
     global _LAST_SAVED_ITERATION
     _LAST_SAVED_ITERATION = iteration
     timers('save-checkpoint').stop(barrier=True)
@@ -718,6 +725,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     while iteration < args.train_iters:
         update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         args.curr_iteration = iteration
+        # The iteration's deadline covers the step and what follows it (logging, saving).
+        progress('training iteration', iteration + 1)
         scale_before_step = optimizer.get_loss_scale().item()
         loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config
@@ -799,6 +808,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         if args.manual_gc and args.manual_gc_interval != 0 and iteration % args.manual_gc_interval == 0:
             gc.collect()
 
+    progress('after training', iteration, deadline=False)
     timers('interval-time').stop()
     if args.manual_gc:
         gc.enable()
@@ -918,9 +928,10 @@ def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, 
     args = get_args()
     writer = get_tensorboard_writer() if write_to_tensorboard else None
 
-    total_loss_dict, collected_non_loss_data, timelimit = evaluate(
-        forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose
-    )
+    with watch('evaluation', iteration):
+        total_loss_dict, collected_non_loss_data, timelimit = evaluate(
+            forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose
+        )
     if timelimit:
         return None
     losses = {key: float(value) for key, value in total_loss_dict.items()}
@@ -1020,10 +1031,26 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
         flags = torch.tensor([0, 0, 0], dtype=torch.long, device=device)
 
     torch.distributed.broadcast(flags, 0)
+    _check_training_data(args, do_train=bool(flags[0].item()))
     args.do_train = getattr(args, 'do_train', False) or bool(flags[0].item())
     args.do_valid = getattr(args, 'do_valid', False) or bool(flags[1].item())
     args.do_test = getattr(args, 'do_test', False) or bool(flags[2].item())
     return train_dataloader, valid_dataloader, test_dataloader
+
+
+def _check_training_data(args, do_train):
+    """Refuse a run that asks for training iterations but whose data yields no training samples
+    (Megatron would run zero iterations and exit 0). Same decision on every rank (broadcast)."""
+    if do_train or args.skip_train or not args.train_iters:
+        return
+    if args.iteration >= args.train_iters:
+        return  # resumed at or past the end: nothing left to train
+    split = '' if args.train_data_path else f' (--split {args.split})'
+    raise ValueError(
+        f'the training data yields no samples{split}, but --train-iters {args.train_iters} asks '
+        f'for training; give the training split a share of the data, or use --skip-train to only '
+        f'evaluate'
+    )
 
 
 def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):

@@ -30,7 +30,6 @@ OUR_EXTRA_FLAGS = {
     '--non-persistent-global-ckpt-dir',
     '--non-persistent-save-interval',
     '--renormalize-blend-weights',
-    '--watchdog-timeout',  # ours: seconds without progress before a rank is reported (0 = off)
 }
 
 # Flags of this package only (no Megatron version has them).

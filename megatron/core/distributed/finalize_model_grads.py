@@ -69,7 +69,9 @@ def _allreduce_word_embedding_grads(model: List[torch.nn.Module], config, pgs=No
 def _allreduce_position_embedding_grads(model: List[torch.nn.Module], config, pgs=None) -> None:
     """All-reduce position-embedding grads between the first stage and the split-rank stage.
 
-    Only encoder-decoder models (pipeline_model_parallel_split_rank set) keep two copies.
+    Only encoder-decoder models (pipeline_model_parallel_split_rank set) keep two copies of the
+    input embedding. Untied, the word table's two copies are reduced over the same group (tied,
+    the embedding group already covers them).
     """
     pgs = pgs if pgs is not None else resolve_process_groups(None, ("pp", "pos_embd"))
     if (
@@ -77,11 +79,15 @@ def _allreduce_position_embedding_grads(model: List[torch.nn.Module], config, pg
         and pgs.pp.size() > 1
         and config.pipeline_model_parallel_split_rank is not None
     ):
-        model_module = model[0]
-        embedding = get_attr_wrapped_model(model_module, 'embedding')
-        weight = embedding.position_embeddings.weight
-        grad = _grad_for_reduction(weight)
-        torch.distributed.all_reduce(grad, group=pgs.pos_embd)
+        model_module = get_attr_wrapped_model(model[0], 'pre_process', return_model_obj=True)
+        embedding = model_module.embedding
+        group = pgs.pos_embd
+        if getattr(embedding, 'add_position_embedding', True):
+            grad = _grad_for_reduction(embedding.position_embeddings.weight)
+            torch.distributed.all_reduce(grad, group=group)
+        if not getattr(model_module, 'share_embeddings_and_output_weights', False):
+            grad = _grad_for_reduction(embedding.word_embeddings.weight)
+            torch.distributed.all_reduce(grad, group=group)
 
 
 def _allreduce_embedding_grads(model: List[torch.nn.Module], config, pgs=None) -> None:

@@ -22,7 +22,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import divide
+from megatron.core.utils import divide, get_current_device
 
 
 @dataclass
@@ -151,6 +151,83 @@ class Attention(MegatronModule, ABC):
             custom_forward, False, query, key, value, attention_mask, rotary_pos_emb, attn_mask_type
         )
 
+    def _allocate_memory(self, inference_max_sequence_length, batch_size, dim, dtype):
+        """An empty KV buffer [max_seq, max_batch, ng, hn] on the current device."""
+        return torch.empty(
+            inference_max_sequence_length,
+            batch_size,
+            self.num_query_groups_per_partition,
+            dim,
+            dtype=dtype,
+            device=get_current_device(),
+        )
+
+    def _adjust_key_value_for_inference(self, inference_params, key, value, rotary_pos_emb):
+        """Write this step's keys and values into the layer's KV cache and return the cached ones.
+
+        The new key [sq, b, ng, hn] goes to positions [sequence_len_offset, +sq) and batch rows
+        [batch_size_offset, +b) of the cache; the returned key and value cover positions
+        [0, sequence_len_offset + sq) of those rows. With RoPE, keys are cached after rotation
+        (each position's rotation is independent of the others, so the result equals rotating
+        all cached keys again at every step, as Megatron does, without the repeated work); the
+        query is rotated at its own positions.
+
+        Returns:
+            (query_pos_emb, key, value, attn_mask_type): the query's RoPE angles (None without
+            RoPE), the cached key/value [sk, b, ng, hn] (already rotated), and the mask type. The
+            causal mask of the core attention is aligned to the last query, so a one-token step
+            attends to every cached position and a longer step stays causal within itself.
+        """
+        attn_mask_type = self.attn_mask_type
+        if self.layer_number not in inference_params.key_value_memory_dict:
+            inf_max_seq_length = inference_params.max_sequence_length
+            inf_max_batch_size = inference_params.max_batch_size
+            inference_key_memory = self._allocate_memory(
+                inf_max_seq_length, inf_max_batch_size, key.shape[-1], key.dtype
+            )
+            inference_value_memory = self._allocate_memory(
+                inf_max_seq_length, inf_max_batch_size, value.shape[-1], value.dtype
+            )
+            inference_params.key_value_memory_dict[self.layer_number] = (
+                inference_key_memory,
+                inference_value_memory,
+            )
+        else:
+            inference_key_memory, inference_value_memory = inference_params.key_value_memory_dict[
+                self.layer_number
+            ]
+
+        batch_start = inference_params.batch_size_offset
+        batch_end = batch_start + key.size(1)
+        if batch_end > inference_key_memory.size(1):
+            raise ValueError(
+                f"inference batch rows [{batch_start}, {batch_end}) exceed max_batch_size "
+                f"({inference_key_memory.size(1)})"
+            )
+        sequence_start = inference_params.sequence_len_offset
+        sequence_end = sequence_start + key.size(0)
+        if sequence_end > inference_key_memory.size(0):
+            raise ValueError(
+                f"inference positions [{sequence_start}, {sequence_end}) exceed "
+                f"max_sequence_length ({inference_key_memory.size(0)})"
+            )
+
+        q_pos_emb = None
+        if rotary_pos_emb is not None:
+            q_pos_emb, k_pos_emb = rotary_pos_emb
+            q_pos_emb = q_pos_emb[sequence_start:sequence_end]  # [sq, 1, 1, d]
+            key = apply_rotary_pos_emb(
+                key, k_pos_emb[sequence_start:sequence_end], config=self.config
+            )
+
+        # Copy the new keys and values into the cache.
+        inference_key_memory[sequence_start:sequence_end, batch_start:batch_end, ...] = key
+        inference_value_memory[sequence_start:sequence_end, batch_start:batch_end, ...] = value
+        # [sk, b, ng, hn] with sk = sequence_end
+        key = inference_key_memory[:sequence_end, batch_start:batch_end, ...]
+        value = inference_value_memory[:sequence_end, batch_start:batch_end, ...]
+        return q_pos_emb, key, value, attn_mask_type
+
     @abstractmethod
     def get_query_key_value_tensors(self, hidden_states, key_value_states):
         """Project to query [sq, b, np, hn], key and value [sk, b, ng, hn]."""
@@ -170,17 +247,36 @@ class Attention(MegatronModule, ABC):
             hidden_states: input of the layer.
             attention_mask: bool [b, 1, sq, sk], True = masked out, or None (causal).
             key_value_states: [sk, b, h] memory for cross attention.
-            inference_params: KV caching (not supported; must be None).
-            rotary_pos_emb: [s, 1, 1, d] angles, or a (query, key) pair of them.
+            inference_params (InferenceParams): KV cache for autoregressive inference (self
+                attention only); the keys and values of this call are appended to it and the
+                attention runs over every cached position.
+            rotary_pos_emb: [s, 1, 1, d] angles, or a (query, key) pair of them (with
+                inference_params: angles for every position up to max_sequence_length).
             packed_seq_params: packed sequences (not supported; must be None).
         """
-        if inference_params is not None:
-            raise NotImplementedError("inference_params (KV cache) is not supported by Attention")
         if packed_seq_params is not None:
             raise NotImplementedError("packed_seq_params is not supported by Attention")
 
         # query: [sq, b, np, hn], key / value: [sk, b, ng, hn]
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+
+        if inference_params is not None and self.attention_type == "self":
+            if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
+                rotary_pos_emb = (rotary_pos_emb,) * 2
+            q_pos_emb, key, value, attn_mask_type = self._adjust_key_value_for_inference(
+                inference_params, key, value, rotary_pos_emb
+            )
+            if q_pos_emb is not None:
+                query = apply_rotary_pos_emb(query, q_pos_emb, config=self.config)
+            core_attn_out = self.core_attention(
+                query, key, value, attention_mask, attn_mask_type=attn_mask_type
+            )
+            # [sq, b, hp] -> [sq, b, h]
+            return self.linear_proj(core_attn_out)
+        if inference_params is not None:
+            raise NotImplementedError(
+                "inference_params (KV cache) is only supported for self attention"
+            )
 
         if rotary_pos_emb is not None:
             if not isinstance(rotary_pos_emb, tuple):

@@ -22,7 +22,8 @@ from megatron.core.utils import make_viewless_tensor
 def get_transformer_layer_offset(config: TransformerConfig) -> int:
     """Global index of the first layer held by this pipeline stage (and model chunk).
 
-    Without virtual pipeline: pp_rank * (num_layers / pp). With vp model chunks per stage the
+    Without virtual pipeline: pp_rank * (num_layers / pp); with an encoder-decoder split rank the
+    offset counts within the layer's own stack (see below). With vp model chunks per stage the
     layers are dealt round-robin in chunks of num_layers / (pp * vp): chunk vp_rank of stage
     pp_rank starts at vp_rank * (num_layers / vp) + pp_rank * (num_layers / (pp * vp)).
     """
@@ -30,6 +31,13 @@ def get_transformer_layer_offset(config: TransformerConfig) -> int:
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if pp_size <= 1:
         return 0
+    split_rank = parallel_state.get_pipeline_model_parallel_split_rank()
+    if split_rank is not None:
+        # Encoder-decoder: config.num_layers is the depth of the stack this layer belongs to,
+        # spread over the r stages before the split (encoder) or the pp - r after it (decoder).
+        if pipeline_rank < split_rank:
+            return pipeline_rank * (config.num_layers // split_rank)
+        return (pipeline_rank - split_rank) * (config.num_layers // (pp_size - split_rank))
     vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if vp_size is not None:
         vp_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()

@@ -207,7 +207,8 @@ def build_pretraining_data_loader(dataset, consumed_samples):
 
     Reads args.dataloader_type (None -> 'single'), micro_batch_size, num_workers, data_sharding.
     """
-    if dataset is None:
+    if dataset is None or len(dataset) == 0:
+        # A split nobody asked samples from (--eval-iters 0, --train-iters 0): no loader.
         return None
     from megatron.core import parallel_state
     from megatron.training.global_vars import get_args

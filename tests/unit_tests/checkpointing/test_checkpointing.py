@@ -413,6 +413,14 @@ def _load_after_kill_body(ckpt_dir, reference_file):
     iteration, _ = checkpointing.load_checkpoint(model, optimizer, scheduler)
     reference = torch.load(reference_file % torch.distributed.get_rank(), weights_only=True)
     _assert_same(_params(model), reference, 'parameters loaded after a killed save')
+    # The next save removes the partial file the killed one left behind.
+    checkpointing.save_checkpoint(2, model, optimizer, scheduler, 0)
+    leftovers = [f for _, _, files in os.walk(ckpt_dir) for f in files if '.tmp' in f]
+    assert leftovers == [], leftovers
+    # The tracker never moves backwards.
+    with pytest.raises(ValueError, match='names iteration 2; saving iteration 1 would move it'):
+        checkpointing.save_checkpoint(1, model, optimizer, scheduler, 0)
+    assert open(checkpointing.get_checkpoint_tracker_filename(ckpt_dir)).read() == '2'
     return iteration
 
 

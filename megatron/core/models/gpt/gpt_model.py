@@ -162,11 +162,13 @@ class GPTModel(LanguageModule):
 
         Args:
             input_ids: [b, s] token ids (first stage).
-            position_ids: [b, s] positions (learned_absolute; None = 0..s-1).
+            position_ids: [b, s] positions (learned_absolute; None = 0..s-1, or the positions
+                after the cached ones with inference_params).
             attention_mask: bool [b, 1, s, s], True = masked out; None = causal.
             decoder_input: [s, b, h] precomputed embedding output (skips the embedding).
             labels: [b, s] targets; when given, the per-token loss is returned.
-            inference_params: KV cache (not supported).
+            inference_params (InferenceParams): KV cache for autoregressive inference: the
+                tokens of this call follow the `sequence_len_offset` cached positions.
             packed_seq_params: packed sequences (rejected by the local attention, as in Megatron).
             extra_block_kwargs: extra keyword arguments for the TransformerBlock.
 
@@ -179,6 +181,11 @@ class GPTModel(LanguageModule):
         if decoder_input is not None:
             pass
         elif self.pre_process:
+            if position_ids is None and inference_params is not None:
+                offset = inference_params.sequence_len_offset
+                position_ids = torch.arange(
+                    offset, offset + input_ids.size(1), device=input_ids.device
+                ).unsqueeze(0)
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         else:
             # Intermediate stage of the pipeline: the decoder takes its input from
@@ -205,6 +212,14 @@ class GPTModel(LanguageModule):
 
         if not self.post_process:
             return hidden_states
+
+        if (
+            inference_params is not None
+            and getattr(inference_params, 'materialize_only_last_token_logits', False)
+            and labels is None
+        ):
+            # Sampling needs the last position only: skip the output layer elsewhere.
+            hidden_states = hidden_states[-1:, :, :]  # [s, b, h] -> [1, b, h]
 
         # Logits [s, b, v/p].
         output_weight = None

@@ -31,15 +31,22 @@ logger = logging.getLogger('megatron.core.utils')
 _FIELDS = ('rtt_ms', 'drtt_ms', 'etpt_tflops', 'power_w', 'temp_c', 'util_pct', 'clock_mhz')
 
 
+def _uses_cuda() -> bool:
+    # Imported here: megatron.core.utils imports this module at its top (re-export).
+    from megatron.core.utils import uses_cuda
+
+    return uses_cuda()
+
+
 def _synchronize_device():
     # Section boundaries must include the queued GPU work, as CUDA events would.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _uses_cuda() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 
 def _gpu_readings() -> List[float]:
     """[power W, temperature C, utilization %, SM clock MHz] of this rank's GPU, or zeros."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if not (_uses_cuda() and torch.cuda.is_initialized()):
         return [0.0, 0.0, 0.0, 0.0]
     readings = []
     for read in (

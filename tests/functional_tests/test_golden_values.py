@@ -8,7 +8,13 @@ import os
 import numpy as np
 import pytest
 
-from tests.functional_tests.golden_utils import CASES_DIR, case_model, list_cases, load_case, run_case
+from tests.functional_tests.golden_utils import (
+    CASES_DIR,
+    case_model,
+    list_cases,
+    load_case,
+    run_case,
+)
 
 
 @pytest.mark.parametrize('case', list_cases())

@@ -137,7 +137,8 @@ def _copy_weights(ours, hf, args):
 def _batches(args, n):
     g = torch.Generator().manual_seed(0)
     out = []
-    b, se, sd, v = args.micro_batch_size, args.encoder_seq_length, args.decoder_seq_length, args.vocab_size
+    b, v = args.micro_batch_size, args.vocab_size
+    se, sd = args.encoder_seq_length, args.decoder_seq_length
     causal = torch.ones(sd, sd, dtype=torch.bool).tril()
     for _ in range(n):
         out.append({
@@ -196,7 +197,8 @@ def run_throughput(args):
             if i >= args.warmup_steps:
                 times[name] += elapsed
         print(f'  step {i + 1}/{len(batches)} done', file=sys.stderr, flush=True)
-    tokens = args.steps * args.micro_batch_size * (args.encoder_seq_length + args.decoder_seq_length)
+    seq = args.encoder_seq_length + args.decoder_seq_length
+    tokens = args.steps * args.micro_batch_size * seq
     ours_tps, hf_tps = tokens / times['ours'], tokens / times['hf']
     n_params = sum(p.numel() for p in ours.parameters())
     print(f'T5 training throughput: {n_params / 1e6:.2f}M params, {args.num_layers}+'

@@ -2,8 +2,9 @@
 at the encoder/decoder boundary included) give the serial run's lm loss at every iteration.
 
 The data are 3,000 quotations of the bundled fortunes corpus, span-corrupted by
-T5MaskedWordPieceDataset. Every layout starts from identical weights (`set_t5_reference_weights`: values drawn per global
-parameter name, sliced for TP, layer indices taken per stack) and reads the same global batches,
+T5MaskedWordPieceDataset. Every layout starts from identical weights (`set_t5_reference_weights`:
+values drawn per global parameter name, sliced for TP, layer indices taken per stack) and reads the
+same global batches,
 so with dropout off the losses agree up to float32 reduction-order noise (relative 1e-5).
 """
 

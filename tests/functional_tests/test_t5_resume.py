@@ -2,8 +2,8 @@
 
 TP=2 x PP=2 with --pipeline-model-parallel-split-rank 1 (4 gloo ranks): an uninterrupted reference
 run; a run stopped by `--exit-interval` (which saves before leaving); the same command again with
-`--load`, on span-corrupted fortunes (T5MaskedWordPieceDataset). The losses of the resumed iterations equal the reference's bit for bit (fp32 on CPU,
-compared through float.hex).
+`--load`, on span-corrupted fortunes (T5MaskedWordPieceDataset). The losses of the resumed
+iterations equal the reference's bit for bit (fp32 on CPU, compared through float.hex).
 """
 
 import os

@@ -65,7 +65,8 @@ def build_t5(
 
 
 def random_batch(batch_size, seed):
-    """Token ids 1..VOCAB-2 (VOCAB-1 is MBart's padding_idx) with trailing padding (id 0), labels -1 at padding, and the masks.
+    """Token ids 1..VOCAB-2 (VOCAB-1 is MBart's padding_idx) with trailing padding (id 0), labels
+    -1 at padding, and the masks.
 
     Masks as Megatron builds them: 1 = attend if both positions are real (id >= 1), the decoder
     one also causal; pretrain_t5.get_batch turns them into bool "value < 0.5" (True = masked).

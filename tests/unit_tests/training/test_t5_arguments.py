@@ -20,6 +20,9 @@ BASE = [
 ]
 
 
+PP, SPLIT = '--pipeline-model-parallel-size', '--pipeline-model-parallel-split-rank'
+
+
 def _validate(extra=(), world_size=1, drop=()):
     argv = list(BASE)
     for flag in drop:
@@ -32,10 +35,7 @@ def _validate(extra=(), world_size=1, drop=()):
 
 
 def test_valid_t5_layout():
-    args = _validate(
-        ['--pipeline-model-parallel-size', '4', '--pipeline-model-parallel-split-rank', '2'],
-        world_size=4,
-    )
+    args = _validate([PP, '4', SPLIT, '2'], world_size=4)
     assert args.num_layers == args.encoder_num_layers == 4
     assert args.seq_length == args.encoder_seq_length == 32
 
@@ -48,24 +48,23 @@ def test_decoder_num_layers_defaults_to_encoder_depth():
 @pytest.mark.parametrize(
     'extra, world_size, drop, message',
     [
-        (['--pipeline-model-parallel-size', '2', '--pipeline-model-parallel-split-rank', '2'], 2, (),
+        ([PP, '2', SPLIT, '2'], 2, (),
          '--pipeline-model-parallel-split-rank (2) must be < --pipeline-model-parallel-size (2)'),
-        (['--pipeline-model-parallel-split-rank', '1'], 1, (),
+        ([SPLIT, '1'], 1, (),
          '--pipeline-model-parallel-split-rank (1) needs --pipeline-model-parallel-size > 1'),
-        (['--pipeline-model-parallel-size', '2', '--pipeline-model-parallel-split-rank', '0'], 2, (),
+        ([PP, '2', SPLIT, '0'], 2, (),
          '--pipeline-model-parallel-split-rank (0) must be >= 1'),
-        (['--pipeline-model-parallel-size', '2'], 2, (),
+        ([PP, '2'], 2, (),
          '--pipeline-model-parallel-split-rank is required with --pipeline-model-parallel-size 2'),
         ([], 1, ['--decoder-seq-length'], '--decoder-seq-length is required'),
         (['--data-path', 'corpus_text_document'], 1, ['--vocab-extra-ids'],
          '--vocab-extra-ids (0) must be > 0 for T5 data'),
-        (['--pipeline-model-parallel-size', '2', '--pipeline-model-parallel-split-rank', '1',
-          '--num-layers-per-virtual-pipeline-stage', '1'], 2, (),
+        ([PP, '2', SPLIT, '1', '--num-layers-per-virtual-pipeline-stage', '1'], 2, (),
          '--num-layers-per-virtual-pipeline-stage: interleaved (virtual) pipelines are not '
          'supported'),
-        (['--pipeline-model-parallel-size', '4', '--pipeline-model-parallel-split-rank', '3'], 4, (),
+        ([PP, '4', SPLIT, '3'], 4, (),
          '--encoder-num-layers (4) is not divisible by the 3 encoder stages'),
-        (['--pipeline-model-parallel-size', '4', '--pipeline-model-parallel-split-rank', '1'], 4, (),
+        ([PP, '4', SPLIT, '1'], 4, (),
          '--decoder-num-layers (4) is not divisible by the 3 decoder stages'),
     ],
 )
@@ -91,5 +90,6 @@ def test_pretrain_t5_fails_before_training(tmp_path):
     )
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.endswith('ValueError: --decoder-seq-length is required for encoder-decoder (T5) models')
+    expected = 'ValueError: --decoder-seq-length is required for encoder-decoder (T5) models'
+    assert last.endswith(expected)
     assert 'building T5 model' not in proc.stdout and ' iteration ' not in proc.stdout

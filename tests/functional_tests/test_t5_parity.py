@@ -31,15 +31,30 @@ LAYOUTS = {
 def _run(layout, data_args, synthetic):
     world, tp, pp, split, mbs = LAYOUTS[layout]
     extra = [
-        '--tensor-model-parallel-size', str(tp), '--pipeline-model-parallel-size', str(pp),
-        '--micro-batch-size', str(mbs), '--global-batch-size', '8',
-        '--train-iters', str(TRAIN_ITERS), '--eval-iters', '1',
+        '--tensor-model-parallel-size',
+        str(tp),
+        '--pipeline-model-parallel-size',
+        str(pp),
+        '--micro-batch-size',
+        str(mbs),
+        '--global-batch-size',
+        '8',
+        '--train-iters',
+        str(TRAIN_ITERS),
+        '--eval-iters',
+        '1',
     ] + list(data_args)
     if split is not None:
         extra += ['--pipeline-model-parallel-split-rank', str(split)]
     results = run_distributed(
-        run_pretrain_t5, world_size=world, tp=tp, pp=pp, split_rank=split, args=(extra,),
-        kwargs={'reference_weights': True, 'synthetic': synthetic}, timeout=600,
+        run_pretrain_t5,
+        world_size=world,
+        tp=tp,
+        pp=pp,
+        split_rank=split,
+        args=(extra,),
+        kwargs={'reference_weights': True, 'synthetic': synthetic},
+        timeout=600,
     )
     return results[-1]  # the last rank is on the last pipeline stage and holds the losses
 

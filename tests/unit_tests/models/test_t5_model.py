@@ -147,8 +147,10 @@ def _compare_with_mbart():
     unpatched.eval()
     tu.load_into_mbart(model.state_dict(), unpatched)
     unpatched_logits = unpatched(
-        input_ids=batch['text_enc'], attention_mask=enc_pad,
-        decoder_input_ids=batch['text_dec'], decoder_attention_mask=dec_pad,
+        input_ids=batch['text_enc'],
+        attention_mask=enc_pad,
+        decoder_input_ids=batch['text_dec'],
+        decoder_attention_mask=dec_pad,
     ).logits
     return dict(
         real=dec_pad.bool(),

@@ -83,7 +83,8 @@ def test_decoder_num_layers_defaults_to_encoder_depth():
             [PP, '2'],
             2,
             (),
-            '--pipeline-model-parallel-split-rank is required with --pipeline-model-parallel-size 2',
+            '--pipeline-model-parallel-split-rank is required with '
+            '--pipeline-model-parallel-size 2',
         ),
         ([], 1, ['--decoder-seq-length'], '--decoder-seq-length is required'),
         (

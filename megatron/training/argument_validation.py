@@ -7,6 +7,7 @@ Re-exported by `arguments.py`, where Megatron users import it from.
 
 import torch
 
+from megatron.core.utils import uses_cuda
 from megatron.training.arguments_unsupported import check_unsupported_flags
 
 
@@ -124,7 +125,7 @@ def validate_args(args, defaults={}):
             setattr(args, key, value)
 
     # Backend: nccl needs CUDA. Without a GPU we fall back to gloo (and say so).
-    if args.distributed_backend == 'nccl' and not torch.cuda.is_available():
+    if args.distributed_backend == 'nccl' and not uses_cuda('nccl'):
         _note(args, 'no CUDA device found: --distributed-backend nccl -> gloo')
         args.distributed_backend = 'gloo'
     if args.transformer_impl == 'transformer_engine':
@@ -454,7 +455,9 @@ def _validate_megatron_r08_extras(args):
             f'--check-weight-hash-across-dp-replicas-interval must be positive, got {interval}'
         )
     if getattr(args, 'straggler_minmax_count', 1) < 1:
-        raise ValueError(f'--straggler-minmax-count must be >= 1, got {args.straggler_minmax_count}')
+        raise ValueError(
+            f'--straggler-minmax-count must be >= 1, got {args.straggler_minmax_count}'
+        )
 
 
 def _print_args(title, args):

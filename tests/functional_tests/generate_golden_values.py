@@ -1,7 +1,8 @@
 """Regenerate tests/functional_tests/test_cases/*/*/golden_values.json by running each case.
 
 Usage: python tests/functional_tests/generate_golden_values.py [case ...]
-       (cases like gpt/gpt_tiny_tp2_pp2 or t5/t5_tiny_tp2_pp2_split1; default: all)
+       (cases like gpt/gpt_tiny_tp2_pp2, bert/bert_tiny_tp2_pp2 or t5/t5_tiny_tp2_pp2_split1;
+       default: all)
 """
 
 import json

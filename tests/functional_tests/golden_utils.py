@@ -1,22 +1,24 @@
 """Golden-value cases: tests/functional_tests/test_cases/<model>/<case>/{model_config.yaml,
 golden_values.json}. The JSON follows Megatron's layout: metric -> {"start_step", "end_step",
-"step_interval", "values": {"<step>": value}} with values rounded to 5 decimals."""
+"step_interval", "values": {"<step>": value}} with values rounded to 5 decimals. <model> (gpt, bert,
+t5) picks the pretrain script and the preprocessed data (see MODELS)."""
 
 import glob
 import os
 
 import yaml
 
+from tests.functional_tests.bert_utils import prepare_bert_data, run_bert_pretrain
 from tests.functional_tests.gpt_utils import prepare_data, run_pretrain
 from tests.functional_tests.t5_utils import prepare_t5_data, run_pretrain_t5
 from tests.unit_tests.dist_utils import run_distributed
 
 CASES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'test_cases')
 
-
 #: Per model folder: (worker running pretrain on one rank, data preparation, pytest data fixture).
 MODELS = {
     'gpt': (run_pretrain, prepare_data, 'gpt_data_prefix'),
+    'bert': (run_bert_pretrain, prepare_bert_data, 'bert_data_prefix'),
     't5': (run_pretrain_t5, prepare_t5_data, 't5_data_prefix'),
 }
 

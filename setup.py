@@ -47,6 +47,8 @@ setup(
         "sentencepiece",
         "tensorboard",
         "pyyaml",
+        # Hugging Face model directories in tools/checkpoint (loader_hf, saver_hf).
+        "safetensors",
     ],
     extras_require={
         "test": [

@@ -6,6 +6,7 @@ gloo when no GPU exists). An already-initialized default process group (tests, n
 and so are already-initialized model-parallel groups when their sizes match the args.
 """
 
+import os
 import random
 import time
 from datetime import timedelta
@@ -99,11 +100,13 @@ def _initialize_distributed():
             print('> initializing torch distributed ...', flush=True)
         if device_count > 0:
             torch.cuda.set_device(args.local_rank % device_count)
+        timeout = timedelta(minutes=args.distributed_timeout_minutes)
         torch.distributed.init_process_group(
             backend=args.distributed_backend,
             world_size=args.world_size,
             rank=args.rank,
-            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+            timeout=timeout,
+            store=_per_attempt_store(args.world_size, timeout),
         )
 
     if mpu.model_parallel_is_initialized():
@@ -148,6 +151,22 @@ def _initialize_distributed():
                 f'{mpu.get_pipeline_model_parallel_world_size()}',
                 flush=True,
             )
+
+
+def _per_attempt_store(world_size, timeout):
+    """Under torchrun, the launcher's store with a prefix per restart attempt (None otherwise).
+
+    torchrun keeps one store for all `--max-restarts` attempts; the process group of a restarted
+    job would read the previous attempt's keys (the dead ranks' addresses) and fail to connect.
+    """
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    store = torch.distributed.TCPStore(
+        os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
+        is_master=False, timeout=timeout,
+    )
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+    return torch.distributed.PrefixStore(f'megatron/attempt_{attempt}', store)
 
 
 def _set_random_seed(seed_, data_parallel_random_init=False):

@@ -5,5 +5,7 @@ import runpy
 import sys
 
 if __name__ == '__main__':
-    sys.argv[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'checkpoint', 'convert.py')
+    sys.argv[0] = os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), 'checkpoint', 'convert.py'
+    )
     runpy.run_path(sys.argv[0], run_name='__main__')

@@ -17,6 +17,7 @@ import json
 import multiprocessing
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
@@ -137,7 +138,7 @@ class Partition(object):
         proc_start = time.time()
         pool = multiprocessing.Pool(self.workers, initializer=encoder.initializer)
         try:
-            for result in pool.imap(encoder.encode, items, 32):
+            for result in _with_heartbeat(pool.imap(encoder.encode, items, 32), lambda: count):
                 if result[0] == "error":
                     raise PreprocessError(result[1])
                 doc, sentence_lens, bytes_processed = result
@@ -159,6 +160,50 @@ class Partition(object):
             builders[key].finalize(prefixes[key] + _TMP_SUFFIX + ".idx")
         self.print_processing_stats(count, proc_start, total_bytes, final=True)
         return count
+
+
+#: Seconds without a finished document after which a "still encoding" line is printed.
+STILL_ENCODING_INTERVAL = 30.0
+
+
+def _with_heartbeat(results, done):
+    """Yield from `results`; while one document takes long (one huge document), a thread prints
+    on stderr every STILL_ENCODING_INTERVAL seconds that it is still being encoded."""
+    last = [time.time(), time.time()]  # last finished document, last line printed
+    stop = threading.Event()
+
+    def _beat():
+        while not stop.wait(min(1.0, STILL_ENCODING_INTERVAL / 2)):
+            now = time.time()
+            if now - max(last) >= STILL_ENCODING_INTERVAL:
+                last[1] = now
+                print(f"Processed {done()} documents; still encoding document {done() + 1} "
+                      f"({now - last[0]:.0f} s so far)", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=_beat, daemon=True)
+    thread.start()
+    try:
+        for result in results:
+            last[0] = last[1] = time.time()
+            yield result
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _cap_workers(args):
+    """More encoding processes than CPU cores only add memory: cap --workers (a multiple of
+    --partitions) at the cores this process may use, with a warning."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    if args.workers <= cores:
+        return
+    capped = max(args.partitions, cores // args.partitions * args.partitions)
+    if capped >= args.workers:
+        return
+    print(f"WARNING: --workers {args.workers} is more than the {cores} CPU cores available; "
+          f"using {capped} workers", file=sys.stderr, flush=True)
+    args.workers = capped
 
 
 def _remove_tmp(prefix):
@@ -214,6 +259,7 @@ def get_args(argv=None):
         parser.error(f"--workers ({args.workers}) must be divisible by --partitions ({args.partitions})")
     if args.log_interval < 1:
         parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
+    _cap_workers(args)
     if args.keep_newlines and not args.split_sentences:
         print("--keep-newlines only applies with --split-sentences; ignored", file=sys.stderr)
 

@@ -6,12 +6,15 @@ renumbered globally; a full model is written back at any target TP x PP in the s
 Between the two, each transformer layer travels as one dict whose keys are the names of the
 messages of Megatron's tools/checkpoint protocol ("qkv weight", "mlp l0 weight W", ...).
 
-Parameter rules (megatron-core GPT names, see `hf_weight_mapping.tensor_parallel_partition_dim`):
+Parameter rules (megatron-core GPT / BERT names, see
+`hf_weight_mapping.tensor_parallel_partition_dim`):
 
-- column-parallel, split along dim 0: word embeddings, output layer, linear_qkv (whole query
-  groups per rank), linear_fc1 (per half under SwiGLU: rank r holds [gate_r; up_r]);
+- column-parallel, split along dim 0: word embeddings, output layer (and BERT's output bias),
+  linear_qkv (whole query groups per rank), linear_fc1 (per half under SwiGLU: rank r holds
+  [gate_r; up_r]);
 - row-parallel, split along dim 1: linear_proj and linear_fc2 weights;
-- replicated (taken from TP rank 0): norms, position embeddings, row-parallel biases.
+- replicated (taken from TP rank 0): norms, position and token-type embeddings, row-parallel
+  biases, BERT's pooler, LM-head transform and binary head.
 
 Nothing here needs torch.distributed: files are read and written directly.
 """
@@ -21,6 +24,7 @@ import copy
 import json
 import math
 import os
+import re
 import types
 from typing import Dict, List, Optional, Tuple
 
@@ -106,6 +110,22 @@ def true_vocab_size_from_file(vocab_file: str) -> int:
         raise ValueError(f'--vocab-file {vocab_file}: cannot read it as a JSON vocabulary ({exc})')
 
 
+def recorded_true_vocab_size(args) -> Optional[int]:
+    """The unpadded vocabulary a checkpoint's args reveal, or None.
+
+    Converted checkpoints record it as `true_vocab_size` (an arg Megatron does not have, so the
+    padding can be recomputed at the next conversion); the NullTokenizer has vocab_size + 1 ids.
+    """
+    recorded = getattr(args, 'true_vocab_size', None)
+    if recorded is not None:
+        return recorded
+    if getattr(args, 'tokenizer_type', None) == 'NullTokenizer' and getattr(
+        args, 'vocab_size', None
+    ):
+        return args.vocab_size + 1
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # messages <-> mcore layer state dicts
 
@@ -164,7 +184,9 @@ def torch_load_weights_only(filename: str, mmap: bool = True) -> dict:
 def _read_tracker(load_dir: str) -> Tuple[int, bool]:
     tracker = get_checkpoint_tracker_filename(load_dir)
     if not os.path.isfile(tracker):
-        raise ValueError(f'--load-dir {load_dir}: no checkpoint there (no {os.path.basename(tracker)})')
+        raise ValueError(
+            f'--load-dir {load_dir}: no checkpoint there (no {os.path.basename(tracker)})'
+        )
     text = open(tracker).read().strip()
     if text == 'release':
         return 0, True
@@ -189,7 +211,8 @@ class CheckpointReader:
         vp = getattr(self.args, 'virtual_pipeline_model_parallel_size', None)
         self.vp = vp if vp is not None and vp > 1 else None
         missing = [
-            name for name in (self.rank_file(t, p) for p in range(self.pp) for t in range(self.tp))
+            name
+            for name in (self.rank_file(t, p) for p in range(self.pp) for t in range(self.tp))
             if not os.path.isfile(name)
         ]
         if missing:
@@ -200,17 +223,26 @@ class CheckpointReader:
             )
 
     def _read_layout(self):
-        base = get_checkpoint_name(self.load_dir, self.iteration, self.release, return_base_dir=True)
+        base = get_checkpoint_name(
+            self.load_dir, self.iteration, self.release, return_base_dir=True
+        )
         for pipeline_parallel in (False, True):
             name = get_checkpoint_name(
-                self.load_dir, self.iteration, self.release, pipeline_parallel=pipeline_parallel,
-                tensor_rank=0, pipeline_rank=0, expert_parallel=False, expert_rank=0,
+                self.load_dir,
+                self.iteration,
+                self.release,
+                pipeline_parallel=pipeline_parallel,
+                tensor_rank=0,
+                pipeline_rank=0,
+                expert_parallel=False,
+                expert_rank=0,
             )
             if os.path.isfile(name):
                 state = torch_load_weights_only(name)
                 if 'args' not in state:
                     raise ValueError(f'{name}: the checkpoint holds no args; cannot convert it')
                 args = state['args']
+                self.model_keys = sorted(state.get('model', state.get('model0', {})))
                 return args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args
         present = sorted(os.listdir(base)) if os.path.isdir(base) else 'nothing'
         raise ValueError(
@@ -218,10 +250,21 @@ class CheckpointReader:
             f'model_optim_rng.pt under {base} (found {present})'
         )
 
+    @property
+    def model_type(self) -> str:
+        """'BERT' when the model has an encoder block, else 'GPT'."""
+        return 'BERT' if any(k.startswith('encoder.') for k in self.model_keys) else 'GPT'
+
     def rank_file(self, tp_rank: int, pp_rank: int) -> str:
         return get_checkpoint_name(
-            self.load_dir, self.iteration, self.release, pipeline_parallel=self.pp > 1,
-            tensor_rank=tp_rank, pipeline_rank=pp_rank, expert_parallel=False, expert_rank=0,
+            self.load_dir,
+            self.iteration,
+            self.release,
+            pipeline_parallel=self.pp > 1,
+            tensor_rank=tp_rank,
+            pipeline_rank=pp_rank,
+            expert_parallel=False,
+            expert_rank=0,
         )
 
     def load_stage(self, pp_rank: int) -> Tuple[List[Tuple[int, StateDict]], List[dict]]:
@@ -243,18 +286,29 @@ class CheckpointReader:
         return chunks, others
 
 
+def block_name(model_type: str) -> str:
+    """The transformer block of a model's state dict: 'decoder' (GPT) or 'encoder' (BERT)."""
+    return 'encoder' if model_type == 'BERT' else 'decoder'
+
+
 def split_chunk_by_layer(chunk: StateDict, offset: int) -> Tuple[Dict[int, StateDict], StateDict]:
-    """({global layer index: layer-local state dict}, the chunk's non-layer tensors)."""
+    """({global layer index: layer-local state dict}, the chunk's non-layer tensors).
+
+    Layers are `decoder.layers.N.*` (GPT) or `encoder.layers.N.*` (BERT).
+    """
     layers: Dict[int, StateDict] = {}
     rest: StateDict = {}
-    prefix = 'decoder.layers.'
     for name, tensor in chunk.items():
-        if name.startswith(prefix):
-            local, sub = name[len(prefix):].split('.', 1)
-            layers.setdefault(offset + int(local), {})[sub] = tensor
+        match = _LAYER_RE.match(name)
+        if match:
+            index = offset + int(match.group(2))
+            layers.setdefault(index, {})[match.group(3)] = tensor
         else:
             rest[name] = tensor
     return dict(sorted(layers.items())), rest
+
+
+_LAYER_RE = re.compile(r'^(decoder|encoder)\.layers\.(\d+)\.(.+)$')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +322,7 @@ def args_for_target(
     padded_vocab: int,
     save_dir: str,
     iteration: int,
+    true_vocab_size: Optional[int] = None,
 ) -> argparse.Namespace:
     """The args saved with a converted checkpoint: the source's, at the target layout.
 
@@ -282,6 +337,8 @@ def args_for_target(
     args.world_size = tp * pp
     args.data_parallel_size = 1
     args.padded_vocab_size = padded_vocab
+    if true_vocab_size is not None:
+        args.true_vocab_size = true_vocab_size
     args.save = save_dir
     args.load = None
     args.iteration = iteration
@@ -290,12 +347,14 @@ def args_for_target(
 
 
 def add_extra_state_entries(stage: StateDict, has_output_layer: bool) -> StateDict:
-    """The `_extra_state` entries (None) a GPTModel state dict lists for each linear module."""
+    """The `_extra_state` entries (None) a model state dict lists for each parallel linear."""
     out = dict(stage)
-    layers = {name.split('.')[2] for name in stage if name.startswith('decoder.layers.')}
-    for i in sorted(layers, key=int):
+    layers = sorted(
+        {m.group(1, 2) for m in map(_LAYER_RE.match, stage) if m}, key=lambda bl: int(bl[1])
+    )
+    for block, i in layers:
         for module in _EXTRA_STATE_MODULES:
-            out[f'decoder.layers.{i}.{module}._extra_state'] = None
+            out[f'{block}.layers.{i}.{module}._extra_state'] = None
     if has_output_layer:
         out['output_layer._extra_state'] = None
     return out
@@ -315,13 +374,22 @@ class CheckpointWriter:
         self.swiglu = types.SimpleNamespace(gated_linear_unit=swiglu)
 
     def write_stage(self, pp_rank: int, stage: StateDict, has_output_layer: bool) -> List[str]:
-        """Split one stage's full state dict (stage-local layer numbers) and save each TP rank."""
-        shards = split_state_dict_for_tensor_parallel(stage, self.swiglu, self.tp)
+        """Split one stage's full state dict (stage-local layer numbers) and save each TP rank.
+
+        `stage` is consumed: each full tensor is dropped once split, so the stage is held about
+        once in memory, not twice.
+        """
+        shards = self._split_consuming(stage)
         names = []
         for tp_rank, shard in enumerate(shards):
             name = get_checkpoint_name(
-                self.save_dir, self.iteration, pipeline_parallel=self.pp > 1,
-                tensor_rank=tp_rank, pipeline_rank=pp_rank, expert_parallel=False, expert_rank=0,
+                self.save_dir,
+                self.iteration,
+                pipeline_parallel=self.pp > 1,
+                tensor_rank=tp_rank,
+                pipeline_rank=pp_rank,
+                expert_parallel=False,
+                expert_rank=0,
             )
             os.makedirs(os.path.dirname(name), exist_ok=True)
             state = {
@@ -337,6 +405,20 @@ class CheckpointWriter:
             names.append(name)
         return names
 
+    def _split_consuming(self, stage: StateDict) -> List[StateDict]:
+        if self.tp == 1:
+            shards = [dict(stage)]
+            stage.clear()
+            return shards
+        shards: List[StateDict] = [{} for _ in range(self.tp)]
+        for name in list(stage):
+            pieces = split_state_dict_for_tensor_parallel(
+                {name: stage.pop(name)}, self.swiglu, self.tp
+            )
+            for shard, piece in zip(shards, pieces):
+                shard.update(piece)
+        return shards
+
     def finish(self) -> None:
         """Write the tracker file last, so a partial conversion is never taken as a checkpoint."""
         tracker = get_checkpoint_tracker_filename(self.save_dir)
@@ -344,4 +426,3 @@ class CheckpointWriter:
         with open(tmp, 'w') as f:
             f.write(str(self.iteration))
         os.replace(tmp, tracker)
-

@@ -11,30 +11,83 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONVERT = os.path.join(REPO, 'tools', 'checkpoint', 'convert.py')
+CHECKPOINT_UTIL = os.path.join(REPO, 'tools', 'checkpoint_util.py')
 
 #: Tiny models on mock data (NullTokenizer: 4096 ids, eod = 4095).
 COMMON_ARGS = [
-    '--seq-length', '16', '--max-position-embeddings', '16',
-    '--attention-dropout', '0.0', '--hidden-dropout', '0.0',
-    '--micro-batch-size', '1', '--global-batch-size', '4',
-    '--lr', '1e-2', '--min-lr', '1e-3', '--lr-decay-style', 'cosine', '--lr-warmup-iters', '1',
-    '--weight-decay', '0.01', '--clip-grad', '1.0', '--seed', '1234',
-    '--mock-data', '--tokenizer-type', 'NullTokenizer', '--vocab-size', '4095',
-    '--split', '98,2,0', '--num-workers', '0', '--log-interval', '1',
-    '--eval-interval', '1000', '--eval-iters', '1', '--distributed-backend', 'gloo',
+    '--seq-length',
+    '16',
+    '--max-position-embeddings',
+    '16',
+    '--attention-dropout',
+    '0.0',
+    '--hidden-dropout',
+    '0.0',
+    '--micro-batch-size',
+    '1',
+    '--global-batch-size',
+    '4',
+    '--lr',
+    '1e-2',
+    '--min-lr',
+    '1e-3',
+    '--lr-decay-style',
+    'cosine',
+    '--lr-warmup-iters',
+    '1',
+    '--weight-decay',
+    '0.01',
+    '--clip-grad',
+    '1.0',
+    '--seed',
+    '1234',
+    '--mock-data',
+    '--tokenizer-type',
+    'NullTokenizer',
+    '--vocab-size',
+    '4095',
+    '--split',
+    '98,2,0',
+    '--num-workers',
+    '0',
+    '--log-interval',
+    '1',
+    '--eval-interval',
+    '1000',
+    '--eval-iters',
+    '1',
+    '--distributed-backend',
+    'gloo',
 ]
 GPT_ARCH = ['--num-layers', '4', '--hidden-size', '32', '--num-attention-heads', '4']
 LLAMA_ARCH = [
-    '--num-layers', '4', '--hidden-size', '64', '--num-attention-heads', '8',
-    '--group-query-attention', '--num-query-groups', '2', '--ffn-hidden-size', '96',
-    '--normalization', 'RMSNorm', '--norm-epsilon', '1e-6', '--swiglu',
-    '--position-embedding-type', 'rope', '--rotary-base', '5000', '--disable-bias-linear',
+    '--num-layers',
+    '4',
+    '--hidden-size',
+    '64',
+    '--num-attention-heads',
+    '8',
+    '--group-query-attention',
+    '--num-query-groups',
+    '2',
+    '--ffn-hidden-size',
+    '96',
+    '--normalization',
+    'RMSNorm',
+    '--norm-epsilon',
+    '1e-6',
+    '--swiglu',
+    '--position-embedding-type',
+    'rope',
+    '--rotary-base',
+    '5000',
+    '--disable-bias-linear',
     '--untie-embeddings-and-output-weights',
 ]
 
 
 def run_pretrain(extra_args):
-    """pretrain() of pretrain_gpt.py on this harness rank; {iteration: lm loss} on the last stage."""
+    """pretrain() of pretrain_gpt.py on this rank; {iteration: lm loss} on the last stage."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     import pretrain_gpt
@@ -60,18 +113,32 @@ def make_source_checkpoint(save_dir, arch_args, layout_args, world_size, tp, pp,
     """Train `iters` iterations at a layout and save at the end (optimizer state included)."""
     from tests.unit_tests.dist_utils import run_distributed
 
-    extra = list(arch_args) + list(layout_args) + [
-        '--train-iters', str(iters), '--save', save_dir, '--save-interval', str(iters),
-    ]
+    extra = (
+        list(arch_args)
+        + list(layout_args)
+        + [
+            '--train-iters',
+            str(iters),
+            '--save',
+            save_dir,
+            '--save-interval',
+            str(iters),
+        ]
+    )
     run_distributed(run_pretrain, world_size=world_size, tp=tp, pp=pp, args=(extra,), timeout=600)
 
 
-def convert(*flags, check=True):
-    """Run tools/checkpoint/convert.py in a subprocess; returns the CompletedProcess."""
+def convert(*flags, check=True, model_type='GPT', script=CONVERT):
+    """Run tools/checkpoint/convert.py (or `script`) in a subprocess; the CompletedProcess."""
     env = dict(os.environ, PYTHONPATH=REPO)
+    model_flags = ['--model-type', model_type] if model_type else []
     proc = subprocess.run(
-        [sys.executable, CONVERT, '--model-type', 'GPT', *flags],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=600,
+        [sys.executable, script, *model_flags, *flags],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
     )
     if check:
         assert proc.returncode == 0, f'convert.py {flags} failed:\n{proc.stdout}\n{proc.stderr}'
@@ -94,6 +161,7 @@ def full_model(ckpt_dir):
     from megatron.training.checkpoint_conversion import CheckpointReader, split_chunk_by_layer
 
     reader = CheckpointReader(ckpt_dir)
+    block = 'encoder' if reader.model_type == 'BERT' else 'decoder'
     full = {}
     for pp_rank in range(reader.pp):
         chunks, _ = reader.load_stage(pp_rank)
@@ -102,11 +170,14 @@ def full_model(ckpt_dir):
             for index, layer in layers.items():
                 for name, tensor in layer.items():
                     if tensor is not None:
-                        full[f'decoder.layers.{index}.{name}'] = tensor
+                        full[f'{block}.layers.{index}.{name}'] = tensor
             for name, tensor in rest.items():
                 if tensor is None:
                     continue
-                tied_copy = name == 'output_layer.weight' and not reader.args.untie_embeddings_and_output_weights
+                tied_copy = (
+                    name == 'output_layer.weight'
+                    and not reader.args.untie_embeddings_and_output_weights
+                )
                 full[name + (' (copy)' if tied_copy else '')] = tensor
     return full, reader
 
@@ -130,10 +201,20 @@ def logits_from_checkpoint(load_dir, tokens):
     from tests.unit_tests.models.gpt_test_utils import gather_logits
 
     destroy_global_vars()
-    args = parse_args(args_list=[
-        '--load', load_dir, '--use-checkpoint-args', '--micro-batch-size', '1', '--mock-data',
-        '--tokenizer-type', 'NullTokenizer', '--vocab-size', '1',
-    ])
+    args = parse_args(
+        args_list=[
+            '--load',
+            load_dir,
+            '--use-checkpoint-args',
+            '--micro-batch-size',
+            '1',
+            '--mock-data',
+            '--tokenizer-type',
+            'NullTokenizer',
+            '--vocab-size',
+            '1',
+        ]
+    )
     load_args_from_checkpoint(args)
     args.world_size, args.rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     validate_args(args)
@@ -143,8 +224,11 @@ def logits_from_checkpoint(load_dir, tokens):
         model = pretrain_gpt.model_provider(pre_process=first, post_process=last)
         reader = CheckpointReader(load_dir)
         state = torch_load_weights_only(
-            reader.rank_file(ps.get_tensor_model_parallel_rank(),
-                             ps.get_pipeline_model_parallel_rank()), mmap=False)
+            reader.rank_file(
+                ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+            ),
+            mmap=False,
+        )
         model.load_state_dict(state['model'], strict=True)
         model.eval()
         b, s = tokens.shape

@@ -17,8 +17,13 @@ from tests.functional_tests import convert_utils as cu
 from tests.unit_tests.dist_utils import run_distributed
 
 SOURCE_LAYOUT = [
-    '--tensor-model-parallel-size', '2', '--pipeline-model-parallel-size', '2',
-    '--num-layers-per-virtual-pipeline-stage', '1', '--use-distributed-optimizer',
+    '--tensor-model-parallel-size',
+    '2',
+    '--pipeline-model-parallel-size',
+    '2',
+    '--num-layers-per-virtual-pipeline-stage',
+    '1',
+    '--use-distributed-optimizer',
 ]
 
 
@@ -27,12 +32,48 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp('convert_gpt')
     src, tp1, tp4, back = (str(root / n) for n in ('src', 'tp1', 'tp4', 'tp2pp2'))
     cu.make_source_checkpoint(src, cu.GPT_ARCH, SOURCE_LAYOUT, world_size=4, tp=2, pp=2)
-    cu.convert('--loader', 'mcore', '--saver', 'mcore', '--load-dir', src, '--save-dir', tp1,
-               '--target-tensor-parallel-size', '1', '--target-pipeline-parallel-size', '1')
-    cu.convert('--loader', 'megatron', '--saver', 'megatron', '--load-dir', tp1, '--save-dir', tp4,
-               '--target-tensor-parallel-size', '4', '--true-vocab-size', '4096')
-    proc = cu.convert('--load-dir', tp4, '--save-dir', back, '--target-tensor-parallel-size', '2',
-                      '--target-pipeline-parallel-size', '2', '--vocab-file', _vocab_json(root))
+    cu.convert(
+        '--loader',
+        'mcore',
+        '--saver',
+        'mcore',
+        '--load-dir',
+        src,
+        '--save-dir',
+        tp1,
+        '--target-tensor-parallel-size',
+        '1',
+        '--target-pipeline-parallel-size',
+        '1',
+    )
+    # tools/checkpoint_util.py: the older name of the same tool.
+    cu.convert(
+        '--loader',
+        'megatron',
+        '--saver',
+        'megatron',
+        '--load-dir',
+        tp1,
+        '--save-dir',
+        tp4,
+        '--target-tensor-parallel-size',
+        '4',
+        '--true-vocab-size',
+        '4096',
+        script=cu.CHECKPOINT_UTIL,
+    )
+    proc = cu.convert(
+        '--load-dir',
+        tp4,
+        '--save-dir',
+        back,
+        '--target-tensor-parallel-size',
+        '2',
+        '--target-pipeline-parallel-size',
+        '2',
+        '--vocab-file',
+        _vocab_json(root),
+    )
     return dict(src=src, tp1=tp1, tp4=tp4, back=back, log=proc.stdout)
 
 
@@ -59,8 +100,9 @@ def test_round_trip_is_bitwise_exact(checkpoints):
         assert reader.iteration == 3
     # Tied embeddings with PP > 1: the last stage holds a copy of the word embeddings.
     back, _ = cu.full_model(checkpoints['back'])
-    assert torch.equal(back['output_layer.weight (copy)'],
-                       source['embedding.word_embeddings.weight'])
+    assert torch.equal(
+        back['output_layer.weight (copy)'], source['embedding.word_embeddings.weight']
+    )
 
 
 def test_tp1_file_is_the_concatenation_of_source_shards(checkpoints):
@@ -70,15 +112,24 @@ def test_tp1_file_is_the_concatenation_of_source_shards(checkpoints):
     # Interleaved order: chunk 0 of stages 0, 1 holds layers 0, 1; chunk 1 holds layers 2, 3.
     qkv = 'decoder.layers.0.self_attention.linear_qkv.weight'
     proj = 'decoder.layers.0.self_attention.linear_proj.weight'
-    assert torch.equal(tp1['decoder.layers.2.self_attention.linear_qkv.weight'],
-                       torch.cat([src[0][t]['model1'][qkv] for t in range(2)], dim=0))
-    assert torch.equal(tp1['decoder.layers.1.self_attention.linear_proj.weight'],
-                       torch.cat([src[1][t]['model0'][proj] for t in range(2)], dim=1))
-    assert torch.equal(tp1['decoder.layers.3.mlp.linear_fc2.bias'],
-                       src[1][1]['model1']['decoder.layers.0.mlp.linear_fc2.bias'])
-    assert torch.equal(tp1['embedding.word_embeddings.weight'],
-                       torch.cat([src[0][t]['model0']['embedding.word_embeddings.weight']
-                                  for t in range(2)], dim=0))
+    assert torch.equal(
+        tp1['decoder.layers.2.self_attention.linear_qkv.weight'],
+        torch.cat([src[0][t]['model1'][qkv] for t in range(2)], dim=0),
+    )
+    assert torch.equal(
+        tp1['decoder.layers.1.self_attention.linear_proj.weight'],
+        torch.cat([src[1][t]['model0'][proj] for t in range(2)], dim=1),
+    )
+    assert torch.equal(
+        tp1['decoder.layers.3.mlp.linear_fc2.bias'],
+        src[1][1]['model1']['decoder.layers.0.mlp.linear_fc2.bias'],
+    )
+    assert torch.equal(
+        tp1['embedding.word_embeddings.weight'],
+        torch.cat(
+            [src[0][t]['model0']['embedding.word_embeddings.weight'] for t in range(2)], dim=0
+        ),
+    )
 
 
 def test_megatron_file_layout_and_args(checkpoints):
@@ -86,10 +137,19 @@ def test_megatron_file_layout_and_args(checkpoints):
     with open(os.path.join(back, 'latest_checkpointed_iteration.txt')) as f:
         assert f.read() == '3'
     assert sorted(os.listdir(os.path.join(back, 'iter_0000003'))) == [
-        'mp_rank_00_000', 'mp_rank_00_001', 'mp_rank_01_000', 'mp_rank_01_001']
+        'mp_rank_00_000',
+        'mp_rank_00_001',
+        'mp_rank_01_000',
+        'mp_rank_01_001',
+    ]
     state = cu.read_rank_file(back, 1, 1, pp=2)
-    assert sorted(state) == ['args', 'checkpoint_version', 'iteration', 'model',
-                             'num_floating_point_operations_so_far']
+    assert sorted(state) == [
+        'args',
+        'checkpoint_version',
+        'iteration',
+        'model',
+        'num_floating_point_operations_so_far',
+    ]
     assert state['checkpoint_version'] == 3.0 and state['iteration'] == 3
     args = state['args']
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
@@ -99,22 +159,37 @@ def test_megatron_file_layout_and_args(checkpoints):
     assert os.listdir(os.path.join(checkpoints['tp1'], 'iter_0000003')) == ['mp_rank_00']
     # Megatron's message names, in order, on the loader side.
     log = checkpoints['log']
-    sent = [line[len('sending '):] for line in log.splitlines() if line.startswith('sending ')]
+    sent = [line[len('sending ') :] for line in log.splitlines() if line.startswith('sending ')]
     assert sent == ['embeddings'] + [f'transformer layer {i}' for i in range(4)] + ['final norm']
 
 
 def _finetune_first_loss(load_dir):
-    losses = cu.run_pretrain(cu.GPT_ARCH + [
-        '--load', load_dir, '--use-checkpoint-args', '--finetune', '--train-iters', '1',
-        '--lr-warmup-iters', '0',
-    ])
+    losses = cu.run_pretrain(
+        cu.GPT_ARCH
+        + [
+            '--load',
+            load_dir,
+            '--use-checkpoint-args',
+            '--finetune',
+            '--train-iters',
+            '1',
+            '--lr-warmup-iters',
+            '0',
+        ]
+    )
     return losses.get(1)
 
 
 def test_converted_checkpoint_finetunes_with_the_source_first_loss(checkpoints):
-    expected = [o for o in run_distributed(_finetune_first_loss, world_size=4, tp=2, pp=2,
-                                           args=(checkpoints['src'],), timeout=600) if o]
-    (got,) = run_distributed(_finetune_first_loss, world_size=1, args=(checkpoints['tp1'],),
-                             timeout=600)
+    expected = [
+        o
+        for o in run_distributed(
+            _finetune_first_loss, world_size=4, tp=2, pp=2, args=(checkpoints['src'],), timeout=600
+        )
+        if o
+    ]
+    (got,) = run_distributed(
+        _finetune_first_loss, world_size=1, args=(checkpoints['tp1'],), timeout=600
+    )
     assert expected and got is not None
     assert got == pytest.approx(expected[0], rel=1e-5)

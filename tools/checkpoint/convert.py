@@ -55,22 +55,41 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         conflict_handler='resolve',
     )
-    parser.add_argument('--model-type', type=str, required=True, choices=['GPT', 'BERT'],
-                        help='Type of the model')
-    parser.add_argument('--loader', type=str, default='megatron',
-                        help='Module name to load checkpoint, should be on python path')
-    parser.add_argument('--saver', type=str, default='megatron',
-                        help='Module name to save checkpoint, should be on python path')
-    parser.add_argument('--load-dir', type=str, required=True,
-                        help='Directory to load model checkpoint from')
-    parser.add_argument('--save-dir', type=str, required=True,
-                        help='Directory to save model checkpoint to')
-    parser.add_argument('--max-queue-size', type=int, default=50,
-                        help='Maximum number of messages in the queue')
-    parser.add_argument('--no-checking', action='store_false', dest='checking',
-                        help='Do not perform checking on the name and ordering of weights')
-    parser.add_argument('--overwrite', action='store_true',
-                        help='Write into a --save-dir that already holds a checkpoint')
+    parser.add_argument(
+        '--model-type', type=str, required=True, choices=['GPT', 'BERT'], help='Type of the model'
+    )
+    parser.add_argument(
+        '--loader',
+        type=str,
+        default='megatron',
+        help='Module name to load checkpoint, should be on python path',
+    )
+    parser.add_argument(
+        '--saver',
+        type=str,
+        default='megatron',
+        help='Module name to save checkpoint, should be on python path',
+    )
+    parser.add_argument(
+        '--load-dir', type=str, required=True, help='Directory to load model checkpoint from'
+    )
+    parser.add_argument(
+        '--save-dir', type=str, required=True, help='Directory to save model checkpoint to'
+    )
+    parser.add_argument(
+        '--max-queue-size', type=int, default=50, help='Maximum number of messages in the queue'
+    )
+    parser.add_argument(
+        '--no-checking',
+        action='store_false',
+        dest='checking',
+        help='Do not perform checking on the name and ordering of weights',
+    )
+    parser.add_argument(
+        '--overwrite',
+        action='store_true',
+        help='Write into a --save-dir that already holds a checkpoint',
+    )
     return parser
 
 

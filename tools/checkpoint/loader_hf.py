@@ -8,6 +8,8 @@ checkpoint starts pretrain_gpt.py with --use-checkpoint-args.
 import os
 import types
 
+import loader_mcore
+import torch
 import utils
 
 utils.add_megatron_path()
@@ -18,14 +20,23 @@ from megatron.training import hf_checkpoint as hfc  # noqa: E402
 
 def add_arguments(parser):
     group = parser.add_argument_group(title='Hugging Face loader')
-    group.add_argument('--megatron-path', type=str, default=None,
-                       help='Base directory of Megatron repository')
-    group.add_argument('--hf-tokenizer-type', type=str, default=None,
-                       help='tokenizer type recorded in the checkpoint args (default: '
-                            'GPT2BPETokenizer for GPT-2, HuggingFaceTokenizer for Llama)')
-    group.add_argument('--seq-length', type=int, default=None,
-                       help='sequence length recorded in the checkpoint args (default: '
-                            'the position limit, at most 4096)')
+    group.add_argument(
+        '--megatron-path', type=str, default=None, help='Base directory of Megatron repository'
+    )
+    group.add_argument(
+        '--hf-tokenizer-type',
+        type=str,
+        default=None,
+        help='tokenizer type recorded in the checkpoint args (default: '
+        'GPT2BPETokenizer for GPT-2, HuggingFaceTokenizer for Llama)',
+    )
+    group.add_argument(
+        '--seq-length',
+        type=int,
+        default=None,
+        help='sequence length recorded in the checkpoint args (default: '
+        'the position limit, at most 4096)',
+    )
 
 
 def default_tokenizer_type(family):
@@ -61,8 +72,9 @@ def metadata(args, config, margs, dtype):
 
 
 def _config_dtype(config):
-    return {'float16': hfc.torch.float16, 'bfloat16': hfc.torch.bfloat16}.get(
-        config.get('torch_dtype') or config.get('dtype'), hfc.torch.float32)
+    return {'float16': torch.float16, 'bfloat16': torch.bfloat16}.get(
+        config.get('torch_dtype') or config.get('dtype'), torch.float32
+    )
 
 
 def build_metadata(args, tokenizer_type=None):
@@ -73,8 +85,9 @@ def build_metadata(args, tokenizer_type=None):
     hfc.check_hf_files(args.load_dir)
     tokenizer_type = tokenizer_type or args.hf_tokenizer_type or default_tokenizer_type(family)
     tokenizer_model = args.load_dir if tokenizer_type == 'HuggingFaceTokenizer' else None
-    margs = hfc.megatron_args_from_hf(config, tokenizer_type, seq_length=args.seq_length,
-                                      tokenizer_model=tokenizer_model)
+    margs = hfc.megatron_args_from_hf(
+        config, tokenizer_type, seq_length=args.seq_length, tokenizer_model=tokenizer_model
+    )
     margs.params_dtype = _config_dtype(config)
     return config, metadata(args, config, margs, margs.params_dtype)
 
@@ -87,19 +100,10 @@ def send_full_model(queue, md, full):
     """Stream a full (TP = PP = 1) megatron-core state dict as the protocol's messages."""
     queue.put(md)
     layers, rest = cc.split_chunk_by_layer(full, 0)
-    message = {'word embeddings': rest['embedding.word_embeddings.weight']}
-    if md.position_embedding_type == 'learned_absolute':
-        message['position embeddings'] = rest['embedding.position_embeddings.weight']
-    utils.queue_put(queue, 'embeddings', message)
+    utils.queue_put(queue, 'embeddings', loader_mcore.embeddings_message(md, rest))
     for index, layer in layers.items():
         utils.queue_put(queue, f'transformer layer {index}', cc.layer_to_message(layer, md.swiglu))
-    message = {'weight': rest['decoder.final_layernorm.weight']}
-    if md.norm_has_bias:
-        message['bias'] = rest['decoder.final_layernorm.bias']
-    utils.queue_put(queue, 'final norm', message)
-    if md.output_layer:
-        utils.queue_put(queue, 'output layer', {'weight': rest['output_layer.weight']})
-    utils.queue_put(queue, 'done')
+    loader_mcore.send_tail(queue, md, rest)
 
 
 def _load(queue, args):

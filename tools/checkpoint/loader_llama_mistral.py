@@ -9,6 +9,7 @@ Llama-3 import needs no --rotary-base at run time.
 """
 
 import loader_hf
+import torch
 import utils
 
 utils.add_megatron_path()
@@ -16,32 +17,63 @@ utils.add_megatron_path()
 from megatron.training import hf_checkpoint as hfc  # noqa: E402
 
 MODEL_SIZES = [
-    'llama2-7B', 'llama2-13B', 'llama2-70B', 'llama2-7Bf', 'llama2-13Bf', 'llama2-70Bf',
-    'llama3-8B', 'llama3-70B', 'llama3-8Bf', 'llama3-70Bf', 'mistral-7B', 'mistral-7Bf', 'yi-34B',
+    'llama2-7B',
+    'llama2-13B',
+    'llama2-70B',
+    'llama2-7Bf',
+    'llama2-13Bf',
+    'llama2-70Bf',
+    'llama3-8B',
+    'llama3-70B',
+    'llama3-8Bf',
+    'llama3-70Bf',
+    'mistral-7B',
+    'mistral-7Bf',
+    'yi-34B',
 ]
 
 
 def add_arguments(parser):
     group = parser.add_argument_group(title='Llama-2/Llama-3/Mistral loader.')
-    group.add_argument('--model-size', type=str, required=True, choices=MODEL_SIZES,
-                       help='Model size can be `llama2-7B`, `llama2-13B`, `llama2-70B`, '
-                            '`llama3-8B`, `llama3-70B`, `mistral-7B` (for pretrained models), '
-                            'and `llama2-7Bf`, ... (for chat-finetuned models).')
-    group.add_argument('--checkpoint-type', type=str, required=True,
-                       help='Type of checkpoint to convert, options are "meta" or "hf"')
+    group.add_argument(
+        '--model-size',
+        type=str,
+        required=True,
+        choices=MODEL_SIZES,
+        help='Model size can be `llama2-7B`, `llama2-13B`, `llama2-70B`, '
+        '`llama3-8B`, `llama3-70B`, `mistral-7B` (for pretrained models), '
+        'and `llama2-7Bf`, ... (for chat-finetuned models).',
+    )
+    group.add_argument(
+        '--checkpoint-type',
+        type=str,
+        required=True,
+        help='Type of checkpoint to convert, options are "meta" or "hf"',
+    )
     group.add_argument('--bf16', action='store_true', help='Whether to load weights in bf16.')
     group.add_argument('--fp16', action='store_true', help='Whether to load weights in fp16.')
-    group.add_argument('--true-vocab-size', type=int, default=None,
-                       help='original size of vocab (accepted and ignored, as in Megatron)')
-    group.add_argument('--vocab-file', type=str, default=None,
-                       help='Path to the vocab file (accepted and ignored, as in Megatron)')
-    group.add_argument('--tokenizer-model', required=True,
-                       help='Sentencepiece tokenizer model.')
-    group.add_argument('--megatron-path', type=str, default=None,
-                       help='Base directory of Megatron repository')
-    group.add_argument('--loader-transformer-impl', default='local',
-                       choices=['local', 'transformer_engine'],
-                       help='Which Transformer implementation to use.')
+    group.add_argument(
+        '--true-vocab-size',
+        type=int,
+        default=None,
+        help='original size of vocab (accepted and ignored, as in Megatron)',
+    )
+    group.add_argument(
+        '--vocab-file',
+        type=str,
+        default=None,
+        help='Path to the vocab file (accepted and ignored, as in Megatron)',
+    )
+    group.add_argument('--tokenizer-model', required=True, help='Sentencepiece tokenizer model.')
+    group.add_argument(
+        '--megatron-path', type=str, default=None, help='Base directory of Megatron repository'
+    )
+    group.add_argument(
+        '--loader-transformer-impl',
+        default='local',
+        choices=['local', 'transformer_engine'],
+        help='Which Transformer implementation to use.',
+    )
 
 
 def _tokenizer_type(model_size):
@@ -54,8 +86,8 @@ def _tokenizer_type(model_size):
 
 def _dtype(args):
     if args.bf16:
-        return hfc.torch.bfloat16
-    return hfc.torch.float16 if args.fp16 else hfc.torch.float32
+        return torch.bfloat16
+    return torch.float16 if args.fp16 else torch.float32
 
 
 def _build(args):
@@ -71,11 +103,17 @@ def _build(args):
         raise ValueError('--bf16 and --fp16 are mutually exclusive')
     config = hfc.read_hf_config(args.load_dir)
     if hfc.hf_family(config) != 'llama':
-        raise ValueError(f'--model-size {args.model_size}: {args.load_dir} holds a '
-                         f'{config.get("model_type")!r} model, not Llama or Mistral')
+        raise ValueError(
+            f'--model-size {args.model_size}: {args.load_dir} holds a '
+            f'{config.get("model_type")!r} model, not Llama or Mistral'
+        )
     hfc.check_hf_files(args.load_dir)
-    margs = hfc.megatron_args_from_hf(config, _tokenizer_type(args.model_size), seq_length=4096,
-                                      tokenizer_model=args.tokenizer_model)
+    margs = hfc.megatron_args_from_hf(
+        config,
+        _tokenizer_type(args.model_size),
+        seq_length=4096,
+        tokenizer_model=args.tokenizer_model,
+    )
     margs.params_dtype = _dtype(args)
     margs.bf16, margs.fp16 = args.bf16, args.fp16
     md = loader_hf.metadata(args, config, margs, margs.params_dtype)

@@ -1,7 +1,7 @@
 """Saver plugin: a Hugging Face model directory (GPT-2 or Llama family) that transformers'
 `from_pretrained` loads: config.json, model.safetensors and, with --hf-tokenizer-dir, the
-tokenizer files. The vocabulary padding is removed (true size from the loader, else the
-checkpoint's NullTokenizer size, else the padded table is kept).
+tokenizer files. The vocabulary padding is removed (true size from the loader, else the one the
+checkpoint records, else the padded table is kept).
 """
 
 import os
@@ -17,11 +17,23 @@ from megatron.training import hf_checkpoint as hfc  # noqa: E402
 
 def add_arguments(parser):
     group = parser.add_argument_group(title='Hugging Face saver')
-    group.add_argument('--megatron-path', type=str, default=None,
-                       help='Base directory of Megatron repository')
-    group.add_argument('--hf-tokenizer-dir', type=str, default=None,
-                       help='copy the tokenizer files (tokenizer.json, vocab.json, merges.txt, '
-                            'tokenizer.model, ...) found in this directory')
+    group.add_argument(
+        '--megatron-path', type=str, default=None, help='Base directory of Megatron repository'
+    )
+    group.add_argument(
+        '--hf-tokenizer-dir',
+        type=str,
+        default=None,
+        help='copy the tokenizer files (tokenizer.json, vocab.json, merges.txt, '
+        'tokenizer.model, ...) found in this directory',
+    )
+    group.add_argument(
+        '--merge-file',
+        type=str,
+        default=None,
+        help='GPT-2 BPE merges: copied as merges.txt, with the loader\'s --vocab-file copied as '
+        'vocab.json, so that transformers\' AutoTokenizer loads the directory',
+    )
 
 
 def check_arguments(args, md):
@@ -29,21 +41,33 @@ def check_arguments(args, md):
         hfc.hf_family_of_args(md.checkpoint_args)
     if args.hf_tokenizer_dir is not None and not os.path.isdir(args.hf_tokenizer_dir):
         raise ValueError(f'--hf-tokenizer-dir {args.hf_tokenizer_dir} is not a directory')
-    existing = [n for n in (hfc.CONFIG_NAME, hfc.SAFETENSORS_NAME)
-                if os.path.exists(os.path.join(args.save_dir, n))]
+    if args.merge_file is not None and not getattr(args, 'vocab_file', None):
+        raise ValueError('--merge-file needs the loader\'s --vocab-file (the GPT-2 vocab.json)')
+    for path in (args.merge_file, getattr(args, 'vocab_file', None)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f'{path}: no such file')
+    existing = [
+        n
+        for n in (hfc.CONFIG_NAME, hfc.SAFETENSORS_NAME)
+        if os.path.exists(os.path.join(args.save_dir, n))
+    ]
     if existing and not args.overwrite:
-        raise ValueError(f'--save-dir {args.save_dir} already holds a Hugging Face model '
-                         f'({", ".join(existing)}); pass --overwrite to replace it')
+        raise ValueError(
+            f'--save-dir {args.save_dir} already holds a Hugging Face model '
+            f'({", ".join(existing)}); pass --overwrite to replace it'
+        )
 
 
 def _true_vocab(md):
     if md.true_vocab_size is not None:
         return md.true_vocab_size
     margs = md.checkpoint_args
-    if margs.tokenizer_type == 'NullTokenizer' and getattr(margs, 'vocab_size', None):
-        return margs.vocab_size + 1  # the NullTokenizer's eod id is vocab_size
-    print('Original vocab size not specified, keeping the padded embedding table '
-          f'({margs.padded_vocab_size} rows) as the Hugging Face vocabulary.')
+    if cc.recorded_true_vocab_size(margs) is not None:
+        return cc.recorded_true_vocab_size(margs)
+    print(
+        'Original vocab size not specified, keeping the padded embedding table '
+        f'({margs.padded_vocab_size} rows) as the Hugging Face vocabulary.'
+    )
     return margs.padded_vocab_size
 
 
@@ -90,6 +114,13 @@ def save_checkpoint(queue, args):
     config = hfc.hf_config_from_args(md.checkpoint_args, _true_vocab(md), dtype)
     state_dict = hfc.hf_state_dict_from_full(config, full)
     copied = hfc.save_hf_dir(args.save_dir, config, state_dict, args.hf_tokenizer_dir)
-    print(f'saver: wrote {config["architectures"][0]} to {args.save_dir}'
-          + (f' with tokenizer files {copied}' if copied else ''), flush=True)
+    if args.merge_file is not None:
+        copied += hfc.copy_gpt2_bpe_files(
+            args.save_dir, getattr(args, 'vocab_file', None), args.merge_file
+        )
+    print(
+        f'saver: wrote {config["architectures"][0]} to {args.save_dir}'
+        + (f' with tokenizer files {copied}' if copied else ''),
+        flush=True,
+    )
     print('Done!')

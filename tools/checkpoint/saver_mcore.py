@@ -22,22 +22,35 @@ DEFAULT_TRANSFORMER_IMPL = 'transformer_engine'
 
 def add_arguments(parser, default_impl=DEFAULT_TRANSFORMER_IMPL, expert_flag=True):
     group = parser.add_argument_group(title='M-Core saver')
-    group.add_argument('--megatron-path', type=str, default=None,
-                       help='Base directory of Megatron repository')
-    group.add_argument('--target-tensor-parallel-size', type=int,
-                       help='Target tensor model parallel size, defaults to the tensor parallel '
-                            'size in the input checkpoint if provided by the loader, otherwise 1')
-    group.add_argument('--target-pipeline-parallel-size', type=int,
-                       help='Target pipeline model parallel size, defaults to the pipeline '
-                            'parallel size in the input checkpoint if provided by the loader, '
-                            'otherwise 1')
-    group.add_argument('--saver-transformer-impl', default=default_impl,
-                       choices=['local', 'transformer_engine'],
-                       help='Which Transformer implementation to use (both write the same '
-                            'layout here).')
+    group.add_argument(
+        '--megatron-path', type=str, default=None, help='Base directory of Megatron repository'
+    )
+    group.add_argument(
+        '--target-tensor-parallel-size',
+        type=int,
+        help='Target tensor model parallel size, defaults to the tensor parallel '
+        'size in the input checkpoint if provided by the loader, otherwise 1',
+    )
+    group.add_argument(
+        '--target-pipeline-parallel-size',
+        type=int,
+        help='Target pipeline model parallel size, defaults to the pipeline '
+        'parallel size in the input checkpoint if provided by the loader, '
+        'otherwise 1',
+    )
+    group.add_argument(
+        '--saver-transformer-impl',
+        default=default_impl,
+        choices=['local', 'transformer_engine'],
+        help='Which Transformer implementation to use (both write the same layout here).',
+    )
     if expert_flag:
-        group.add_argument('--target-expert-parallel-size', type=int, default=1,
-                           help='Target expert model parallel size (only 1: no MoE here)')
+        group.add_argument(
+            '--target-expert-parallel-size',
+            type=int,
+            default=1,
+            help='Target expert model parallel size (only 1: no MoE here)',
+        )
 
 
 def target_sizes(args, md):
@@ -46,14 +59,18 @@ def target_sizes(args, md):
     if tp is None:
         tp = getattr(md, 'previous_tensor_parallel_size', None)
         if tp is None:
-            print('loader did not provide a tensor parallel size and '
-                  '--target-tensor-parallel-size not provided on command line. Default to 1.')
+            print(
+                'loader did not provide a tensor parallel size and '
+                '--target-tensor-parallel-size not provided on command line. Default to 1.'
+            )
             tp = 1
     if pp is None:
         pp = getattr(md, 'previous_pipeline_parallel_size', None)
         if pp is None:
-            print('loader did not provide a pipeline parallel size and '
-                  '--target-pipeline-parallel-size not provided on command line. Default to 1.')
+            print(
+                'loader did not provide a pipeline parallel size and '
+                '--target-pipeline-parallel-size not provided on command line. Default to 1.'
+            )
             pp = 1
     return tp, pp
 
@@ -72,24 +89,33 @@ def check_arguments(args, md):
         return
     tp, pp = target_sizes(args, md)
     if getattr(args, 'target_expert_parallel_size', 1) != 1:
-        raise ValueError(f'--target-expert-parallel-size {args.target_expert_parallel_size}: '
-                         f'mixture of experts is not implemented here (only 1)')
+        raise ValueError(
+            f'--target-expert-parallel-size {args.target_expert_parallel_size}: '
+            f'mixture of experts is not implemented here (only 1)'
+        )
     margs = md.checkpoint_args
     heads = md.num_attention_heads
     groups = margs.num_query_groups if getattr(margs, 'group_query_attention', False) else heads
     if heads % tp:
-        raise ValueError(f'--target-tensor-parallel-size {tp} does not divide the number of '
-                         f'attention heads ({heads})')
+        raise ValueError(
+            f'--target-tensor-parallel-size {tp} does not divide the number of '
+            f'attention heads ({heads})'
+        )
     if groups % tp:
-        raise ValueError(f'--target-tensor-parallel-size {tp} does not divide the number of '
-                         f'query groups ({groups})')
+        raise ValueError(
+            f'--target-tensor-parallel-size {tp} does not divide the number of '
+            f'query groups ({groups})'
+        )
     ffn = getattr(margs, 'ffn_hidden_size', None)
     if ffn and ffn % tp:
-        raise ValueError(f'--target-tensor-parallel-size {tp} does not divide '
-                         f'ffn_hidden_size ({ffn})')
+        raise ValueError(
+            f'--target-tensor-parallel-size {tp} does not divide ffn_hidden_size ({ffn})'
+        )
     if md.num_layers % pp:
-        raise ValueError(f'--target-pipeline-parallel-size {pp} does not divide the number of '
-                         f'layers ({md.num_layers})')
+        raise ValueError(
+            f'--target-pipeline-parallel-size {pp} does not divide the number of '
+            f'layers ({md.num_layers})'
+        )
     source_rows = getattr(margs, 'padded_vocab_size', None)
     if md.true_vocab_size is None and source_rows is not None and source_rows % tp:
         raise ValueError(
@@ -98,19 +124,25 @@ def check_arguments(args, md):
             f'loader --true-vocab-size or --vocab-file'
         )
     if checkpoint_exists(args.save_dir) and not args.overwrite:
-        raise ValueError(f'--save-dir {args.save_dir} already holds a checkpoint '
-                         f'(latest_checkpointed_iteration.txt); pass --overwrite to replace it')
+        raise ValueError(
+            f'--save-dir {args.save_dir} already holds a checkpoint '
+            f'(latest_checkpointed_iteration.txt); pass --overwrite to replace it'
+        )
 
 
 def _embeddings(queue, md, args, padded):
     msg = utils.queue_get(queue, 'embeddings', args.checking)
     word = msg.pop('word embeddings')
     if md.true_vocab_size is None:
-        print('Original vocab size not specified, leaving embedding table as-is. If you\'ve '
-              'changed the tensor parallel size this could cause problems.')
+        print(
+            'Original vocab size not specified, leaving embedding table as-is. If you\'ve '
+            'changed the tensor parallel size this could cause problems.'
+        )
     stage = {'embedding.word_embeddings.weight': cc.repad_vocab(word, padded)}
     if md.position_embedding_type == 'learned_absolute':
         stage['embedding.position_embeddings.weight'] = msg.pop('position embeddings')
+    if 'tokentype embeddings' in msg:
+        stage['embedding.tokentype_embeddings.weight'] = msg.pop('tokentype embeddings')
     utils.check_message(msg, args.checking)
     return stage
 
@@ -123,11 +155,12 @@ def _layer(queue, md, args, index):
 
 
 def _last_stage_tail(queue, md, args, padded, word, pp):
+    block = cc.block_name(md.model_type)
     stage = {}
     msg = utils.queue_get(queue, 'final norm', args.checking)
-    stage['decoder.final_layernorm.weight'] = msg.pop('weight')
+    stage[f'{block}.final_layernorm.weight'] = msg.pop('weight')
     if md.norm_has_bias:
-        stage['decoder.final_layernorm.bias'] = msg.pop('bias')
+        stage[f'{block}.final_layernorm.bias'] = msg.pop('bias')
     utils.check_message(msg, args.checking)
     if md.output_layer:
         msg = utils.queue_get(queue, 'output layer', args.checking)
@@ -136,11 +169,38 @@ def _last_stage_tail(queue, md, args, padded, word, pp):
     elif pp > 1:
         # Tied embeddings: the last stage keeps its own copy of the word embeddings.
         stage['output_layer.weight'] = word
-    msg = utils.queue_get(queue, None, args.checking)
-    if msg != 'done':
-        print(f'ERROR: got some more data but was expecting to be done ({msg["name"]})')
-        sys.exit(1)
+    _bert_heads(queue, md, args, padded, stage)
     return stage
+
+
+def _bert_heads(queue, md, args, padded, stage):
+    """Receive the optional 'pooler', 'lm head', 'binary head' (in that order) until 'done'."""
+    expected = ['pooler', 'lm head', 'binary head']
+    while True:
+        msg = utils.queue_get(queue, None, args.checking)
+        if msg == 'done':
+            return
+        name = msg['name']
+        if name not in expected or md.model_type != 'BERT':
+            print(f'ERROR: got some more data but was expecting to be done ({name})')
+            sys.exit(1)
+        expected = expected[expected.index(name) + 1 :]
+        print(f'received {name}', flush=True)
+        if name == 'pooler':
+            stage['pooler.dense.weight'] = msg.pop('weight')
+            stage['pooler.dense.bias'] = msg.pop('bias')
+        elif name == 'lm head':
+            stage['lm_head.dense.weight'] = msg.pop('dense weight')
+            stage['lm_head.dense.bias'] = msg.pop('dense bias')
+            stage['lm_head.layer_norm.weight'] = msg.pop('norm weight')
+            if md.norm_has_bias:
+                stage['lm_head.layer_norm.bias'] = msg.pop('norm bias')
+            if 'output bias' in msg:
+                stage['output_layer.bias'] = cc.repad_vocab(msg.pop('output bias'), padded)
+        else:
+            stage['binary_head.weight'] = msg.pop('weight')
+            stage['binary_head.bias'] = msg.pop('bias')
+        utils.check_message(msg, args.checking)
 
 
 def _save(queue, args):
@@ -153,14 +213,19 @@ def _save(queue, args):
         sys.exit(1)
     source_rows = md.checkpoint_args.padded_vocab_size
     padded = target_vocab_size(md, tp, source_rows)
-    margs = cc.args_for_target(md.checkpoint_args, tp, pp, padded, args.save_dir, md.iteration)
+    margs = cc.args_for_target(
+        md.checkpoint_args, tp, pp, padded, args.save_dir, md.iteration, md.true_vocab_size
+    )
     margs.consumed_train_samples = md.consumed_train_samples or 0
     margs.consumed_valid_samples = md.consumed_valid_samples or 0
-    print(f'Setting consumed_train_samples to {margs.consumed_train_samples} and '
-          f'consumed_valid_samples to {margs.consumed_valid_samples}')
+    print(
+        f'Setting consumed_train_samples to {margs.consumed_train_samples} and '
+        f'consumed_valid_samples to {margs.consumed_valid_samples}'
+    )
     writer = cc.CheckpointWriter(args.save_dir, md.iteration, tp, pp, margs, md.swiglu)
 
     layers_per_stage = md.num_layers // pp
+    block = cc.block_name(md.model_type)
     progress = utils.Progress('saver', md.num_layers)
     word = None
     for pp_rank in range(pp):
@@ -170,7 +235,7 @@ def _save(queue, args):
             word = stage['embedding.word_embeddings.weight']
         for local in range(layers_per_stage):
             layer = _layer(queue, md, args, pp_rank * layers_per_stage + local)
-            stage.update({f'decoder.layers.{local}.{k}': v for k, v in layer.items()})
+            stage.update({f'{block}.layers.{local}.{k}': v for k, v in layer.items()})
             progress.step('layer')
         last = pp_rank == pp - 1
         if last:

@@ -44,8 +44,7 @@ def queue_put(queue, name, msg=None) -> None:
         except queue_module.Full:
             if _SAVER_PROCESS is not None and not _SAVER_PROCESS.is_alive():
                 raise SaverExited(
-                    f'the saver exited (code {_SAVER_PROCESS.exitcode}) before receiving '
-                    f'"{name}"'
+                    f'the saver exited (code {_SAVER_PROCESS.exitcode}) before receiving "{name}"'
                 )
 
 
@@ -91,9 +90,12 @@ def check_message(msg, checking=True) -> None:
 
 def print_memory_usage(key, rank, num_ranks) -> None:
     """'> memory usage: '<key>', rank r / n, mem X/Y gb.' (peak RSS; estimated total)."""
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2
-    print(f"> memory usage: '{key}', rank {rank} / {num_ranks}, "
-          f"mem {peak_gb:.1f}/{peak_gb * num_ranks:.1f} gb.", flush=True)
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+    print(
+        f"> memory usage: '{key}', rank {rank} / {num_ranks}, "
+        f"mem {peak_gb:.1f}/{peak_gb * num_ranks:.1f} gb.",
+        flush=True,
+    )
 
 
 class Progress:
@@ -104,5 +106,7 @@ class Progress:
 
     def step(self, what):
         self.done += 1
-        print(f'{self.who}: {what} {self.done}/{self.total} ({time.time() - self.start:.1f}s)',
-              flush=True)
+        print(
+            f'{self.who}: {what} {self.done}/{self.total} ({time.time() - self.start:.1f}s)',
+            flush=True,
+        )

@@ -7,7 +7,6 @@ Sample-for-sample equality with Megatron's own implementation is in test_masked_
 import hashlib
 import json
 import os
-import types
 
 import numpy
 import pytest
@@ -24,9 +23,6 @@ from megatron.core.datasets.blended_megatron_dataset_builder import (
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.masked_dataset import _choice_cdf, _weighted_choice
 from megatron.core.datasets.utils import Split
-from megatron.training.datasets.masked_dataset_configs import (
-    core_bert_dataset_config_from_args,
-)
 from tests.unit_tests.data.sentence_corpus import (
     bert_tokenizer,
     bundled_sentence_corpus,
@@ -333,37 +329,6 @@ def test_blend_and_split_through_the_builder(moby, tmp_path):
     first = train.datasets[0]
     num_docs = first.dataset.document_indices.shape[0] - 1
     assert first.indices.tolist() == list(range(round(0.8 * num_docs)))
-
-
-def test_training_side_config_builder(moby):
-    prefix, tok = moby
-    args = types.SimpleNamespace(
-        seed=99,
-        seq_length=40,
-        data_path=["1.0", prefix],
-        train_data_path=None,
-        valid_data_path=None,
-        test_data_path=None,
-        renormalize_blend_weights=False,
-        split="9,1,0",
-        num_dataset_builder_threads=1,
-        data_cache_path=None,
-        mmap_bin_files=True,
-        mask_prob=0.2,
-        short_seq_prob=0.05,
-        bert_binary_head=False,
-    )
-    config = core_bert_dataset_config_from_args(args, tokenizer=tok)
-    assert (config.random_seed, config.sequence_length, config.blend) == (99, 40, ([prefix], [1.0]))
-    assert (config.masking_probability, config.short_sequence_probability) == (0.2, 0.05)
-    assert (
-        config.masking_max_ngram,
-        config.masking_do_full_word,
-        config.masking_do_permutation,
-        config.masking_use_longer_ngrams,
-        config.masking_use_geometric_distribution,
-        config.classification_head,
-    ) == (3, True, False, False, False, False)
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,6 @@ and the config / sentinel / decoder-length errors.
 Sample-for-sample equality with Megatron's own implementation is in test_masked_golden.py.
 """
 
-import types
-
 import numpy
 import pytest
 
@@ -15,7 +13,6 @@ from megatron.core.datasets.t5_dataset import (
     T5MaskedWordPieceDatasetConfig,
 )
 from megatron.core.datasets.utils import Split
-from megatron.training.datasets.masked_dataset_configs import core_t5_dataset_config_from_args
 from tests.unit_tests.data.sentence_corpus import (
     bert_tokenizer,
     bundled_sentence_corpus,
@@ -168,36 +165,6 @@ def test_properties_over_many_samples(moby, tmp_path):
             assert numpy.array_equal(s[key], expected), key
     # Geometric(0.2) spans of whole words, clipped at 10 words, then fitted to the budget.
     assert max(span_lengths) > 1 and min(span_lengths) >= 1
-
-
-def test_training_side_config_builder(moby):
-    prefix, tok = moby
-    args = types.SimpleNamespace(
-        seed=5,
-        encoder_seq_length=48,
-        decoder_seq_length=16,
-        data_path=[prefix],
-        train_data_path=None,
-        valid_data_path=None,
-        test_data_path=None,
-        renormalize_blend_weights=False,
-        split="98,2,0",
-        num_dataset_builder_threads=1,
-        data_cache_path="/tmp/x",
-        mmap_bin_files=False,
-        mask_prob=0.15,
-        short_seq_prob=0.1,
-    )
-    config = core_t5_dataset_config_from_args(args, tokenizer=tok)
-    assert (config.sequence_length, config.sequence_length_encoder) == (48, 48)
-    assert config.sequence_length_decoder == 16 and config.path_to_cache == "/tmp/x"
-    assert (
-        config.masking_max_ngram,
-        config.masking_use_geometric_distribution,
-        config.masking_do_full_word,
-        config.masking_do_permutation,
-    ) == (10, True, True, False)
-    assert config.blend == ([prefix], None) and config.mmap_bin_files is False
 
 
 def test_errors(moby, tmp_path):

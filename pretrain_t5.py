@@ -27,7 +27,15 @@ from megatron.training.training import pretrain
 from megatron.training.utils import print_rank_0
 
 #: The keys of a T5 sample that get_batch broadcasts over the tensor-parallel group (all int64).
-T5_BATCH_KEYS = ['text_enc', 'text_dec', 'labels', 'loss_mask', 'enc_mask', 'dec_mask', 'enc_dec_mask']
+T5_BATCH_KEYS = [
+    'text_enc',
+    'text_dec',
+    'labels',
+    'loss_mask',
+    'enc_mask',
+    'dec_mask',
+    'enc_dec_mask',
+]
 
 
 def model_provider(

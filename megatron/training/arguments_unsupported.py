@@ -23,7 +23,8 @@ _HYBRID = 'hybrid (Mamba) models are not included'
 _PROFILE = 'the nsys/torch profiler hooks of the training loop are not implemented'
 
 #: flag -> why it cannot take a non-default value here. Audited list: nothing else is refused
-#: at start-up for being unimplemented, and nothing listed here is read anywhere else.
+#: at start-up for being unimplemented, and code that reads one of these (e.g. num_experts for
+#: the layer spec) only ever sees its default.
 UNSUPPORTED_FLAGS = {
     # Transformer Engine communication/GEMM overlap (training group).
     '--tp-comm-overlap': _TE_COMM,

@@ -22,17 +22,58 @@ NUM_FORTUNES = 3000
 #: A tiny T5 on the bundled BERT WordPiece vocabulary with 100 sentinels: 2 + 2 layers, hidden 64.
 #: The padded vocabulary (30522 + [BOS], [EOS] + 100 -> 30720) is the same at TP=1 and TP=2.
 TINY_T5_ARGS = [
-    '--encoder-num-layers', '2', '--decoder-num-layers', '2',
-    '--hidden-size', '64', '--num-attention-heads', '4', '--kv-channels', '16',
-    '--ffn-hidden-size', '128',
-    '--encoder-seq-length', str(ENC_SEQ), '--decoder-seq-length', str(DEC_SEQ),
-    '--max-position-embeddings', str(ENC_SEQ),
-    '--attention-dropout', '0.0', '--hidden-dropout', '0.0',
-    '--lr', '3e-3', '--min-lr', '3e-4', '--lr-decay-style', 'cosine', '--lr-warmup-iters', '2',
-    '--weight-decay', '0.01', '--clip-grad', '1.0', '--seed', '1234',
-    '--vocab-file', BERT_VOCAB, '--vocab-extra-ids', '100', '--transformer-impl', 'local',
-    '--split', '98,2,0', '--num-workers', '0', '--log-interval', '1', '--eval-interval', '1000',
-    '--distributed-backend', 'gloo',
+    '--encoder-num-layers',
+    '2',
+    '--decoder-num-layers',
+    '2',
+    '--hidden-size',
+    '64',
+    '--num-attention-heads',
+    '4',
+    '--kv-channels',
+    '16',
+    '--ffn-hidden-size',
+    '128',
+    '--encoder-seq-length',
+    str(ENC_SEQ),
+    '--decoder-seq-length',
+    str(DEC_SEQ),
+    '--max-position-embeddings',
+    str(ENC_SEQ),
+    '--attention-dropout',
+    '0.0',
+    '--hidden-dropout',
+    '0.0',
+    '--lr',
+    '3e-3',
+    '--min-lr',
+    '3e-4',
+    '--lr-decay-style',
+    'cosine',
+    '--lr-warmup-iters',
+    '2',
+    '--weight-decay',
+    '0.01',
+    '--clip-grad',
+    '1.0',
+    '--seed',
+    '1234',
+    '--vocab-file',
+    BERT_VOCAB,
+    '--vocab-extra-ids',
+    '100',
+    '--transformer-impl',
+    'local',
+    '--split',
+    '98,2,0',
+    '--num-workers',
+    '0',
+    '--log-interval',
+    '1',
+    '--eval-interval',
+    '1000',
+    '--distributed-backend',
+    'gloo',
 ]
 
 
@@ -48,16 +89,30 @@ def prepare_t5_data(work_dir):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(prefix + '.idx'):
             subset = os.path.join(work_dir, 'fortunes.jsonl')
-            with open(os.path.join(REPO, 'data', 'corpus', 'fortunes.jsonl')) as src, \
-                    open(subset, 'w') as dst:
+            with (
+                open(os.path.join(REPO, 'data', 'corpus', 'fortunes.jsonl')) as src,
+                open(subset, 'w') as dst,
+            ):
                 for _, line in zip(range(NUM_FORTUNES), src):
                     dst.write(line)
             subprocess.run(
-                [sys.executable, os.path.join(REPO, 'tools', 'preprocess_data.py'),
-                 '--input', subset, '--output-prefix', os.path.join(work_dir, 'fortunes'),
-                 '--tokenizer-type', 'BertWordPieceLowerCase', '--vocab-file', BERT_VOCAB,
-                 '--workers', '1'],
-                check=True, capture_output=True, text=True,
+                [
+                    sys.executable,
+                    os.path.join(REPO, 'tools', 'preprocess_data.py'),
+                    '--input',
+                    subset,
+                    '--output-prefix',
+                    os.path.join(work_dir, 'fortunes'),
+                    '--tokenizer-type',
+                    'BertWordPieceLowerCase',
+                    '--vocab-file',
+                    BERT_VOCAB,
+                    '--workers',
+                    '1',
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
             )
         fcntl.flock(lock, fcntl.LOCK_UN)
     return prefix
@@ -164,8 +219,9 @@ def set_t5_reference_weights(model):
             param.copy_(full.to(param.dtype))
 
 
-def _reference_model_provider(pre_process=True, post_process=True, add_encoder=True,
-                              add_decoder=True):
+def _reference_model_provider(
+    pre_process=True, post_process=True, add_encoder=True, add_decoder=True
+):
     import pretrain_t5
 
     model = pretrain_t5.model_provider(pre_process, post_process, add_encoder, add_decoder)

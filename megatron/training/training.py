@@ -1055,8 +1055,10 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
         flags = torch.tensor([0, 0, 0], dtype=torch.long, device=device)
 
     torch.distributed.broadcast(flags, 0)
-    _check_training_data(args, do_train=bool(flags[0].item()))
+    # With virtual pipelines this runs once per model chunk and a chunk's provider may build no
+    # dataset on global rank 0 (Megatron's is_dataset_built_on_rank), so the flags accumulate.
     args.do_train = getattr(args, 'do_train', False) or bool(flags[0].item())
+    _check_training_data(args, do_train=args.do_train)
     args.do_valid = getattr(args, 'do_valid', False) or bool(flags[1].item())
     args.do_test = getattr(args, 'do_test', False) or bool(flags[2].item())
     return train_dataloader, valid_dataloader, test_dataloader

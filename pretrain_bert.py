@@ -88,7 +88,10 @@ def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tens
 
     lm_loss_ = lm_loss_.float()
     loss_mask = loss_mask.float()
-    lm_loss = torch.sum(lm_loss_.view(-1) * loss_mask.reshape(-1)) / loss_mask.sum()
+    # A micro-batch of short samples can have no masked token at all (the masking budget is
+    # 0.15 x the sample's target length, < 1 below 7 tokens): Megatron then divides 0 by 0 and
+    # stops on the NaN; here that micro-batch contributes an lm loss of 0 instead.
+    lm_loss = torch.sum(lm_loss_.view(-1) * loss_mask.reshape(-1)) / loss_mask.sum().clamp(min=1)
 
     if sop_logits is not None:
         sop_loss = F.cross_entropy(

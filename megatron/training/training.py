@@ -103,6 +103,30 @@ def pretrain(
         dict with 'iteration', 'train_losses' ({iteration: {key: float}} on the last rank),
         'valid_losses' and 'test_losses' (final evaluation; {key: float} on the last rank).
     """
+    try:
+        return _pretrain(
+            train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+            process_non_loss_data_func, extra_args_provider, args_defaults,
+            get_embedding_ranks, get_position_embedding_ranks, args_list,
+        )
+    finally:
+        # Also when training raised: a watchdog left running would later stop this process.
+        stop_watchdog()
+
+
+def _pretrain(
+    train_valid_test_dataset_provider,
+    model_provider,
+    model_type,
+    forward_step_func,
+    process_non_loss_data_func=None,
+    extra_args_provider=None,
+    args_defaults={},
+    get_embedding_ranks=None,
+    get_position_embedding_ranks=None,
+    args_list=None,
+):
+    """pretrain() itself; the wrapper stops the watchdog however this returns."""
     initialize_megatron(
         extra_args_provider=extra_args_provider,
         args_defaults=args_defaults,

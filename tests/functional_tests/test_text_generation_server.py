@@ -372,8 +372,9 @@ def test_seeded_sampling_reproduces(server):
     assert first["text"] == second["text"]
 
 
-def test_concurrent_clients_each_get_their_own_answer(server):
-    prompts = ["Alpha beta gamma", "Numbers one two", "Why is the sky"]
+def _check_concurrent_clients(server, prompts):
+    """Each prompt from its own thread, twice, all at once: every answer is the prompt's own
+    (as answered alone)."""
     expected = {
         p: server.put({"prompts": [p], "tokens_to_generate": 12, "top_k": 1}).json()["text"][0]
         for p in prompts
@@ -396,6 +397,10 @@ def test_concurrent_clients_each_get_their_own_answer(server):
     assert not errors
     for p in prompts:
         assert results[p] == [expected[p]] * 2
+
+
+def test_concurrent_clients_each_get_their_own_answer(server):
+    _check_concurrent_clients(server, ["Alpha beta gamma", "Numbers one two", "Why is the sky"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -489,6 +494,8 @@ def test_tensor_parallel_server(hf_gpt2, tmp_path):
         assert too_long.json() == "Length of prompt + tokens_to_generate longer than allowed"
         beams = srv.put({"prompts": [prompt], "tokens_to_generate": 3, "beam_width": 2}).json()
         assert len(beams["scores"]) == 2
+        # Concurrent requests must not interleave the broadcasts the other rank follows.
+        _check_concurrent_clients(srv, ["Alpha beta gamma", "Numbers one two"])
         client = openai.OpenAI(
             base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT
         )

@@ -33,6 +33,42 @@ def write_sentence_dataset(prefix: str, documents: List[List[List[int]]], vocab_
     return prefix
 
 
+# Toy WordPiece vocabulary: ids 0-15 in file order; the tokenizer appends [BOS] = 16, [EOS] = 17
+# (then <extra_id_i> sentinels).
+TOY_VOCAB = [
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+    "the",
+    "whale",
+    "ship",
+    "sea",
+    "cap",
+    "##tain",
+    "ahab",
+    "##s",
+    "white",
+    "sails",
+    "on",
+]
+# doc 0: "the white whale" / "cap ##tain ahab" / "sails on the sea"
+# doc 1: "the ship" / "ahab ##s sails"
+TOY_DOCS = [[[5, 13, 6], [9, 10, 11], [14, 15, 5, 8]], [[5, 7], [11, 12, 14]]]
+
+
+def toy_corpus(tmp_path, vocab_extra_ids: int = 0):
+    """The toy corpus as `tmp_path/toy.bin/.idx` and its tokenizer: (prefix, tokenizer)."""
+    from megatron.training.tokenizer.tokenizer import _BertWordPieceTokenizer
+
+    vocab = os.path.join(str(tmp_path), "toy-vocab.txt")
+    with open(vocab, "w") as f:
+        f.write("\n".join(TOY_VOCAB) + "\n")
+    prefix = write_sentence_dataset(os.path.join(str(tmp_path), "toy"), TOY_DOCS, len(TOY_VOCAB))
+    return prefix, _BertWordPieceTokenizer(vocab, lower_case=True, vocab_extra_ids=vocab_extra_ids)
+
+
 def bert_tokenizer(vocab_extra_ids: int = 0, vocab_file: str = BERT_VOCAB):
     """The bundled uncased BERT WordPiece tokenizer (`--tokenizer-type BertWordPieceLowerCase`)."""
     from megatron.training.tokenizer.tokenizer import _BertWordPieceTokenizer

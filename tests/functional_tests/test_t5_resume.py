@@ -36,9 +36,9 @@ def _hex(result):
     return {int(it): float(v['lm loss']).hex() for it, v in result['train_losses'].items()}
 
 
-def _stop_and_resume(work_dir, data_args, synthetic):
+def _stop_and_resume(work_dir, data_args):
     common = LAYOUT + list(data_args)
-    run = lambda extra: _hex(run_pretrain_t5(common + extra, synthetic=synthetic))  # noqa: E731
+    run = lambda extra: _hex(run_pretrain_t5(common + extra))  # noqa: E731
     reference = run(['--save', os.path.join(work_dir, 'ref')])
     resume_dir = os.path.join(work_dir, 'resume')
     stopped = run(['--save', resume_dir, '--load', resume_dir, '--exit-interval', str(STOP_AT)])
@@ -54,7 +54,7 @@ def test_exact_resume_tp2_pp2_split1(tmp_path, t5_data_prefix):
         tp=2,
         pp=2,
         split_rank=1,
-        args=(str(tmp_path), data_args, False),
+        args=(str(tmp_path), data_args),
         timeout=600,
     )
     reference, stopped, resumed = outs[-1]  # the last rank is on the last stage

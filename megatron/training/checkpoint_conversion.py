@@ -95,8 +95,11 @@ def repad_vocab(weight: torch.Tensor, padded_size: int) -> torch.Tensor:
     row (normally a padding row).
     """
     rows = weight.shape[0]
-    if padded_size <= rows:
-        return weight[:padded_size]
+    if padded_size == rows:
+        return weight
+    if padded_size < rows:
+        # A copy: saving a slice would write the whole original storage.
+        return weight[:padded_size].clone()
     extra = weight[-1:].expand(padded_size - rows, *weight.shape[1:])
     return torch.cat([weight, extra], dim=0)
 

@@ -17,6 +17,7 @@ import json
 import multiprocessing
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
@@ -32,46 +33,13 @@ class PreprocessError(Exception):
 
 
 def _load_sentence_splitter(lang: str, keep_newlines: bool):
-    """NLTK punkt for `lang`, or a PreprocessError explaining how to get it."""
+    """NLTK Punkt for `lang` from installed parameters (no download), or a one-line PreprocessError."""
+    from megatron.training.tokenizer.sentence_splitter import SentenceSplitter, SentenceSplitterError
+
     try:
-        import nltk
-    except ImportError:
-        raise PreprocessError("--split-sentences needs NLTK (pip install nltk) and its punkt model") from None
-    splitter = None
-    try:
-        if hasattr(nltk.tokenize, "PunktTokenizer"):
-            splitter = nltk.tokenize.PunktTokenizer(lang)
-        else:
-            splitter = nltk.load(f"tokenizers/punkt/{lang}.pickle")
-    except (LookupError, OSError, ValueError):
-        splitter = None
-    if splitter is None:
-        try:
-            splitter = nltk.load(f"tokenizers/punkt/{lang}.pickle")
-        except Exception:
-            raise PreprocessError(
-                f"--split-sentences needs NLTK's punkt model for '{lang}', which is not installed; "
-                "run `python -m nltk.downloader punkt punkt_tab` on a machine with network access "
-                "(or drop --split-sentences)"
-            ) from None
-    if keep_newlines:
-        from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer
-
-        class CustomLanguageVars(PunktLanguageVars):
-            """Punkt variables that keep the newline after a sentence end with the sentence."""
-
-            _period_context_fmt = r"""
-                \S*                          # some word material
-                %(SentEndChars)s             # a potential sentence ending
-                \s*                          # keep whitespace (newlines) with the sentence
-                (?=(?P<after_tok>
-                    %(NonWord)s              # either other punctuation
-                    |
-                    (?P<next_tok>\S+)        # or the next token
-                ))"""
-
-        splitter = PunktSentenceTokenizer(train_text=splitter._params, lang_vars=CustomLanguageVars())
-    return splitter
+        return SentenceSplitter(lang, keep_newlines)
+    except SentenceSplitterError as exc:
+        raise PreprocessError(str(exc)) from None
 
 
 class Encoder(object):
@@ -170,7 +138,7 @@ class Partition(object):
         proc_start = time.time()
         pool = multiprocessing.Pool(self.workers, initializer=encoder.initializer)
         try:
-            for result in pool.imap(encoder.encode, items, 32):
+            for result in _with_heartbeat(pool.imap(encoder.encode, items, 32), lambda: count):
                 if result[0] == "error":
                     raise PreprocessError(result[1])
                 doc, sentence_lens, bytes_processed = result
@@ -194,6 +162,50 @@ class Partition(object):
         return count
 
 
+#: Seconds without a finished document after which a "still encoding" line is printed.
+STILL_ENCODING_INTERVAL = 30.0
+
+
+def _with_heartbeat(results, done):
+    """Yield from `results`; while one document takes long (one huge document), a thread prints
+    on stderr every STILL_ENCODING_INTERVAL seconds that it is still being encoded."""
+    last = [time.time(), time.time()]  # last finished document, last line printed
+    stop = threading.Event()
+
+    def _beat():
+        while not stop.wait(min(1.0, STILL_ENCODING_INTERVAL / 2)):
+            now = time.time()
+            if now - max(last) >= STILL_ENCODING_INTERVAL:
+                last[1] = now
+                print(f"Processed {done()} documents; still encoding document {done() + 1} "
+                      f"({now - last[0]:.0f} s so far)", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=_beat, daemon=True)
+    thread.start()
+    try:
+        for result in results:
+            last[0] = last[1] = time.time()
+            yield result
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _cap_workers(args):
+    """More encoding processes than CPU cores only add memory: cap --workers (a multiple of
+    --partitions) at the cores this process may use, with a warning."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    if args.workers <= cores:
+        return
+    capped = max(args.partitions, cores // args.partitions * args.partitions)
+    if capped >= args.workers:
+        return
+    print(f"WARNING: --workers {args.workers} is more than the {cores} CPU cores available; "
+          f"using {capped} workers", file=sys.stderr, flush=True)
+    args.workers = capped
+
+
 def _remove_tmp(prefix):
     for ext in (".bin", ".idx"):
         try:
@@ -214,7 +226,7 @@ def get_args(argv=None):
     group = parser.add_argument_group(title="input data")
     group.add_argument("--input", type=str, required=True, help="Path to input JSON (a glob with --partitions > 1)")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="space separate listed of keys to extract from json")
-    group.add_argument("--split-sentences", action="store_true", help="Split documents into sentences (NLTK punkt).")
+    group.add_argument("--split-sentences", action="store_true", help="Split documents into sentences (NLTK Punkt, offline).")
     group.add_argument("--keep-newlines", action="store_true", help="Keep newlines between sentences when splitting.")
 
     group = parser.add_argument_group(title="tokenizer")
@@ -247,6 +259,7 @@ def get_args(argv=None):
         parser.error(f"--workers ({args.workers}) must be divisible by --partitions ({args.partitions})")
     if args.log_interval < 1:
         parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
+    _cap_workers(args)
     if args.keep_newlines and not args.split_sentences:
         print("--keep-newlines only applies with --split-sentences; ignored", file=sys.stderr)
 

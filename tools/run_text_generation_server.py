@@ -15,21 +15,21 @@ import sys
 
 sys.path.append(os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.core import parallel_state as mpu  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.inference.text_generation_server import (  # noqa: E402
+from megatron.core import parallel_state as mpu
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.inference.text_generation_server import (
     MAX_PROMPTS,
     MAX_REQUEST_BYTES,
     MegatronServer,
     run_generation_worker_loop,
 )
-from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
-from megatron.training.checkpointing import load_checkpoint  # noqa: E402
-from megatron.training.global_vars import get_args  # noqa: E402
-from megatron.training.initialize import initialize_megatron  # noqa: E402
-from megatron.training.training import get_model  # noqa: E402
-from megatron.training.utils import print_rank_0  # noqa: E402
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.checkpointing import load_checkpoint
+from megatron.training.global_vars import get_args
+from megatron.training.initialize import initialize_megatron
+from megatron.training.training import get_model
+from megatron.training.utils import print_rank_0
 
 
 def model_provider(pre_process=True, post_process=True) -> GPTModel:
@@ -59,18 +59,31 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
 def add_text_generate_args(parser):
     """Server flags: Megatron's --port, plus where to bind and the request limits."""
     group = parser.add_argument_group(title='text generation')
-    group.add_argument('--port', type=int, default=5000,
-                       help='port for text generation server to run on')
-    group.add_argument('--host', type=str, default='127.0.0.1',
-                       help='Address the server binds to (Megatron binds 0.0.0.0, every '
-                       'interface; pass --host 0.0.0.0 to serve other machines).')
-    group.add_argument('--max-prompts', type=int, default=MAX_PROMPTS,
-                       help='Most prompts in one request.')
-    group.add_argument('--max-request-bytes', type=int, default=MAX_REQUEST_BYTES,
-                       help='Largest request body accepted, in bytes (larger: HTTP 400).')
-    group.add_argument('--served-model-name', type=str, default=None,
-                       help='Model name reported by GET /v1/models (default: the --load '
-                       'directory name).')
+    group.add_argument(
+        '--port', type=int, default=5000, help='port for text generation server to run on'
+    )
+    group.add_argument(
+        '--host',
+        type=str,
+        default='127.0.0.1',
+        help='Address the server binds to (Megatron binds 0.0.0.0, every '
+        'interface; pass --host 0.0.0.0 to serve other machines).',
+    )
+    group.add_argument(
+        '--max-prompts', type=int, default=MAX_PROMPTS, help='Most prompts in one request.'
+    )
+    group.add_argument(
+        '--max-request-bytes',
+        type=int,
+        default=MAX_REQUEST_BYTES,
+        help='Largest request body accepted, in bytes (larger: HTTP 400).',
+    )
+    group.add_argument(
+        '--served-model-name',
+        type=str,
+        default=None,
+        help='Model name reported by GET /v1/models (default: the --load ' 'directory name).',
+    )
     return parser
 
 
@@ -88,10 +101,19 @@ def main(args_list=None):
     if args.num_layers_per_virtual_pipeline_stage is not None:
         print("Interleaved pipeline schedule is not yet supported for text generation.")
         sys.exit(1)
-    for flag, value in (('--max-prompts', args.max_prompts),
-                        ('--max-request-bytes', args.max_request_bytes)):
+    for flag, value in (
+        ('--max-prompts', args.max_prompts),
+        ('--max-request-bytes', args.max_request_bytes),
+    ):
         if value < 1:
             raise ValueError(f'{flag} must be at least 1, got {value}')
+    if args.data_parallel_size != 1:
+        # Every rank follows global rank 0's broadcasts: one model replica only.
+        raise ValueError(
+            f'text generation runs one model replica: world size ({args.world_size}) must equal '
+            f'--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x '
+            f'--pipeline-model-parallel-size ({args.pipeline_model_parallel_size})'
+        )
     print_rank_0("WARNING: Forcing exit_on_missing_checkpoint to True for text generation.")
     args.exit_on_missing_checkpoint = True
 

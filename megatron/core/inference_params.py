@@ -21,6 +21,9 @@ class InferenceParams:
             fed width after each forward.
         batch_size_offset (int): first cache row of the current (pipeline) micro-batch.
         key_value_memory_dict (dict): layer_number -> (key_memory, value_memory).
+        materialize_only_last_token_logits (bool): the model computes the logits of the last
+            fed position only (what sampling needs; as in later megatron-core versions). False
+            keeps every position's logits (log probabilities of the fed tokens).
     """
 
     def __init__(self, max_batch_size: int, max_sequence_length: int):
@@ -29,6 +32,7 @@ class InferenceParams:
         self.sequence_len_offset = 0
         self.batch_size_offset = 0
         self.key_value_memory_dict = {}
+        self.materialize_only_last_token_logits = False
 
     def swap_key_value_dict(self, batch_idx):
         """Reorder the batch rows of every layer's cache: row i becomes old row batch_idx[i]
@@ -36,7 +40,7 @@ class InferenceParams:
         if len(self.key_value_memory_dict) == 0:
             raise ValueError("should not swap when dict in empty")
 
-        for layer_number in self.key_value_memory_dict.keys():
+        for layer_number in self.key_value_memory_dict:
             inference_key_memory, inference_value_memory = self.key_value_memory_dict[layer_number]
             assert len(batch_idx) == inference_key_memory.shape[1]  # make sure batch size is same
             new_inference_key_memory = inference_key_memory[:, batch_idx]
@@ -54,4 +58,3 @@ class InferenceParams:
             f"batch_size_offset={self.batch_size_offset}, "
             f"layers_cached={sorted(self.key_value_memory_dict)})"
         )
-

@@ -231,7 +231,7 @@ def generate_model_parallel_groups(
         A dict from group kind to the list of groups (each a list of global ranks):
         "tp", "pp", "dp", "dp-cp" (data parallel with context parallel), "cp", "mp" (tensor +
         pipeline), "embedding", "position_embedding", "tp-dp", "tp-dp-cp", "tp-cp", "tp-ep",
-        "ep", "dp-modulo-ep", "dp-modulo-ep-cp".
+        "mp-ep" (tensor + expert + pipeline), "ep", "dp-modulo-ep", "dp-modulo-ep-cp".
 
     Raises:
         ValueError: sizes that do not divide the world size, or an invalid order / split rank.
@@ -264,6 +264,7 @@ def generate_model_parallel_groups(
         "tp-dp": gen.get_ranks("tp-dp"),
         "tp-cp": gen.get_ranks("tp-cp"),
         "tp-ep": gen.get_ranks("tp-ep", independent_ep=True),
+        "mp-ep": gen.get_ranks("tp-ep-pp", independent_ep=True),
         "ep": gen.get_ranks("ep", independent_ep=True),
         "dp-modulo-ep": gen.get_ranks("dp", independent_ep=True),
         "dp-modulo-ep-cp": gen.get_ranks("dp-cp", independent_ep=True),

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 
-from flask import Response, jsonify, request
+from flask import Response, jsonify
 
 from megatron.inference.text_generation import generate_and_post_process
 from megatron.inference.text_generation.tokenization import eod_id
@@ -143,20 +143,20 @@ def parse_completion_request(body, limits):
             raise CompletionError(f"'{name}' = {body[name]!r} is not supported", name)
 
     greedy = temperature == 0.0
-    return dict(
-        prompts=prompts,
-        max_tokens=max_tokens,
+    return {
+        "prompts": prompts,
+        "max_tokens": max_tokens,
         # Megatron samples greedily with top_k = 1 (temperature ignored); top_p = 0 means no
         # nucleus filtering.
-        top_k=1 if greedy else 0,
-        top_p=0.0 if greedy or top_p >= 1.0 else float(top_p),
-        temperature=1.0 if greedy else float(temperature),
-        stops=stops,
-        logprobs=logprobs,
-        random_seed=-1 if seed is None else seed,
-        stream=stream,
-        model=body.get("model") or limits.get('model_name'),
-    )
+        "top_k": 1 if greedy else 0,
+        "top_p": 0.0 if greedy or top_p >= 1.0 else float(top_p),
+        "temperature": 1.0 if greedy else float(temperature),
+        "stops": stops,
+        "logprobs": logprobs,
+        "random_seed": -1 if seed is None else seed,
+        "stream": stream,
+        "model": body.get("model") or limits.get('model_name'),
+    }
 
 
 class _Row:
@@ -255,7 +255,12 @@ def register_completions(app, model, limits, model_name):
             {
                 "object": "list",
                 "data": [
-                    {"id": model_name, "object": "model", "created": created, "owned_by": "megatron"}
+                    {
+                        "id": model_name,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "megatron",
+                    }
                 ],
             }
         )
@@ -290,11 +295,11 @@ def register_completions(app, model, limits, model_name):
             return _error_response(str(exc), exc.param)
 
         rows = [_Row(n, params['max_tokens'], params['stops'], tokenizer) for n in prompt_lengths]
-        meta = dict(
-            id="cmpl-" + uuid.uuid4().hex,
-            created=int(time.time()),
-            model=params['model'],
-        )
+        meta = {
+            "id": "cmpl-" + uuid.uuid4().hex,
+            "created": int(time.time()),
+            "model": params['model'],
+        }
         if params['stream']:
             return _stream(run_generation, params, rows, meta)
 
@@ -305,7 +310,12 @@ def register_completions(app, model, limits, model_name):
         for i, (row, ids) in enumerate(zip(rows, tokens)):
             text, generated, finish = row.completion(ids)
             completion_tokens += len(generated)
-            choice = {"text": text, "index": i, "logprobs": None, "finish_reason": finish or "length"}
+            choice = {
+                "text": text,
+                "index": i,
+                "logprobs": None,
+                "finish_reason": finish or "length",
+            }
             if params['logprobs'] is not None:
                 choice["logprobs"] = _logprobs_block(row, ids, generated, logprobs[i], text)
             choices.append(choice)

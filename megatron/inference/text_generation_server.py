@@ -229,7 +229,7 @@ def validate_api_request(body, limits):
     temperature = 1.0
     if "temperature" in body:
         temperature = body["temperature"]
-        if not (type(temperature) == int or type(temperature) == float):  # noqa: E721
+        if not (type(temperature) == int or type(temperature) == float):
             return "temperature must be a positive number less than or equal to 100.0"
         if not (0.0 < temperature <= 100.0):
             return "temperature must be a positive number less than or equal to 100.0"
@@ -237,15 +237,17 @@ def validate_api_request(body, limits):
     top_k = 0.0
     if "top_k" in body:
         top_k = body["top_k"]
-        if not (type(top_k) == int):  # noqa: E721
-            return "top_k must be an integer equal to or greater than 0 and less than or equal to 1000"
+        if type(top_k) != int:
+            return (
+                "top_k must be an integer equal to or greater than 0 and less than or equal to 1000"
+            )
         if not (0 <= top_k <= 1000):
             return "top_k must be equal to or greater than 0 and less than or equal to 1000"
 
     top_p = 0.0
     if "top_p" in body:
         top_p = body["top_p"]
-        if not (type(top_p) == float):  # noqa: E721
+        if type(top_p) != float:
             return "top_p must be a positive float less than or equal to 1.0"
         if top_p > 0.0 and top_k > 0.0:
             return "cannot set both top-k and top-p samplings."
@@ -255,7 +257,7 @@ def validate_api_request(body, limits):
     top_p_decay = 0.0
     if "top_p_decay" in body:
         top_p_decay = body["top_p_decay"]
-        if not (type(top_p_decay) == float):  # noqa: E721
+        if type(top_p_decay) != float:
             return "top_p_decay must be a positive float less than or equal to 1.0"
         if top_p == 0.0:
             return "top_p_decay cannot be set without top_p"
@@ -265,7 +267,7 @@ def validate_api_request(body, limits):
     top_p_bound = 0.0
     if "top_p_bound" in body:
         top_p_bound = body["top_p_bound"]
-        if not (type(top_p_bound) == float):  # noqa: E721
+        if type(top_p_bound) != float:
             return "top_p_bound must be a positive float less than or equal to top_p"
         if top_p == 0.0:
             return "top_p_bound cannot be set without top_p"
@@ -277,7 +279,7 @@ def validate_api_request(body, limits):
         add_BOS = body["add_BOS"]
         if not isinstance(add_BOS, bool):
             return "add_BOS must be a boolean value"
-    if any([len(prompt) == 0 for prompt in prompts]) and not add_BOS:
+    if any(len(prompt) == 0 for prompt in prompts) and not add_BOS:
         return "Empty prompts require add_BOS=true"
 
     flags = {}
@@ -368,11 +370,11 @@ class MegatronServer:
             from megatron.training.global_vars import get_args
 
             max_position_embeddings = get_args().max_position_embeddings
-        limits = dict(
-            max_position_embeddings=max_position_embeddings,
-            max_prompts=max_prompts,
-            max_request_bytes=max_request_bytes,
-        )
+        limits = {
+            "max_position_embeddings": max_position_embeddings,
+            "max_prompts": max_prompts,
+            "max_request_bytes": max_request_bytes,
+        }
         self.app = Flask(__name__, static_url_path='')
         # Bodies are read up to the limit only; a larger declared length is refused by Flask.
         self.app.config['MAX_CONTENT_LENGTH'] = max_request_bytes + 1

@@ -7,6 +7,7 @@ Re-exported by `arguments.py`, where Megatron users import it from.
 
 import torch
 
+from megatron.core.utils import uses_cuda
 from megatron.training.arguments_unsupported import check_unsupported_flags
 
 
@@ -82,7 +83,17 @@ def validate_args(args, defaults={}):
             ),
             flush=True,
         )
-    if args.pipeline_model_parallel_size > 1 and args.pipeline_model_parallel_split_rank is not None:
+    if args.pipeline_model_parallel_split_rank is not None:
+        if args.pipeline_model_parallel_size == 1:
+            raise ValueError(
+                f'--pipeline-model-parallel-split-rank ({args.pipeline_model_parallel_split_rank}) '
+                'needs --pipeline-model-parallel-size > 1 (got 1)'
+            )
+        if args.pipeline_model_parallel_split_rank < 1:
+            raise ValueError(
+                f'--pipeline-model-parallel-split-rank ({args.pipeline_model_parallel_split_rank}) '
+                'must be >= 1 (the stages before it hold the encoder)'
+            )
         if args.pipeline_model_parallel_split_rank >= args.pipeline_model_parallel_size:
             raise ValueError(
                 f'--pipeline-model-parallel-split-rank ({args.pipeline_model_parallel_split_rank}) '
@@ -114,7 +125,7 @@ def validate_args(args, defaults={}):
             setattr(args, key, value)
 
     # Backend: nccl needs CUDA. Without a GPU we fall back to gloo (and say so).
-    if args.distributed_backend == 'nccl' and not torch.cuda.is_available():
+    if args.distributed_backend == 'nccl' and not uses_cuda('nccl'):
         _note(args, 'no CUDA device found: --distributed-backend nccl -> gloo')
         args.distributed_backend = 'gloo'
     if args.transformer_impl == 'transformer_engine':
@@ -150,6 +161,12 @@ def validate_args(args, defaults={}):
 
     # Virtual pipeline.
     if args.num_layers_per_virtual_pipeline_stage is not None:
+        if args.pipeline_model_parallel_split_rank is not None:
+            raise ValueError(
+                '--num-layers-per-virtual-pipeline-stage: interleaved (virtual) pipelines are not '
+                'supported for encoder-decoder models (--pipeline-model-parallel-split-rank '
+                f'{args.pipeline_model_parallel_split_rank})'
+            )
         if args.pipeline_model_parallel_size <= 1:
             raise ValueError(
                 '--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1, '
@@ -438,7 +455,9 @@ def _validate_megatron_r08_extras(args):
             f'--check-weight-hash-across-dp-replicas-interval must be positive, got {interval}'
         )
     if getattr(args, 'straggler_minmax_count', 1) < 1:
-        raise ValueError(f'--straggler-minmax-count must be >= 1, got {args.straggler_minmax_count}')
+        raise ValueError(
+            f'--straggler-minmax-count must be >= 1, got {args.straggler_minmax_count}'
+        )
 
 
 def _print_args(title, args):
@@ -452,3 +471,50 @@ def _print_args(title, args):
         for arg in sorted(str_list, key=lambda x: x.lower()):
             print(arg, flush=True)
         print(f'-------------------- end of {title} ---------------------', flush=True)
+
+
+def validate_encoder_decoder_args(args):
+    """Rules for encoder-decoder (T5) models, checked by `pretrain` before the model is built.
+
+    Raises:
+        ValueError: naming the flag and the numbers.
+    """
+    if args.decoder_seq_length is None:
+        raise ValueError('--decoder-seq-length is required for encoder-decoder (T5) models')
+    if args.virtual_pipeline_model_parallel_size is not None:
+        raise ValueError(
+            '--num-layers-per-virtual-pipeline-stage: interleaved (virtual) pipelines are not '
+            'supported for encoder-decoder (T5) models'
+        )
+    if args.decoder_num_layers is None:
+        _note(args, f'--decoder-num-layers not given: using --encoder-num-layers '
+                    f'({args.encoder_num_layers})')
+        args.decoder_num_layers = args.encoder_num_layers
+    pp, split = args.pipeline_model_parallel_size, args.pipeline_model_parallel_split_rank
+    if pp > 1:
+        if split is None:
+            raise ValueError(
+                f'--pipeline-model-parallel-split-rank is required with '
+                f'--pipeline-model-parallel-size {pp} for encoder-decoder (T5) models'
+            )
+        if args.encoder_num_layers % split != 0:
+            raise ValueError(
+                f'--encoder-num-layers ({args.encoder_num_layers}) is not divisible by the '
+                f'{split} encoder stages (--pipeline-model-parallel-split-rank {split})'
+            )
+        if args.decoder_num_layers % (pp - split) != 0:
+            raise ValueError(
+                f'--decoder-num-layers ({args.decoder_num_layers}) is not divisible by the '
+                f'{pp - split} decoder stages (--pipeline-model-parallel-size {pp} - '
+                f'--pipeline-model-parallel-split-rank {split})'
+            )
+    has_data = any(
+        getattr(args, name, None) for name in
+        ('data_path', 'train_data_path', 'valid_data_path', 'test_data_path')
+    )
+    if has_data and args.vocab_extra_ids <= 0:
+        raise ValueError(
+            f'--vocab-extra-ids ({args.vocab_extra_ids}) must be > 0 for T5 data: the '
+            'span-corruption sentinels <extra_id_i> come from it (Megatron uses 100)'
+        )
+    return args

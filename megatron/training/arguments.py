@@ -503,6 +503,11 @@ def _add_distributed_args(parser):
                        help='overlap pipeline parallel communication with forward and backward chunks')
     group.add_argument('--distributed-backend', default='nccl', choices=['nccl', 'gloo'],
                        help='Which backend to use for distributed training (gloo is used when no GPU exists).')
+    group.add_argument('--watchdog-timeout', type=float, default=300.0,
+                       help='Seconds a rank may go without progress (a training step or '
+                       'evaluation running that long, or no heartbeat from a rank) before the '
+                       'job reports which rank, which operation and how long, and exits with '
+                       'code 3. 0 disables. Not a Megatron flag.')
     group.add_argument('--distributed-timeout-minutes', type=int, default=10,
                        help='Timeout minutes for torch.distributed.')
     group.add_argument('--overlap-grad-reduce', action='store_true', default=False,
@@ -532,11 +537,12 @@ def _add_distributed_args(parser):
                        help='Use distributed optimizer.')
     group.add_argument('--context-parallel-size', type=int, default=1, help='Degree of context parallelism.')
     group.add_argument('--use-cpu-initialization', action='store_true', default=None,
-                       help='If set, initialize weights on the CPU. This eliminates init differences '
-                       'based on tensor parallelism.')
+                       help='If set, initialize weights on the CPU. This eliminates init '
+                       'differences based on tensor parallelism.')
     group.add_argument('--empty-unused-memory-level', default=0, type=int, choices=[0, 1, 2],
-                       help='Call torch.cuda.empty_cache() each iteration (training and eval), to '
-                       'reduce fragmentation. 0=off, 1=moderate, 2=aggressive (no-op without CUDA).')
+                       help='Call torch.cuda.empty_cache() each iteration (training and eval), '
+                       'to reduce fragmentation. 0=off, 1=moderate, 2=aggressive (no-op without '
+                       'CUDA).')
     group.add_argument('--nccl-communicator-config-path', type=str, default=None,
                        help='Path to the yaml file with NCCL communicator configurations.')
     group.add_argument('--use-tp-pp-dp-mapping', action='store_true', default=False,

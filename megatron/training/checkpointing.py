@@ -39,7 +39,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import update_num_microbatches
-from megatron.core.utils import get_current_device, unwrap_model
+from megatron.core.utils import get_current_device, unwrap_model, uses_cuda
 from megatron.training.global_vars import get_args
 
 #: Version written into every checkpoint, as in Megatron's megatron/training/checkpointing.py:
@@ -245,7 +245,7 @@ def get_rng_state(use_dist_ckpt: bool = False) -> List[Dict[str, Any]]:
         'torch_rng_state': torch.get_rng_state(),
         'rng_tracker_states': tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
-    if torch.cuda.is_available():
+    if uses_cuda():
         rng_state['cuda_rng_state'] = torch.cuda.get_rng_state()
 
     if (
@@ -269,7 +269,7 @@ def _set_rng_state(rng_state: Dict[str, Any], checkpoint_name: str) -> None:
     random.setstate(rng_state['random_rng_state'])
     np.random.set_state(_np_state_from_checkpoint(rng_state['np_rng_state']))
     torch.set_rng_state(rng_state['torch_rng_state'])
-    if torch.cuda.is_available():
+    if uses_cuda():
         if 'cuda_rng_state' in rng_state:
             torch.cuda.set_rng_state(rng_state['cuda_rng_state'])
         else:
@@ -639,9 +639,14 @@ def _load_base_checkpoint(
     try:
         state_dict = _torch_load(checkpoint_name)
     except Exception as exc:
-        raise RuntimeError(
-            f'could not load checkpoint file {checkpoint_name} with '
-            f'torch.load(weights_only=True): {exc}'
+        # Truncated, corrupt, or holding objects other than tensors and plain data (a planted
+        # pickle would run code on a plain torch.load): the file is refused, never executed.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = next((line for line in lines if 'GLOBAL' in line or 'global' in line),
+                      lines[0] if lines else type(exc).__name__)
+        raise ValueError(
+            f'checkpoint file {checkpoint_name} cannot be loaded as weights only (tensors and '
+            f'plain data): {reason}'
         ) from exc
     return state_dict, checkpoint_name, release
 

@@ -29,7 +29,8 @@ EXIT_WATCHDOG = 3
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, NotADirectoryError,
                IsADirectoryError, FileExistsError)
 
-_STORE_KEY = 'megatron_errors/printed'
+# With torchrun's restart count: a restarted job must not see the last attempt's key.
+_STORE_KEY = f"megatron_errors/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/printed"
 
 
 def global_rank() -> int:

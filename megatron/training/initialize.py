@@ -6,6 +6,8 @@ gloo when no GPU exists). An already-initialized default process group (tests, n
 and so are already-initialized model-parallel groups when their sizes match the args.
 """
 
+import logging
+import os
 import random
 import time
 from datetime import timedelta
@@ -15,9 +17,11 @@ import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
+from megatron.core.utils import uses_cuda
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables
 from megatron.training.startup_checks import check_output_directories
+from megatron.training.watchdog import exit_when_launcher_dies
 
 
 def initialize_megatron(
@@ -43,6 +47,7 @@ def initialize_megatron(
             (None: first and last stage / first stage, plus the split stage).
         args_list: argument strings to parse instead of sys.argv (tests, notebooks).
     """
+    exit_when_launcher_dies()
     args = parse_args(extra_args_provider, ignore_unknown_args, args_list=args_list)
     if args.use_checkpoint_args or args_defaults.get('use_checkpoint_args', False):
         if args.load is None:
@@ -54,6 +59,7 @@ def initialize_megatron(
     check_output_directories(args)
 
     set_global_variables(args)
+    setup_logging()
 
     if skip_mpu_initialization:
         return None
@@ -64,6 +70,20 @@ def initialize_megatron(
     _set_random_seed(args.seed, args.data_parallel_random_init)
     _compile_dependencies()
     return None
+
+
+def setup_logging() -> None:
+    """Set the root logging level: --logging-level, else $MEGATRON_LOGGING_LEVEL, else unchanged."""
+    args = get_args()
+    logging_level = None
+    env_logging_level = os.getenv('MEGATRON_LOGGING_LEVEL', None)
+    if env_logging_level is not None:
+        logging_level = int(env_logging_level)
+    if args.logging_level is not None:
+        logging_level = args.logging_level
+    if logging_level is not None:
+        logging.getLogger(__name__).info(f'Setting logging level to {logging_level}')
+        logging.getLogger().setLevel(logging_level)
 
 
 def _compile_dependencies():
@@ -88,7 +108,7 @@ def _compile_dependencies():
 def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ranks=None):
     """Initialize torch.distributed (unless already done) and the model-parallel groups."""
     args = get_args()
-    device_count = torch.cuda.device_count() if args.distributed_backend == 'nccl' else 0
+    device_count = torch.cuda.device_count() if uses_cuda(args.distributed_backend) else 0
     if torch.distributed.is_initialized():
         if args.rank == 0:
             print('torch distributed is already initialized, skipping initialization ...', flush=True)
@@ -99,11 +119,13 @@ def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ran
             print('> initializing torch distributed ...', flush=True)
         if device_count > 0:
             torch.cuda.set_device(args.local_rank % device_count)
+        timeout = timedelta(minutes=args.distributed_timeout_minutes)
         torch.distributed.init_process_group(
             backend=args.distributed_backend,
             world_size=args.world_size,
             rank=args.rank,
-            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+            timeout=timeout,
+            store=_per_attempt_store(args.world_size, timeout),
         )
 
     if mpu.model_parallel_is_initialized():
@@ -150,6 +172,22 @@ def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ran
                 f'{mpu.get_pipeline_model_parallel_world_size()}',
                 flush=True,
             )
+
+
+def _per_attempt_store(world_size, timeout):
+    """Under torchrun, the launcher's store with a prefix per restart attempt (None otherwise).
+
+    torchrun keeps one store for all `--max-restarts` attempts; the process group of a restarted
+    job would read the previous attempt's keys (the dead ranks' addresses) and fail to connect.
+    """
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    store = torch.distributed.TCPStore(
+        os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
+        is_master=False, timeout=timeout,
+    )
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+    return torch.distributed.PrefixStore(f'megatron/attempt_{attempt}', store)
 
 
 def _set_random_seed(seed_, data_parallel_random_init=False):

@@ -24,17 +24,25 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     update_num_microbatches,
 )
-from megatron.core.utils import get_current_device, get_model_config
+from megatron.core.utils import StragglerDetector, get_current_device, get_model_config, uses_cuda
 from megatron.training.global_vars import (
     get_args,
     get_signal_handler,
     get_tensorboard_writer,
     get_timers,
 )
-from megatron.training.initialize import initialize_megatron, set_jit_fusion_options, write_args_to_tensorboard
+from megatron.training.argument_validation import validate_encoder_decoder_args
+from megatron.training.initialize import (
+    initialize_megatron,
+    set_jit_fusion_options,
+    write_args_to_tensorboard,
+)
 from megatron.training.utils import (
     append_to_progress_log,
     calc_params_l2_norm,
+    check_weight_hashes,
+    configure_straggler_detector,
+    empty_unused_memory,
     num_floating_point_operations,
     print_datetime,
     print_rank_0,
@@ -42,8 +50,12 @@ from megatron.training.utils import (
     report_memory,
     unwrap_model,
 )
+from megatron.training.watchdog import progress, start_watchdog, stop_watchdog, watch
 
 _TRAIN_START_TIME = time.time()
+
+# The process-wide straggler detector (a singleton: the script's `stimer` is this object).
+stimer = StragglerDetector()
 
 __all__ = [
     'pretrain', 'get_model', 'setup_model_and_optimizer', 'train_step', 'train', 'evaluate',
@@ -91,6 +103,30 @@ def pretrain(
         dict with 'iteration', 'train_losses' ({iteration: {key: float}} on the last rank),
         'valid_losses' and 'test_losses' (final evaluation; {key: float} on the last rank).
     """
+    try:
+        return _pretrain(
+            train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+            process_non_loss_data_func, extra_args_provider, args_defaults,
+            get_embedding_ranks, get_position_embedding_ranks, args_list,
+        )
+    finally:
+        # Also when training raised: a watchdog left running would later stop this process.
+        stop_watchdog()
+
+
+def _pretrain(
+    train_valid_test_dataset_provider,
+    model_provider,
+    model_type,
+    forward_step_func,
+    process_non_loss_data_func=None,
+    extra_args_provider=None,
+    args_defaults={},
+    get_embedding_ranks=None,
+    get_position_embedding_ranks=None,
+    args_list=None,
+):
+    """pretrain() itself; the wrapper stops the watchdog however this returns."""
     initialize_megatron(
         extra_args_provider=extra_args_provider,
         args_defaults=args_defaults,
@@ -99,8 +135,11 @@ def pretrain(
         args_list=args_list,
     )
     args = get_args()
+    if model_type == ModelType.encoder_and_decoder:
+        validate_encoder_decoder_args(args)
     timers = get_timers()
     set_jit_fusion_options()
+    start_watchdog(args.watchdog_timeout)
 
     # Adjust the startup time so it reflects the largest value across ranks.
     global _TRAIN_START_TIME, _LAST_SAVED_ITERATION
@@ -190,6 +229,7 @@ def pretrain(
         writer.flush()
     if args.tensorboard_dir:
         print_rank_last(f'TensorBoard logs written to {args.tensorboard_dir}')
+    stop_watchdog()
     return result
 
 
@@ -320,9 +360,10 @@ def get_optimizer_param_scheduler(optimizer):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     args = get_args()
-    if args.train_iters:
+    if args.train_iters is not None:
         if args.lr_decay_iters is None:
-            args.lr_decay_iters = args.train_iters
+            # --train-iters 0 runs evaluation only; the schedule is never stepped but must exist.
+            args.lr_decay_iters = args.train_iters or 1
         lr_decay_steps = args.lr_decay_iters * args.global_batch_size
         wd_incr_steps = args.train_iters * args.global_batch_size
         wsd_decay_steps = None
@@ -431,7 +472,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         decoder_seq_length=args.decoder_seq_length,
         forward_only=False,
     )
-    _empty_unused_memory(args, level=1)
+    empty_unused_memory(args, level=1)
 
     timers('optimizer', log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -443,7 +484,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         skipped_iter = 0
     else:
         skipped_iter = 1
-    _empty_unused_memory(args, level=2)
+    empty_unused_memory(args, level=2)
 
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
         loss_reduced = {}
@@ -461,17 +502,6 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             loss_reduced[key] = numerator / denominator
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
-
-
-def _empty_unused_memory(args, level):
-    """Release cached CUDA blocks where Megatron does (--empty-unused-memory-level >= level).
-
-    Level 1: after each forward-backward (training and evaluation); level 2: also after the
-    optimizer step. A no-op when the model does not live on a CUDA device.
-    """
-    if getattr(args, 'empty_unused_memory_level', 0) >= level:
-        if get_current_device().type == 'cuda':
-            torch.cuda.empty_cache()
 
 
 _TIMERS_TO_LOG = [
@@ -575,13 +605,15 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         if params_norm is not None:
             writer.add_scalar('params-norm', params_norm, iteration)
             writer.add_scalar('params-norm vs samples', params_norm, args.consumed_train_samples)
-        if args.log_memory_to_tensorboard and torch.cuda.is_available():
+        if args.log_memory_to_tensorboard and uses_cuda():
             mem_stats = torch.cuda.memory_stats()
             writer.add_scalar('mem-reserved-bytes', mem_stats['reserved_bytes.all.current'], iteration)
             writer.add_scalar('mem-allocated-bytes', mem_stats['allocated_bytes.all.current'], iteration)
             writer.add_scalar('mem-allocated-count', mem_stats['allocation.all.current'], iteration)
     if args.log_timers_to_tensorboard and (iteration % args.tensorboard_log_interval == 0):
-        timers.write(timers_to_log, writer, iteration, normalizer=total_iterations)
+        # reset=False: the log line below still reports these timers (Megatron resets here, so
+        # its log line shows zeros with --log-timers-to-tensorboard).
+        timers.write(timers_to_log, writer, iteration, normalizer=total_iterations, reset=False)
 
     if iteration % args.log_interval == 0:
         elapsed_time = timers('interval-time').elapsed(barrier=True)
@@ -625,10 +657,13 @@ def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
     """save_checkpoint with a 'save-checkpoint' timer."""
     args = get_args()
     timers = get_timers()
-    timers('save-checkpoint', log_level=0).start(barrier=True)
-    _checkpointing().save_checkpoint(
-        iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
-    )
+    # No deadline: a large checkpoint on a slow file system may legitimately take long; a frozen
+    # peer is still found through its heartbeat.
+    with watch('checkpoint save', iteration, deadline=False):
+        timers('save-checkpoint', log_level=0).start(barrier=True)
+        _checkpointing().save_checkpoint(
+            iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
+        )
     global _LAST_SAVED_ITERATION
     _LAST_SAVED_ITERATION = iteration
     timers('save-checkpoint').stop(barrier=True)
@@ -698,6 +733,10 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             config.param_sync_func = config.param_sync_func[0]
     config.finalize_model_grads_func = finalize_model_grads
 
+    if args.log_straggler:
+        configure_straggler_detector(args)
+    total_flops = 0.0
+
     timers('interval-time', log_level=0).start(barrier=True)
     print_datetime('before the start of training step')
     report_memory_flag = True
@@ -710,6 +749,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     while iteration < args.train_iters:
         update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         args.curr_iteration = iteration
+        # The iteration's deadline covers the step and what follows it (logging, saving).
+        progress('training iteration', iteration + 1)
         scale_before_step = optimizer.get_loss_scale().item()
         loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config
@@ -718,9 +759,12 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         iteration += 1
         batch_size = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
         args.consumed_train_samples += batch_size
-        num_floating_point_operations_so_far += num_floating_point_operations(args, batch_size)
+        num_fp_ops = num_floating_point_operations(args, batch_size)
+        num_floating_point_operations_so_far += num_fp_ops
+        total_flops += num_fp_ops
         if train_losses is not None and loss_dict:
             train_losses[iteration] = {k: float(v) for k, v in loss_dict.items()}
+        check_weight_hashes(args, iteration, model)
 
         loss_scale = optimizer.get_loss_scale().item()
         params_norm = None
@@ -734,13 +778,20 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
             skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
         )
+        if args.log_straggler and iteration % args.log_interval == 0:
+            stimer.report(total_flops, args.log_interval)
+            total_flops = 0.0
 
         if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+            if args.manual_gc and args.manual_gc_eval:
+                gc.collect()  # everything, before evaluation
             prefix = 'iteration {}'.format(iteration)
             evaluate_and_print_results(
                 prefix, forward_step_func, valid_data_iterator, model, iteration,
                 process_non_loss_data_func, config, False,
             )
+            if args.manual_gc and args.manual_gc_eval:
+                gc.collect(generation=0)  # only the objects evaluation created
 
         # Checkpointing and exiting.
         saved_checkpoint = False
@@ -781,6 +832,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         if args.manual_gc and args.manual_gc_interval != 0 and iteration % args.manual_gc_interval == 0:
             gc.collect()
 
+    progress('after training', iteration, deadline=False)
     timers('interval-time').stop()
     if args.manual_gc:
         gc.enable()
@@ -833,7 +885,7 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
                 forward_only=True,
             )
             config.timers = get_timers()
-            _empty_unused_memory(args, level=1)
+            empty_unused_memory(args, level=1)
             if mpu.is_pipeline_last_stage(ignore_virtual=True):
                 for loss_dict in loss_dicts:
                     for key in loss_dict:
@@ -900,9 +952,10 @@ def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, 
     args = get_args()
     writer = get_tensorboard_writer() if write_to_tensorboard else None
 
-    total_loss_dict, collected_non_loss_data, timelimit = evaluate(
-        forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose
-    )
+    with watch('evaluation', iteration):
+        total_loss_dict, collected_non_loss_data, timelimit = evaluate(
+            forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose
+        )
     if timelimit:
         return None
     losses = {key: float(value) for key, value in total_loss_dict.items()}
@@ -990,7 +1043,9 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
             if args.skip_train:
                 valid_dataloader = build_pretraining_data_loader(valid_ds, 0)
             else:
-                valid_dataloader = build_pretraining_data_loader(valid_ds, args.consumed_valid_samples)
+                valid_dataloader = build_pretraining_data_loader(
+                    valid_ds, args.consumed_valid_samples
+                )
             test_dataloader = build_pretraining_data_loader(test_ds, 0)
         do_train = train_dataloader is not None and args.train_iters > 0
         do_valid = valid_dataloader is not None and args.eval_iters > 0
@@ -1000,10 +1055,26 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
         flags = torch.tensor([0, 0, 0], dtype=torch.long, device=device)
 
     torch.distributed.broadcast(flags, 0)
+    _check_training_data(args, do_train=bool(flags[0].item()))
     args.do_train = getattr(args, 'do_train', False) or bool(flags[0].item())
     args.do_valid = getattr(args, 'do_valid', False) or bool(flags[1].item())
     args.do_test = getattr(args, 'do_test', False) or bool(flags[2].item())
     return train_dataloader, valid_dataloader, test_dataloader
+
+
+def _check_training_data(args, do_train):
+    """Refuse a run that asks for training iterations but whose data yields no training samples
+    (Megatron would run zero iterations and exit 0). Same decision on every rank (broadcast)."""
+    if do_train or args.skip_train or not args.train_iters:
+        return
+    if args.iteration >= args.train_iters:
+        return  # resumed at or past the end: nothing left to train
+    split = '' if args.train_data_path else f' (--split {args.split})'
+    raise ValueError(
+        f'the training data yields no samples{split}, but --train-iters {args.train_iters} asks '
+        f'for training; give the training split a share of the data, or use --skip-train to only '
+        f'evaluate'
+    )
 
 
 def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):

@@ -244,6 +244,13 @@ class IndexedDataset(torch.utils.data.Dataset):
             raise ValueError(
                 f"{bin_path}: truncated data file ({bin_size} bytes, the index needs {needed})"
             )
+        if bin_size > needed:
+            # Every byte of a .bin belongs to a sequence of its .idx: a larger file was paired
+            # with the index of another (smaller) preprocessing run.
+            raise ValueError(
+                f"{bin_path} has {bin_size} bytes but its index {idx_path} describes {needed}: "
+                f"the .bin and .idx come from different preprocessing runs"
+            )
         self.bin_buffer = None
         self.bin_buffer_mmap = None
         if mmap:

@@ -11,14 +11,14 @@ query heads, then its key head, then its value head. The tensor-parallel split o
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -61,6 +61,8 @@ class Attention(MegatronModule, ABC):
         layer_number (int): 1-based global layer number.
         attn_mask_type (AttnMaskType): the mask type passed to the core attention.
         attention_type (str): "self" or "cross".
+        pg_collection (ProcessGroupCollection, optional): its `tp` group splits the heads
+            (default: the global tensor model parallel group).
     """
 
     def __init__(
@@ -70,8 +72,10 @@ class Attention(MegatronModule, ABC):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
+        self.pg_collection = resolve_process_groups(pg_collection, ("tp",))
         self.config = config
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
@@ -82,7 +86,7 @@ class Attention(MegatronModule, ABC):
         self.query_projection_size = self.config.kv_channels * self.config.num_attention_heads
         self.kv_projection_size = self.config.kv_channels * self.config.num_query_groups
 
-        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        world_size = self.pg_collection.tp.size()
         self.hidden_size_per_attention_head = divide(
             self.query_projection_size, self.config.num_attention_heads
         )
@@ -95,6 +99,7 @@ class Attention(MegatronModule, ABC):
             layer_number=self.layer_number,
             attn_mask_type=self.attn_mask_type,
             attention_type=self.attention_type,
+            pg_collection=self.pg_collection,
         )
 
         self.checkpoint_core_attention = self.config.recompute_granularity == 'selective'
@@ -110,6 +115,7 @@ class Attention(MegatronModule, ABC):
             skip_bias_add=True,
             is_expert=False,
             tp_comm_buffer_name='proj',
+            tp_group=self.pg_collection.tp,
         )
 
     def _checkpointed_attention_forward(
@@ -313,6 +319,7 @@ class SelfAttention(Attention):
         submodules: SelfAttentionSubmodules,
         layer_number: int,
         attn_mask_type=AttnMaskType.padding,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(
             config=config,
@@ -320,6 +327,7 @@ class SelfAttention(Attention):
             layer_number=layer_number,
             attn_mask_type=attn_mask_type,
             attention_type="self",
+            pg_collection=pg_collection,
         )
 
         self.linear_qkv = build_module(
@@ -333,6 +341,7 @@ class SelfAttention(Attention):
             skip_bias_add=False,
             is_expert=False,
             tp_comm_buffer_name='qkv',
+            tp_group=self.pg_collection.tp,
         )
 
         if submodules.q_layernorm is not None:
@@ -408,6 +417,7 @@ class CrossAttention(Attention):
         submodules: CrossAttentionSubmodules,
         layer_number: int,
         attn_mask_type=AttnMaskType.padding,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(
             config=config,
@@ -415,6 +425,7 @@ class CrossAttention(Attention):
             layer_number=layer_number,
             attn_mask_type=attn_mask_type,
             attention_type="cross",
+            pg_collection=pg_collection,
         )
 
         if self.config.num_query_groups != self.config.num_attention_heads:
@@ -435,6 +446,7 @@ class CrossAttention(Attention):
             bias=self.config.add_bias_linear,
             skip_bias_add=False,
             is_expert=False,
+            tp_group=self.pg_collection.tp,
         )
 
         self.linear_kv = build_module(
@@ -447,6 +459,7 @@ class CrossAttention(Attention):
             bias=self.config.add_bias_linear,
             skip_bias_add=False,
             is_expert=False,
+            tp_group=self.pg_collection.tp,
         )
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states):

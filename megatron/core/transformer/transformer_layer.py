@@ -11,6 +11,7 @@ from typing import Dict, Optional, Union
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -87,6 +88,8 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         layer_number (int): 1-based layer number within this pipeline stage / chunk; the
             stage offset is added to get the global number.
         hidden_dropout (float, optional): overrides config.hidden_dropout.
+        pg_collection (ProcessGroupCollection, optional): groups handed to the attention and
+            MLP (default: the global ones).
     """
 
     def __init__(
@@ -95,8 +98,10 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         submodules: TransformerLayerSubmodules,
         layer_number: int = 1,
         hidden_dropout: Optional[float] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
+        self.pg_collection = resolve_process_groups(pg_collection, ("tp",))
         self.submodules_config = submodules
 
         self.layer_number = layer_number + get_transformer_layer_offset(self.config)
@@ -110,7 +115,10 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         )
 
         self.self_attention = build_module(
-            submodules.self_attention, config=self.config, layer_number=self.layer_number
+            submodules.self_attention,
+            config=self.config,
+            layer_number=self.layer_number,
+            pg_collection=self.pg_collection,
         )
         self.self_attn_bda = build_module(submodules.self_attn_bda)
 
@@ -121,7 +129,10 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
             eps=self.config.layernorm_epsilon,
         )
         self.cross_attention = build_module(
-            submodules.cross_attention, config=self.config, layer_number=self.layer_number
+            submodules.cross_attention,
+            config=self.config,
+            layer_number=self.layer_number,
+            pg_collection=self.pg_collection,
         )
         self.cross_attn_bda = build_module(submodules.cross_attn_bda, config=self.config)
 
@@ -131,7 +142,9 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
             hidden_size=self.config.hidden_size,
             eps=self.config.layernorm_epsilon,
         )
-        self.mlp = build_module(submodules.mlp, config=self.config)
+        self.mlp = build_module(
+            submodules.mlp, config=self.config, pg_collection=self.pg_collection
+        )
         self.mlp_bda = build_module(submodules.mlp_bda)
 
         # Megatron runs bias-dropout-add under this handler (a no-op here).

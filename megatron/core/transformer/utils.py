@@ -31,7 +31,7 @@ def get_default_causal_mask(sq: int, sk: int = None) -> torch.Tensor:
 def attention_mask_func(
     attention_scores: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:
-    """Fill masked positions (mask True) of the scores with -10000.0 (Megatron's value), in place."""
+    """Fill masked positions (mask True) of the scores with Megatron's -10000.0, in place."""
     attention_scores.masked_fill_(attention_mask, -10000.0)
     return attention_scores
 

@@ -78,7 +78,9 @@ def generate_and_post_process(
         if return_output_log_probs:
             output_log_probs = output_log_probs.cpu().numpy().tolist()
             # Entry k is log P(token k + 1 | tokens 0..k): one fewer than the row's tokens.
-            for i, (prob, seg) in enumerate(zip(output_log_probs, prompts_plus_generations_segments)):
+            for i, (prob, seg) in enumerate(
+                zip(output_log_probs, prompts_plus_generations_segments)
+            ):
                 output_log_probs[i] = prob[: len(seg) - 1]
 
         if return_logits:

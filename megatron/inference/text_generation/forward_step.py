@@ -35,7 +35,9 @@ class ForwardStep:
     """
 
     def __init__(self, model, max_batch_size, max_sequence_length):
-        assert not isinstance(model, Iterable), 'interleaving schedule is not supported for inference'
+        assert not isinstance(
+            model, Iterable
+        ), 'interleaving schedule is not supported for inference'
         model.eval()
         self.model = model
         # A fresh cache per request.
@@ -99,8 +101,11 @@ class ForwardStep:
         logits = None
         if mpu.is_pipeline_last_stage():
             args = get_args()
+            logits_length = (
+                1 if self.inference_params.materialize_only_last_token_logits else sequence_length
+            )
             logits = torch.empty(
-                (batch_size, sequence_length, args.padded_vocab_size),
+                (batch_size, logits_length, args.padded_vocab_size),
                 dtype=torch.float32,
                 device=get_current_device(),
             )
@@ -148,6 +153,4 @@ def _allocate_recv_buffer(batch_size, sequence_length):
         return None
     args = get_args()
     recv_size = (sequence_length, batch_size, args.hidden_size)
-    return torch.empty(
-        recv_size, dtype=_get_recv_buffer_dtype(args), device=get_current_device()
-    )
+    return torch.empty(recv_size, dtype=_get_recv_buffer_dtype(args), device=get_current_device())

@@ -140,6 +140,9 @@ def generate_tokens_probs_and_return_on_first_stage(
     _check_sizes(batch_size, max_sequence_length, args)
 
     forward_step = ForwardStep(model, batch_size, max_sequence_length)
+    # Without log probs only the last position's logits are sampled from: the output layer
+    # skips the other prompt positions (same tokens, less work on the first step).
+    forward_step.inference_params.materialize_only_last_token_logits = not return_output_log_probs
     termination_id = _termination_id(args, tokenizer)
     device = get_current_device()
 
@@ -149,7 +152,9 @@ def generate_tokens_probs_and_return_on_first_stage(
     generated_sequence_lengths = None
     if mpu.is_pipeline_last_stage():
         if return_output_log_probs:
-            output_log_probs = torch.empty(output_log_probs_size, dtype=torch.float32, device=device)
+            output_log_probs = torch.empty(
+                output_log_probs_size, dtype=torch.float32, device=device
+            )
         generated_sequence_lengths = (
             torch.ones(batch_size, dtype=torch.int64, device=device) * max_sequence_length
         )
@@ -259,7 +264,13 @@ def generate_tokens_probs_and_return_on_first_stage(
 
 
 def beam_search_and_return_on_first_stage(
-    model, tokens, lengths, beam_size, stop_token, num_return_gen, length_penalty,
+    model,
+    tokens,
+    lengths,
+    beam_size,
+    stop_token,
+    num_return_gen,
+    length_penalty,
     prevent_newline_after_colon=True,
 ):
     """Beam search for one prompt.
@@ -295,6 +306,7 @@ def beam_search_and_return_on_first_stage(
         raise ValueError("context length + tokens_to_generate too large")
 
     forward_step = ForwardStep(model, beam_size, final_sequence_length)
+    forward_step.inference_params.materialize_only_last_token_logits = True
     device = get_current_device()
 
     beam_hyp = BeamHypotheses(beam_size, length_penalty)
@@ -387,7 +399,9 @@ def beam_search_and_return_on_first_stage(
             if not done:
                 for beam_id in range(beam_size):
                     beam_hyp.add(
-                        tokens[beam_id].clone(), scores[beam_id].squeeze(), context_length + 1 - prompt_length
+                        tokens[beam_id].clone(),
+                        scores[beam_id].squeeze(),
+                        context_length + 1 - prompt_length,
                     )
 
             # Rank based on scores.

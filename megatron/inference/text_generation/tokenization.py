@@ -8,7 +8,10 @@ lengths [b] are then broadcast (int64) over the default group, so every rank hol
 import torch
 
 from megatron.core.utils import get_current_device
-from megatron.inference.text_generation.communication import broadcast_int_list, broadcast_tensor
+from megatron.inference.text_generation.communication import (
+    broadcast_int_list,
+    broadcast_tensor,
+)
 from megatron.training.global_vars import get_tokenizer
 from megatron.training.tokenizer.tokenizer import (
     _HuggingFaceTokenizer,

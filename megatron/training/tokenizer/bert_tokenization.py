@@ -14,14 +14,26 @@ from typing import Dict, List
 
 
 def load_vocab(vocab_file: str) -> "collections.OrderedDict[str, int]":
-    """One token per line -> ordered dict token -> line number."""
+    """One token per line -> ordered dict token -> line number.
+
+    Raises:
+        ValueError: naming the file, when it is not UTF-8 text or is a JSON (GPT-2) vocabulary.
+    """
     vocab = collections.OrderedDict()
-    with open(vocab_file, "r", encoding="utf-8") as reader:
-        for index, line in enumerate(reader):
-            token = line.rstrip("\n")
-            if token.endswith("\r"):
-                token = token[:-1]
-            vocab[token] = index
+    try:
+        with open(vocab_file, "r", encoding="utf-8") as reader:
+            for index, line in enumerate(reader):
+                token = line.rstrip("\n")
+                if token.endswith("\r"):
+                    token = token[:-1]
+                if index == 0 and token.startswith("{"):
+                    raise ValueError(
+                        f"--vocab-file {vocab_file} is a JSON file, not a WordPiece vocabulary "
+                        f"(one token per line)"
+                    )
+                vocab[token] = index
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--vocab-file {vocab_file} is not a UTF-8 text file ({exc})") from None
     return vocab
 
 

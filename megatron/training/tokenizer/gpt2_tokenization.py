@@ -36,6 +36,67 @@ def get_pairs(word: Tuple[str, ...]) -> set:
     return set(zip(word[:-1], word[1:]))
 
 
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{flag} {path} is not a UTF-8 text file ({exc})") from None
+
+
+def load_vocab_json(vocab_file: str) -> dict:
+    """The GPT-2 vocabulary (`--vocab-file`): a JSON object token -> id, parsed as data.
+
+    Raises:
+        ValueError: naming the file, when it is not such a JSON object.
+    """
+    text = _read_text(vocab_file, "--vocab-file")
+    try:
+        encoder = json.loads(text)
+    except json.JSONDecodeError as exc:
+        hint = " (it looks like a BPE merges file: swapped --vocab-file and --merge-file?)" if (
+            text.startswith("#version")) else ""
+        raise ValueError(f"--vocab-file {vocab_file} is not a JSON vocabulary: {exc}{hint}") from None
+    if not isinstance(encoder, dict) or not encoder or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in encoder.items()
+    ):
+        raise ValueError(
+            f"--vocab-file {vocab_file} is not a GPT-2 vocabulary: expected a non-empty JSON object "
+            f"mapping tokens to integer ids"
+        )
+    return encoder
+
+
+def load_merges(merges_file: str) -> List[Tuple[str, str]]:
+    """The BPE merges (`--merge-file`): an optional `#version` line, then `a b` per line.
+
+    Raises:
+        ValueError: naming the file and the first bad line (e.g. a JSON vocabulary passed here).
+    """
+    text = _read_text(merges_file, "--merge-file")
+    if text.lstrip().startswith("{"):
+        raise ValueError(
+            f"--merge-file {merges_file} is a JSON file, not a BPE merges file (swapped "
+            f"--vocab-file and --merge-file?)"
+        )
+    lines = text.split("\n")
+    start = 1 if lines and lines[0].startswith("#version") else 0
+    merges = []
+    for number, line in enumerate(lines[start:], start=start + 1):
+        if not line.strip():
+            continue
+        pair = tuple(line.split())
+        if len(pair) != 2:
+            raise ValueError(
+                f"--merge-file {merges_file} line {number}: expected a BPE merge (two symbols "
+                f"separated by a space), found {line[:60]!r}"
+            )
+        merges.append(pair)
+    if not merges:
+        raise ValueError(f"--merge-file {merges_file} holds no BPE merges")
+    return merges
+
+
 class GPT2Tokenizer(object):
     """GPT-2 byte-level BPE tokenizer.
 
@@ -52,17 +113,12 @@ class GPT2Tokenizer(object):
                  special_tokens: Optional[List[str]] = None, max_len: Optional[int] = None,
                  cache_size: int = 1 << 16):
         self.max_len = max_len if max_len is not None else int(1e12)
-        with open(vocab_file, encoding="utf-8") as f:
-            self.encoder = json.load(f)
+        self.encoder = load_vocab_json(vocab_file)
         self.decoder = {v: k for k, v in self.encoder.items()}
         self.errors = errors
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {v: k for k, v in self.byte_encoder.items()}
-        with open(merges_file, encoding="utf-8") as f:
-            lines = f.read().split("\n")
-        if lines and lines[0].startswith("#version"):
-            lines = lines[1:]
-        bpe_merges = [tuple(line.split()) for line in lines if line.strip()]
+        bpe_merges = load_merges(merges_file)
         self.bpe_ranks = dict(zip(bpe_merges, range(len(bpe_merges))))
         self.pat = re.compile(GPT2_PRETOKENIZE_PATTERN)
         self.special_tokens = {}

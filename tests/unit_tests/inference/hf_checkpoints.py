@@ -31,16 +31,31 @@ def build_hf_model(arch, seed=0):
     torch.manual_seed(seed)
     if arch == "gpt2":
         config = GPT2Config(
-            vocab_size=VOCAB_SIZE, n_positions=MAX_POSITIONS, n_embd=32, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new",
+            vocab_size=VOCAB_SIZE,
+            n_positions=MAX_POSITIONS,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            activation_function="gelu_new",
         )
         model = GPT2LMHeadModel(config)
     else:
         config = LlamaConfig(
-            vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,
-            rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
-            bos_token_id=VOCAB_SIZE - 1, eos_token_id=VOCAB_SIZE - 1,
+            vocab_size=VOCAB_SIZE,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=MAX_POSITIONS,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            bos_token_id=VOCAB_SIZE - 1,
+            eos_token_id=VOCAB_SIZE - 1,
         )
         model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(seed + 1)
@@ -57,30 +72,77 @@ def build_hf_model(arch, seed=0):
 def server_flags(arch, tp=1, pp=1):
     """Command-line flags describing the model of `build_hf_model(arch)` (no --load)."""
     common = [
-        "--num-layers", "2", "--seq-length", str(MAX_POSITIONS),
-        "--max-position-embeddings", str(MAX_POSITIONS), "--micro-batch-size", "1",
-        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", GPT2_VOCAB,
-        "--merge-file", GPT2_MERGES, "--tensor-model-parallel-size", str(tp),
-        "--pipeline-model-parallel-size", str(pp), "--distributed-backend", "gloo",
-        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--transformer-impl", "local",
-        "--seed", "1234",
+        "--num-layers",
+        "2",
+        "--seq-length",
+        str(MAX_POSITIONS),
+        "--max-position-embeddings",
+        str(MAX_POSITIONS),
+        "--micro-batch-size",
+        "1",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        GPT2_VOCAB,
+        "--merge-file",
+        GPT2_MERGES,
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+        "--distributed-backend",
+        "gloo",
+        "--attention-dropout",
+        "0.0",
+        "--hidden-dropout",
+        "0.0",
+        "--transformer-impl",
+        "local",
+        "--seed",
+        "1234",
     ]
     if arch == "gpt2":
         return common + [
-            "--hidden-size", "32", "--num-attention-heads", "4", "--openai-gelu", "--no-bias-gelu-fusion",
-            "--norm-epsilon", "1e-5",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--openai-gelu",
+            "--no-bias-gelu-fusion",
+            "--norm-epsilon",
+            "1e-5",
         ]
     return common + [
-        "--hidden-size", "64", "--ffn-hidden-size", "96", "--num-attention-heads", "8",
-        "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type",
-        "rope", "--rotary-base", "10000", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
-        "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--hidden-size",
+        "64",
+        "--ffn-hidden-size",
+        "96",
+        "--num-attention-heads",
+        "8",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--position-embedding-type",
+        "rope",
+        "--rotary-base",
+        "10000",
+        "--normalization",
+        "RMSNorm",
+        "--norm-epsilon",
+        "1e-6",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
     ]
 
 
 def padded_vocab_size(tp, divisible_by=128):
     multiple = divisible_by * tp
     return ((VOCAB_SIZE + multiple - 1) // multiple) * multiple
+
+
+#: Parameters held by the last pipeline stage only.
+LAST_STAGE = ("decoder.final_layernorm", "output_layer.weight")
 
 
 def _stage_state_dict(full, num_layers, pp, stage, tied):
@@ -94,12 +156,8 @@ def _stage_state_dict(full, num_layers, pp, stage, tied):
             if stage * per_stage <= index < (stage + 1) * per_stage:
                 rest = name.split(".", 3)[3]
                 out[f"decoder.layers.{index - stage * per_stage}.{rest}"] = tensor
-        elif name.startswith("embedding."):
-            if first:
-                out[name] = tensor
-        elif name.startswith("decoder.final_layernorm") or name == "output_layer.weight":
-            if last:
-                out[name] = tensor
+        elif (first and name.startswith("embedding.")) or (last and name.startswith(LAST_STAGE)):
+            out[name] = tensor
     if last and tied and not first:
         # The last stage keeps its own copy of the tied word embeddings.
         out["output_layer.weight"] = full["embedding.word_embeddings.weight"]
@@ -151,7 +209,11 @@ def hf_greedy(hf_model, prompt_ids, new_tokens):
     and including the end-of-text id if it comes."""
     ids = torch.tensor([prompt_ids])
     out = hf_model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-        pad_token_id=VOCAB_SIZE - 1, eos_token_id=VOCAB_SIZE - 1,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=VOCAB_SIZE - 1,
+        eos_token_id=VOCAB_SIZE - 1,
     )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()

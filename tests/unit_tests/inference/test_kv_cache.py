@@ -7,6 +7,33 @@ import torch
 from tests.unit_tests.dist_utils import run_distributed
 
 
+def _last_token_logits(arch):
+    from megatron.core import InferenceParams
+    from tests.unit_tests.models.gpt_test_utils import (
+        build_gpt,
+        gpt2_like_kwargs,
+        llama_like_kwargs,
+    )
+
+    kwargs = gpt2_like_kwargs() if arch == "gpt2" else llama_like_kwargs()
+    model, _ = build_gpt(kwargs, arch=arch)
+    model.eval()
+    tokens = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(tokens, None, None)
+        params = InferenceParams(max_batch_size=2, max_sequence_length=6)
+        params.materialize_only_last_token_logits = True
+        last = model(tokens, None, None, inference_params=params)
+    return full, last
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_materialize_only_last_token_logits(arch):
+    ((full, last),) = run_distributed(_last_token_logits, world_size=1, args=(arch,))
+    assert last.shape == (2, 1, full.size(-1))
+    torch.testing.assert_close(last[:, 0], full[:, -1], atol=1e-5, rtol=1e-5)
+
+
 def _cached_vs_full(arch, prefix, micro_batches):
     from megatron.core import InferenceParams
     from tests.unit_tests.models.gpt_test_utils import (
@@ -32,8 +59,11 @@ def _cached_vs_full(arch, prefix, micro_batches):
             for chunk in torch.arange(b).chunk(micro_batches):
                 params.batch_size_offset = int(chunk[0])
                 positions = torch.arange(start, end).unsqueeze(0).expand(len(chunk), -1)
-                rows.append(gather_logits(model(tokens[chunk, start:end], positions, None,
-                                                inference_params=params)))
+                rows.append(
+                    gather_logits(
+                        model(tokens[chunk, start:end], positions, None, inference_params=params)
+                    )
+                )
             params.batch_size_offset = 0
             params.sequence_len_offset += end - start
             cached.append(torch.cat(rows, dim=0))

@@ -10,8 +10,9 @@ from tests.unit_tests.training.freeze_cli_flags import FROZEN, live_flags
 MEGATRON_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'megatron_r08_flags.txt')
 
 # Flags of core_r0.8.0's arguments.py that the name list misses (it holds only single-quoted,
-# underscore-free names): the underscore spellings and Retro's double-quoted flags.
+# underscore-free names): the underscore spellings and the double-quoted flags.
 MEGATRON_FLAGS_NOT_IN_LIST = {
+    '--test-mode',
     '--local_rank',
     '--override-opt_param-scheduler',
     '--use-checkpoint-opt_param-scheduler',
@@ -29,7 +30,11 @@ OUR_EXTRA_FLAGS = {
     '--non-persistent-global-ckpt-dir',
     '--non-persistent-save-interval',
     '--renormalize-blend-weights',
-    '--test-mode',
+}
+
+# Flags of this package only (no Megatron version has them).
+OUR_OWN_FLAGS = {
+    '--watchdog-timeout',  # the hang watchdog (megatron/training/watchdog.py)
 }
 
 
@@ -60,11 +65,13 @@ def test_every_megatron_r08_flag_parses_and_extras_are_listed():
     megatron = _megatron_flag_names()
     assert len(megatron) == 318
     live = _live_option_strings()
-    assert not sorted(megatron - live), f'Megatron core_r0.8.0 flags missing: {sorted(megatron - live)}'
+    missing = sorted(megatron - live)
+    assert not missing, f'Megatron core_r0.8.0 flags missing: {missing}'
     extras = live - megatron
-    assert extras == MEGATRON_FLAGS_NOT_IN_LIST | OUR_EXTRA_FLAGS, (
-        f'unlisted extra flags: {sorted(extras - MEGATRON_FLAGS_NOT_IN_LIST - OUR_EXTRA_FLAGS)}; '
-        f'listed but absent: {sorted(MEGATRON_FLAGS_NOT_IN_LIST | OUR_EXTRA_FLAGS - extras)}'
+    listed = MEGATRON_FLAGS_NOT_IN_LIST | OUR_EXTRA_FLAGS | OUR_OWN_FLAGS
+    assert extras == listed, (
+        f'unlisted extra flags: {sorted(extras - listed)}; '
+        f'listed but absent: {sorted(listed - extras)}'
     )
 
 
@@ -94,7 +101,10 @@ def test_every_flag_has_help_and_megatron_names():
         '--defer-embedding-wgrad-compute': ('defer_embedding_wgrad_compute', None, False),
         '--wgrad-deferral-limit': ('wgrad_deferral_limit', 'int', 0),
         '--check-weight-hash-across-dp-replicas-interval': (
-            'check_weight_hash_across_dp_replicas_interval', 'int', None),
+            'check_weight_hash_across_dp_replicas_interval',
+            'int',
+            None,
+        ),
         '--dist-ckpt-strictness': ('dist_ckpt_strictness', 'str', 'assume_ok_unexpected'),
         '--disable-tp-comm-overlap-ag': ('tp_comm_overlap_ag', None, True),
         '--tp-comm-overlap-rs-dgrad': ('tp_comm_overlap_rs_dgrad', None, False),

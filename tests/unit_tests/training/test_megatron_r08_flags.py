@@ -15,9 +15,22 @@ from megatron.training.arguments import (
 from megatron.training.arguments_unsupported import UNSUPPORTED_FLAGS
 
 BASE = [
-    '--num-layers', '4', '--hidden-size', '64', '--num-attention-heads', '4',
-    '--seq-length', '32', '--max-position-embeddings', '32',
-    '--micro-batch-size', '2', '--train-iters', '10', '--lr', '1e-3',
+    '--num-layers',
+    '4',
+    '--hidden-size',
+    '64',
+    '--num-attention-heads',
+    '4',
+    '--seq-length',
+    '32',
+    '--max-position-embeddings',
+    '32',
+    '--micro-batch-size',
+    '2',
+    '--train-iters',
+    '10',
+    '--lr',
+    '1e-3',
 ]
 
 
@@ -71,8 +84,19 @@ def test_unsupported_flag_with_non_default_value_stops_start_up(flag, capsys):
 
 def test_unsupported_flags_at_default_values_are_accepted():
     # Spelling out a default is not a request for the feature.
-    args = _validate(['--moe-router-topk', '2', '--img-h', '224', '--fp8-margin', '0',
-                      '--retro-encoder-layers', '2', '--no-one-logger'])
+    args = _validate(
+        [
+            '--moe-router-topk',
+            '2',
+            '--img-h',
+            '224',
+            '--fp8-margin',
+            '0',
+            '--retro-encoder-layers',
+            '2',
+            '--no-one-logger',
+        ]
+    )
     assert args.enable_one_logger is False
 
 
@@ -87,7 +111,8 @@ def test_fp8_and_fully_parallel_save_use_megatron_attribute_names(capsys):
     assert args.fp8 is None and args.fp8_wgrad is True
     assert args.ckpt_fully_parallel_save is True and args.ckpt_fully_parallel_save_deprecated
     assert args.async_save is True
-    assert '--ckpt-fully-parallel-save flag is deprecated and has no effect' in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert '--ckpt-fully-parallel-save flag is deprecated and has no effect' in out
     assert _validate(['--no-ckpt-fully-parallel-save']).ckpt_fully_parallel_save is False
     assert _validate().async_save is None
 
@@ -105,9 +130,19 @@ def test_defer_embedding_wgrad_compute_validated_as_megatron_does():
 
 
 def test_other_wired_flags_validate():
-    args = _validate(['--no-data-sharding', '--empty-unused-memory-level', '2',
-                      '--check-weight-hash-across-dp-replicas-interval', '5', '--log-straggler',
-                      '--straggler-minmax-count', '4', '--disable-straggler-on-startup'])
+    args = _validate(
+        [
+            '--no-data-sharding',
+            '--empty-unused-memory-level',
+            '2',
+            '--check-weight-hash-across-dp-replicas-interval',
+            '5',
+            '--log-straggler',
+            '--straggler-minmax-count',
+            '4',
+            '--disable-straggler-on-startup',
+        ]
+    )
     assert args.data_sharding is False and args.empty_unused_memory_level == 2
     assert args.check_weight_hash_across_dp_replicas_interval == 5
     with pytest.raises(ValueError, match='--check-weight-hash-across-dp-replicas-interval'):
@@ -117,9 +152,9 @@ def test_other_wired_flags_validate():
 
 
 def test_empty_unused_memory_is_a_no_op_on_cpu():
-    from megatron.training.training import _empty_unused_memory
+    from megatron.training.utils import empty_unused_memory
 
     args = argparse.Namespace(empty_unused_memory_level=2)
-    _empty_unused_memory(args, level=1)  # must not touch CUDA on a CPU host
+    empty_unused_memory(args, level=1)  # must not touch CUDA on a CPU host
     if not torch.cuda.is_available():
         assert not torch.cuda.is_initialized()

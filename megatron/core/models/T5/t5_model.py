@@ -277,9 +277,12 @@ class T5Model(LanguageModule):
         if self._has_lm_head and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
 
+        if self.share_embeddings_and_output_weights and self.pre_process and self._has_lm_head:
+            # The head reads the embedding table of this stage: its fused weight-gradient
+            # accumulation must leave autograd a zero tensor, so that the DDP hook still adds the
+            # embedding lookup's gradient (one stage, or a split rank that is also the last).
+            self.shared_embedding_or_output_weight().zero_out_wgrad = True
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-            if self.share_embeddings_and_output_weights:
-                self.shared_embedding_or_output_weight().zero_out_wgrad = True
             return
 
         first_stage = parallel_state.is_pipeline_first_stage()
@@ -334,7 +337,7 @@ class T5Model(LanguageModule):
             input_tensor = [input_tensor]
 
         if self.add_encoder and self.add_decoder:
-            assert len(input_tensor) == 1, 'input_tensor should be length 1 with encoder and decoder'
+            assert len(input_tensor) == 1, 'input_tensor should be length 1 (encoder and decoder)'
             self.encoder.set_input_tensor(input_tensor[0])
         elif self.add_encoder:
             assert len(input_tensor) == 1, 'input_tensor should be length 1 for an encoder stage'

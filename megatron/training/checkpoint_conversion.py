@@ -95,8 +95,11 @@ def repad_vocab(weight: torch.Tensor, padded_size: int) -> torch.Tensor:
     row (normally a padding row).
     """
     rows = weight.shape[0]
-    if padded_size <= rows:
-        return weight[:padded_size]
+    if padded_size == rows:
+        return weight
+    if padded_size < rows:
+        # A copy: saving a slice would write the whole original storage.
+        return weight[:padded_size].clone()
     extra = weight[-1:].expand(padded_size - rows, *weight.shape[1:])
     return torch.cat([weight, extra], dim=0)
 
@@ -279,7 +282,11 @@ class CheckpointReader:
         keys = ['model'] if 'model' in files[0] else [f'model{i}' for i in range(self.vp or 1)]
         chunks = []
         for vp_rank, key in enumerate(keys):
-            merged = merge_tensor_parallel_state_dicts([f[key] for f in files], swiglu)
+            if self.tp == 1:
+                # Nothing to merge: keep the memory-mapped tensors instead of copying them.
+                merged = dict(files[0][key])
+            else:
+                merged = merge_tensor_parallel_state_dicts([f[key] for f in files], swiglu)
             offset = layer_offset(self.args.num_layers, self.pp, pp_rank, self.vp, vp_rank)
             chunks.append((offset, merged))
         others = [{k: v for k, v in f.items() if not k.startswith('model')} for f in files]

@@ -51,43 +51,18 @@ def _init(args):
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     from megatron.training.initialize import initialize_megatron
 
-    seq = args.prompt_length + args.new_tokens
-    initialize_megatron(
-        args_list=[
-            "--num-layers",
-            str(args.num_layers),
-            "--hidden-size",
-            str(args.hidden_size),
-            "--num-attention-heads",
-            str(args.num_attention_heads),
-            "--seq-length",
-            "1024",
-            "--max-position-embeddings",
-            "1024",
-            "--micro-batch-size",
-            "1",
-            "--tokenizer-type",
-            "GPT2BPETokenizer",
-            "--vocab-file",
-            os.path.join(REPO, "data", "gpt2", "gpt2-vocab.json"),
-            "--merge-file",
-            os.path.join(REPO, "data", "gpt2", "gpt2-merges.txt"),
-            "--make-vocab-size-divisible-by",
-            "1",
-            "--openai-gelu",
-            "--no-bias-gelu-fusion",
-            "--attention-dropout",
-            "0.0",
-            "--hidden-dropout",
-            "0.0",
-            "--distributed-backend",
-            "gloo",
-            "--transformer-impl",
-            "local",
-            "--max-tokens-to-oom",
-            str(max(args.batch_sizes) * seq),
-        ]
-    )
+    # GeLU: the bias-GeLU fusion computes the tanh approximation, GPT-2's "gelu_new".
+    flags = (
+        f"--num-layers {args.num_layers} --hidden-size {args.hidden_size} "
+        f"--num-attention-heads {args.num_attention_heads} --seq-length 1024 "
+        "--max-position-embeddings 1024 --micro-batch-size 1 --tokenizer-type GPT2BPETokenizer "
+        "--make-vocab-size-divisible-by 1 --attention-dropout 0.0 --hidden-dropout 0.0 "
+        "--distributed-backend gloo --transformer-impl local "
+        f"--max-tokens-to-oom {max(args.batch_sizes) * 1024}"
+    ).split()
+    flags += ["--vocab-file", os.path.join(REPO, "data", "gpt2", "gpt2-vocab.json")]
+    flags += ["--merge-file", os.path.join(REPO, "data", "gpt2", "gpt2-merges.txt")]
+    initialize_megatron(args_list=flags)
 
 
 def _build_models(args):

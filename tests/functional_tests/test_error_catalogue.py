@@ -134,7 +134,8 @@ def _pre_init_cases(tmp_path):
                           rf'\(swapped --vocab-file and --merge-file\?\)$'),
         'vocab-not-json': (mock + ['--vocab-file', MERGES], 1,
                            rf'^error: --vocab-file {MERGES} is not a JSON vocabulary: .* '
-                           rf'\(it looks like a BPE merges file: swapped --vocab-file and --merge-file\?\)$'),
+                           rf'\(it looks like a BPE merges file: swapped --vocab-file and '
+                           rf'--merge-file\?\)$'),
     }
 
 

@@ -16,11 +16,19 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.utils import StragglerDetector
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.training import pretrain
-from megatron.training.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank, print_rank_0
+from megatron.training.utils import (
+    get_batch_on_this_cp_rank,
+    get_batch_on_this_tp_rank,
+    print_rank_0,
+)
+
+# Times the sections below when --log-straggler is set (a no-op otherwise).
+stimer = StragglerDetector()
 
 
 def model_provider(pre_process=True, post_process=True) -> GPTModel:
@@ -55,6 +63,7 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
     )
 
 
@@ -105,9 +114,11 @@ def forward_step(data_iterator, model: GPTModel):
     """Forward one micro-batch; returns (per-token losses or hidden states, loss function)."""
     timers = get_timers()
     timers('batch-generator', log_level=2).start()
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    with stimer(bdata=True):
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
     timers('batch-generator').stop()
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    with stimer:
+        output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
     return output_tensor, partial(loss_func, loss_mask)
 
 

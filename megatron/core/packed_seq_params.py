@@ -1,7 +1,9 @@
 """Parameters describing packed (variable-length, concatenated) sequences for attention.
 
-Accepted by GPTModel.forward for API compatibility; the local attention implementation here does
-not support packed sequences and raises if they are given.
+Megatron's public type (`from megatron.core.packed_seq_params import PackedSeqParams`), the type of
+the `packed_seq_params` argument of GPTModel / TransformerBlock / TransformerLayer / Attention /
+DotProductAttention forwards. As in Megatron core_r0.8.0, only Transformer Engine's attention
+consumes packed sequences; the local DotProductAttention (the only one here) rejects them.
 """
 
 from dataclasses import dataclass

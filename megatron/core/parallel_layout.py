@@ -7,7 +7,8 @@ model, embedding, position-embedding, tensor-and-data and expert groups that
 16-rank example.
 """
 
-from typing import Dict, List, Optional, Sequence
+from functools import partial
+from typing import Callable, Dict, List, Optional, Sequence
 
 
 def _prefix_product(sizes: Sequence[int]) -> List[int]:
@@ -179,19 +180,25 @@ def _check_sizes(
     return data_parallel_size
 
 
-def _embedding_ranks(pipeline_ranks: List[int], split_rank: Optional[int]):
-    """Embedding and position-embedding group ranks of one pipeline group."""
-    if len(pipeline_ranks) == 1:
-        return list(pipeline_ranks), list(pipeline_ranks)
-    embedding = [pipeline_ranks[0], pipeline_ranks[-1]]
-    position = [pipeline_ranks[0]]
-    if split_rank is not None:
-        split = pipeline_ranks[split_rank]
-        if split not in embedding:
-            embedding = [pipeline_ranks[0], split, pipeline_ranks[-1]]
-        if split not in position:
-            position = [pipeline_ranks[0], split]
-    return embedding, position
+def default_embedding_ranks(pp_ranks: List[int], split_rank: Optional[int] = None) -> List[int]:
+    """Ranks of one pipeline group holding the word embeddings: the first and last stage (the
+    only stage when there is one), plus the encoder/decoder split stage when given. As in
+    Megatron's megatron/core/parallel_state.py."""
+    if len(pp_ranks) == 1:
+        return [pp_ranks[0]]
+    if split_rank is not None and pp_ranks[split_rank] not in (pp_ranks[0], pp_ranks[-1]):
+        return [pp_ranks[0], pp_ranks[split_rank], pp_ranks[-1]]
+    return [pp_ranks[0], pp_ranks[-1]]
+
+
+def default_position_embedding_ranks(
+    pp_ranks: List[int], split_rank: Optional[int] = None
+) -> List[int]:
+    """Ranks of one pipeline group holding the position embeddings: the first stage, plus the
+    encoder/decoder split stage when given. As in Megatron's megatron/core/parallel_state.py."""
+    if split_rank is not None and pp_ranks[0] != pp_ranks[split_rank]:
+        return [pp_ranks[0], pp_ranks[split_rank]]
+    return [pp_ranks[0]]
 
 
 def generate_model_parallel_groups(
@@ -203,6 +210,8 @@ def generate_model_parallel_groups(
     order: str = "tp-cp-ep-dp-pp",
     pipeline_model_parallel_split_rank: Optional[int] = None,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
+    get_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
+    get_position_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
 ) -> Dict[str, List[List[int]]]:
     """Every group's rank lists of Megatron's layout, computed without processes.
 
@@ -214,12 +223,15 @@ def generate_model_parallel_groups(
         pipeline_model_parallel_split_rank: encoder/decoder split stage (adds the split rank
             to the embedding and position-embedding groups).
         virtual_pipeline_model_parallel_size: only validated here.
+        get_embedding_ranks, get_position_embedding_ranks: callables mapping one pipeline
+            group's ranks to the ranks of its (position) embedding group; default
+            `default_embedding_ranks` / `default_position_embedding_ranks` with the split rank.
 
     Returns:
         A dict from group kind to the list of groups (each a list of global ranks):
         "tp", "pp", "dp", "dp-cp" (data parallel with context parallel), "cp", "mp" (tensor +
         pipeline), "embedding", "position_embedding", "tp-dp", "tp-dp-cp", "tp-cp", "tp-ep",
-        "ep", "dp-modulo-ep", "dp-modulo-ep-cp".
+        "mp-ep" (tensor + expert + pipeline), "ep", "dp-modulo-ep", "dp-modulo-ep-cp".
 
     Raises:
         ValueError: sizes that do not divide the world size, or an invalid order / split rank.
@@ -252,13 +264,21 @@ def generate_model_parallel_groups(
         "tp-dp": gen.get_ranks("tp-dp"),
         "tp-cp": gen.get_ranks("tp-cp"),
         "tp-ep": gen.get_ranks("tp-ep", independent_ep=True),
+        "mp-ep": gen.get_ranks("tp-ep-pp", independent_ep=True),
         "ep": gen.get_ranks("ep", independent_ep=True),
         "dp-modulo-ep": gen.get_ranks("dp", independent_ep=True),
         "dp-modulo-ep-cp": gen.get_ranks("dp-cp", independent_ep=True),
     }
-    groups["embedding"], groups["position_embedding"] = [], []
-    for ranks in groups["pp"]:
-        emb, pos = _embedding_ranks(ranks, pipeline_model_parallel_split_rank)
-        groups["embedding"].append(emb)
-        groups["position_embedding"].append(pos)
+    if get_embedding_ranks is None:
+        get_embedding_ranks = partial(
+            default_embedding_ranks, split_rank=pipeline_model_parallel_split_rank
+        )
+    if get_position_embedding_ranks is None:
+        get_position_embedding_ranks = partial(
+            default_position_embedding_ranks, split_rank=pipeline_model_parallel_split_rank
+        )
+    groups["embedding"] = [list(get_embedding_ranks(ranks)) for ranks in groups["pp"]]
+    groups["position_embedding"] = [
+        list(get_position_embedding_ranks(ranks)) for ranks in groups["pp"]
+    ]
     return groups

@@ -22,12 +22,14 @@ is what `initialize_model_parallel()` uses and what the layout tests check.
 
 import warnings
 from datetime import timedelta
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
 from megatron.core.parallel_layout import (  # noqa: F401 (re-exported, as in Megatron)
     RankGenerator,
+    default_embedding_ranks,
+    default_position_embedding_ranks,
     generate_masked_orthogonal_rank_groups,
     generate_model_parallel_groups,
 )
@@ -38,6 +40,8 @@ _TENSOR_MODEL_PARALLEL_GROUP = None
 _PIPELINE_MODEL_PARALLEL_GROUP = None
 # Model parallel group (tensor + pipeline) that the current rank belongs to.
 _MODEL_PARALLEL_GROUP = None
+# Model parallel group (tensor + expert + pipeline) that the current rank belongs to.
+_MODEL_PARALLEL_GROUP_WITH_EP = None
 # Embedding group (first and last pipeline stage, plus the split rank).
 _EMBEDDING_GROUP = None
 # Position embedding group (first pipeline stage, plus the split rank).
@@ -137,6 +141,8 @@ def initialize_model_parallel(
     nccl_communicator_config_path: Optional[str] = None,
     distributed_timeout_minutes: int = 30,
     order: str = "tp-cp-ep-dp-pp",
+    get_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
+    get_position_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
 ) -> None:
     """Create the model and data parallel groups of Megatron's layout.
 
@@ -154,6 +160,10 @@ def initialize_model_parallel(
         nccl_communicator_config_path: NCCL communicator options; accepted, no effect here.
         distributed_timeout_minutes: timeout of every created group.
         order: rank layout, first dimension fastest varying.
+        get_embedding_ranks: pipeline group ranks -> ranks of its word-embedding group
+            (default `default_embedding_ranks`: first and last stage, plus the split stage).
+        get_position_embedding_ranks: pipeline group ranks -> ranks of its position-embedding
+            group (default `default_position_embedding_ranks`: first stage, plus the split stage).
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -175,6 +185,8 @@ def initialize_model_parallel(
         order=order,
         pipeline_model_parallel_split_rank=pipeline_model_parallel_split_rank,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        get_embedding_ranks=get_embedding_ranks,
+        get_position_embedding_ranks=get_position_embedding_ranks,
     )
     if model_parallel_is_initialized():
         raise RuntimeError(
@@ -207,8 +219,9 @@ def initialize_model_parallel(
     global _CONTEXT_PARALLEL_GROUP, _CONTEXT_PARALLEL_GLOBAL_RANKS
     _CONTEXT_PARALLEL_GROUP, _, _CONTEXT_PARALLEL_GLOBAL_RANKS = _build(groups["cp"], timeout)
 
-    global _MODEL_PARALLEL_GROUP
+    global _MODEL_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP_WITH_EP
     _MODEL_PARALLEL_GROUP, _, _ = _build(groups["mp"], timeout)
+    _MODEL_PARALLEL_GROUP_WITH_EP, _, _ = _build(groups["mp-ep"], timeout)
 
     global _TENSOR_MODEL_PARALLEL_GROUP
     _TENSOR_MODEL_PARALLEL_GROUP, _, _ = _build(groups["tp"], timeout)
@@ -266,6 +279,11 @@ def model_parallel_is_initialized() -> bool:
     )
 
 
+def is_initialized() -> bool:
+    """Whether the data parallel group exists (for code that may run with or without mpu)."""
+    return _DATA_PARALLEL_GROUP is not None
+
+
 def is_unitialized() -> bool:
     """Deprecated Megatron spelling: True when the data parallel group does not exist yet."""
     return _DATA_PARALLEL_GROUP is None
@@ -282,8 +300,14 @@ def _checked(group, what: str, check_initialized: bool = True):
     return group
 
 
-def get_model_parallel_group(check_initialized: bool = True):
-    """The model parallel (tensor + pipeline) group of the caller."""
+def get_model_parallel_group(with_expert_parallel: bool = False, check_initialized: bool = True):
+    """The model parallel (tensor + pipeline) group of the caller; with `with_expert_parallel`,
+    the tensor + expert + pipeline group (equal to it when expert parallelism is 1)."""
+    if with_expert_parallel:
+        return _checked(
+            _MODEL_PARALLEL_GROUP_WITH_EP, "model parallel group with expert parallel",
+            check_initialized,
+        )
     return _checked(_MODEL_PARALLEL_GROUP, "model parallel group", check_initialized)
 
 
@@ -381,6 +405,34 @@ def get_tensor_and_expert_parallel_group(check_initialized: bool = True):
     )
 
 
+def get_amax_reduction_group(with_context_parallel: bool = False):
+    """The group fp8 amax statistics are reduced over: tensor (+ context) parallel."""
+    if with_context_parallel:
+        return _checked(_TENSOR_AND_CONTEXT_PARALLEL_GROUP, "FP8 amax reduction group")
+    return _checked(_TENSOR_MODEL_PARALLEL_GROUP, "FP8 amax reduction group")
+
+
+def get_nccl_options(pg_name: str, nccl_comm_cfgs: dict):
+    """NCCL options for the process group `pg_name` from a communicator config dict, or None.
+
+    `nccl_comm_cfgs` maps a group name ('tp', 'dp', 'pp', ...) to {'cga_cluster_size',
+    'max_ctas', 'min_ctas'} (missing keys take 4, 32 and 1). Groups not in it use NCCL's
+    defaults (None).
+
+    Raises:
+        RuntimeError: options are asked for but this PyTorch build has no NCCL.
+    """
+    if pg_name not in nccl_comm_cfgs:
+        return None
+    if not hasattr(torch.distributed, "ProcessGroupNCCL"):
+        raise RuntimeError(f"NCCL options for group '{pg_name}' need a PyTorch build with NCCL")
+    nccl_options = torch.distributed.ProcessGroupNCCL.Options()
+    nccl_options.config.cga_cluster_size = nccl_comm_cfgs[pg_name].get("cga_cluster_size", 4)
+    nccl_options.config.max_ctas = nccl_comm_cfgs[pg_name].get("max_ctas", 32)
+    nccl_options.config.min_ctas = nccl_comm_cfgs[pg_name].get("min_ctas", 1)
+    return nccl_options
+
+
 def get_data_modulo_expert_parallel_group(with_context_parallel: bool = False, check_initialized: bool = True):
     """The data parallel group of expert parameters (data parallel / expert parallel)."""
     if with_context_parallel:
@@ -436,7 +488,9 @@ def get_context_parallel_group_if_none(group=None, check_initialized: bool = Tru
 
 def get_model_parallel_group_if_none(group=None, check_initialized: bool = True):
     """`group` if given, else the global model parallel group."""
-    return group if group is not None else get_model_parallel_group(check_initialized)
+    if group is not None:
+        return group
+    return get_model_parallel_group(check_initialized=check_initialized)
 
 
 def get_embedding_group_if_none(group=None, check_initialized: bool = True):
@@ -718,6 +772,20 @@ def get_tensor_and_context_parallel_rank() -> int:
     return 0
 
 
+def get_tensor_and_expert_parallel_world_size() -> int:
+    """Number of ranks in the caller's tensor + expert parallel group (0 without distributed)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(group=get_tensor_and_expert_parallel_group())
+    return 0
+
+
+def get_tensor_and_expert_parallel_rank() -> int:
+    """Rank of the caller in its tensor + expert parallel group (0 without distributed)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(group=get_tensor_and_expert_parallel_group())
+    return 0
+
+
 def get_expert_model_parallel_world_size() -> int:
     """Number of expert parallel ranks."""
     if _MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE is not None:
@@ -811,6 +879,7 @@ _RESET_TO_NONE = [
     "_TENSOR_MODEL_PARALLEL_GROUP",
     "_PIPELINE_MODEL_PARALLEL_GROUP",
     "_MODEL_PARALLEL_GROUP",
+    "_MODEL_PARALLEL_GROUP_WITH_EP",
     "_EMBEDDING_GROUP",
     "_POSITION_EMBEDDING_GROUP",
     "_DATA_PARALLEL_GROUP",

@@ -11,9 +11,11 @@ from typing import List
 
 import torch
 
+from megatron.core.utils import get_current_device, uses_cuda
+
 
 def _synchronize():
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if uses_cuda() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 
@@ -172,10 +174,7 @@ class Timers:
         else:
             world_size, rank = 1, 0
         # gloo has no all_gather_into_tensor for CPU tensors in every torch version: use the list form.
-        device = torch.device('cuda', torch.cuda.current_device()) if (
-            torch.cuda.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_backend() == 'nccl'
-        ) else torch.device('cpu')
+        device = get_current_device()
         rank_name_to_time = torch.zeros((world_size, len(names)), dtype=torch.float, device=device)
         for i, name in enumerate(names):
             if name in self._timers:
@@ -259,9 +258,17 @@ class Timers:
         if rank == current and output_string is not None:
             print(output_string, flush=True)
 
-    def write(self, names: List[str], writer, iteration: int, normalizer: float = 1.0,
-              reset: bool = False, barrier: bool = False):
-        """Write the max time across ranks of each timer to a TensorBoard `writer` as '<name>-time'."""
+    def write(
+        self,
+        names: List[str],
+        writer,
+        iteration: int,
+        normalizer: float = 1.0,
+        reset: bool = True,
+        barrier: bool = False,
+    ):
+        """Write the max time across ranks of each timer to a TensorBoard `writer` as '<name>-time'.
+        Resets the timers by default, as Megatron's Timers.write does."""
         assert normalizer > 0.0
         name_to_min_max_time = self._get_global_min_max_time(names, reset, barrier, normalizer)
         if writer is not None:

@@ -4,15 +4,43 @@ The single source of the compute device lives here (`get_current_device`): core 
 `.cuda()` directly, so the same code runs on CPU with gloo and on GPU with NCCL.
 """
 
+import hashlib
+import logging
 import math
-from typing import Any, List, Union
+from typing import Any, List, Optional, Union
 
 import torch
 
+from megatron.core.straggler_detector import StragglerDetector  # noqa: F401 (Megatron's home)
+
+logger = logging.getLogger(__name__)
+
+
+def uses_cuda(backend: Optional[str] = None) -> bool:
+    """The one device rule of the package: compute runs on CUDA iff a CUDA device exists and the
+    torch.distributed backend is not gloo.
+
+    gloo means CPU everywhere, also on a host that has GPUs: model, activations, collectives,
+    timers, RNG and memory reports all stay on the CPU, so a gloo run on a GPU host behaves like
+    one on a CPU host (gloo cannot run every collective on CUDA tensors). NCCL (or no process
+    group at all) on a CUDA host means the current CUDA device.
+
+    Args:
+        backend: the backend to decide for (e.g. `--distributed-backend` before the process
+            group exists). None: the default process group's backend, or none when
+            torch.distributed is not initialized.
+    """
+    if not torch.cuda.is_available():
+        return False
+    if backend is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        backend = torch.distributed.get_backend()
+    return backend != "gloo"
+
 
 def get_current_device() -> torch.device:
-    """The device tensors are created on: the current CUDA device when one exists, else the CPU."""
-    if torch.cuda.is_available():
+    """The device tensors are created on, by the rule of `uses_cuda`: the current CUDA device,
+    or the CPU."""
+    if uses_cuda():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -163,3 +191,38 @@ def safely_set_viewless_tensor_data(tensor: torch.Tensor, new_data_tensor: torch
         % ("--" if tensor._base is None else tensor._base.shape, new_data_tensor.shape),
     )
     tensor.data = new_data_tensor
+
+
+def check_param_hashes_across_dp_replicas(
+    model: List[torch.nn.Module], dp_group: Optional[torch.distributed.ProcessGroup] = None
+) -> bool:
+    """True if every parameter is bit-identical to its copy on data-parallel rank 0.
+
+    Each parameter's sha256 digest (over its fp32 CPU copy) is all-gathered over the gloo copy of
+    the data-parallel group; mismatching parameters are logged with their model chunk and name.
+    A collective over `dp_group` (default: the global data-parallel gloo group).
+
+    Args:
+        model: the model chunks of this rank.
+        dp_group: a gloo data-parallel group, or None for the global one.
+    """
+    from megatron.core import parallel_state
+
+    # Hashes travel as CPU uint8 tensors, so the gloo copy of the group is the one to use.
+    dp_group = parallel_state.get_data_parallel_group_gloo_if_none(dp_group)
+    params, local_hashes = [], []
+    for chunk_id, chunk in enumerate(model):
+        for name, param in chunk.named_parameters():
+            digest = hashlib.sha256(param.data.detach().to('cpu', torch.float32).numpy().tobytes())
+            local_hashes.append(torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8))
+            params.append((chunk_id, name))
+    local = torch.stack(local_hashes)  # [num_params, 32]
+    gathered = [torch.zeros_like(local) for _ in range(torch.distributed.get_world_size(dp_group))]
+    torch.distributed.all_gather(gathered, local, group=dp_group)
+    match = torch.equal(local, gathered[0])
+    if not match:
+        rank = torch.distributed.get_rank()
+        for i, (chunk_id, name) in enumerate(params):
+            if not torch.equal(local[i], gathered[0][i]):
+                logger.info(f'[Model chunk {chunk_id}, rank {rank}] Hash not matching for {name}')
+    return match

@@ -7,6 +7,9 @@ Re-exported by `arguments.py`, where Megatron users import it from.
 
 import torch
 
+from megatron.core.utils import uses_cuda
+from megatron.training.arguments_unsupported import check_unsupported_flags
+
 
 def _note(args, message):
     """A rank-0 note about a flag that was adjusted or has no effect here."""
@@ -28,6 +31,11 @@ def validate_args(args, defaults={}):
     Returns:
         args, modified in place.
     """
+    # Flags of features this package does not have: refuse any non-default value first.
+    from megatron.training.arguments import get_args_parser
+
+    check_unsupported_flags(args, get_args_parser())
+
     # Model-parallel sizes against the world size.
     if args.tensor_model_parallel_size < 1 or args.pipeline_model_parallel_size < 1:
         raise ValueError(
@@ -75,7 +83,17 @@ def validate_args(args, defaults={}):
             ),
             flush=True,
         )
-    if args.pipeline_model_parallel_size > 1 and args.pipeline_model_parallel_split_rank is not None:
+    if args.pipeline_model_parallel_split_rank is not None:
+        if args.pipeline_model_parallel_size == 1:
+            raise ValueError(
+                f'--pipeline-model-parallel-split-rank ({args.pipeline_model_parallel_split_rank}) '
+                'needs --pipeline-model-parallel-size > 1 (got 1)'
+            )
+        if args.pipeline_model_parallel_split_rank < 1:
+            raise ValueError(
+                f'--pipeline-model-parallel-split-rank ({args.pipeline_model_parallel_split_rank}) '
+                'must be >= 1 (the stages before it hold the encoder)'
+            )
         if args.pipeline_model_parallel_split_rank >= args.pipeline_model_parallel_size:
             raise ValueError(
                 f'--pipeline-model-parallel-split-rank ({args.pipeline_model_parallel_split_rank}) '
@@ -107,7 +125,7 @@ def validate_args(args, defaults={}):
             setattr(args, key, value)
 
     # Backend: nccl needs CUDA. Without a GPU we fall back to gloo (and say so).
-    if args.distributed_backend == 'nccl' and not torch.cuda.is_available():
+    if args.distributed_backend == 'nccl' and not uses_cuda('nccl'):
         _note(args, 'no CUDA device found: --distributed-backend nccl -> gloo')
         args.distributed_backend = 'gloo'
     if args.transformer_impl == 'transformer_engine':
@@ -143,6 +161,12 @@ def validate_args(args, defaults={}):
 
     # Virtual pipeline.
     if args.num_layers_per_virtual_pipeline_stage is not None:
+        if args.pipeline_model_parallel_split_rank is not None:
+            raise ValueError(
+                '--num-layers-per-virtual-pipeline-stage: interleaved (virtual) pipelines are not '
+                'supported for encoder-decoder models (--pipeline-model-parallel-split-rank '
+                f'{args.pipeline_model_parallel_split_rank})'
+            )
         if args.pipeline_model_parallel_size <= 1:
             raise ValueError(
                 '--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1, '
@@ -390,18 +414,50 @@ def validate_args(args, defaults={}):
     if args.num_experts is not None and args.num_experts <= 0:
         raise ValueError(f'--num-experts must be positive, got {args.num_experts}')
 
-    if args.yaml_cfg is not None:
-        raise ValueError(f'--yaml-cfg {args.yaml_cfg}: YAML configs are not supported; pass flags')
-    if args.adlr_autoresume:
-        raise ValueError('--adlr-autoresume: ADLR autoresume is not available in this package')
-    if args.fp8_format is not None:
-        raise ValueError(f'--fp8-format {args.fp8_format}: fp8 needs Transformer Engine, not available here')
+    _validate_megatron_r08_extras(args)
 
     if args.timing_log_level not in (0, 1, 2):
         raise ValueError(f'--timing-log-level must be 0, 1 or 2, got {args.timing_log_level}')
 
     _print_args('arguments', args)
     return args
+
+
+def _validate_megatron_r08_extras(args):
+    """Rules of the flags added by Megatron core_r0.8.0 that this package accepts."""
+    if getattr(args, 'ckpt_fully_parallel_save_deprecated', False) and args.rank == 0:
+        print('--ckpt-fully-parallel-save flag is deprecated and has no effect. '
+              'Use --no-ckpt-fully-parallel-save to disable parallel save.', flush=True)
+    # Deferring the output layer's weight-gradient GEMM only matters with a pipeline flush.
+    if getattr(args, 'defer_embedding_wgrad_compute', False):
+        if args.pipeline_model_parallel_size == 1:
+            args.defer_embedding_wgrad_compute = False
+        elif not args.gradient_accumulation_fusion:
+            raise ValueError(
+                '--defer-embedding-wgrad-compute: cannot defer embedding wgrad compute when '
+                'gradient accumulation fusion is not used (--no-gradient-accumulation-fusion)'
+            )
+        elif args.wgrad_deferral_limit < 0:
+            raise ValueError(
+                f'--wgrad-deferral-limit ({args.wgrad_deferral_limit}) should be greater than or '
+                'equal to 0 when --defer-embedding-wgrad-compute is set'
+            )
+        else:
+            raise ValueError(
+                '--defer-embedding-wgrad-compute is not supported by this package with '
+                f'--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the '
+                'deferred vocabulary-projection weight gradient at the pipeline flush is not '
+                'implemented (the gradients would be the same; only the GPU overlap differs)'
+            )
+    interval = getattr(args, 'check_weight_hash_across_dp_replicas_interval', None)
+    if interval is not None and interval <= 0:
+        raise ValueError(
+            f'--check-weight-hash-across-dp-replicas-interval must be positive, got {interval}'
+        )
+    if getattr(args, 'straggler_minmax_count', 1) < 1:
+        raise ValueError(
+            f'--straggler-minmax-count must be >= 1, got {args.straggler_minmax_count}'
+        )
 
 
 def _print_args(title, args):
@@ -415,3 +471,50 @@ def _print_args(title, args):
         for arg in sorted(str_list, key=lambda x: x.lower()):
             print(arg, flush=True)
         print(f'-------------------- end of {title} ---------------------', flush=True)
+
+
+def validate_encoder_decoder_args(args):
+    """Rules for encoder-decoder (T5) models, checked by `pretrain` before the model is built.
+
+    Raises:
+        ValueError: naming the flag and the numbers.
+    """
+    if args.decoder_seq_length is None:
+        raise ValueError('--decoder-seq-length is required for encoder-decoder (T5) models')
+    if args.virtual_pipeline_model_parallel_size is not None:
+        raise ValueError(
+            '--num-layers-per-virtual-pipeline-stage: interleaved (virtual) pipelines are not '
+            'supported for encoder-decoder (T5) models'
+        )
+    if args.decoder_num_layers is None:
+        _note(args, f'--decoder-num-layers not given: using --encoder-num-layers '
+                    f'({args.encoder_num_layers})')
+        args.decoder_num_layers = args.encoder_num_layers
+    pp, split = args.pipeline_model_parallel_size, args.pipeline_model_parallel_split_rank
+    if pp > 1:
+        if split is None:
+            raise ValueError(
+                f'--pipeline-model-parallel-split-rank is required with '
+                f'--pipeline-model-parallel-size {pp} for encoder-decoder (T5) models'
+            )
+        if args.encoder_num_layers % split != 0:
+            raise ValueError(
+                f'--encoder-num-layers ({args.encoder_num_layers}) is not divisible by the '
+                f'{split} encoder stages (--pipeline-model-parallel-split-rank {split})'
+            )
+        if args.decoder_num_layers % (pp - split) != 0:
+            raise ValueError(
+                f'--decoder-num-layers ({args.decoder_num_layers}) is not divisible by the '
+                f'{pp - split} decoder stages (--pipeline-model-parallel-size {pp} - '
+                f'--pipeline-model-parallel-split-rank {split})'
+            )
+    has_data = any(
+        getattr(args, name, None) for name in
+        ('data_path', 'train_data_path', 'valid_data_path', 'test_data_path')
+    )
+    if has_data and args.vocab_extra_ids <= 0:
+        raise ValueError(
+            f'--vocab-extra-ids ({args.vocab_extra_ids}) must be > 0 for T5 data: the '
+            'span-corruption sentinels <extra_id_i> come from it (Megatron uses 100)'
+        )
+    return args

@@ -16,7 +16,15 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from megatron.core.transformer.utils import openai_gelu, squared_relu
 from megatron.training.argument_validation import validate_args  # noqa: F401 (re-exported)
+from megatron.training.arguments_unsupported import (
+    add_biencoder_args,
+    add_one_logger_args,
+    add_retro_args,
+    add_tp_comm_overlap_args,
+    add_vision_args,
+)
 
 
 def parse_args(extra_args_provider=None, ignore_unknown_args=False, args_list=None):
@@ -76,11 +84,16 @@ def get_args_parser(extra_args_provider=None):
     parser = _add_data_args(parser)
     parser = _add_tokenizer_args(parser)
     parser = _add_autoresume_args(parser)
+    parser = add_biencoder_args(parser)
+    parser = add_vision_args(parser)
     parser = _add_moe_args(parser)
     parser = _add_logging_args(parser)
+    parser = _add_straggler_detector_args(parser)
     parser = _add_inference_args(parser)
     parser = _add_transformer_engine_args(parser)
+    parser = add_retro_args(parser)
     parser = _add_experimental_args(parser)
+    parser = add_one_logger_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser
@@ -132,16 +145,6 @@ def core_transformer_config_from_args(args, config_class=None):
         put('scaled_init_method', torch.nn.init.xavier_uniform_)
     put('num_query_groups', args.num_query_groups if args.group_query_attention else None)
     return config_class(**kw_args)
-
-
-def squared_relu(x):
-    """relu(x)**2 (--squared-relu)."""
-    return torch.pow(F.relu(x), 2)
-
-
-def openai_gelu(x):
-    """The tanh approximation of GeLU used by OpenAI's GPT-2 (--openai-gelu)."""
-    return F.gelu(x, approximate='tanh')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,7 +337,20 @@ def _add_training_args(parser):
                        'batch, versus the default behavior of assuming all tokens are non-padded.')
     group.add_argument('--deterministic-mode', action='store_true',
                        help='Choose code that has deterministic execution.')
-    return parser
+    group.add_argument('--defer-embedding-wgrad-compute', action='store_true', default=False,
+                       dest='defer_embedding_wgrad_compute',
+                       help='If set, defers the vocabulary projection linear layer weight gradient '
+                       'compute to pipeline flush (only with pipeline parallelism).')
+    group.add_argument('--wgrad-deferral-limit', type=int, default=0,
+                       dest='wgrad_deferral_limit',
+                       help='Number of micro-batches for which weight gradient computation of '
+                       'vocabulary projection is deferred, defaults to 0 which means all the '
+                       'micro-batches are deferred. Invalid if `defer-embedding-wgrad-compute` '
+                       'is not set')
+    group.add_argument('--check-weight-hash-across-dp-replicas-interval', type=int, default=None,
+                       help='Interval to check weight hashes are same across DP replicas. If not '
+                       'specified, weight hashes not checked.')
+    return add_tp_comm_overlap_args(parser)
 
 
 def _add_initialization_args(parser):
@@ -427,13 +443,26 @@ def _add_checkpointing_args(parser):
     group.add_argument('--dist-ckpt-format', type=str, default='torch_dist', choices=['zarr', 'torch_dist'],
                        help='Distributed checkpoint format to use.')
     group.add_argument('--ckpt-fully-parallel-save', action='store_true',
-                       help='Apply full save parallelization across DP for distributed checkpoints.')
-    group.add_argument('--async-save', action='store_true', help='Apply async checkpointing save.')
+                       dest='ckpt_fully_parallel_save_deprecated',
+                       help='Deprecated: see --no-ckpt-fully-parallel-save.')
+    group.add_argument('--no-ckpt-fully-parallel-save', action='store_false',
+                       dest='ckpt_fully_parallel_save',
+                       help='Disable applying full save parallelization across DP for distributed '
+                       'checkpoints (no effect here: checkpoints are written in the torch format).')
+    group.add_argument('--async-save', action='store_true', default=None,
+                       help='Apply async checkpointing save. Currently works only with '
+                       '`torch_dist` distributed checkpoint format.')
     group.add_argument('--ckpt-fully-parallel-load', action='store_true',
                        help='Apply full load parallelization across DP for distributed checkpoints.')
     group.add_argument('--ckpt-assume-constant-structure', action='store_true',
                        help='If the model and optimizer state dict structure is constant throughout a '
                        'single training job, it allows for different checkpointing performance optimizations.')
+    group.add_argument('--dist-ckpt-strictness', type=str, default='assume_ok_unexpected',
+                       choices=['assume_ok_unexpected', 'log_unexpected', 'log_all',
+                                'raise_unexpected', 'raise_all', 'return_unexpected',
+                                'return_all', 'ignore_all'],
+                       help='Determine handling of key mismatch during checkpoint load (used by '
+                       'distributed checkpoints only; the torch format loads strictly).')
     return parser
 
 
@@ -507,6 +536,13 @@ def _add_distributed_args(parser):
     group.add_argument('--use-distributed-optimizer', action='store_true',
                        help='Use distributed optimizer.')
     group.add_argument('--context-parallel-size', type=int, default=1, help='Degree of context parallelism.')
+    group.add_argument('--use-cpu-initialization', action='store_true', default=None,
+                       help='If set, initialize weights on the CPU. This eliminates init '
+                       'differences based on tensor parallelism.')
+    group.add_argument('--empty-unused-memory-level', default=0, type=int, choices=[0, 1, 2],
+                       help='Call torch.cuda.empty_cache() each iteration (training and eval), '
+                       'to reduce fragmentation. 0=off, 1=moderate, 2=aggressive (no-op without '
+                       'CUDA).')
     group.add_argument('--nccl-communicator-config-path', type=str, default=None,
                        help='Path to the yaml file with NCCL communicator configurations.')
     group.add_argument('--use-tp-pp-dp-mapping', action='store_true', default=False,
@@ -569,6 +605,8 @@ def _add_data_args(parser):
                        help='If set, do not create attention_masks in dataloader.')
     group.add_argument('--num-dataset-builder-threads', type=int, default=1,
                        help='Number of parallel threads per rank for dataset builder')
+    group.add_argument('--s3-cache-path', type=str, default=None,
+                       help='Path to cache index files when using s3 dataloader')
     return parser
 
 
@@ -616,6 +654,29 @@ def _add_moe_args(parser):
     group.add_argument('--moe-grouped-gemm', action='store_true', help='Use grouped GEMM for experts.')
     group.add_argument('--moe-token-dispatcher-type', type=str, choices=['allgather', 'alltoall'], default='allgather',
                        help='The type of token dispatcher to use.')
+    group.add_argument('--moe-router-pre-softmax', action='store_true',
+                       help='Enable pre-softmax routing for MoE, which means softmax is before the '
+                       'top-k selection.')
+    group.add_argument('--moe-input-jitter-eps', type=float, default=None,
+                       help='Add noise to the input tensor by applying jitter with a specified '
+                       'epsilon value.')
+    group.add_argument('--moe-per-layer-logging', action='store_true',
+                       help='Enable per-layer logging for MoE, currently supports auxiliary loss '
+                       'and z loss.')
+    group.add_argument('--moe-expert-capacity-factor', type=float, default=None,
+                       help='The capacity factor for each expert, None means no token will be '
+                       'dropped.')
+    group.add_argument('--moe-pad-expert-input-to-capacity', action='store_true',
+                       help='Pads the input for each expert to match the expert capacity length.')
+    group.add_argument('--moe-token-drop-policy', type=str, default='probs',
+                       choices=['probs', 'position'],
+                       help='The policy to drop tokens. Can be either "probs" or "position".')
+    group.add_argument('--moe-layer-recompute', action='store_true',
+                       help='Enable checkpointing for moe_layer, should be used when memory is not '
+                       'sufficient.')
+    group.add_argument('--moe-extended-tp', action='store_true',
+                       help='Alternative to expert parallelism, all experts are sharded across '
+                       'TPXEP domain.')
     return parser
 
 
@@ -657,6 +718,19 @@ def _add_logging_args(parser):
     return parser
 
 
+def _add_straggler_detector_args(parser):
+    group = parser.add_argument_group(title='straggler')
+    group.add_argument('--log-straggler', action='store_true',
+                       help='If set, tracks and logs straggler per GPU.')
+    group.add_argument('--disable-straggler-on-startup', action='store_true',
+                       help='If set, StragglerDetector is disabled on startup.')
+    group.add_argument('--straggler-ctrlr-port', type=int, default=65535,
+                       help='Port number to toggle StragglerDetector on/off at runtime')
+    group.add_argument('--straggler-minmax-count', type=int, default=1,
+                       help='Number of ranks to report with high/low estimated throughput')
+    return parser
+
+
 def _add_inference_args(parser):
     group = parser.add_argument_group(title='inference')
     group.add_argument('--inference-batch-times-seqlen-threshold', type=int, default=512,
@@ -675,7 +749,7 @@ def _add_inference_args(parser):
 
 def _add_transformer_engine_args(parser):
     group = parser.add_argument_group(title='Transformer-Engine')
-    group.add_argument('--fp8-format', default=None, choices=['e4m3', 'hybrid'],
+    group.add_argument('--fp8-format', default=None, choices=['e4m3', 'hybrid'], dest='fp8',
                        help='Which fp8 format scheme to use for FP8 tensors in the forward and backward pass '
                        '(Transformer Engine only; not available here).')
     group.add_argument('--fp8-margin', type=int, default=0, help='Scaling margin for fp8')
@@ -683,6 +757,8 @@ def _add_transformer_engine_args(parser):
     group.add_argument('--fp8-amax-history-len', type=int, default=1, help='Number of steps for which amax history is recorded per tensor')
     group.add_argument('--fp8-amax-compute-algo', default='most_recent', choices=['most_recent', 'max'],
                        help='Algorithm for computing amax from history')
+    group.add_argument('--no-fp8-wgrad', action='store_false', dest='fp8_wgrad',
+                       help='Execute wgrad in higher precision even for FP8 runs')
     group.add_argument('--transformer-impl', default='transformer_engine', choices=['local', 'transformer_engine'],
                        help='Which Transformer implementation to use (local is used when transformer_engine '
                        'is not installed).')
@@ -694,6 +770,15 @@ def _add_experimental_args(parser):
     group.add_argument('--spec', type=str, default=None, nargs='*',
                        help='Specify the <module_location function_name> pair that returns a spec to customize '
                        'a model, transformer block, or transformer layer.')
+    group.add_argument('--hybrid-attention-ratio', type=float, default=0.0,
+                       help='Ratio of attention layers to total layers, in the range [0.0, 1.0].')
+    group.add_argument('--hybrid-mlp-ratio', type=float, default=0.0,
+                       help='Ratio of mlp layers to total layers, in the range [0.0, 1.0].')
+    group.add_argument('--hybrid-override-pattern', type=str, default=None,
+                       help='Force a specific hybrid layer pattern. If a value greater than 0.0 is '
+                       'supplied to any of the hybrid ratio arguments, then the number of each '
+                       'type of layer in the override pattern must match number in the overidden '
+                       'pattern')
     group.add_argument('--yaml-cfg', type=str, default=None,
                        help='Config file to add additional arguments (not required; not supported here).')
     return parser

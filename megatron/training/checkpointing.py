@@ -39,10 +39,11 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import update_num_microbatches
-from megatron.core.utils import get_current_device, unwrap_model
+from megatron.core.utils import get_current_device, unwrap_model, uses_cuda
 from megatron.training.global_vars import get_args
 
-#: Version written into every checkpoint (Megatron's current QKV layout).
+#: Version written into every checkpoint, as in Megatron's megatron/training/checkpointing.py:
+#: 3.0 means linear_qkv rows are grouped per query group [q heads of the group, k, v].
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = 'latest_checkpointed_iteration.txt'
 MODEL_CHECKPOINT_BASENAME = 'model_optim_rng.pt'
@@ -244,7 +245,7 @@ def get_rng_state(use_dist_ckpt: bool = False) -> List[Dict[str, Any]]:
         'torch_rng_state': torch.get_rng_state(),
         'rng_tracker_states': tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
-    if torch.cuda.is_available():
+    if uses_cuda():
         rng_state['cuda_rng_state'] = torch.cuda.get_rng_state()
 
     if (
@@ -268,7 +269,7 @@ def _set_rng_state(rng_state: Dict[str, Any], checkpoint_name: str) -> None:
     random.setstate(rng_state['random_rng_state'])
     np.random.set_state(_np_state_from_checkpoint(rng_state['np_rng_state']))
     torch.set_rng_state(rng_state['torch_rng_state'])
-    if torch.cuda.is_available():
+    if uses_cuda():
         if 'cuda_rng_state' in rng_state:
             torch.cuda.set_rng_state(rng_state['cuda_rng_state'])
         else:
@@ -806,6 +807,11 @@ def load_args_from_checkpoint(
         'untie_embeddings_and_output_weights',
         'apply_layernorm_1p',
         'normalization',
+        # Not carried by Megatron: without them a converted Llama-3 (RoPE base 500000), an
+        # RMSNorm eps other than 1e-5 or GPT-2's tanh GeLU would silently change the model.
+        'rotary_base',
+        'norm_epsilon',
+        'openai_gelu',
     ):
         _set_arg(name, force=True)
     _set_arg('tokenizer_type')

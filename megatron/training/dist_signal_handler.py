@@ -12,6 +12,8 @@ from typing import List, Optional
 
 import torch
 
+from megatron.core.utils import uses_cuda
+
 
 def get_world_size() -> int:
     """World size of the default process group, or 1 when torch.distributed is not initialized."""
@@ -21,15 +23,12 @@ def get_world_size() -> int:
 
 
 def get_device(local_rank: Optional[int] = None) -> torch.device:
-    """The device a collective on the default group needs: CUDA for NCCL, CPU for gloo."""
-    backend = torch.distributed.get_backend()
-    if backend == "nccl":
-        if local_rank is None:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cuda", local_rank)
-    if backend == "gloo":
+    """The device a collective on the default group needs (the rule of `uses_cuda`)."""
+    if not uses_cuda():
         return torch.device("cpu")
-    raise RuntimeError(f"dist_signal_handler: unsupported torch.distributed backend {backend!r}")
+    if local_rank is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda", local_rank)
 
 
 def all_gather_item(

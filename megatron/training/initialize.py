@@ -6,6 +6,7 @@ gloo when no GPU exists). An already-initialized default process group (tests, n
 and so are already-initialized model-parallel groups when their sizes match the args.
 """
 
+import logging
 import os
 import random
 import time
@@ -16,6 +17,7 @@ import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
+from megatron.core.utils import uses_cuda
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables
 from megatron.training.startup_checks import check_output_directories
@@ -40,7 +42,9 @@ def initialize_megatron(
         ignore_unknown_args: drop unknown flags instead of failing.
         allow_no_cuda: kept for API parity; CPU runs are always allowed here.
         skip_mpu_initialization: only set up args and globals (no torch.distributed).
-        get_embedding_ranks, get_position_embedding_ranks: unused hooks kept for API parity.
+        get_embedding_ranks, get_position_embedding_ranks: callables mapping a pipeline group's
+            ranks to its (position) embedding group's ranks, passed to initialize_model_parallel
+            (None: first and last stage / first stage, plus the split stage).
         args_list: argument strings to parse instead of sys.argv (tests, notebooks).
     """
     exit_when_launcher_dies()
@@ -55,16 +59,31 @@ def initialize_megatron(
     check_output_directories(args)
 
     set_global_variables(args)
+    setup_logging()
 
     if skip_mpu_initialization:
         return None
 
-    _initialize_distributed()
+    _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks)
     if args.rank == 0:
         print('> setting random seeds to {} ...'.format(args.seed), flush=True)
     _set_random_seed(args.seed, args.data_parallel_random_init)
     _compile_dependencies()
     return None
+
+
+def setup_logging() -> None:
+    """Set the root logging level: --logging-level, else $MEGATRON_LOGGING_LEVEL, else unchanged."""
+    args = get_args()
+    logging_level = None
+    env_logging_level = os.getenv('MEGATRON_LOGGING_LEVEL', None)
+    if env_logging_level is not None:
+        logging_level = int(env_logging_level)
+    if args.logging_level is not None:
+        logging_level = args.logging_level
+    if logging_level is not None:
+        logging.getLogger(__name__).info(f'Setting logging level to {logging_level}')
+        logging.getLogger().setLevel(logging_level)
 
 
 def _compile_dependencies():
@@ -86,10 +105,10 @@ def _compile_dependencies():
     del args
 
 
-def _initialize_distributed():
+def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ranks=None):
     """Initialize torch.distributed (unless already done) and the model-parallel groups."""
     args = get_args()
-    device_count = torch.cuda.device_count() if args.distributed_backend == 'nccl' else 0
+    device_count = torch.cuda.device_count() if uses_cuda(args.distributed_backend) else 0
     if torch.distributed.is_initialized():
         if args.rank == 0:
             print('torch distributed is already initialized, skipping initialization ...', flush=True)
@@ -139,6 +158,8 @@ def _initialize_distributed():
             distributed_timeout_minutes=args.distributed_timeout_minutes,
             nccl_communicator_config_path=args.nccl_communicator_config_path,
             order='tp-cp-ep-dp-pp' if not args.use_tp_pp_dp_mapping else 'tp-pp-dp',
+            get_embedding_ranks=get_embedding_ranks,
+            get_position_embedding_ranks=get_position_embedding_ranks,
         )
         if args.rank == 0:
             print(

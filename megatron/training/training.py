@@ -24,17 +24,25 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     update_num_microbatches,
 )
-from megatron.core.utils import get_current_device, get_model_config
+from megatron.core.utils import StragglerDetector, get_current_device, get_model_config, uses_cuda
 from megatron.training.global_vars import (
     get_args,
     get_signal_handler,
     get_tensorboard_writer,
     get_timers,
 )
-from megatron.training.initialize import initialize_megatron, set_jit_fusion_options, write_args_to_tensorboard
+from megatron.training.argument_validation import validate_encoder_decoder_args
+from megatron.training.initialize import (
+    initialize_megatron,
+    set_jit_fusion_options,
+    write_args_to_tensorboard,
+)
 from megatron.training.utils import (
     append_to_progress_log,
     calc_params_l2_norm,
+    check_weight_hashes,
+    configure_straggler_detector,
+    empty_unused_memory,
     num_floating_point_operations,
     print_datetime,
     print_rank_0,
@@ -45,6 +53,9 @@ from megatron.training.utils import (
 from megatron.training.watchdog import progress, start_watchdog, stop_watchdog, watch
 
 _TRAIN_START_TIME = time.time()
+
+# The process-wide straggler detector (a singleton: the script's `stimer` is this object).
+stimer = StragglerDetector()
 
 __all__ = [
     'pretrain', 'get_model', 'setup_model_and_optimizer', 'train_step', 'train', 'evaluate',
@@ -124,6 +135,8 @@ def _pretrain(
         args_list=args_list,
     )
     args = get_args()
+    if model_type == ModelType.encoder_and_decoder:
+        validate_encoder_decoder_args(args)
     timers = get_timers()
     set_jit_fusion_options()
     start_watchdog(args.watchdog_timeout)
@@ -459,6 +472,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         decoder_seq_length=args.decoder_seq_length,
         forward_only=False,
     )
+    empty_unused_memory(args, level=1)
 
     timers('optimizer', log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -470,6 +484,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         skipped_iter = 0
     else:
         skipped_iter = 1
+    empty_unused_memory(args, level=2)
 
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
         loss_reduced = {}
@@ -590,13 +605,15 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         if params_norm is not None:
             writer.add_scalar('params-norm', params_norm, iteration)
             writer.add_scalar('params-norm vs samples', params_norm, args.consumed_train_samples)
-        if args.log_memory_to_tensorboard and torch.cuda.is_available():
+        if args.log_memory_to_tensorboard and uses_cuda():
             mem_stats = torch.cuda.memory_stats()
             writer.add_scalar('mem-reserved-bytes', mem_stats['reserved_bytes.all.current'], iteration)
             writer.add_scalar('mem-allocated-bytes', mem_stats['allocated_bytes.all.current'], iteration)
             writer.add_scalar('mem-allocated-count', mem_stats['allocation.all.current'], iteration)
     if args.log_timers_to_tensorboard and (iteration % args.tensorboard_log_interval == 0):
-        timers.write(timers_to_log, writer, iteration, normalizer=total_iterations)
+        # reset=False: the log line below still reports these timers (Megatron resets here, so
+        # its log line shows zeros with --log-timers-to-tensorboard).
+        timers.write(timers_to_log, writer, iteration, normalizer=total_iterations, reset=False)
 
     if iteration % args.log_interval == 0:
         elapsed_time = timers('interval-time').elapsed(barrier=True)
@@ -716,6 +733,10 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             config.param_sync_func = config.param_sync_func[0]
     config.finalize_model_grads_func = finalize_model_grads
 
+    if args.log_straggler:
+        configure_straggler_detector(args)
+    total_flops = 0.0
+
     timers('interval-time', log_level=0).start(barrier=True)
     print_datetime('before the start of training step')
     report_memory_flag = True
@@ -738,9 +759,12 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         iteration += 1
         batch_size = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
         args.consumed_train_samples += batch_size
-        num_floating_point_operations_so_far += num_floating_point_operations(args, batch_size)
+        num_fp_ops = num_floating_point_operations(args, batch_size)
+        num_floating_point_operations_so_far += num_fp_ops
+        total_flops += num_fp_ops
         if train_losses is not None and loss_dict:
             train_losses[iteration] = {k: float(v) for k, v in loss_dict.items()}
+        check_weight_hashes(args, iteration, model)
 
         loss_scale = optimizer.get_loss_scale().item()
         params_norm = None
@@ -754,13 +778,20 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
             skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
         )
+        if args.log_straggler and iteration % args.log_interval == 0:
+            stimer.report(total_flops, args.log_interval)
+            total_flops = 0.0
 
         if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+            if args.manual_gc and args.manual_gc_eval:
+                gc.collect()  # everything, before evaluation
             prefix = 'iteration {}'.format(iteration)
             evaluate_and_print_results(
                 prefix, forward_step_func, valid_data_iterator, model, iteration,
                 process_non_loss_data_func, config, False,
             )
+            if args.manual_gc and args.manual_gc_eval:
+                gc.collect(generation=0)  # only the objects evaluation created
 
         # Checkpointing and exiting.
         saved_checkpoint = False
@@ -854,6 +885,7 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
                 forward_only=True,
             )
             config.timers = get_timers()
+            empty_unused_memory(args, level=1)
             if mpu.is_pipeline_last_stage(ignore_virtual=True):
                 for loss_dict in loss_dicts:
                     for key in loss_dict:
@@ -1003,11 +1035,18 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
     if is_distributed or mpu.get_tensor_model_parallel_rank() == 0:
         train_ds, valid_ds, test_ds = build_train_valid_test_datasets(build_train_valid_test_datasets_provider)
         train_dataloader = build_pretraining_data_loader(train_ds, args.consumed_train_samples)
-        if args.skip_train:
-            valid_dataloader = build_pretraining_data_loader(valid_ds, 0)
+        if args.eval_iters == 0:
+            # No evaluation: validation/test sets were asked for 0 samples (a mock set then has
+            # none), and a loader over them would never be read.
+            valid_dataloader = test_dataloader = None
         else:
-            valid_dataloader = build_pretraining_data_loader(valid_ds, args.consumed_valid_samples)
-        test_dataloader = build_pretraining_data_loader(test_ds, 0)
+            if args.skip_train:
+                valid_dataloader = build_pretraining_data_loader(valid_ds, 0)
+            else:
+                valid_dataloader = build_pretraining_data_loader(
+                    valid_ds, args.consumed_valid_samples
+                )
+            test_dataloader = build_pretraining_data_loader(test_ds, 0)
         do_train = train_dataloader is not None and args.train_iters > 0
         do_valid = valid_dataloader is not None and args.eval_iters > 0
         do_test = test_dataloader is not None and args.eval_iters > 0

@@ -4,6 +4,7 @@
 0 reads the data iterator, then it broadcasts the tensors over the TP group.
 """
 
+import logging
 import math
 import os
 import sys
@@ -12,7 +13,14 @@ from datetime import datetime
 import torch
 
 from megatron.core import parallel_state as mpu
-from megatron.core.utils import get_attr_wrapped_model, get_current_device, unwrap_model  # noqa: F401
+from megatron.core.utils import (  # noqa: F401
+    StragglerDetector,
+    check_param_hashes_across_dp_replicas,
+    get_attr_wrapped_model,
+    get_current_device,
+    unwrap_model,
+    uses_cuda,
+)
 from megatron.training.global_vars import get_args
 
 
@@ -105,7 +113,7 @@ def report_memory(name):
     if mpu.get_data_parallel_rank() != 0:
         return
     mega_bytes = 1024.0 * 1024.0
-    if torch.cuda.is_available():
+    if uses_cuda():
         string = name + ' memory (MB)'
         string += ' | allocated: {}'.format(torch.cuda.memory_allocated() / mega_bytes)
         string += ' | max allocated: {}'.format(torch.cuda.max_memory_allocated() / mega_bytes)
@@ -302,3 +310,43 @@ def num_floating_point_operations(args, batch_size):
 def perplexity(loss):
     """exp(min(20, loss)), Megatron's capped perplexity."""
     return math.exp(min(20, loss))
+
+
+def configure_straggler_detector(args):
+    """Arm the straggler detector for --log-straggler (its lines are INFO log records)."""
+    StragglerDetector().configure(
+        torch.distributed.get_world_size(),
+        torch.distributed.get_rank(),
+        mmcnt=args.straggler_minmax_count,
+        enabled=not args.disable_straggler_on_startup,
+        port=args.straggler_ctrlr_port,
+    )
+    if not logging.getLogger().handlers:
+        logging.basicConfig()
+    if args.logging_level is None:
+        logging.getLogger('megatron.core.utils').setLevel(logging.INFO)
+
+
+def check_weight_hashes(args, iteration, model):
+    """--check-weight-hash-across-dp-replicas-interval: every N iterations, all DP replicas must
+    hold bit-identical weights."""
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is None or iteration % interval != 0:
+        return
+    if not check_param_hashes_across_dp_replicas(model):
+        raise RuntimeError(
+            f'Parameter hashes not matching across DP replicas at iteration {iteration}'
+        )
+    torch.distributed.barrier()
+    print_rank_0(f'>>> Weight hashes match after {iteration} iterations...')
+
+
+def empty_unused_memory(args, level):
+    """Release cached CUDA blocks where Megatron does (--empty-unused-memory-level >= level).
+
+    Level 1: after each forward-backward (training and evaluation); level 2: also after the
+    optimizer step. A no-op when the model does not live on a CUDA device.
+    """
+    if getattr(args, 'empty_unused_memory_level', 0) >= level:
+        if get_current_device().type == 'cuda':
+            torch.cuda.empty_cache()

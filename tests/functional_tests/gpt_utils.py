@@ -1,8 +1,10 @@
 """Shared pieces of the GPT end-to-end tests: data preparation, the tiny model's flags, and the
-worker function that runs `pretrain()` from pretrain_gpt.py inside a `run_distributed` rank.
+worker function that runs `pretrain()` from pretrain_gpt.py (or another pretrain_*.py script, see
+bert_utils.py) inside a `run_distributed` rank.
 """
 
 import fcntl
+import importlib
 import os
 import subprocess
 import sys
@@ -28,26 +30,44 @@ TINY_GPT_ARGS = [
 ]
 
 
-def prepare_data(work_dir):
-    """Preprocess data/corpus/mobydick.jsonl once into work_dir; returns the data prefix.
+def preprocess_once(work_dir, output_name, level, preprocess_args):
+    """Run tools/preprocess_data.py on data/corpus/mobydick.jsonl once into work_dir.
 
     Safe to call from several processes: a file lock serialises the build.
+
+    Args:
+        work_dir: output folder.
+        output_name: --output-prefix name inside work_dir.
+        level: 'document' or 'sentence' (the suffix preprocess_data.py gives the files).
+        preprocess_args: tokenizer flags and the like.
+
+    Returns:
+        the data prefix (work_dir/<output_name>_text_<level>).
     """
     os.makedirs(work_dir, exist_ok=True)
-    prefix = os.path.join(work_dir, 'mobydick_text_document')
+    prefix = os.path.join(work_dir, f'{output_name}_text_{level}')
     with open(os.path.join(work_dir, '.lock'), 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(prefix + '.idx'):
             subprocess.run(
                 [sys.executable, os.path.join(REPO, 'tools', 'preprocess_data.py'),
                  '--input', os.path.join(REPO, 'data', 'corpus', 'mobydick.jsonl'),
-                 '--output-prefix', os.path.join(work_dir, 'mobydick'),
-                 '--tokenizer-type', 'GPT2BPETokenizer', '--vocab-file', VOCAB, '--merge-file', MERGES,
-                 '--append-eod', '--workers', '1'],
+                 '--output-prefix', os.path.join(work_dir, output_name), '--workers', '1']
+                + list(preprocess_args),
                 check=True, capture_output=True, text=True,
             )
         fcntl.flock(lock, fcntl.LOCK_UN)
     return prefix
+
+
+def prepare_data(work_dir):
+    """Preprocess data/corpus/mobydick.jsonl with GPT-2 BPE once into work_dir; returns the
+    prefix."""
+    return preprocess_once(
+        work_dir, 'mobydick', 'document',
+        ['--tokenizer-type', 'GPT2BPETokenizer', '--vocab-file', VOCAB, '--merge-file', MERGES,
+         '--append-eod'],
+    )
 
 
 def set_reference_weights(model_chunk, num_layers, layer_offset):
@@ -84,13 +104,16 @@ def set_reference_weights(model_chunk, num_layers, layer_offset):
             param.copy_(full.to(param.dtype))
 
 
+#: The pretrain_*.py module run by `run_pretrain` in this worker.
+_SCRIPT = {'name': 'pretrain_gpt'}
+
+
 def _reference_model_provider(pre_process=True, post_process=True):
-    import pretrain_gpt
     from megatron.core import parallel_state as mpu
     from megatron.training.global_vars import get_args
 
     args = get_args()
-    model = pretrain_gpt.model_provider(pre_process, post_process)
+    model = importlib.import_module(_SCRIPT['name']).model_provider(pre_process, post_process)
     pp, pp_rank = args.pipeline_model_parallel_size, mpu.get_pipeline_model_parallel_rank()
     vp = args.virtual_pipeline_model_parallel_size
     if vp is None:
@@ -122,14 +145,18 @@ def _forward_step_with_overflow(data_iterator, model):
     return output_tensor, overflowing_loss_func
 
 
-def run_pretrain(extra_args, reference_weights=False, inject_overflow_at=None, capture_stdout=False):
-    """Run pretrain_gpt's pretrain() on this rank (called inside a run_distributed worker).
+def run_pretrain(extra_args, reference_weights=False, inject_overflow_at=None, capture_stdout=False,
+                 script='pretrain_gpt', base_args=None, args_defaults=None):
+    """Run a pretrain script's pretrain() on this rank (called inside a run_distributed worker).
 
     Args:
-        extra_args: flags added to TINY_GPT_ARGS.
+        extra_args: flags added to `base_args`.
         reference_weights: start from `set_reference_weights` instead of Megatron's init.
-        inject_overflow_at: iteration whose backward loss is made inf (fp16 skip test).
+        inject_overflow_at: iteration whose backward loss is made inf (fp16 skip test, GPT only).
         capture_stdout: return what this rank printed as result['stdout'].
+        script: the pretrain_*.py module (its providers and forward_step are used).
+        base_args: the model's flags (default TINY_GPT_ARGS).
+        args_defaults: the script's args_defaults (default GPT-2 BPE tokenizer).
 
     Returns pretrain()'s result dict (losses are filled on the last rank).
     """
@@ -138,25 +165,29 @@ def run_pretrain(extra_args, reference_weights=False, inject_overflow_at=None, c
 
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
-    import pretrain_gpt
     from megatron.core.enums import ModelType
     from megatron.training.global_vars import destroy_global_vars
     from megatron.training.training import pretrain
 
+    module = importlib.import_module(script)
+    _SCRIPT['name'] = script
+    base_args = TINY_GPT_ARGS if base_args is None else base_args
+    if args_defaults is None:
+        args_defaults = {'tokenizer_type': 'GPT2BPETokenizer'}
     destroy_global_vars()
     _INJECT_AT['iteration'] = inject_overflow_at
-    forward_step = _forward_step_with_overflow if inject_overflow_at else pretrain_gpt.forward_step
+    forward_step = _forward_step_with_overflow if inject_overflow_at else module.forward_step
     buffer = io.StringIO()
     redirect = contextlib.redirect_stdout(buffer) if capture_stdout else contextlib.nullcontext()
     try:
         with redirect:
             result = pretrain(
-                pretrain_gpt.train_valid_test_datasets_provider,
-                _reference_model_provider if reference_weights else pretrain_gpt.model_provider,
+                module.train_valid_test_datasets_provider,
+                _reference_model_provider if reference_weights else module.model_provider,
                 ModelType.encoder_or_decoder,
                 forward_step,
-                args_defaults={'tokenizer_type': 'GPT2BPETokenizer'},
-                args_list=TINY_GPT_ARGS + list(extra_args),
+                args_defaults=args_defaults,
+                args_list=list(base_args) + list(extra_args),
             )
     finally:
         destroy_global_vars()

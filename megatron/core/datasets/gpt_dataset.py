@@ -1,7 +1,7 @@
 """GPT dataset: fixed-length samples cut across document boundaries, in a seeded shuffled order.
 
-Three indices are built once per (data, split, config), cached as `.npy`, and reused, as in
-Megatron's megatron/core/datasets/gpt_dataset.py:
+Three indices are built once per (data, split, config), cached as `.npy`, and reused (as in
+Megatron's megatron/core/datasets/gpt_dataset.py):
 
 - document_index: the split's documents tiled over the epochs and shuffled (int32); with the
   separate-last-epoch rule the last epoch is shuffled on its own;

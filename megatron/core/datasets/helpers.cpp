@@ -1,7 +1,7 @@
 /* Dataset index helpers (pybind11 module `megatron.core.datasets.helpers_cpp`).
 
    The functions build the integer index arrays the GPT, BERT/T5 and ICT datasets read samples
-   through. They follow Megatron-LM core_v0.8.0's helpers (see the facts sheet, section 2.5):
+   through. They follow Megatron-LM core_r0.8.0's megatron/core/datasets/helpers.cpp:
 
    - build_sample_idx_int32 / build_sample_idx_int64: where every GPT sample starts, as rows
      (position in the document index, token offset inside that document).

@@ -1,6 +1,6 @@
 """Python face of the C++ index builders (`helpers_cpp`), built on first use when missing.
 
-The functions keep Megatron's names and argument orders (facts sheet 2.5). `build_sample_idx`
+The functions keep Megatron's names and argument orders (megatron/core/datasets/helpers.cpp). `build_sample_idx`
 picks the int32 or int64 kernel from the size of its inputs.
 """
 

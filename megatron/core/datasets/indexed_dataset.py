@@ -1,6 +1,6 @@
 """Megatron's memory-mapped indexed dataset: a `.bin` of raw token ids and an `.idx` index.
 
-Byte layout of `.idx` (Megatron's MMIDIDX format, little endian):
+Byte layout of `.idx` (Megatron's megatron/core/datasets/indexed_dataset.py, little endian):
 
     offset 0   9 B   magic b"MMIDIDX\\x00\\x00"
     offset 9   8 B   version <Q (1)

@@ -13,7 +13,8 @@ sets it to `finalize_model_grads`. In order:
 4. per-token loss: gradients are divided by the total token count, all-reduced over DP.
 
 Gradients are read from `param.main_grad` when the param has one (DDP's contiguous buffer),
-else from `param.grad`.
+else from `param.grad`. The groups come from `pg_collection` (tp, pp, embd, pos_embd, dp), each
+None falling back to the global group.
 """
 
 from typing import List, Optional
@@ -21,7 +22,7 @@ from typing import List, Optional
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 
@@ -43,19 +44,17 @@ def _grad_for_reduction(param: torch.nn.Parameter) -> torch.Tensor:
     return grad
 
 
-def _allreduce_word_embedding_grads(model: List[torch.nn.Module], config) -> None:
+def _allreduce_word_embedding_grads(model: List[torch.nn.Module], config, pgs=None) -> None:
     """All-reduce the tied word-embedding grads between the first and last pipeline stages.
 
     The first stage owns the input embedding (model[0]), the last the output layer (model[-1]
     with virtual stages); both are copies of `shared_embedding_or_output_weight()`.
     """
-    if (
-        parallel_state.is_rank_in_embedding_group(ignore_virtual=True)
-        and parallel_state.get_pipeline_model_parallel_world_size() > 1
-    ):
-        if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+    pgs = pgs if pgs is not None else resolve_process_groups(None, ("pp", "embd"))
+    if pgs.embd is not None and pgs.pp.size() > 1:
+        if pgs.pp.rank() == 0:
             model_module = model[0]
-        elif parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        elif pgs.pp.rank() == pgs.pp.size() - 1:
             model_module = model[-1]
         else:  # We do not support an interleaved schedule for models with encoders yet.
             model_module = model[0]
@@ -64,39 +63,48 @@ def _allreduce_word_embedding_grads(model: List[torch.nn.Module], config) -> Non
         if getattr(model_module, 'share_embeddings_and_output_weights', False):
             weight = model_module.shared_embedding_or_output_weight()
             grad = _grad_for_reduction(weight)
-            torch.distributed.all_reduce(grad, group=parallel_state.get_embedding_group())
+            torch.distributed.all_reduce(grad, group=pgs.embd)
 
 
-def _allreduce_position_embedding_grads(model: List[torch.nn.Module], config) -> None:
+def _allreduce_position_embedding_grads(model: List[torch.nn.Module], config, pgs=None) -> None:
     """All-reduce position-embedding grads between the first stage and the split-rank stage.
 
-    Only encoder-decoder models (pipeline_model_parallel_split_rank set) keep two copies.
+    Only encoder-decoder models (pipeline_model_parallel_split_rank set) keep two copies of the
+    input embedding. Untied, the word table's two copies are reduced over the same group (tied,
+    the embedding group already covers them).
     """
+    pgs = pgs if pgs is not None else resolve_process_groups(None, ("pp", "pos_embd"))
     if (
-        parallel_state.is_rank_in_position_embedding_group()
-        and parallel_state.get_pipeline_model_parallel_world_size() > 1
+        pgs.pos_embd is not None
+        and pgs.pp.size() > 1
         and config.pipeline_model_parallel_split_rank is not None
     ):
-        model_module = model[0]
-        embedding = get_attr_wrapped_model(model_module, 'embedding')
-        weight = embedding.position_embeddings.weight
-        grad = _grad_for_reduction(weight)
-        torch.distributed.all_reduce(grad, group=parallel_state.get_position_embedding_group())
+        model_module = get_attr_wrapped_model(model[0], 'pre_process', return_model_obj=True)
+        embedding = model_module.embedding
+        group = pgs.pos_embd
+        if getattr(embedding, 'add_position_embedding', True):
+            grad = _grad_for_reduction(embedding.position_embeddings.weight)
+            torch.distributed.all_reduce(grad, group=group)
+        if not getattr(model_module, 'share_embeddings_and_output_weights', False):
+            grad = _grad_for_reduction(embedding.word_embeddings.weight)
+            torch.distributed.all_reduce(grad, group=group)
 
 
-def _allreduce_embedding_grads(model: List[torch.nn.Module], config) -> None:
+def _allreduce_embedding_grads(model: List[torch.nn.Module], config, pgs=None) -> None:
     """All-reduce word and position embedding grads shared across pipeline stages."""
-    _allreduce_word_embedding_grads(model, config)
-    _allreduce_position_embedding_grads(model, config)
+    pgs = pgs if pgs is not None else resolve_process_groups(None, ("pp", "embd", "pos_embd"))
+    _allreduce_word_embedding_grads(model, config, pgs)
+    _allreduce_position_embedding_grads(model, config, pgs)
 
 
-def _allreduce_layernorm_grads(model: List[torch.nn.Module], config) -> None:
+def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, pgs=None) -> None:
     """All-reduce grads of sequence-parallel norm params (and qk-layernorm params) over TP.
 
     Under sequence parallelism each TP rank applies the (replicated) norm to s/tp tokens, so its
     gradient is a partial sum; one coalesced all-reduce completes it.
     """
-    if parallel_state.get_tensor_model_parallel_world_size() > 1 and (
+    pgs = pgs if pgs is not None else resolve_process_groups(None, ("tp",))
+    if pgs.tp.size() > 1 and (
         config.sequence_parallel or getattr(config, 'qk_layernorm', False)
     ):
         grads = []
@@ -110,9 +118,7 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config) -> None:
                     grads.append(_grad_for_reduction(param).data)
         if grads:
             coalesced = _flatten_dense_tensors(grads)
-            torch.distributed.all_reduce(
-                coalesced, group=parallel_state.get_tensor_model_parallel_group()
-            )
+            torch.distributed.all_reduce(coalesced, group=pgs.tp)
             for buf, synced in zip(grads, _unflatten_dense_tensors(coalesced, grads)):
                 buf.copy_(synced)
 
@@ -127,15 +133,21 @@ def _scale_gradients(model_chunk: torch.nn.Module, scaling_factor: float) -> Non
             grad.mul_(scaling_factor)
 
 
-def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None):
+def finalize_model_grads(
+    model: List[torch.nn.Module],
+    num_tokens: Optional[torch.Tensor] = None,
+    pg_collection: Optional[ProcessGroupCollection] = None,
+):
     """Finish all gradient reductions of a step (see the module docstring for the order).
 
     Args:
         model: the model chunks of this rank (one per virtual pipeline stage).
         num_tokens: total tokens of the step on this pipeline's last stage when the loss is
             normalised per token (`calculate_per_token_loss`); None otherwise.
+        pg_collection: the tp, pp, embd, pos_embd and dp groups (None: the global ones).
     """
     config = get_model_config(model[0])
+    pgs = resolve_process_groups(pg_collection, ("tp", "pp", "embd", "pos_embd", "dp"))
 
     def start(name):
         if config.timers is not None:
@@ -154,12 +166,12 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
 
     # All-reduce layer-norm grads (for sequence parallelism).
     start('layernorm-grads-all-reduce')
-    _allreduce_layernorm_grads(model, config)
+    _allreduce_layernorm_grads(model, config, pgs)
     stop('layernorm-grads-all-reduce')
 
     # All-reduce embedding grads (for pipeline parallelism).
     start('embedding-grads-all-reduce')
-    _allreduce_embedding_grads(model, config)
+    _allreduce_embedding_grads(model, config, pgs)
     stop('embedding-grads-all-reduce')
 
     # Normalize gradients for per-token loss normalization.
@@ -171,11 +183,11 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
         # ranks in the pipeline parallel group.
         torch.distributed.broadcast(
             num_tokens,
-            src=parallel_state.get_pipeline_model_parallel_last_rank(),
-            group=parallel_state.get_pipeline_model_parallel_group(),
+            src=torch.distributed.get_process_group_ranks(pgs.pp)[-1],
+            group=pgs.pp,
         )
         # All-reduce across DP ranks.
-        torch.distributed.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group())
+        torch.distributed.all_reduce(num_tokens, group=pgs.dp)
         for model_chunk in model:
             if num_tokens > 0:
                 _scale_gradients(model_chunk, 1.0 / num_tokens.item())

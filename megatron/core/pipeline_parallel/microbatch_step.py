@@ -39,7 +39,21 @@ def validate_pipeline_config(config, num_microbatches: int, num_model_chunks: in
             f"{vp_size}; pass one model chunk per virtual stage"
         )
     num_layers = getattr(config, 'num_layers', None)
-    if num_layers is not None:
+    split_rank = parallel_state.get_pipeline_model_parallel_split_rank()
+    if num_layers is not None and split_rank is not None and pp_size > 1:
+        # Encoder-decoder: config.num_layers is the encoder depth, spread over the stages before
+        # the split (the model checks the decoder's share).
+        if vp_size is not None:
+            raise ValueError(
+                "interleaved (virtual) pipelines are not supported for encoder-decoder models "
+                f"(pipeline_model_parallel_split_rank {split_rank})"
+            )
+        if num_layers % split_rank != 0:
+            raise ValueError(
+                f"encoder num_layers ({num_layers}) is not divisible by the "
+                f"{split_rank} encoder pipeline stages (pipeline_model_parallel_split_rank)"
+            )
+    elif num_layers is not None:
         stages = pp_size * (vp_size or 1)
         if num_layers % stages != 0:
             raise ValueError(

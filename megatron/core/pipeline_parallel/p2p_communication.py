@@ -50,9 +50,35 @@ def _timed(config: 'ModelParallelConfig', name: str):
         timer.stop()
 
 
-def _pipeline_group():
-    # Fallback to the global pipeline group: the p2p helpers keep Megatron's group-less signatures.
-    return parallel_state.get_pipeline_model_parallel_group()
+def _pipeline_peers(pp_group) -> Tuple[torch.distributed.ProcessGroup, int, int, int]:
+    """(group, prev global rank, next global rank, stage index) of this rank in `pp_group`.
+
+    `pp_group` None falls back to the global pipeline group (Megatron's group-less calls).
+    """
+    group = parallel_state.get_pipeline_model_parallel_group_if_none(pp_group)
+    ranks = torch.distributed.get_process_group_ranks(group)
+    index = group.rank()
+    return group, ranks[(index - 1) % len(ranks)], ranks[(index + 1) % len(ranks)], index
+
+
+def _is_first_stage(pp_group=None) -> bool:
+    """`_is_first_stage(pp_group)` with the stage taken from `pp_group` (the
+    virtual pipeline rank, set by the interleaved schedule, still comes from parallel_state)."""
+    group = parallel_state.get_pipeline_model_parallel_group_if_none(pp_group)
+    vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vp_size is not None and parallel_state.get_virtual_pipeline_model_parallel_rank() != 0:
+        return False
+    return group.rank() == 0
+
+
+def _is_last_stage(pp_group=None) -> bool:
+    """`_is_last_stage(pp_group)` with the stage taken from `pp_group`."""
+    group = parallel_state.get_pipeline_model_parallel_group_if_none(pp_group)
+    vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    vp_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    if vp_size is not None and vp_rank != vp_size - 1:
+        return False
+    return group.rank() == group.size() - 1
 
 
 def _make_ops(
@@ -61,11 +87,10 @@ def _make_ops(
     tensor_recv_prev: Optional[torch.Tensor],
     tensor_send_next: Optional[torch.Tensor],
     tensor_recv_next: Optional[torch.Tensor],
-    group: torch.distributed.ProcessGroup,
+    peers: Tuple[torch.distributed.ProcessGroup, int, int, int],
 ) -> List[torch.distributed.P2POp]:
     """The P2POps of one step in the canonical order (forward direction first, see module doc)."""
-    prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
-    next_rank = parallel_state.get_pipeline_model_parallel_next_rank()
+    group, prev_rank, next_rank, _ = peers
     ops = []
     # Forward direction: activations flow prev -> self -> next.
     if tensor_send_next is not None:
@@ -102,7 +127,7 @@ def _batched_p2p_ops(
     tensor_recv_prev: Optional[torch.Tensor],
     tensor_send_next: Optional[torch.Tensor],
     tensor_recv_next: Optional[torch.Tensor],
-    group: torch.distributed.ProcessGroup,
+    peers: Tuple[torch.distributed.ProcessGroup, int, int, int],
 ) -> list:
     """Post all operations of one step with one `batch_isend_irecv`; returns the work handles."""
     ops = _make_ops(
@@ -110,7 +135,7 @@ def _batched_p2p_ops(
         tensor_recv_prev=tensor_recv_prev,
         tensor_send_next=tensor_send_next,
         tensor_recv_next=tensor_recv_next,
-        group=group,
+        peers=peers,
     )
     if len(ops) == 0:
         return []
@@ -123,16 +148,15 @@ def _p2p_ops(
     tensor_recv_prev: Optional[torch.Tensor],
     tensor_send_next: Optional[torch.Tensor],
     tensor_recv_next: Optional[torch.Tensor],
-    group: torch.distributed.ProcessGroup,
+    peers: Tuple[torch.distributed.ProcessGroup, int, int, int],
 ) -> list:
     """Post the operations one by one with isend/irecv, even and odd ranks in mirrored order.
 
     Even ranks send before they receive, odd ranks receive before they send, in each direction; the
     forward direction still comes first on both, so per-pair posting orders agree (module doc).
     """
-    prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
-    next_rank = parallel_state.get_pipeline_model_parallel_next_rank()
-    even = parallel_state.get_pipeline_model_parallel_rank() % 2 == 0
+    group, prev_rank, next_rank, stage = peers
+    even = stage % 2 == 0
 
     def send(tensor, peer, tag):
         return torch.distributed.isend(tensor=tensor, dst=peer, group=group, tag=tag)
@@ -164,6 +188,7 @@ def _communicate_shapes(
     recv_prev: bool,
     recv_next: bool,
     config: 'ModelParallelConfig',
+    pp_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> Tuple[Optional[List[int]], Optional[List[int]]]:
     """Exchange the shapes of the tensors about to be communicated (variable_seq_lengths).
 
@@ -197,7 +222,7 @@ def _communicate_shapes(
         tensor_recv_prev=recv_prev_shape_tensor,
         tensor_send_next=send_next_shape_tensor,
         tensor_recv_next=recv_next_shape_tensor,
-        group=_pipeline_group(),
+        peers=_pipeline_peers(pp_group),
     )
     for req in reqs:
         req.wait()
@@ -220,6 +245,7 @@ def _communicate(
     tensor_shape: Optional[Shape],
     config: 'ModelParallelConfig',
     wait_on_reqs: bool = True,
+    pp_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[list]]:
     """Send and receive in both directions between this stage and its neighbours in one step.
 
@@ -233,6 +259,7 @@ def _communicate(
         config: provides pipeline_dtype, variable_seq_lengths, batch_p2p_comm, batch_p2p_sync and
             use_ring_exchange_p2p.
         wait_on_reqs: wait for completion before returning (False only for overlap_p2p_comm).
+        pp_group: the pipeline group (None: the global one); neighbours are its adjacent ranks.
 
     Returns:
         (tensor_recv_prev, tensor_recv_next, reqs): received tensors (None where not received) and,
@@ -245,7 +272,7 @@ def _communicate(
         )
     if config.variable_seq_lengths:
         recv_prev_shape, recv_next_shape = _communicate_shapes(
-            tensor_send_next, tensor_send_prev, recv_prev, recv_next, config
+            tensor_send_next, tensor_send_prev, recv_prev, recv_next, config, pp_group
         )
     else:
         recv_prev_shape = tensor_shape
@@ -284,7 +311,7 @@ def _communicate(
         tensor_recv_prev=tensor_recv_prev,
         tensor_send_next=tensor_send_next,
         tensor_recv_next=tensor_recv_next,
-        group=_pipeline_group(),
+        peers=_pipeline_peers(pp_group),
     )
 
     if wait_on_reqs and len(reqs) > 0:
@@ -299,9 +326,11 @@ def _communicate(
     return tensor_recv_prev, tensor_recv_next, reqs
 
 
-def recv_forward(tensor_shape: Shape, config: 'ModelParallelConfig') -> Optional[torch.Tensor]:
+def recv_forward(
+    tensor_shape: Shape, config: 'ModelParallelConfig', pp_group=None
+) -> Optional[torch.Tensor]:
     """Receive the input activation [s, b, h] from the previous stage (None on the first stage)."""
-    if parallel_state.is_pipeline_first_stage():
+    if _is_first_stage(pp_group):
         return None
     with _timed(config, 'forward-recv'):
         input_tensor, _, _ = _communicate(
@@ -311,13 +340,16 @@ def recv_forward(tensor_shape: Shape, config: 'ModelParallelConfig') -> Optional
             recv_next=False,
             tensor_shape=tensor_shape,
             config=config,
+            pp_group=pp_group,
         )
     return input_tensor
 
 
-def recv_backward(tensor_shape: Shape, config: 'ModelParallelConfig') -> Optional[torch.Tensor]:
+def recv_backward(
+    tensor_shape: Shape, config: 'ModelParallelConfig', pp_group=None
+) -> Optional[torch.Tensor]:
     """Receive the gradient of this stage's output from the next stage (None on the last stage)."""
-    if parallel_state.is_pipeline_last_stage():
+    if _is_last_stage(pp_group):
         return None
     with _timed(config, 'backward-recv'):
         _, output_tensor_grad, _ = _communicate(
@@ -327,13 +359,14 @@ def recv_backward(tensor_shape: Shape, config: 'ModelParallelConfig') -> Optiona
             recv_next=True,
             tensor_shape=tensor_shape,
             config=config,
+            pp_group=pp_group,
         )
     return output_tensor_grad
 
 
-def send_forward(output_tensor: torch.Tensor, config: 'ModelParallelConfig') -> None:
+def send_forward(output_tensor: torch.Tensor, config: 'ModelParallelConfig', pp_group=None) -> None:
     """Send this stage's output activation to the next stage (no-op on the last stage)."""
-    if parallel_state.is_pipeline_last_stage():
+    if _is_last_stage(pp_group):
         return
     with _timed(config, 'forward-send'):
         _communicate(
@@ -343,12 +376,15 @@ def send_forward(output_tensor: torch.Tensor, config: 'ModelParallelConfig') -> 
             recv_next=False,
             tensor_shape=None,
             config=config,
+            pp_group=pp_group,
         )
 
 
-def send_backward(input_tensor_grad: torch.Tensor, config: 'ModelParallelConfig') -> None:
+def send_backward(
+    input_tensor_grad: torch.Tensor, config: 'ModelParallelConfig', pp_group=None
+) -> None:
     """Send the gradient of this stage's input to the previous stage (no-op on the first stage)."""
-    if parallel_state.is_pipeline_first_stage():
+    if _is_first_stage(pp_group):
         return
     with _timed(config, 'backward-send'):
         _communicate(
@@ -358,14 +394,15 @@ def send_backward(input_tensor_grad: torch.Tensor, config: 'ModelParallelConfig'
             recv_next=False,
             tensor_shape=None,
             config=config,
+            pp_group=pp_group,
         )
 
 
 def send_forward_recv_backward(
-    output_tensor: torch.Tensor, tensor_shape: Shape, config: 'ModelParallelConfig'
+    output_tensor: torch.Tensor, tensor_shape: Shape, config: 'ModelParallelConfig', pp_group=None
 ) -> Optional[torch.Tensor]:
     """Send the output to the next stage and receive its gradient back (None on the last stage)."""
-    if parallel_state.is_pipeline_last_stage():
+    if _is_last_stage(pp_group):
         return None
     with _timed(config, 'forward-send-backward-recv'):
         _, output_tensor_grad, _ = _communicate(
@@ -375,18 +412,22 @@ def send_forward_recv_backward(
             recv_next=True,
             tensor_shape=tensor_shape,
             config=config,
+            pp_group=pp_group,
         )
     return output_tensor_grad
 
 
 def send_backward_recv_forward(
-    input_tensor_grad: torch.Tensor, tensor_shape: Shape, config: 'ModelParallelConfig'
+    input_tensor_grad: torch.Tensor,
+    tensor_shape: Shape,
+    config: 'ModelParallelConfig',
+    pp_group=None,
 ) -> Optional[torch.Tensor]:
     """Send the input gradient to the previous stage and receive the next input from it.
 
     Returns None on the first stage.
     """
-    if parallel_state.is_pipeline_first_stage():
+    if _is_first_stage(pp_group):
         return None
     with _timed(config, 'backward-send-forward-recv'):
         input_tensor, _, _ = _communicate(
@@ -396,6 +437,7 @@ def send_backward_recv_forward(
             recv_next=False,
             tensor_shape=tensor_shape,
             config=config,
+            pp_group=pp_group,
         )
     return input_tensor
 
@@ -406,6 +448,7 @@ def send_forward_recv_forward(
     tensor_shape: Shape,
     config: 'ModelParallelConfig',
     overlap_p2p_comm: bool = False,
+    pp_group=None,
 ):
     """Send the output to the next stage and receive an input from the previous one (interleaved).
 
@@ -422,6 +465,7 @@ def send_forward_recv_forward(
             tensor_shape=tensor_shape,
             wait_on_reqs=(not overlap_p2p_comm),
             config=config,
+            pp_group=pp_group,
         )
     if overlap_p2p_comm:
         return input_tensor, wait_handles
@@ -434,6 +478,7 @@ def send_backward_recv_backward(
     tensor_shape: Shape,
     config: 'ModelParallelConfig',
     overlap_p2p_comm: bool = False,
+    pp_group=None,
 ):
     """Send the input gradient to the previous stage and receive an output gradient from the next.
 
@@ -450,6 +495,7 @@ def send_backward_recv_backward(
             tensor_shape=tensor_shape,
             wait_on_reqs=(not overlap_p2p_comm),
             config=config,
+            pp_group=pp_group,
         )
     if overlap_p2p_comm:
         return output_tensor_grad, wait_handles
@@ -463,6 +509,7 @@ def send_forward_backward_recv_forward_backward(
     recv_next: bool,
     tensor_shape: Shape,
     config: 'ModelParallelConfig',
+    pp_group=None,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Send output and input gradient, receive input and output gradient, all in one step.
 
@@ -477,5 +524,6 @@ def send_forward_backward_recv_forward_backward(
             recv_next=recv_next,
             tensor_shape=tensor_shape,
             config=config,
+            pp_group=pp_group,
         )
     return input_tensor, output_tensor_grad

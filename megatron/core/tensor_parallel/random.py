@@ -18,7 +18,7 @@ from torch.utils.checkpoint import detach_variable
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
-from megatron.core.utils import safely_set_viewless_tensor_data
+from megatron.core.utils import safely_set_viewless_tensor_data, uses_cuda
 
 # Default name for the model parallel rng tracker.
 _MODEL_PARALLEL_RNG_TRACKER_NAME = 'model-parallel-rng'
@@ -27,7 +27,7 @@ _DATA_PARALLEL_RNG_TRACKER_NAME = 'data-parallel-rng'
 
 
 def _device_rng_is_cuda() -> bool:
-    return torch.cuda.is_available()
+    return uses_cuda()
 
 
 def _get_cuda_rng_state() -> torch.Tensor:

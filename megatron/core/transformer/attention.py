@@ -11,18 +11,18 @@ query heads, then its key head, then its value head. The tensor-parallel split o
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import divide
+from megatron.core.utils import divide, get_current_device
 
 
 @dataclass
@@ -61,6 +61,8 @@ class Attention(MegatronModule, ABC):
         layer_number (int): 1-based global layer number.
         attn_mask_type (AttnMaskType): the mask type passed to the core attention.
         attention_type (str): "self" or "cross".
+        pg_collection (ProcessGroupCollection, optional): its `tp` group splits the heads
+            (default: the global tensor model parallel group).
     """
 
     def __init__(
@@ -70,8 +72,10 @@ class Attention(MegatronModule, ABC):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
+        self.pg_collection = resolve_process_groups(pg_collection, ("tp",))
         self.config = config
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
@@ -82,7 +86,7 @@ class Attention(MegatronModule, ABC):
         self.query_projection_size = self.config.kv_channels * self.config.num_attention_heads
         self.kv_projection_size = self.config.kv_channels * self.config.num_query_groups
 
-        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        world_size = self.pg_collection.tp.size()
         self.hidden_size_per_attention_head = divide(
             self.query_projection_size, self.config.num_attention_heads
         )
@@ -95,6 +99,7 @@ class Attention(MegatronModule, ABC):
             layer_number=self.layer_number,
             attn_mask_type=self.attn_mask_type,
             attention_type=self.attention_type,
+            pg_collection=self.pg_collection,
         )
 
         self.checkpoint_core_attention = self.config.recompute_granularity == 'selective'
@@ -110,6 +115,7 @@ class Attention(MegatronModule, ABC):
             skip_bias_add=True,
             is_expert=False,
             tp_comm_buffer_name='proj',
+            tp_group=self.pg_collection.tp,
         )
 
     def _checkpointed_attention_forward(
@@ -145,6 +151,83 @@ class Attention(MegatronModule, ABC):
             custom_forward, False, query, key, value, attention_mask, rotary_pos_emb, attn_mask_type
         )
 
+    def _allocate_memory(self, inference_max_sequence_length, batch_size, dim, dtype):
+        """An empty KV buffer [max_seq, max_batch, ng, hn] on the current device."""
+        return torch.empty(
+            inference_max_sequence_length,
+            batch_size,
+            self.num_query_groups_per_partition,
+            dim,
+            dtype=dtype,
+            device=get_current_device(),
+        )
+
+    def _adjust_key_value_for_inference(self, inference_params, key, value, rotary_pos_emb):
+        """Write this step's keys and values into the layer's KV cache and return the cached ones.
+
+        The new key [sq, b, ng, hn] goes to positions [sequence_len_offset, +sq) and batch rows
+        [batch_size_offset, +b) of the cache; the returned key and value cover positions
+        [0, sequence_len_offset + sq) of those rows. With RoPE, keys are cached after rotation
+        (each position's rotation is independent of the others, so the result equals rotating
+        all cached keys again at every step, as Megatron does, without the repeated work); the
+        query is rotated at its own positions.
+
+        Returns:
+            (query_pos_emb, key, value, attn_mask_type): the query's RoPE angles (None without
+            RoPE), the cached key/value [sk, b, ng, hn] (already rotated), and the mask type. The
+            causal mask of the core attention is aligned to the last query, so a one-token step
+            attends to every cached position and a longer step stays causal within itself.
+        """
+        attn_mask_type = self.attn_mask_type
+        if self.layer_number not in inference_params.key_value_memory_dict:
+            inf_max_seq_length = inference_params.max_sequence_length
+            inf_max_batch_size = inference_params.max_batch_size
+            inference_key_memory = self._allocate_memory(
+                inf_max_seq_length, inf_max_batch_size, key.shape[-1], key.dtype
+            )
+            inference_value_memory = self._allocate_memory(
+                inf_max_seq_length, inf_max_batch_size, value.shape[-1], value.dtype
+            )
+            inference_params.key_value_memory_dict[self.layer_number] = (
+                inference_key_memory,
+                inference_value_memory,
+            )
+        else:
+            inference_key_memory, inference_value_memory = inference_params.key_value_memory_dict[
+                self.layer_number
+            ]
+
+        batch_start = inference_params.batch_size_offset
+        batch_end = batch_start + key.size(1)
+        if batch_end > inference_key_memory.size(1):
+            raise ValueError(
+                f"inference batch rows [{batch_start}, {batch_end}) exceed max_batch_size "
+                f"({inference_key_memory.size(1)})"
+            )
+        sequence_start = inference_params.sequence_len_offset
+        sequence_end = sequence_start + key.size(0)
+        if sequence_end > inference_key_memory.size(0):
+            raise ValueError(
+                f"inference positions [{sequence_start}, {sequence_end}) exceed "
+                f"max_sequence_length ({inference_key_memory.size(0)})"
+            )
+
+        q_pos_emb = None
+        if rotary_pos_emb is not None:
+            q_pos_emb, k_pos_emb = rotary_pos_emb
+            q_pos_emb = q_pos_emb[sequence_start:sequence_end]  # [sq, 1, 1, d]
+            key = apply_rotary_pos_emb(
+                key, k_pos_emb[sequence_start:sequence_end], config=self.config
+            )
+
+        # Copy the new keys and values into the cache.
+        inference_key_memory[sequence_start:sequence_end, batch_start:batch_end, ...] = key
+        inference_value_memory[sequence_start:sequence_end, batch_start:batch_end, ...] = value
+        # [sk, b, ng, hn] with sk = sequence_end
+        key = inference_key_memory[:sequence_end, batch_start:batch_end, ...]
+        value = inference_value_memory[:sequence_end, batch_start:batch_end, ...]
+        return q_pos_emb, key, value, attn_mask_type
+
     @abstractmethod
     def get_query_key_value_tensors(self, hidden_states, key_value_states):
         """Project to query [sq, b, np, hn], key and value [sk, b, ng, hn]."""
@@ -164,17 +247,36 @@ class Attention(MegatronModule, ABC):
             hidden_states: input of the layer.
             attention_mask: bool [b, 1, sq, sk], True = masked out, or None (causal).
             key_value_states: [sk, b, h] memory for cross attention.
-            inference_params: KV caching (not supported; must be None).
-            rotary_pos_emb: [s, 1, 1, d] angles, or a (query, key) pair of them.
+            inference_params (InferenceParams): KV cache for autoregressive inference (self
+                attention only); the keys and values of this call are appended to it and the
+                attention runs over every cached position.
+            rotary_pos_emb: [s, 1, 1, d] angles, or a (query, key) pair of them (with
+                inference_params: angles for every position up to max_sequence_length).
             packed_seq_params: packed sequences (not supported; must be None).
         """
-        if inference_params is not None:
-            raise NotImplementedError("inference_params (KV cache) is not supported by Attention")
         if packed_seq_params is not None:
             raise NotImplementedError("packed_seq_params is not supported by Attention")
 
         # query: [sq, b, np, hn], key / value: [sk, b, ng, hn]
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+
+        if inference_params is not None and self.attention_type == "self":
+            if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
+                rotary_pos_emb = (rotary_pos_emb,) * 2
+            q_pos_emb, key, value, attn_mask_type = self._adjust_key_value_for_inference(
+                inference_params, key, value, rotary_pos_emb
+            )
+            if q_pos_emb is not None:
+                query = apply_rotary_pos_emb(query, q_pos_emb, config=self.config)
+            core_attn_out = self.core_attention(
+                query, key, value, attention_mask, attn_mask_type=attn_mask_type
+            )
+            # [sq, b, hp] -> [sq, b, h]
+            return self.linear_proj(core_attn_out)
+        if inference_params is not None:
+            raise NotImplementedError(
+                "inference_params (KV cache) is only supported for self attention"
+            )
 
         if rotary_pos_emb is not None:
             if not isinstance(rotary_pos_emb, tuple):
@@ -217,6 +319,7 @@ class SelfAttention(Attention):
         submodules: SelfAttentionSubmodules,
         layer_number: int,
         attn_mask_type=AttnMaskType.padding,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(
             config=config,
@@ -224,6 +327,7 @@ class SelfAttention(Attention):
             layer_number=layer_number,
             attn_mask_type=attn_mask_type,
             attention_type="self",
+            pg_collection=pg_collection,
         )
 
         self.linear_qkv = build_module(
@@ -237,6 +341,7 @@ class SelfAttention(Attention):
             skip_bias_add=False,
             is_expert=False,
             tp_comm_buffer_name='qkv',
+            tp_group=self.pg_collection.tp,
         )
 
         if submodules.q_layernorm is not None:
@@ -312,6 +417,7 @@ class CrossAttention(Attention):
         submodules: CrossAttentionSubmodules,
         layer_number: int,
         attn_mask_type=AttnMaskType.padding,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(
             config=config,
@@ -319,6 +425,7 @@ class CrossAttention(Attention):
             layer_number=layer_number,
             attn_mask_type=attn_mask_type,
             attention_type="cross",
+            pg_collection=pg_collection,
         )
 
         if self.config.num_query_groups != self.config.num_attention_heads:
@@ -339,6 +446,7 @@ class CrossAttention(Attention):
             bias=self.config.add_bias_linear,
             skip_bias_add=False,
             is_expert=False,
+            tp_group=self.pg_collection.tp,
         )
 
         self.linear_kv = build_module(
@@ -351,6 +459,7 @@ class CrossAttention(Attention):
             bias=self.config.add_bias_linear,
             skip_bias_add=False,
             is_expert=False,
+            tp_group=self.pg_collection.tp,
         )
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states):

@@ -10,8 +10,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -34,6 +36,8 @@ class DotProductAttention(MegatronModule):
         attn_mask_type (AttnMaskType): causal masks are built when no mask is passed.
         attention_type (str): "self" or "cross".
         attention_dropout (float, optional): overrides config.attention_dropout.
+        pg_collection (ProcessGroupCollection, optional): its `tp` group splits the heads
+            (default: the global tensor model parallel group).
     """
 
     def __init__(
@@ -43,8 +47,10 @@ class DotProductAttention(MegatronModule):
         attn_mask_type: AttnMaskType,
         attention_type: str,
         attention_dropout: Optional[float] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
+        self.pg_collection = resolve_process_groups(pg_collection, ("tp",))
         if self.config.context_parallel_size != 1:
             raise ValueError(
                 f"context_parallel_size ({self.config.context_parallel_size}) > 1 is not supported "
@@ -56,7 +62,7 @@ class DotProductAttention(MegatronModule):
         self.attention_type = attention_type
 
         projection_size = self.config.kv_channels * self.config.num_attention_heads
-        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        world_size = self.pg_collection.tp.size()
         self.hidden_size_per_partition = divide(projection_size, world_size)
         self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
         self.num_attention_heads_per_partition = divide(self.config.num_attention_heads, world_size)
@@ -104,13 +110,15 @@ class DotProductAttention(MegatronModule):
         value: Tensor,
         attention_mask: Optional[Tensor],
         attn_mask_type: AttnMaskType = None,
-        packed_seq_params=None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> Tensor:
         """query [sq, b, np, hn], key / value [sk, b, ng, hn], attention_mask bool [b, 1, sq, sk]
         (True = masked out) or None -> context [sq, b, hp]."""
         if packed_seq_params is not None:
+            # Megatron's local DotProductAttention refuses them too (only TE handles 'thd').
             raise NotImplementedError(
-                "packed_seq_params is not supported by the local DotProductAttention"
+                "Packed sequence is not supported by DotProductAttention. "
+                "Please use TEDotProductAttention instead."
             )
         attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
 

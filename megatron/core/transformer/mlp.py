@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -39,6 +40,8 @@ class MLP(MegatronModule):
         submodules (MLPSubmodules): the two linear layers.
         is_expert (bool): MoE expert (not supported).
         input_size (int, optional): input size (default config.hidden_size).
+        pg_collection (ProcessGroupCollection, optional): its `tp` group splits f (default: the
+            global tensor model parallel group).
     """
 
     def __init__(
@@ -47,9 +50,11 @@ class MLP(MegatronModule):
         submodules: MLPSubmodules,
         is_expert: bool = False,
         input_size: Optional[int] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
         self.config = config
+        self.pg_collection = resolve_process_groups(pg_collection, ("tp",))
         self.input_size = input_size if input_size is not None else self.config.hidden_size
 
         ffn_hidden_size = self.config.ffn_hidden_size
@@ -67,6 +72,7 @@ class MLP(MegatronModule):
             skip_bias_add=True,
             is_expert=is_expert,
             tp_comm_buffer_name='fc1',
+            tp_group=self.pg_collection.tp,
         )
 
         self.activation_func = self.config.activation_func
@@ -82,6 +88,7 @@ class MLP(MegatronModule):
             skip_bias_add=True,
             is_expert=is_expert,
             tp_comm_buffer_name='fc2',
+            tp_group=self.pg_collection.tp,
         )
 
     def forward(self, hidden_states: torch.Tensor):

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -32,8 +33,8 @@ def get_num_layers_to_build(config: TransformerConfig) -> int:
     if vp_size is not None:
         if num_layers_per_pipeline_rank % vp_size != 0:
             raise ValueError(
-                f"num_layers per pipeline stage ({num_layers_per_pipeline_rank}) must be a multiple "
-                f"of the virtual pipeline size ({vp_size})"
+                f"num_layers per pipeline stage ({num_layers_per_pipeline_rank}) must be a "
+                f"multiple of the virtual pipeline size ({vp_size})"
             )
         # Interleaved schedule: each stage holds vp chunks of num_layers / (pp * vp) layers.
         return num_layers_per_pipeline_rank // vp_size
@@ -76,6 +77,8 @@ class TransformerBlock(MegatronModule):
         pre_process (bool): first stage: the input comes from the embedding; otherwise from
             `set_input_tensor`.
         post_process (bool): last stage.
+        pg_collection (ProcessGroupCollection, optional): groups handed to every layer
+            (default: the global ones).
     """
 
     def __init__(
@@ -85,8 +88,10 @@ class TransformerBlock(MegatronModule):
         post_layer_norm: bool = True,
         pre_process: bool = True,
         post_process: bool = True,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
+        self.pg_collection = resolve_process_groups(pg_collection, ("tp",))
 
         self.submodules = _get_block_submodules(config, spec)
         self.post_layer_norm = post_layer_norm
@@ -104,7 +109,12 @@ class TransformerBlock(MegatronModule):
         # Layer numbers are 1-based and local; each layer adds its stage offset.
         self.layers = torch.nn.ModuleList(
             [
-                build_module(layer_spec, config=self.config, layer_number=i + 1)
+                build_module(
+                    layer_spec,
+                    config=self.config,
+                    layer_number=i + 1,
+                    pg_collection=self.pg_collection,
+                )
                 for i, layer_spec in enumerate(self.submodules.layer_specs)
             ]
         )

@@ -282,7 +282,12 @@ class TransformerConfig(ModelParallelConfig):
                 f"tensor_model_parallel_size ({self.tensor_model_parallel_size})."
             )
 
-        if self.num_layers % self.pipeline_model_parallel_size != 0:
+        # With an encoder-decoder split rank each stack is spread over its own stages (T5Model
+        # checks both shares).
+        if (
+            self.num_layers % self.pipeline_model_parallel_size != 0
+            and self.pipeline_model_parallel_split_rank is None
+        ):
             raise ValueError(
                 f"num_layers ({self.num_layers}) must be a multiple of "
                 f"pipeline_model_parallel_size ({self.pipeline_model_parallel_size})."

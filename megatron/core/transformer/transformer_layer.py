@@ -11,6 +11,7 @@ from typing import Dict, Optional, Union
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -21,7 +22,8 @@ from megatron.core.utils import make_viewless_tensor
 def get_transformer_layer_offset(config: TransformerConfig) -> int:
     """Global index of the first layer held by this pipeline stage (and model chunk).
 
-    Without virtual pipeline: pp_rank * (num_layers / pp). With vp model chunks per stage the
+    Without virtual pipeline: pp_rank * (num_layers / pp); with an encoder-decoder split rank the
+    offset counts within the layer's own stack (see below). With vp model chunks per stage the
     layers are dealt round-robin in chunks of num_layers / (pp * vp): chunk vp_rank of stage
     pp_rank starts at vp_rank * (num_layers / vp) + pp_rank * (num_layers / (pp * vp)).
     """
@@ -29,6 +31,13 @@ def get_transformer_layer_offset(config: TransformerConfig) -> int:
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if pp_size <= 1:
         return 0
+    split_rank = parallel_state.get_pipeline_model_parallel_split_rank()
+    if split_rank is not None:
+        # Encoder-decoder: config.num_layers is the depth of the stack this layer belongs to,
+        # spread over the r stages before the split (encoder) or the pp - r after it (decoder).
+        if pipeline_rank < split_rank:
+            return pipeline_rank * (config.num_layers // split_rank)
+        return (pipeline_rank - split_rank) * (config.num_layers // (pp_size - split_rank))
     vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if vp_size is not None:
         vp_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()
@@ -79,6 +88,8 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         layer_number (int): 1-based layer number within this pipeline stage / chunk; the
             stage offset is added to get the global number.
         hidden_dropout (float, optional): overrides config.hidden_dropout.
+        pg_collection (ProcessGroupCollection, optional): groups handed to the attention and
+            MLP (default: the global ones).
     """
 
     def __init__(
@@ -87,8 +98,10 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         submodules: TransformerLayerSubmodules,
         layer_number: int = 1,
         hidden_dropout: Optional[float] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
+        self.pg_collection = resolve_process_groups(pg_collection, ("tp",))
         self.submodules_config = submodules
 
         self.layer_number = layer_number + get_transformer_layer_offset(self.config)
@@ -102,7 +115,10 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         )
 
         self.self_attention = build_module(
-            submodules.self_attention, config=self.config, layer_number=self.layer_number
+            submodules.self_attention,
+            config=self.config,
+            layer_number=self.layer_number,
+            pg_collection=self.pg_collection,
         )
         self.self_attn_bda = build_module(submodules.self_attn_bda)
 
@@ -113,7 +129,10 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
             eps=self.config.layernorm_epsilon,
         )
         self.cross_attention = build_module(
-            submodules.cross_attention, config=self.config, layer_number=self.layer_number
+            submodules.cross_attention,
+            config=self.config,
+            layer_number=self.layer_number,
+            pg_collection=self.pg_collection,
         )
         self.cross_attn_bda = build_module(submodules.cross_attn_bda, config=self.config)
 
@@ -123,7 +142,9 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
             hidden_size=self.config.hidden_size,
             eps=self.config.layernorm_epsilon,
         )
-        self.mlp = build_module(submodules.mlp, config=self.config)
+        self.mlp = build_module(
+            submodules.mlp, config=self.config, pg_collection=self.pg_collection
+        )
         self.mlp_bda = build_module(submodules.mlp_bda)
 
         # Megatron runs bias-dropout-add under this handler (a no-op here).

@@ -1,6 +1,5 @@
 """Small helpers of the transformer package: masks, GeLU variants, a plain linear layer."""
 
-import math
 from functools import lru_cache
 
 import torch
@@ -32,13 +31,14 @@ def get_default_causal_mask(sq: int, sk: int = None) -> torch.Tensor:
 def attention_mask_func(
     attention_scores: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:
-    """Fill masked positions (mask True) of the scores with -10000.0, in place (Megatron's value)."""
+    """Fill masked positions (mask True) of the scores with Megatron's -10000.0, in place."""
     attention_scores.masked_fill_(attention_mask, -10000.0)
     return attention_scores
 
 
 def gelu_impl(x: torch.Tensor) -> torch.Tensor:
-    """OpenAI's GeLU (tanh approximation), as used by GPT-2 ("gelu_new")."""
+    """OpenAI's GeLU (tanh approximation), as used by GPT-2 ("gelu_new"), with Megatron's
+    constants (megatron/core/transformer/utils.py)."""
     return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
 
 
@@ -48,10 +48,14 @@ def openai_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def erf_gelu(x: torch.Tensor) -> torch.Tensor:
-    """Exact GeLU through erf (for compatibility with old checkpoints)."""
-    return x * 0.5 * (torch.erf(x / math.sqrt(2.0)) + 1.0)
+    """Exact GeLU through erf, kept for old checkpoints. Megatron divides by the literal 1.41421
+    (not sqrt(2)); kept so that results match its bit pattern."""
+    return (
+        x * 0.5 * (torch.erf(x / 1.41421).to(dtype=x.dtype) + torch.ones_like(x).to(dtype=x.dtype))
+    )
 
 
 def squared_relu(x: torch.Tensor) -> torch.Tensor:
-    """relu(x) ** 2 (Megatron's `--squared-relu`)."""
+    """relu(x) ** 2 (Megatron's `--squared-relu`, defined in its
+    megatron/training/arguments.py::core_transformer_config_from_args)."""
     return torch.pow(torch.nn.functional.relu(x), 2)

@@ -13,6 +13,8 @@ import numpy
 import torch
 from torch.utils.data import Dataset
 
+from megatron.core.utils import uses_cuda
+
 
 def _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size):
     if total_samples <= 0:
@@ -187,7 +189,7 @@ def build_data_loader(dataset, consumed_samples: int, dataloader_type: str, micr
     else:
         raise ValueError(f"--dataloader-type {dataloader_type} is not supported (single, cyclic, external)")
     if pin_memory is None:
-        pin_memory = torch.cuda.is_available()
+        pin_memory = uses_cuda()
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=batch_sampler,

@@ -1,7 +1,8 @@
 """The C++ index helpers against slow pure-Python versions of the same algorithms.
 
-The references below are written from the algorithm descriptions in the facts sheet (2.5), not
-from the C++ source; the facts sheet's own test vectors are checked as well.
+The references below are written from the algorithms of Megatron's
+megatron/core/datasets/helpers.cpp, not from our C++ source; small hand-worked vectors are
+checked as well.
 """
 
 import os
@@ -225,7 +226,7 @@ def test_reference_generators_match_the_cpp_standard():
     assert g64() == 9981545732273789042
 
 
-def test_build_sample_idx_facts_vectors():
+def test_build_sample_idx_hand_vectors():
     sizes = numpy.array([5, 3, 7], dtype=numpy.int32)
     out = helpers.build_sample_idx(sizes, numpy.array([0, 1, 2], dtype=numpy.int32), 4, 1, 15)
     assert out.tolist() == [[0, 0], [0, 4], [2, 0], [2, 4]]
@@ -267,7 +268,7 @@ def test_build_sample_idx_samples_are_contiguous_windows():
     assert len(out) - 1 == (int(sizes.sum()) - 1) // seq
 
 
-def test_blending_facts_vectors():
+def test_blending_hand_vectors():
     di = numpy.zeros(10, dtype=numpy.int16)
     ds = numpy.zeros(10, dtype=numpy.int64)
     helpers.build_blending_indices(di, ds, [0.3, 0.7], 2, 10, False)

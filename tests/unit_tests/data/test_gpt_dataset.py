@@ -1,5 +1,5 @@
-"""GPTDataset / BlendedDataset / builder on real tokenized text, against a reference built from the
-facts sheet's description (2.1-2.7): epochs, the separate-last-epoch rule, the seeded shuffles,
+"""GPTDataset / BlendedDataset / builder on real tokenized text, against a reference written from
+Megatron's megatron/core/datasets/gpt_dataset.py: epochs, the separate-last-epoch rule, the seeded shuffles,
 samples as windows of the shuffled token stream, masks, blend sizing and the cache."""
 
 import hashlib
@@ -67,7 +67,7 @@ def _config(corpus, cache, **kw):
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference (facts sheet 2.3 / 2.4)
+# Reference (the index construction of Megatron's gpt_dataset.py)
 # ---------------------------------------------------------------------------------------------
 
 

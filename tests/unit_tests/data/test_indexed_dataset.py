@@ -1,5 +1,5 @@
-"""`.bin`/`.idx` reading and writing, checked against byte layouts built by hand from the facts
-sheet table (section 1.2), not only against our own writer."""
+"""`.bin`/`.idx` reading and writing, checked against byte layouts built by hand from the byte
+table of Megatron's megatron/core/datasets/indexed_dataset.py, not only against our own writer."""
 
 import pickle
 import struct
@@ -18,7 +18,7 @@ DTYPE_CODES = {numpy.uint8: 1, numpy.int8: 2, numpy.int16: 3, numpy.int32: 4, nu
 
 
 def hand_built_idx(dtype, sequence_lengths, document_indices, modes=None):
-    """The .idx bytes, straight from the facts-sheet table."""
+    """The .idx bytes, straight from the byte table (magic, version, dtype code, ...)."""
     itemsize = numpy.dtype(dtype).itemsize
     out = b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", DTYPE_CODES[dtype])
     out += struct.pack("<Q", len(sequence_lengths)) + struct.pack("<Q", len(document_indices))

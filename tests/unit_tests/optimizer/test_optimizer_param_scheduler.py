@@ -1,4 +1,5 @@
-"""OptimizerParamScheduler against the closed-form schedules of the facts sheet (section 11)."""
+"""OptimizerParamScheduler against closed-form schedules written from Megatron's
+megatron/core/optimizer_param_scheduler.py."""
 
 import math
 
@@ -41,7 +42,7 @@ def _scheduler(style, warmup=W, **kwargs):
 
 
 def _expected_lr(style, n, warmup=W, wsd_steps=None, wsd_style=None):
-    """The facts-sheet formula (11.2), written independently of the implementation."""
+    """The closed-form learning rate, written independently of the implementation."""
     if warmup > 0 and n <= warmup:
         return INIT_LR + (MAX_LR - INIT_LR) * n / warmup
     if style == 'constant':

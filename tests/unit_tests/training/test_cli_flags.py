@@ -1,9 +1,50 @@
 """The CLI surface is frozen: the live parser must match cli_flags.json (regenerate on purpose with
-freeze_cli_flags.py), and every flag carries help text."""
+freeze_cli_flags.py), must hold every flag name of Megatron-LM core_r0.8.0 (megatron_r08_flags.txt)
+and only the extra flags listed here, and every flag carries help text."""
 
 import json
+import os
 
 from tests.unit_tests.training.freeze_cli_flags import FROZEN, live_flags
+
+MEGATRON_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'megatron_r08_flags.txt')
+
+# Flags of core_r0.8.0's arguments.py that the name list misses (it holds only single-quoted,
+# underscore-free names): the underscore spellings and the double-quoted flags.
+MEGATRON_FLAGS_NOT_IN_LIST = {
+    '--test-mode',
+    '--local_rank',
+    '--override-opt_param-scheduler',
+    '--use-checkpoint-opt_param-scheduler',
+    '--retro-num-neighbors',
+    '--retro-num-retrieved-chunks',
+    '--retro-attention-gate',
+    '--retro-no-verify-neighbor-count',
+}
+
+# Our flags that core_r0.8.0 does not have (later Megatron versions do, with these names).
+OUR_EXTRA_FLAGS = {
+    '--local-rank',  # hyphenated alias of --local_rank
+    '--decrease-batch-size-if-needed',
+    '--non-persistent-ckpt-type',
+    '--non-persistent-global-ckpt-dir',
+    '--non-persistent-save-interval',
+    '--renormalize-blend-weights',
+}
+
+# Flags of this package only (no Megatron version has them).
+OUR_OWN_FLAGS = {
+    '--watchdog-timeout',  # the hang watchdog (megatron/training/watchdog.py)
+}
+
+
+def _megatron_flag_names():
+    with open(MEGATRON_LIST) as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith('#')}
+
+
+def _live_option_strings():
+    return {opt for flag in live_flags().values() for opt in flag['option_strings']}
 
 
 def test_cli_flags_match_frozen_list():
@@ -20,18 +61,69 @@ def test_cli_flags_match_frozen_list():
     )
 
 
+def test_every_megatron_r08_flag_parses_and_extras_are_listed():
+    megatron = _megatron_flag_names()
+    assert len(megatron) == 318
+    live = _live_option_strings()
+    missing = sorted(megatron - live)
+    assert not missing, f'Megatron core_r0.8.0 flags missing: {missing}'
+    extras = live - megatron
+    listed = MEGATRON_FLAGS_NOT_IN_LIST | OUR_EXTRA_FLAGS | OUR_OWN_FLAGS
+    assert extras == listed, (
+        f'unlisted extra flags: {sorted(extras - listed)}; '
+        f'listed but absent: {sorted(listed - extras)}'
+    )
+
+
 def test_every_flag_has_help_and_megatron_names():
     live = live_flags()
-    assert len(live) > 200
     missing_help = [k for k, v in live.items() if not v['has_help']]
     assert not missing_help, missing_help
-    # A few of Megatron's core_v0.8.0 names and defaults, as read from the facts sheet.
-    assert live['--make-vocab-size-divisible-by']['default'] == 128
-    assert live['--split']['default'] is None
-    assert live['--initial-loss-scale']['default'] == 2**32
-    assert live['--distributed-backend']['default'] == 'nccl'
-    assert live['--eval-iters']['default'] == 100
-    assert live['--eval-interval']['default'] == 1000
-    assert live['--log-interval']['default'] == 100
-    assert live['--lr-decay-style']['default'] == 'linear'
-    assert live['--override-opt_param-scheduler']['dest'] == 'override_opt_param_scheduler'
+    # Megatron core_r0.8.0 names (dest), types and defaults.
+    expected = {
+        '--make-vocab-size-divisible-by': ('make_vocab_size_divisible_by', 'int', 128),
+        '--split': ('split', 'str', None),
+        '--initial-loss-scale': ('initial_loss_scale', 'float', 2**32),
+        '--distributed-backend': ('distributed_backend', None, 'nccl'),
+        '--eval-iters': ('eval_iters', 'int', 100),
+        '--eval-interval': ('eval_interval', 'int', 1000),
+        '--log-interval': ('log_interval', 'int', 100),
+        '--lr-decay-style': ('lr_decay_style', 'str', 'linear'),
+        '--override-opt_param-scheduler': ('override_opt_param_scheduler', None, False),
+        '--ckpt-fully-parallel-save': ('ckpt_fully_parallel_save_deprecated', None, False),
+        '--no-ckpt-fully-parallel-save': ('ckpt_fully_parallel_save', None, True),
+        '--async-save': ('async_save', None, None),
+        '--fp8-format': ('fp8', None, None),
+        '--no-fp8-wgrad': ('fp8_wgrad', None, True),
+        '--use-cpu-initialization': ('use_cpu_initialization', None, None),
+        '--empty-unused-memory-level': ('empty_unused_memory_level', 'int', 0),
+        '--no-data-sharding': ('data_sharding', None, True),
+        '--defer-embedding-wgrad-compute': ('defer_embedding_wgrad_compute', None, False),
+        '--wgrad-deferral-limit': ('wgrad_deferral_limit', 'int', 0),
+        '--check-weight-hash-across-dp-replicas-interval': (
+            'check_weight_hash_across_dp_replicas_interval',
+            'int',
+            None,
+        ),
+        '--dist-ckpt-strictness': ('dist_ckpt_strictness', 'str', 'assume_ok_unexpected'),
+        '--disable-tp-comm-overlap-ag': ('tp_comm_overlap_ag', None, True),
+        '--tp-comm-overlap-rs-dgrad': ('tp_comm_overlap_rs_dgrad', None, False),
+        '--no-one-logger': ('enable_one_logger', None, True),
+        '--one-logger-project': ('one_logger_project', 'str', 'megatron-lm'),
+        '--app-tag-run-version': ('app_tag_run_version', 'str', '0.0.0'),
+        '--straggler-ctrlr-port': ('straggler_ctrlr_port', 'int', 65535),
+        '--straggler-minmax-count': ('straggler_minmax_count', 'int', 1),
+        '--moe-token-drop-policy': ('moe_token_drop_policy', 'str', 'probs'),
+        '--moe-expert-capacity-factor': ('moe_expert_capacity_factor', 'float', None),
+        '--hybrid-attention-ratio': ('hybrid_attention_ratio', 'float', 0.0),
+        '--iter-per-epoch': ('iter_per_epoch', 'int', 1250),
+        '--dino-freeze-last-layer': ('dino_freeze_last_layer', 'float', 1),
+        '--retriever-report-topk-accuracies': ('retriever_report_topk_accuracies', 'int', []),
+        '--retro-encoder-layers': ('retro_encoder_layers', 'int', 2),
+        '--retro-no-verify-neighbor-count': ('retro_verify_neighbor_count', None, True),
+        '--indexer-batch-size': ('indexer_batch_size', 'int', 128),
+        '--head-lr-mult': ('head_lr_mult', 'float', 1.0),
+    }
+    for flag, (dest, type_name, default) in expected.items():
+        got = live[flag]
+        assert (got['dest'], got['type'], got['default']) == (dest, type_name, default), flag

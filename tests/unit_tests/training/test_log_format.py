@@ -1,4 +1,4 @@
-"""Megatron's log lines (facts sheet 5.1 and 5.2) and the FLOPs formula."""
+"""Megatron's log lines (as printed by megatron/training/training.py::training_log) and the FLOPs formula."""
 
 import math
 import re

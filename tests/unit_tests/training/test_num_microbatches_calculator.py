@@ -1,4 +1,5 @@
-"""Micro-batch calculator: constant and --rampup-batch-size (formulas of the facts sheet, 11.4)."""
+"""Micro-batch calculator: constant and --rampup-batch-size (formulas of Megatron's
+megatron/core/num_microbatches_calculator.py)."""
 
 import pytest
 

@@ -75,3 +75,8 @@ def test_write_to_tensorboard(tmp_path):
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     assert [(e.step, round(e.value, 3)) for e in acc.Scalars('interval-time')] == [(3, 0.5)]
+    # Megatron's Timers.write resets by default; reset=False keeps the time.
+    assert timers('interval', 0).elapsed(reset=False) == 0.0
+    timers('interval', 0)._elapsed = 0.25
+    timers.write(['interval'], None, iteration=4, reset=False)
+    assert timers('interval', 0).elapsed(reset=False) == 0.25

@@ -1,4 +1,11 @@
-"""Layer specs of GPT models built from this project's modules only (no Transformer Engine)."""
+"""Layer specs of GPT models built from this project's modules only (no Transformer Engine).
+
+`get_gpt_layer_with_transformer_engine_spec` keeps Megatron's name for scripts that call it; it
+returns the local spec (with a one-line warning), as `--transformer-impl transformer_engine` falls
+back to `local`.
+"""
+
+import logging
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -10,6 +17,8 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+logger = logging.getLogger(__name__)
 
 # LayerNorm or RMSNorm, following config.normalization.
 LNImpl = WrappedTorchNorm
@@ -60,6 +69,32 @@ def get_gpt_layer_local_spec(
             },
         ),
     )
+
+
+def get_gpt_layer_with_transformer_engine_spec(
+    num_experts: int = None,
+    moe_grouped_gemm: bool = False,
+    qk_layernorm: bool = False,
+    fp8: str = None,
+) -> ModuleSpec:
+    """Megatron's Transformer Engine GPT layer spec; here the local spec (TE is not used).
+
+    The local modules compute the same layer (separate norms instead of TE's fused
+    LayerNorm-Linear), and the state-dict key map of the local spec keeps checkpoints compatible.
+
+    Args:
+        num_experts, moe_grouped_gemm, qk_layernorm: as in `get_gpt_layer_local_spec`.
+        fp8: TE's fp8 format; fp8 is not supported, so it must be None.
+    """
+    if fp8 is not None:
+        raise ValueError(
+            f"fp8 ({fp8!r}): fp8 needs Transformer Engine, which this package does not use"
+        )
+    logger.warning(
+        "get_gpt_layer_with_transformer_engine_spec: Transformer Engine is not used by this "
+        "package; returning the local spec (get_gpt_layer_local_spec)"
+    )
+    return get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm)
 
 
 def _get_mlp_module_spec() -> ModuleSpec:

@@ -13,6 +13,8 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -41,6 +43,9 @@ class GPTModel(LanguageModule):
         rotary_percent (float): fraction of each head rotated by RoPE.
         rotary_base (int): RoPE base.
         seq_len_interpolation_factor (float, optional): RoPE position interpolation.
+        pg_collection (ProcessGroupCollection, optional): the groups of this model (tp splits
+            every layer, pp / embd tie the embedding and output weights); None fields fall back
+            to the global groups.
     """
 
     def __init__(
@@ -58,8 +63,9 @@ class GPTModel(LanguageModule):
         rotary_percent: float = 1.0,
         rotary_base: int = 10000,
         seq_len_interpolation_factor: Optional[float] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
-        super().__init__(config=config)
+        super().__init__(config=config, pg_collection=pg_collection)
 
         if vocab_size % config.tensor_model_parallel_size != 0:
             raise ValueError(
@@ -95,6 +101,7 @@ class GPTModel(LanguageModule):
                 vocab_size=self.vocab_size,
                 max_sequence_length=self.max_sequence_length,
                 position_embedding_type=position_embedding_type,
+                pg_collection=self.pg_collection,
             )
 
         if self.position_embedding_type == 'rope':
@@ -111,6 +118,7 @@ class GPTModel(LanguageModule):
             spec=transformer_layer_spec,
             pre_process=self.pre_process,
             post_process=self.post_process,
+            pg_collection=self.pg_collection,
         )
 
         if self.post_process:
@@ -124,6 +132,7 @@ class GPTModel(LanguageModule):
                 gather_output=not self.parallel_output,
                 skip_weight_param_allocation=self.pre_process
                 and self.share_embeddings_and_output_weights,
+                tp_group=self.pg_collection.tp,
             )
 
         if self.pre_process or self.post_process:
@@ -147,19 +156,21 @@ class GPTModel(LanguageModule):
         decoder_input: Tensor = None,
         labels: Tensor = None,
         inference_params=None,
-        packed_seq_params=None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
         extra_block_kwargs: Optional[Dict] = None,
     ) -> Tensor:
         """Run this stage.
 
         Args:
             input_ids: [b, s] token ids (first stage).
-            position_ids: [b, s] positions (learned_absolute; None = 0..s-1).
+            position_ids: [b, s] positions (learned_absolute; None = 0..s-1, or the positions
+                after the cached ones with inference_params).
             attention_mask: bool [b, 1, s, s], True = masked out; None = causal.
             decoder_input: [s, b, h] precomputed embedding output (skips the embedding).
             labels: [b, s] targets; when given, the per-token loss is returned.
-            inference_params: KV cache (not supported).
-            packed_seq_params: packed sequences (not supported).
+            inference_params (InferenceParams): KV cache for autoregressive inference: the
+                tokens of this call follow the `sequence_len_offset` cached positions.
+            packed_seq_params: packed sequences (rejected by the local attention, as in Megatron).
             extra_block_kwargs: extra keyword arguments for the TransformerBlock.
 
         Returns:
@@ -171,6 +182,11 @@ class GPTModel(LanguageModule):
         if decoder_input is not None:
             pass
         elif self.pre_process:
+            if position_ids is None and inference_params is not None:
+                offset = inference_params.sequence_len_offset
+                position_ids = torch.arange(
+                    offset, offset + input_ids.size(1), device=input_ids.device
+                ).unsqueeze(0)
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         else:
             # Intermediate stage of the pipeline: the decoder takes its input from
@@ -197,6 +213,14 @@ class GPTModel(LanguageModule):
 
         if not self.post_process:
             return hidden_states
+
+        if (
+            inference_params is not None
+            and getattr(inference_params, 'materialize_only_last_token_logits', False)
+            and labels is None
+        ):
+            # Sampling needs the last position only: skip the output layer elsewhere.
+            hidden_states = hidden_states[-1:, :, :]  # [s, b, h] -> [1, b, h]
 
         # Logits [s, b, v/p].
         output_weight = None

@@ -1,9 +1,10 @@
 """Weight mapping between Hugging Face GPT-2 / Llama state dicts and megatron-core GPTModel ones,
 and the tensor-parallel split / merge of a megatron-core state dict.
 
-Pure functions on `{name: tensor}` dicts (no `transformers` import): the HF checkpoint converter
-in tools/ and the parity tests use them. "Full" megatron-core state dicts are TP=1, PP=1 state
-dicts (`GPTModel.state_dict()` names, facts sheet section 3.5).
+Pure functions on `{name: tensor}` dicts (no `transformers` import): the checkpoint converter
+(tools/checkpoint, through megatron/training/hf_checkpoint.py and checkpoint_conversion.py) and the
+parity tests use them. "Full" megatron-core state dicts are TP=1, PP=1 state
+dicts (`GPTModel.state_dict()` names, as megatron-core core_r0.8.0 writes them).
 
 Layouts handled here:
 - HF GPT-2 uses Conv1D, whose weights are stored [in, out]: they are transposed.
@@ -349,6 +350,7 @@ def mcore_to_llama_hf_state_dict(
 _COLUMN_PARALLEL = (
     "embedding.word_embeddings.weight",
     "output_layer.weight",
+    "output_layer.bias",  # BERT's output layer has a bias, split along the vocabulary too
     "self_attention.linear_qkv.weight",
     "self_attention.linear_qkv.bias",
     "self_attention.linear_q.weight",

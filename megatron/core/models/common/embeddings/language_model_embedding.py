@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_current_device
@@ -29,6 +30,8 @@ class LanguageModelEmbedding(MegatronModule):
         position_embedding_type: 'learned_absolute', 'rope' or 'none' (the last two add no
             position embedding here).
         num_tokentypes (int): token type embeddings (BERT); 0 for none.
+        pg_collection (ProcessGroupCollection, optional): its `tp` group splits the vocabulary
+            (default: the global tensor model parallel group).
     """
 
     def __init__(
@@ -38,8 +41,10 @@ class LanguageModelEmbedding(MegatronModule):
         max_sequence_length: int,
         position_embedding_type: Literal['learned_absolute', 'rope', 'none'] = 'learned_absolute',
         num_tokentypes: int = 0,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
+        self.pg_collection = resolve_process_groups(pg_collection, ("tp",))
         if position_embedding_type not in ('learned_absolute', 'rope', 'none'):
             raise ValueError(
                 "position_embedding_type must be 'learned_absolute', 'rope' or 'none', got "
@@ -56,6 +61,7 @@ class LanguageModelEmbedding(MegatronModule):
             embedding_dim=self.config.hidden_size,
             init_method=self.config.init_method,
             config=self.config,
+            tp_group=self.pg_collection.tp,
         )
 
         if self.add_position_embedding:
@@ -128,7 +134,9 @@ class LanguageModelEmbedding(MegatronModule):
 
         if self.config.sequence_parallel:
             # [s, b, h] -> [s/p, b, h]
-            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(
+                embeddings, group=self.pg_collection.tp
+            )
             # The scatter output is a view of the full embeddings: clone it so that the full
             # tensor can be freed.
             if self.config.clone_scatter_output_in_embedding:

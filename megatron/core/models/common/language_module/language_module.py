@@ -1,11 +1,13 @@
 """Base class of language models: the loss and the tying of input embedding and output layer."""
 
 import logging
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -21,10 +23,16 @@ class LanguageModule(MegatronModule):
 
     Args:
         config (TransformerConfig): the model config.
+        pg_collection (ProcessGroupCollection, optional): `tp` (loss over the vocabulary
+            split), `pp` (stage count) and `embd` (tied weights) groups; None fields fall back
+            to the global groups. Stored resolved as `self.pg_collection` for subclasses.
     """
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(
+        self, config: TransformerConfig, pg_collection: Optional[ProcessGroupCollection] = None
+    ) -> None:
         super().__init__(config=config)
+        self.pg_collection = resolve_process_groups(pg_collection, ("tp", "pp", "embd"))
 
     def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
         """Per-token cross entropy.
@@ -41,7 +49,9 @@ class LanguageModule(MegatronModule):
         if not getattr(self, 'fp16_lm_cross_entropy', False):
             logits = logits.float()
         # Softmax statistics are all-reduced across the TP group inside.
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        loss = tensor_parallel.vocab_parallel_cross_entropy(
+            logits, labels, group=self.pg_collection.tp
+        )
         # [s, b] -> [b, s]
         loss = loss.transpose(0, 1).contiguous()
         return loss
@@ -63,7 +73,7 @@ class LanguageModule(MegatronModule):
         if not self.share_embeddings_and_output_weights:
             return
 
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        if self.pg_collection.pp.size() == 1:
             # One stage holds both ends: the output layer reads the embedding weight directly.
             self.shared_embedding_or_output_weight().zero_out_wgrad = True
             return
@@ -87,11 +97,10 @@ class LanguageModule(MegatronModule):
         #    word_embeddings start off with the same parameter values.
         # 3. In the training loop, all-reduce the grads of the two copies (finalize_model_grads).
         if torch.distributed.is_initialized():
-            if parallel_state.is_rank_in_embedding_group():
+            # Only the chunk holding an end of the model joins (virtual pipeline: not the middle).
+            if self.pg_collection.embd is not None and (self.pre_process or self.post_process):
                 weight = self.shared_embedding_or_output_weight()
-                torch.distributed.all_reduce(
-                    weight.data, group=parallel_state.get_embedding_group()
-                )
+                torch.distributed.all_reduce(weight.data, group=self.pg_collection.embd)
         elif not getattr(LanguageModule, "embedding_warning_printed", False):
             logger.warning(
                 "Distributed processes aren't initialized, so the output layer is not initialized "

@@ -1,0 +1,445 @@
+"""T5Model: one shared embedding, a TransformerBlock encoder, a TransformerBlock decoder with cross
+attention, and a tied LM head with a bias.
+
+Notation: b batch, s_enc / s_dec encoder / decoder length, h hidden size, v padded vocabulary,
+p tensor-parallel size.
+
+Pipeline parallelism (`pipeline_model_parallel_split_rank` r, pp stages): stages 0..r-1 hold the
+encoder (encoder_layers / r layers each), stages r..pp-1 the decoder (decoder_layers / (pp - r)
+each). Stage 0 and stage r hold the embedding (two copies, kept equal: stage r's is zeroed and
+all-reduced over the embedding / position-embedding groups at start, their gradients all-reduced
+by `finalize_model_grads`); stage r-1 applies the encoder's final LayerNorm; the last stage the
+decoder's final LayerNorm and the LM head. A decoder stage receives the encoder output (and, after
+stage r, the decoder hidden states) through `set_input_tensor`; the schedule forwards the encoder
+output unchanged to later decoder stages and carries its gradient back across the split.
+"""
+
+import dataclasses
+from typing import List, Literal, Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def t5_extended_attention_mask(
+    attention_mask_list: List[Optional[Tensor]],
+) -> List[Optional[Tensor]]:
+    """Insert the head axis: each bool [b, sq, sk] mask (True = masked out) -> [b, 1, sq, sk]."""
+
+    def attn_mask_postprocess(attn_mask):
+        # [b, sq, sk] -> [b, 1, sq, sk]
+        return attn_mask.unsqueeze(1)
+
+    return [
+        attn_mask_postprocess(attn_mask) if attn_mask is not None else None
+        for attn_mask in attention_mask_list
+    ]
+
+
+def t5_position_ids(token_ids: Tensor) -> Tensor:
+    """Positions 0..s-1 for every row of token_ids [b, s]."""
+    seq_length = token_ids.size(1)
+    position_ids = torch.arange(seq_length, dtype=torch.long, device=token_ids.device)
+    return position_ids.unsqueeze(0).expand_as(token_ids)
+
+
+class T5LMHead(MegatronModule):
+    """The LM head: a ColumnParallelLinear [h -> v] split along v (each rank computes v/p logits,
+    all-reduce of the input gradient in backward). Tied to the word embedding it has a bias of v/p
+    per rank that is added; untied it has no bias at all (as in Megatron).
+
+    Args:
+        config (TransformerConfig): the model config.
+        parallel_output (bool): keep the logits split across the TP group.
+        vocab_size (int): padded vocabulary size.
+        pre_process (bool): this stage also holds the embedding (then a tied weight is borrowed).
+        share_embeddings_and_output_weights (bool): tie the head to the word embedding.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        parallel_output: bool,
+        vocab_size: int,
+        pre_process: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+    ):
+        super().__init__(config=config)
+        self.parallel_output = parallel_output
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size,
+            vocab_size,
+            config=config,
+            init_method=config.init_method,
+            bias=share_embeddings_and_output_weights,
+            skip_bias_add=not share_embeddings_and_output_weights,
+            gather_output=not self.parallel_output,
+            skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+        )
+
+    def forward(self, hidden_states: Tensor, word_embeddings_weight: Optional[Tensor]) -> Tensor:
+        """hidden_states [s_dec, b, h] -> logits [s_dec, b, v/p]."""
+        logits, _ = self.output_layer(hidden_states, weight=word_embeddings_weight)
+        return logits
+
+
+def _stage_share(num_layers: int, flag: str, stack: str):
+    """(first layer, layer count) of this pipeline stage's share of a stack of num_layers layers.
+
+    Without a split rank (or with one stage) the stage holds the whole stack.
+    """
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    split = parallel_state.get_pipeline_model_parallel_split_rank()
+    if pp_size == 1:
+        return 0, num_layers
+    if split is None:
+        raise ValueError(
+            f"T5 with pipeline_model_parallel_size {pp_size} needs "
+            "pipeline_model_parallel_split_rank (--pipeline-model-parallel-split-rank)"
+        )
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    num_stages = split if stack == 'encoder' else pp_size - split
+    stage = rank if stack == 'encoder' else rank - split
+    if num_layers % num_stages != 0:
+        raise ValueError(
+            f"{flag} ({num_layers}) must be divisible by the number of {stack} pipeline stages "
+            f"({num_stages}; pipeline size {pp_size}, split rank {split})"
+        )
+    per_stage = num_layers // num_stages
+    return stage * per_stage, per_stage
+
+
+def _stage_block_spec(spec: TransformerBlockSubmodules, flag: str, stack: str):
+    first, count = _stage_share(len(spec.layer_specs), flag, stack)
+    return TransformerBlockSubmodules(
+        layer_specs=spec.layer_specs[first : first + count], layer_norm=spec.layer_norm
+    )
+
+
+class T5Model(LanguageModule):
+    """Encoder-decoder transformer language model (Megatron's "T5": pre-LN LayerNorm layers with
+    biases, learned absolute positions shared by both stacks, gelu MLP).
+
+    Args:
+        config (TransformerConfig): the model config; config.num_layers is the encoder depth.
+        transformer_encoder_layer_spec (TransformerBlockSubmodules): encoder block spec (all
+            layers; this stage keeps its share).
+        transformer_decoder_layer_spec (TransformerBlockSubmodules): decoder block spec (all
+            layers; its length is the decoder depth).
+        vocab_size (int): padded vocabulary size.
+        max_sequence_length (int): rows of the learned position table.
+        pre_process (bool): this stage holds the embedding (pipeline stage 0 and the split rank).
+        post_process (bool): this stage holds its stack's final LayerNorm (and, in the decoder, the
+            LM head and loss).
+        fp16_lm_cross_entropy (bool): compute the cross entropy on 16-bit logits.
+        parallel_output (bool): keep the logits split across the TP group.
+        share_embeddings_and_output_weights (bool): tie the LM head to the word embedding.
+        position_embedding_type: 'learned_absolute' or 'rope'.
+        rotary_percent (float): fraction of each head rotated by RoPE.
+        seq_len_interpolation_factor (float, optional): RoPE position interpolation.
+        add_encoder (bool): this stage runs (part of) the encoder.
+        add_decoder (bool): this stage runs (part of) the decoder.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        transformer_encoder_layer_spec: TransformerBlockSubmodules,
+        transformer_decoder_layer_spec: TransformerBlockSubmodules,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: Literal['learned_absolute', 'rope'] = 'learned_absolute',
+        rotary_percent: float = 1.0,
+        seq_len_interpolation_factor: Optional[float] = None,
+        add_encoder: bool = True,
+        add_decoder: bool = True,
+    ):
+        super().__init__(config=config)
+        if vocab_size % config.tensor_model_parallel_size != 0:
+            raise ValueError(
+                f"vocab_size ({vocab_size}) must be a multiple of tensor_model_parallel_size "
+                f"({config.tensor_model_parallel_size}); pad the vocabulary first."
+            )
+        if position_embedding_type not in ('learned_absolute', 'rope'):
+            raise ValueError(
+                "T5 position_embedding_type must be 'learned_absolute' or 'rope', got "
+                f"{position_embedding_type!r}"
+            )
+        if not (add_encoder or add_decoder):
+            raise ValueError("T5Model: a stage needs add_encoder or add_decoder")
+
+        self.encoder_block_spec = transformer_encoder_layer_spec
+        self.decoder_block_spec = transformer_decoder_layer_spec
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.add_encoder = add_encoder
+        self.add_decoder = add_decoder
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+        self.encoder_hidden_state = None
+
+        self.model_type = ModelType.encoder_and_decoder
+
+        if self.pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=self.config,
+                vocab_size=self.vocab_size,
+                max_sequence_length=self.max_sequence_length,
+                position_embedding_type=self.position_embedding_type,
+            )
+
+        if self.position_embedding_type == 'rope':
+            self.rotary_pos_emb = RotaryEmbedding(
+                kv_channels=self.config.kv_channels,
+                rotary_percent=rotary_percent,
+                rotary_interleaved=self.config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+            )
+
+        if self.add_encoder:
+            self.encoder = TransformerBlock(
+                config=self.config,
+                spec=_stage_block_spec(
+                    transformer_encoder_layer_spec, 'encoder num_layers', 'encoder'
+                ),
+                pre_process=self.pre_process,
+                post_process=self.post_process,
+            )
+        else:
+            self.encoder = None
+
+        if self.add_decoder:
+            # The decoder's own depth sets its stage offsets (the config carries the encoder's).
+            decoder_config = dataclasses.replace(
+                self.config, num_layers=len(transformer_decoder_layer_spec.layer_specs)
+            )
+            self.decoder = TransformerBlock(
+                config=decoder_config,
+                spec=_stage_block_spec(
+                    transformer_decoder_layer_spec, 'decoder num_layers', 'decoder'
+                ),
+                pre_process=self.pre_process,
+                post_process=self.post_process,
+            )
+        else:
+            self.decoder = None
+
+        if self.post_process and self.add_decoder:
+            self.lm_head = T5LMHead(
+                config,
+                parallel_output,
+                self.vocab_size,
+                self.pre_process,
+                self.share_embeddings_and_output_weights,
+            )
+            # Megatron registers the head's linear a second time under this name.
+            self.output_layer = self.lm_head.output_layer
+
+        if self.pre_process or (self.post_process and self.add_decoder):
+            self._setup_embeddings_and_output_layer()
+
+    @property
+    def _has_lm_head(self) -> bool:
+        return self.post_process and self.add_decoder
+
+    def _setup_embeddings_and_output_layer(self) -> None:
+        """Tag and tie the embedding copies (see the module docstring).
+
+        Stage 0 owns the embedding. The split-rank stage's copy is zeroed, then the word table is
+        all-reduced over the embedding group (stage 0, split rank, last stage) and the position
+        table over the position-embedding group (stage 0, split rank), which copies stage 0's
+        values. A tied last stage without the embedding holds a zero-filled output weight that
+        the same all-reduce fills.
+        """
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if self._has_lm_head and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
+
+        if self.share_embeddings_and_output_weights and self.pre_process and self._has_lm_head:
+            # The head reads the embedding table of this stage: its fused weight-gradient
+            # accumulation must leave autograd a zero tensor, so that the DDP hook still adds the
+            # embedding lookup's gradient (one stage, or a split rank that is also the last).
+            self.shared_embedding_or_output_weight().zero_out_wgrad = True
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return
+
+        first_stage = parallel_state.is_pipeline_first_stage()
+        if self.pre_process and not first_stage:
+            self.embedding.zero_parameters()
+        if self.share_embeddings_and_output_weights and first_stage:
+            self.shared_embedding_or_output_weight().shared_embedding = True
+        if self.share_embeddings_and_output_weights and self._has_lm_head and not self.pre_process:
+            self.output_layer.weight.data.fill_(0)
+            self.output_layer.weight.shared = True
+            self.output_layer.weight.shared_embedding = True
+
+        if not torch.distributed.is_initialized():
+            return
+        holds_word_table = self.pre_process or (
+            self._has_lm_head and self.share_embeddings_and_output_weights
+        )
+        if holds_word_table and parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+            if self.share_embeddings_and_output_weights:
+                torch.distributed.all_reduce(
+                    self.shared_embedding_or_output_weight().data,
+                    group=parallel_state.get_embedding_group(),
+                )
+        if self.pre_process and parallel_state.is_rank_in_position_embedding_group():
+            if not self.share_embeddings_and_output_weights:
+                # Untied: the two input-embedding copies still start equal.
+                torch.distributed.all_reduce(
+                    self.embedding.word_embeddings.weight.data,
+                    group=parallel_state.get_position_embedding_group(),
+                )
+            if self.embedding.add_position_embedding:
+                torch.distributed.all_reduce(
+                    self.embedding.position_embeddings.weight.data,
+                    group=parallel_state.get_position_embedding_group(),
+                )
+
+    def shared_embedding_or_output_weight(self) -> Optional[Tensor]:
+        """The word-embedding weight where this stage has the embedding, else the LM head's."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self._has_lm_head:
+            return self.output_layer.weight
+        return None
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Set this stage's pipeline input.
+
+        Encoder stage: [encoder hidden states]. First decoder stage: [encoder output]. Later decoder
+        stages: [decoder hidden states, encoder output]. One stage holding both: [None].
+        """
+        if not isinstance(input_tensor, list):
+            input_tensor = [input_tensor]
+
+        if self.add_encoder and self.add_decoder:
+            assert len(input_tensor) == 1, 'input_tensor should be length 1 (encoder and decoder)'
+            self.encoder.set_input_tensor(input_tensor[0])
+        elif self.add_encoder:
+            assert len(input_tensor) == 1, 'input_tensor should be length 1 for an encoder stage'
+            self.encoder.set_input_tensor(input_tensor[0])
+        elif self.add_decoder:
+            if len(input_tensor) == 2:
+                self.decoder.set_input_tensor(input_tensor[0])
+                self.encoder_hidden_state = input_tensor[1]
+            elif len(input_tensor) == 1:
+                self.decoder.set_input_tensor(None)
+                self.encoder_hidden_state = input_tensor[0]
+            else:
+                raise Exception('input_tensor must have either length 1 or 2')
+
+    def _rotary_pos_emb(self, block, block_input):
+        if self.position_embedding_type != 'rope':
+            return None
+        seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, block, block_input, self.config)
+        return self.rotary_pos_emb(seq_len)
+
+    def forward(
+        self,
+        encoder_input_ids: Tensor,
+        decoder_input_ids: Tensor,
+        encoder_attn_mask: Tensor,
+        decoder_attn_mask: Tensor,
+        encoder_decoder_attn_mask: Tensor,
+        lm_labels: Tensor = None,
+        encoder_hidden_states: Tensor = None,
+        output_encoder_hidden_only: bool = False,
+        inference_params=None,
+    ) -> Tensor:
+        """Run this stage.
+
+        Args:
+            encoder_input_ids: [b, s_enc] token ids (stage 0).
+            decoder_input_ids: [b, s_dec] token ids (split-rank stage).
+            encoder_attn_mask: bool [b, s_enc, s_enc], True = masked out.
+            decoder_attn_mask: bool [b, s_dec, s_dec] (causal and padding), True = masked out.
+            encoder_decoder_attn_mask: bool [b, s_dec, s_enc], True = masked out.
+            lm_labels: [b, s_dec] targets; when given the per-token loss is returned.
+            encoder_hidden_states: [s_enc, b, h] precomputed encoder output (skips the encoder).
+            output_encoder_hidden_only: return the encoder output.
+            inference_params: KV cache (not supported).
+
+        Returns:
+            Encoder stages: the encoder hidden states [s_enc, b, h]. Decoder stages before the
+            last: decoder hidden states [s_dec, b, h]. Last stage: the loss [b, s_dec] (fp32) with
+            labels, else logits [b, s_dec, v/p].
+        """
+        (encoder_attn_mask, decoder_attn_mask, encoder_decoder_attn_mask) = (
+            t5_extended_attention_mask(
+                [encoder_attn_mask, decoder_attn_mask, encoder_decoder_attn_mask]
+            )
+        )
+
+        if encoder_hidden_states is None and self.add_encoder:
+            if self.pre_process:
+                encoder_input = self.embedding(
+                    input_ids=encoder_input_ids, position_ids=t5_position_ids(encoder_input_ids)
+                )
+            else:
+                encoder_input = None  # from set_input_tensor
+            encoder_hidden_states = self.encoder(
+                hidden_states=encoder_input,
+                attention_mask=encoder_attn_mask,
+                inference_params=inference_params,
+                rotary_pos_emb=self._rotary_pos_emb(self.encoder, encoder_input),
+            )
+
+        if output_encoder_hidden_only or not self.add_decoder:
+            return encoder_hidden_states
+        if encoder_hidden_states is None:
+            # A decoder-only stage: the encoder output arrived through set_input_tensor.
+            encoder_hidden_states = self.encoder_hidden_state
+
+        if self.pre_process:
+            decoder_input = self.embedding(
+                input_ids=decoder_input_ids, position_ids=t5_position_ids(decoder_input_ids)
+            )
+        else:
+            decoder_input = None  # from set_input_tensor
+
+        decoder_hidden_states = self.decoder(
+            hidden_states=decoder_input,
+            attention_mask=decoder_attn_mask,
+            context=encoder_hidden_states,
+            context_mask=encoder_decoder_attn_mask,
+            inference_params=inference_params,
+            rotary_pos_emb=self._rotary_pos_emb(self.decoder, decoder_input),
+        )
+
+        if not self.post_process:
+            return decoder_hidden_states
+
+        output_weight = None
+        if self.share_embeddings_and_output_weights:
+            output_weight = self.shared_embedding_or_output_weight()
+        logits = self.lm_head(decoder_hidden_states, word_embeddings_weight=output_weight)
+
+        if lm_labels is None:
+            # [s, b, v] -> [b, s, v]
+            return logits.transpose(0, 1).contiguous()
+
+        return self.compute_language_model_loss(lm_labels, logits)

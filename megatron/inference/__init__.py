@@ -1,0 +1,1 @@
+"""Inference: autoregressive text generation and the REST server that serves it."""

@@ -1,0 +1,439 @@
+"""Hugging Face model directories <-> this project's args and full megatron-core state dicts.
+
+A Hugging Face directory holds `config.json` and the weights (`model.safetensors`, or shards
+listed in `model.safetensors.index.json`), plus tokenizer files. Two families are handled:
+
+- GPT-2 (`model_type` "gpt2"): learned positions, LayerNorm, GeLU (the tanh approximation,
+  which Megatron's default fused bias-GeLU computes), linear biases, tied output layer.
+- Llama (`model_type` "llama" or "mistral" without a sliding window): RoPE, RMSNorm, SwiGLU,
+  grouped-query attention, no biases, untied output layer.
+
+The weight renaming itself lives in megatron/core/models/gpt/hf_weight_mapping.py.
+"""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import types
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron.core.models.gpt import hf_weight_mapping as hfm
+
+CONFIG_NAME = 'config.json'
+SAFETENSORS_NAME = 'model.safetensors'
+SAFETENSORS_INDEX_NAME = 'model.safetensors.index.json'
+TOKENIZER_FILES = (
+    'tokenizer.json',
+    'tokenizer_config.json',
+    'special_tokens_map.json',
+    'vocab.json',
+    'merges.txt',
+    'tokenizer.model',
+    'added_tokens.json',
+    'generation_config.json',
+)
+
+# transformers' defaults for the keys a config.json may leave out.
+_GPT2_DEFAULTS = dict(
+    vocab_size=50257,
+    n_positions=1024,
+    n_embd=768,
+    n_layer=12,
+    n_head=12,
+    n_inner=None,
+    activation_function='gelu_new',
+    resid_pdrop=0.1,
+    embd_pdrop=0.1,
+    attn_pdrop=0.1,
+    layer_norm_epsilon=1e-5,
+    initializer_range=0.02,
+    scale_attn_by_inverse_layer_idx=False,
+    reorder_and_upcast_attn=False,
+    tie_word_embeddings=True,
+)
+_LLAMA_DEFAULTS = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=None,
+    hidden_act='silu',
+    max_position_embeddings=2048,
+    initializer_range=0.02,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_scaling=None,
+    attention_bias=False,
+    attention_dropout=0.0,
+    mlp_bias=False,
+    head_dim=None,
+)
+_DTYPES = {'float32': torch.float32, 'float16': torch.float16, 'bfloat16': torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """config.json of a Hugging Face model directory."""
+    path = os.path.join(hf_dir, CONFIG_NAME)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f'--load-dir {hf_dir}: no {CONFIG_NAME} (not a Hugging Face model directory)'
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+def hf_family(config: dict) -> str:
+    """'gpt2' or 'llama'; ValueError (one line) for any other architecture."""
+    model_type = config.get('model_type')
+    if model_type == 'gpt2':
+        return 'gpt2'
+    if model_type in ('llama', 'mistral'):
+        window = config.get('sliding_window')
+        max_pos = config.get('max_position_embeddings', 0)
+        if model_type == 'mistral' and window is not None and window < max_pos:
+            raise ValueError(
+                f'Hugging Face config: sliding-window attention (sliding_window '
+                f'{window} < max_position_embeddings {max_pos}) is not supported'
+            )
+        return 'llama'
+    raise ValueError(
+        f'Hugging Face config: unsupported architecture model_type={model_type!r} '
+        f'(architectures {config.get("architectures")}); supported: gpt2, llama, mistral'
+    )
+
+
+def hf_config_namespace(config: dict) -> types.SimpleNamespace:
+    """The config with transformers' defaults filled in (what `from_pretrained` would see)."""
+    defaults = _GPT2_DEFAULTS if hf_family(config) == 'gpt2' else _LLAMA_DEFAULTS
+    values = dict(defaults)
+    values.update(config)
+    if values.get('num_key_value_heads', 0) is None:
+        values['num_key_value_heads'] = values['num_attention_heads']
+    if defaults is _LLAMA_DEFAULTS:
+        # transformers >= 5 writes RoPE settings as rope_parameters, older versions rope_theta.
+        rope = values.get('rope_parameters') or {}
+        values.setdefault('rope_theta', rope.get('rope_theta', 10000.0))
+        if rope.get('rope_type', 'default') != 'default' and not values.get('rope_scaling'):
+            values['rope_scaling'] = rope
+    return types.SimpleNamespace(**values)
+
+
+def load_hf_state_dict(hf_dir: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of model.safetensors (or of the shards its index lists)."""
+    from safetensors.torch import load_file
+
+    single = os.path.join(hf_dir, SAFETENSORS_NAME)
+    if os.path.isfile(single):
+        return load_file(single)
+    index = os.path.join(hf_dir, SAFETENSORS_INDEX_NAME)
+    if not os.path.isfile(index):
+        raise ValueError(
+            f'--load-dir {hf_dir}: neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}'
+        )
+    with open(index) as f:
+        shards = sorted(set(json.load(f)['weight_map'].values()))
+    state_dict = {}
+    for shard in shards:
+        state_dict.update(load_file(os.path.join(hf_dir, shard)))
+    return state_dict
+
+
+def check_hf_files(hf_dir: str) -> None:
+    """The weights a config.json promises are present (missing shards named)."""
+    if os.path.isfile(os.path.join(hf_dir, SAFETENSORS_NAME)):
+        return
+    index = os.path.join(hf_dir, SAFETENSORS_INDEX_NAME)
+    if not os.path.isfile(index):
+        raise ValueError(
+            f'--load-dir {hf_dir}: neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}'
+        )
+    with open(index) as f:
+        shards = sorted(set(json.load(f)['weight_map'].values()))
+    missing = [s for s in shards if not os.path.isfile(os.path.join(hf_dir, s))]
+    if missing:
+        raise ValueError(f'--load-dir {hf_dir}: partial model, shards missing: {missing}')
+
+
+# ---------------------------------------------------------------------------------------------
+# HF config -> our args
+
+
+def megatron_args_list(
+    config: dict,
+    tokenizer_type: str,
+    seq_length: Optional[int] = None,
+    tokenizer_model: Optional[str] = None,
+) -> List[str]:
+    """pretrain_gpt.py flags that build the architecture of a Hugging Face config."""
+    c = hf_config_namespace(config)
+    if hf_family(config) == 'gpt2':
+        kw = hfm.gpt2_config_kwargs(c)  # validates activation and attention options
+        args = [
+            '--num-layers',
+            c.n_layer,
+            '--hidden-size',
+            c.n_embd,
+            '--num-attention-heads',
+            c.n_head,
+            '--ffn-hidden-size',
+            kw['config']['ffn_hidden_size'],
+            '--max-position-embeddings',
+            c.n_positions,
+            '--seq-length',
+            seq_length or c.n_positions,
+            '--norm-epsilon',
+            c.layer_norm_epsilon,
+            '--position-embedding-type',
+            'learned_absolute',
+            '--hidden-dropout',
+            c.resid_pdrop,
+            '--attention-dropout',
+            c.attn_pdrop,
+            '--init-method-std',
+            c.initializer_range,
+        ]
+        if c.activation_function == 'gelu':
+            # Megatron's fused bias-GeLU (on by default) is the tanh approximation (gelu_new);
+            # the exact erf GeLU is the unfused F.gelu.
+            args.append('--no-bias-gelu-fusion')
+        if not c.tie_word_embeddings:
+            args.append('--untie-embeddings-and-output-weights')
+    else:
+        kw = hfm.llama_config_kwargs(c)  # validates activation and RoPE scaling
+        if c.attention_bias != c.mlp_bias:
+            raise ValueError(
+                f'Hugging Face config: attention_bias={c.attention_bias} with '
+                f'mlp_bias={c.mlp_bias} is not supported (both or neither)'
+            )
+        head_dim = kw['config']['kv_channels']
+        args = [
+            '--num-layers',
+            c.num_hidden_layers,
+            '--hidden-size',
+            c.hidden_size,
+            '--num-attention-heads',
+            c.num_attention_heads,
+            '--ffn-hidden-size',
+            c.intermediate_size,
+            '--kv-channels',
+            head_dim,
+            '--max-position-embeddings',
+            c.max_position_embeddings,
+            '--seq-length',
+            seq_length or min(c.max_position_embeddings, 4096),
+            '--norm-epsilon',
+            c.rms_norm_eps,
+            '--normalization',
+            'RMSNorm',
+            '--swiglu',
+            '--position-embedding-type',
+            'rope',
+            '--rotary-base',
+            int(kw['model']['rotary_base']),
+            '--hidden-dropout',
+            0.0,
+            '--attention-dropout',
+            c.attention_dropout,
+            '--init-method-std',
+            c.initializer_range,
+        ]
+        if c.num_key_value_heads != c.num_attention_heads:
+            args += ['--group-query-attention', '--num-query-groups', c.num_key_value_heads]
+        if not c.mlp_bias:
+            args.append('--disable-bias-linear')
+        if not c.tie_word_embeddings:
+            args.append('--untie-embeddings-and-output-weights')
+    args += ['--tokenizer-type', tokenizer_type, '--micro-batch-size', 1, '--mock-data']
+    if tokenizer_model is not None:
+        args += ['--tokenizer-model', tokenizer_model]
+    return [str(a) for a in args]
+
+
+def megatron_args_from_hf(config: dict, tokenizer_type: str, **kwargs):
+    """Our full, validated args namespace for a Hugging Face config (TP = PP = 1).
+
+    `padded_vocab_size` is the Hugging Face vocabulary (the table as stored).
+    """
+    from megatron.training.argument_validation import validate_args
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(args_list=megatron_args_list(config, tokenizer_type, **kwargs))
+    args.world_size = 1
+    args.rank = 0
+    with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
+        validate_args(args)
+    args.padded_vocab_size = hf_config_namespace(config).vocab_size
+    return args
+
+
+def full_state_dict_from_hf(config: dict, hf_state_dict) -> Dict[str, torch.Tensor]:
+    """A full (TP = PP = 1) megatron-core GPT state dict from HF tensors."""
+    c = hf_config_namespace(config)
+    if hf_family(config) == 'gpt2':
+        core = types.SimpleNamespace(num_attention_heads=c.n_head, kv_channels=c.n_embd // c.n_head)
+        out = hfm.gpt2_hf_to_mcore_state_dict(hf_state_dict, core)
+        if not c.tie_word_embeddings:
+            out['output_layer.weight'] = hf_state_dict['lm_head.weight'].clone()
+        return out
+    head_dim = c.head_dim or c.hidden_size // c.num_attention_heads
+    core = types.SimpleNamespace(
+        num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_key_value_heads,
+        kv_channels=head_dim,
+    )
+    return hfm.llama_hf_to_mcore_state_dict(hf_state_dict, core)
+
+
+# ---------------------------------------------------------------------------------------------
+# our args -> HF
+
+
+def hf_family_of_args(args) -> str:
+    """Which Hugging Face family a model's args map to; ValueError naming what does not fit."""
+    norm = getattr(args, 'normalization', 'LayerNorm')
+    pos = args.position_embedding_type
+    if pos == 'learned_absolute' and norm == 'LayerNorm' and not args.swiglu:
+        if not args.add_bias_linear:
+            raise ValueError(
+                'saver_hf: a GPT-2 style model (learned positions, LayerNorm) needs '
+                'linear biases (--disable-bias-linear is set)'
+            )
+        return 'gpt2'
+    if pos == 'rope' and norm == 'RMSNorm' and args.swiglu:
+        if getattr(args, 'rotary_percent', 1.0) != 1.0 or getattr(
+            args, 'rotary_interleaved', False
+        ):
+            raise ValueError('saver_hf: partial or interleaved RoPE has no Llama equivalent')
+        if getattr(args, 'add_qkv_bias', False) and not args.add_bias_linear:
+            raise ValueError(
+                'saver_hf: --add-qkv-bias without linear biases has no Llama equivalent'
+            )
+        return 'llama'
+    raise ValueError(
+        f'saver_hf: no Hugging Face family for position_embedding_type={pos}, '
+        f'normalization={norm}, swiglu={args.swiglu} (GPT-2: learned_absolute + LayerNorm; '
+        f'Llama: rope + RMSNorm + swiglu)'
+    )
+
+
+def _tanh_gelu(args) -> bool:
+    """Whether a GeLU model computes the tanh approximation: --openai-gelu, or Megatron's fused
+    bias-GeLU (on by default), which is that approximation too."""
+    return bool(args.openai_gelu or (args.bias_gelu_fusion and args.add_bias_linear))
+
+
+def hf_config_from_args(args, vocab_size: int, dtype: torch.dtype) -> dict:
+    """config.json for a model with our `args` and `vocab_size` real tokens."""
+    family = hf_family_of_args(args)
+    heads = args.num_attention_heads
+    kv = args.kv_channels or args.hidden_size // heads
+    torch_dtype = {v: k for k, v in _DTYPES.items()}.get(dtype, 'float32')
+    tied = not args.untie_embeddings_and_output_weights
+    if family == 'gpt2':
+        if kv * heads != args.hidden_size:
+            raise ValueError(
+                f'saver_hf: GPT-2 needs kv_channels x heads ({kv} x {heads}) == '
+                f'hidden size ({args.hidden_size})'
+            )
+        return {
+            'architectures': ['GPT2LMHeadModel'],
+            'model_type': 'gpt2',
+            'vocab_size': vocab_size,
+            'n_positions': args.max_position_embeddings,
+            'n_embd': args.hidden_size,
+            'n_layer': args.num_layers,
+            'n_head': heads,
+            'n_inner': args.ffn_hidden_size,
+            'activation_function': 'gelu_new' if _tanh_gelu(args) else 'gelu',
+            'layer_norm_epsilon': args.norm_epsilon,
+            'resid_pdrop': args.hidden_dropout,
+            'embd_pdrop': args.hidden_dropout,
+            'attn_pdrop': args.attention_dropout,
+            'initializer_range': args.init_method_std,
+            'tie_word_embeddings': tied,
+            'torch_dtype': torch_dtype,
+            # GPT-2's <|endoftext|> (the last id of smaller vocabularies).
+            'bos_token_id': min(50256, vocab_size - 1),
+            'eos_token_id': min(50256, vocab_size - 1),
+        }
+    groups = args.num_query_groups if args.group_query_attention else heads
+    return {
+        'architectures': ['LlamaForCausalLM'],
+        'model_type': 'llama',
+        'vocab_size': vocab_size,
+        'hidden_size': args.hidden_size,
+        'intermediate_size': args.ffn_hidden_size,
+        'num_hidden_layers': args.num_layers,
+        'num_attention_heads': heads,
+        'num_key_value_heads': groups,
+        'head_dim': kv,
+        'hidden_act': 'silu',
+        'max_position_embeddings': args.max_position_embeddings,
+        'rms_norm_eps': args.norm_epsilon,
+        'rope_theta': float(args.rotary_base),
+        'rope_parameters': {'rope_theta': float(args.rotary_base), 'rope_type': 'default'},
+        'attention_bias': bool(args.add_bias_linear),
+        'mlp_bias': bool(args.add_bias_linear),
+        'attention_dropout': args.attention_dropout,
+        'initializer_range': args.init_method_std,
+        'tie_word_embeddings': tied,
+        'torch_dtype': torch_dtype,
+    }
+
+
+def hf_state_dict_from_full(config: dict, full: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """HF tensors (without a tied lm_head) from a full megatron-core state dict."""
+    c = hf_config_namespace(config)
+    vocab = c.vocab_size
+    if hf_family(config) == 'gpt2':
+        core = types.SimpleNamespace(num_attention_heads=c.n_head, kv_channels=c.n_embd // c.n_head)
+        out = hfm.mcore_to_gpt2_hf_state_dict(full, core, true_vocab_size=vocab)
+    else:
+        core = types.SimpleNamespace(
+            num_attention_heads=c.num_attention_heads,
+            num_query_groups=c.num_key_value_heads,
+            kv_channels=c.head_dim,
+            ffn_hidden_size=c.intermediate_size,
+        )
+        out = hfm.mcore_to_llama_hf_state_dict(full, core, true_vocab_size=vocab)
+    if c.tie_word_embeddings:
+        out.pop('lm_head.weight', None)
+    return out
+
+
+def save_hf_dir(hf_dir: str, config: dict, state_dict, tokenizer_dir: Optional[str] = None):
+    """Write config.json, model.safetensors and (from tokenizer_dir) the tokenizer files."""
+    from safetensors.torch import save_file
+
+    os.makedirs(hf_dir, exist_ok=True)
+    with open(os.path.join(hf_dir, CONFIG_NAME), 'w') as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    save_file(
+        {k: v.contiguous() for k, v in state_dict.items()},
+        os.path.join(hf_dir, SAFETENSORS_NAME),
+        metadata={'format': 'pt'},
+    )
+    copied = []
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = os.path.join(tokenizer_dir, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(hf_dir, name))
+                copied.append(name)
+    return copied
+
+
+def copy_gpt2_bpe_files(hf_dir: str, vocab_file: str, merge_file: str) -> List[str]:
+    """Megatron's GPT-2 BPE files as the vocab.json / merges.txt transformers reads."""
+    shutil.copyfile(vocab_file, os.path.join(hf_dir, 'vocab.json'))
+    shutil.copyfile(merge_file, os.path.join(hf_dir, 'merges.txt'))
+    return ['vocab.json', 'merges.txt']

@@ -1,0 +1,247 @@
+"""Shared pieces of the checkpoint-conversion tests: tiny source checkpoints made with
+pretrain_gpt.py on mock data, the convert.py command, whole-model reads, and forward passes of
+a converted checkpoint built from its saved args alone (--use-checkpoint-args).
+"""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONVERT = os.path.join(REPO, 'tools', 'checkpoint', 'convert.py')
+CHECKPOINT_UTIL = os.path.join(REPO, 'tools', 'checkpoint_util.py')
+
+#: Tiny models on mock data (NullTokenizer: 4096 ids, eod = 4095).
+COMMON_ARGS = [
+    '--seq-length',
+    '16',
+    '--max-position-embeddings',
+    '16',
+    '--attention-dropout',
+    '0.0',
+    '--hidden-dropout',
+    '0.0',
+    '--micro-batch-size',
+    '1',
+    '--global-batch-size',
+    '4',
+    '--lr',
+    '1e-2',
+    '--min-lr',
+    '1e-3',
+    '--lr-decay-style',
+    'cosine',
+    '--lr-warmup-iters',
+    '1',
+    '--weight-decay',
+    '0.01',
+    '--clip-grad',
+    '1.0',
+    '--seed',
+    '1234',
+    '--mock-data',
+    '--tokenizer-type',
+    'NullTokenizer',
+    '--vocab-size',
+    '4095',
+    '--split',
+    '98,2,0',
+    '--num-workers',
+    '0',
+    '--log-interval',
+    '1',
+    '--eval-interval',
+    '1000',
+    '--eval-iters',
+    '1',
+    '--distributed-backend',
+    'gloo',
+]
+GPT_ARCH = ['--num-layers', '4', '--hidden-size', '32', '--num-attention-heads', '4']
+LLAMA_ARCH = [
+    '--num-layers',
+    '4',
+    '--hidden-size',
+    '64',
+    '--num-attention-heads',
+    '8',
+    '--group-query-attention',
+    '--num-query-groups',
+    '2',
+    '--ffn-hidden-size',
+    '96',
+    '--normalization',
+    'RMSNorm',
+    '--norm-epsilon',
+    '1e-6',
+    '--swiglu',
+    '--position-embedding-type',
+    'rope',
+    '--rotary-base',
+    '5000',
+    '--disable-bias-linear',
+    '--untie-embeddings-and-output-weights',
+]
+
+
+def run_pretrain(extra_args):
+    """pretrain() of pretrain_gpt.py on this rank; {iteration: lm loss} on the last stage."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training.global_vars import destroy_global_vars
+    from megatron.training.training import pretrain
+
+    destroy_global_vars()
+    try:
+        result = pretrain(
+            pretrain_gpt.train_valid_test_datasets_provider,
+            pretrain_gpt.model_provider,
+            ModelType.encoder_or_decoder,
+            pretrain_gpt.forward_step,
+            args_list=COMMON_ARGS + list(extra_args),
+        )
+    finally:
+        destroy_global_vars()
+    return {int(k): float(v['lm loss']) for k, v in result['train_losses'].items()}
+
+
+def make_source_checkpoint(save_dir, arch_args, layout_args, world_size, tp, pp, iters=3):
+    """Train `iters` iterations at a layout and save at the end (optimizer state included)."""
+    from tests.unit_tests.dist_utils import run_distributed
+
+    extra = (
+        list(arch_args)
+        + list(layout_args)
+        + [
+            '--train-iters',
+            str(iters),
+            '--save',
+            save_dir,
+            '--save-interval',
+            str(iters),
+        ]
+    )
+    run_distributed(run_pretrain, world_size=world_size, tp=tp, pp=pp, args=(extra,), timeout=600)
+
+
+def convert(*flags, check=True, model_type='GPT', script=CONVERT):
+    """Run tools/checkpoint/convert.py (or `script`) in a subprocess; the CompletedProcess."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    model_flags = ['--model-type', model_type] if model_type else []
+    proc = subprocess.run(
+        [sys.executable, script, *model_flags, *flags],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+    )
+    if check:
+        assert proc.returncode == 0, f'convert.py {flags} failed:\n{proc.stdout}\n{proc.stderr}'
+    return proc
+
+
+def read_rank_file(ckpt_dir, tp_rank, pp_rank, pp):
+    from megatron.training.checkpoint_conversion import CheckpointReader, torch_load_weights_only
+
+    reader = CheckpointReader(ckpt_dir)
+    assert reader.pp == pp
+    return torch_load_weights_only(reader.rank_file(tp_rank, pp_rank), mmap=False)
+
+
+def full_model(ckpt_dir):
+    """{global name: full tensor} of a checkpoint, with its reader (layout, args, iteration).
+
+    The last stage's copy of a tied embedding is returned as 'output_layer.weight (copy)'.
+    """
+    from megatron.training.checkpoint_conversion import CheckpointReader, split_chunk_by_layer
+
+    reader = CheckpointReader(ckpt_dir)
+    block = 'encoder' if reader.model_type == 'BERT' else 'decoder'
+    full = {}
+    for pp_rank in range(reader.pp):
+        chunks, _ = reader.load_stage(pp_rank)
+        for offset, chunk in chunks:
+            layers, rest = split_chunk_by_layer(chunk, offset)
+            for index, layer in layers.items():
+                for name, tensor in layer.items():
+                    if tensor is not None:
+                        full[f'{block}.layers.{index}.{name}'] = tensor
+            for name, tensor in rest.items():
+                if tensor is None:
+                    continue
+                tied_copy = (
+                    name == 'output_layer.weight'
+                    and not reader.args.untie_embeddings_and_output_weights
+                )
+                full[name + (' (copy)' if tied_copy else '')] = tensor
+    return full, reader
+
+
+def logits_from_checkpoint(load_dir, tokens):
+    """Full-vocabulary logits [b, s, v] of a checkpoint at its own layout (harness rank).
+
+    The model is built by pretrain_gpt.model_provider from the checkpoint's saved args only
+    (--use-checkpoint-args), the rank's file loaded with strict=True, and activations passed
+    between pipeline stages by hand.
+    """
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+    from megatron.core import parallel_state as ps
+    from megatron.training.argument_validation import validate_args
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpoint_conversion import CheckpointReader, torch_load_weights_only
+    from megatron.training.checkpointing import load_args_from_checkpoint
+    from megatron.training.global_vars import destroy_global_vars, set_args
+    from tests.unit_tests.models.gpt_test_utils import gather_logits
+
+    destroy_global_vars()
+    args = parse_args(
+        args_list=[
+            '--load',
+            load_dir,
+            '--use-checkpoint-args',
+            '--micro-batch-size',
+            '1',
+            '--mock-data',
+            '--tokenizer-type',
+            'NullTokenizer',
+            '--vocab-size',
+            '1',
+        ]
+    )
+    load_args_from_checkpoint(args)
+    args.world_size, args.rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    validate_args(args)
+    set_args(args)
+    try:
+        first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        model = pretrain_gpt.model_provider(pre_process=first, post_process=last)
+        reader = CheckpointReader(load_dir)
+        state = torch_load_weights_only(
+            reader.rank_file(
+                ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+            ),
+            mmap=False,
+        )
+        model.load_state_dict(state['model'], strict=True)
+        model.eval()
+        b, s = tokens.shape
+        position_ids = torch.arange(s).unsqueeze(0).expand(b, -1)
+        with torch.no_grad():
+            if not first:
+                hidden = torch.empty(s, b, args.hidden_size)
+                torch.distributed.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+                model.set_input_tensor(hidden)
+            out = model(tokens if first else None, position_ids, None)
+            if not last:
+                torch.distributed.send(out.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+                return None
+            return gather_logits(out)
+    finally:
+        destroy_global_vars()

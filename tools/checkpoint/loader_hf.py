@@ -1,0 +1,118 @@
+"""Loader plugin: a Hugging Face model directory (GPT-2 or Llama family).
+
+`--load-dir` holds config.json and model.safetensors (or an index and its shards). The model is
+sent as a TP = PP = 1 model at iteration 1 with our args for its architecture, so that the saved
+checkpoint starts pretrain_gpt.py with --use-checkpoint-args.
+"""
+
+import os
+import types
+
+import loader_mcore
+import torch
+import utils
+
+utils.add_megatron_path()
+
+from megatron.training import checkpoint_conversion as cc  # noqa: E402
+from megatron.training import hf_checkpoint as hfc  # noqa: E402
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group(title='Hugging Face loader')
+    group.add_argument(
+        '--megatron-path', type=str, default=None, help='Base directory of Megatron repository'
+    )
+    group.add_argument(
+        '--hf-tokenizer-type',
+        type=str,
+        default=None,
+        help='tokenizer type recorded in the checkpoint args (default: '
+        'GPT2BPETokenizer for GPT-2, HuggingFaceTokenizer for Llama)',
+    )
+    group.add_argument(
+        '--seq-length',
+        type=int,
+        default=None,
+        help='sequence length recorded in the checkpoint args (default: '
+        'the position limit, at most 4096)',
+    )
+
+
+def default_tokenizer_type(family):
+    return 'GPT2BPETokenizer' if family == 'gpt2' else 'HuggingFaceTokenizer'
+
+
+def metadata(args, config, margs, dtype):
+    """The metadata namespace of an imported Hugging Face model."""
+    return types.SimpleNamespace(
+        model_type=args.model_type,
+        num_layers=margs.num_layers,
+        hidden_size=margs.hidden_size,
+        seq_length=margs.seq_length,
+        num_attention_heads=margs.num_attention_heads,
+        max_position_embeddings=margs.max_position_embeddings,
+        tokenizer_type=margs.tokenizer_type,
+        iteration=1,
+        params_dtype=dtype,
+        bert_binary_head=False,
+        output_layer=margs.untie_embeddings_and_output_weights,
+        position_embedding_type=margs.position_embedding_type,
+        linear_bias=margs.add_bias_linear,
+        norm_has_bias=margs.normalization == 'LayerNorm',
+        swiglu=margs.swiglu,
+        previous_tensor_parallel_size=1,
+        previous_pipeline_parallel_size=1,
+        true_vocab_size=hfc.hf_config_namespace(config).vocab_size,
+        make_vocab_size_divisible_by=margs.make_vocab_size_divisible_by,
+        checkpoint_args=margs,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+    )
+
+
+def _config_dtype(config):
+    return {'float16': torch.float16, 'bfloat16': torch.bfloat16}.get(
+        config.get('torch_dtype') or config.get('dtype'), torch.float32
+    )
+
+
+def build_metadata(args, tokenizer_type=None):
+    if args.model_type != 'GPT':
+        raise ValueError(f'--model-type {args.model_type}: Hugging Face imports are GPT models')
+    config = hfc.read_hf_config(args.load_dir)
+    family = hfc.hf_family(config)
+    hfc.check_hf_files(args.load_dir)
+    tokenizer_type = tokenizer_type or args.hf_tokenizer_type or default_tokenizer_type(family)
+    tokenizer_model = args.load_dir if tokenizer_type == 'HuggingFaceTokenizer' else None
+    margs = hfc.megatron_args_from_hf(
+        config, tokenizer_type, seq_length=args.seq_length, tokenizer_model=tokenizer_model
+    )
+    margs.params_dtype = _config_dtype(config)
+    return config, metadata(args, config, margs, margs.params_dtype)
+
+
+def check_arguments(args):
+    return build_metadata(args)[1]
+
+
+def send_full_model(queue, md, full):
+    """Stream a full (TP = PP = 1) megatron-core state dict as the protocol's messages."""
+    queue.put(md)
+    layers, rest = cc.split_chunk_by_layer(full, 0)
+    utils.queue_put(queue, 'embeddings', loader_mcore.embeddings_message(md, rest))
+    for index, layer in layers.items():
+        utils.queue_put(queue, f'transformer layer {index}', cc.layer_to_message(layer, md.swiglu))
+    loader_mcore.send_tail(queue, md, rest)
+
+
+def _load(queue, args):
+    config, md = build_metadata(args)
+    print(f'reading {os.path.join(args.load_dir, hfc.SAFETENSORS_NAME)}', flush=True)
+    full = hfc.full_state_dict_from_hf(config, hfc.load_hf_state_dict(args.load_dir))
+    send_full_model(queue, md, full)
+
+
+def load_checkpoint(queue, args):
+    utils.add_megatron_path(args.megatron_path)
+    utils.run_loader(queue, _load, args)

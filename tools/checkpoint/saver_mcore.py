@@ -1,0 +1,252 @@
+"""Saver plugin: writes this project's checkpoint layout at any target TP x PP.
+
+Megatron's file layout (iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt and the tracker), the
+source iteration and args (at the target layout), no optimizer / scheduler / RNG state. The
+vocabulary padding is recomputed for the target TP by Megatron's rule when the true vocabulary
+size is known (a larger table keeps its leading rows, a smaller one repeats its last row); the
+untied output layer gets the same padding.
+"""
+
+import os
+import sys
+
+import utils
+
+utils.add_megatron_path()
+
+from megatron.training import checkpoint_conversion as cc  # noqa: E402
+from megatron.training.checkpointing import checkpoint_exists  # noqa: E402
+
+DEFAULT_TRANSFORMER_IMPL = 'transformer_engine'
+
+
+def add_arguments(parser, default_impl=DEFAULT_TRANSFORMER_IMPL, expert_flag=True):
+    group = parser.add_argument_group(title='M-Core saver')
+    group.add_argument(
+        '--megatron-path', type=str, default=None, help='Base directory of Megatron repository'
+    )
+    group.add_argument(
+        '--target-tensor-parallel-size',
+        type=int,
+        help='Target tensor model parallel size, defaults to the tensor parallel '
+        'size in the input checkpoint if provided by the loader, otherwise 1',
+    )
+    group.add_argument(
+        '--target-pipeline-parallel-size',
+        type=int,
+        help='Target pipeline model parallel size, defaults to the pipeline '
+        'parallel size in the input checkpoint if provided by the loader, '
+        'otherwise 1',
+    )
+    group.add_argument(
+        '--saver-transformer-impl',
+        default=default_impl,
+        choices=['local', 'transformer_engine'],
+        help='Which Transformer implementation to use (both write the same layout here).',
+    )
+    if expert_flag:
+        group.add_argument(
+            '--target-expert-parallel-size',
+            type=int,
+            default=1,
+            help='Target expert model parallel size (only 1: no MoE here)',
+        )
+
+
+def target_sizes(args, md):
+    """(tp, pp): the flags, else the source's sizes, else 1."""
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    if tp is None:
+        tp = getattr(md, 'previous_tensor_parallel_size', None)
+        if tp is None:
+            print(
+                'loader did not provide a tensor parallel size and '
+                '--target-tensor-parallel-size not provided on command line. Default to 1.'
+            )
+            tp = 1
+    if pp is None:
+        pp = getattr(md, 'previous_pipeline_parallel_size', None)
+        if pp is None:
+            print(
+                'loader did not provide a pipeline parallel size and '
+                '--target-pipeline-parallel-size not provided on command line. Default to 1.'
+            )
+            pp = 1
+    return tp, pp
+
+
+def target_vocab_size(md, tp, source_rows):
+    """Padded vocabulary at the target TP (Megatron's rule), or the source's when unknown."""
+    if md.true_vocab_size is None:
+        return source_rows
+    divisible_by = md.make_vocab_size_divisible_by or 128
+    return cc.padded_vocab_size(md.true_vocab_size, divisible_by, tp)
+
+
+def check_arguments(args, md):
+    """Target layout against the model, and the save directory; ValueError in one line."""
+    if md is None:
+        return
+    tp, pp = target_sizes(args, md)
+    if getattr(args, 'target_expert_parallel_size', 1) != 1:
+        raise ValueError(
+            f'--target-expert-parallel-size {args.target_expert_parallel_size}: '
+            f'mixture of experts is not implemented here (only 1)'
+        )
+    margs = md.checkpoint_args
+    heads = md.num_attention_heads
+    groups = margs.num_query_groups if getattr(margs, 'group_query_attention', False) else heads
+    if heads % tp:
+        raise ValueError(
+            f'--target-tensor-parallel-size {tp} does not divide the number of '
+            f'attention heads ({heads})'
+        )
+    if groups % tp:
+        raise ValueError(
+            f'--target-tensor-parallel-size {tp} does not divide the number of '
+            f'query groups ({groups})'
+        )
+    ffn = getattr(margs, 'ffn_hidden_size', None)
+    if ffn and ffn % tp:
+        raise ValueError(
+            f'--target-tensor-parallel-size {tp} does not divide ffn_hidden_size ({ffn})'
+        )
+    if md.num_layers % pp:
+        raise ValueError(
+            f'--target-pipeline-parallel-size {pp} does not divide the number of '
+            f'layers ({md.num_layers})'
+        )
+    source_rows = getattr(margs, 'padded_vocab_size', None)
+    if md.true_vocab_size is None and source_rows is not None and source_rows % tp:
+        raise ValueError(
+            f'--target-tensor-parallel-size {tp} does not divide the checkpoint\'s padded '
+            f'vocabulary ({source_rows} rows) and the true vocabulary size is unknown: give the '
+            f'loader --true-vocab-size or --vocab-file'
+        )
+    if checkpoint_exists(args.save_dir) and not args.overwrite:
+        raise ValueError(
+            f'--save-dir {args.save_dir} already holds a checkpoint '
+            f'(latest_checkpointed_iteration.txt); pass --overwrite to replace it'
+        )
+
+
+def _embeddings(queue, md, args, padded):
+    msg = utils.queue_get(queue, 'embeddings', args.checking)
+    word = msg.pop('word embeddings')
+    if md.true_vocab_size is None:
+        print(
+            'Original vocab size not specified, leaving embedding table as-is. If you\'ve '
+            'changed the tensor parallel size this could cause problems.'
+        )
+    stage = {'embedding.word_embeddings.weight': cc.repad_vocab(word, padded)}
+    if md.position_embedding_type == 'learned_absolute':
+        stage['embedding.position_embeddings.weight'] = msg.pop('position embeddings')
+    if 'tokentype embeddings' in msg:
+        stage['embedding.tokentype_embeddings.weight'] = msg.pop('tokentype embeddings')
+    utils.check_message(msg, args.checking)
+    return stage
+
+
+def _layer(queue, md, args, index):
+    msg = utils.queue_get(queue, f'transformer layer {index}', args.checking)
+    layer = cc.message_to_layer(msg, md.swiglu)
+    utils.check_message(msg, args.checking)
+    return layer
+
+
+def _last_stage_tail(queue, md, args, padded, word, pp):
+    block = cc.block_name(md.model_type)
+    stage = {}
+    msg = utils.queue_get(queue, 'final norm', args.checking)
+    stage[f'{block}.final_layernorm.weight'] = msg.pop('weight')
+    if md.norm_has_bias:
+        stage[f'{block}.final_layernorm.bias'] = msg.pop('bias')
+    utils.check_message(msg, args.checking)
+    if md.output_layer:
+        msg = utils.queue_get(queue, 'output layer', args.checking)
+        stage['output_layer.weight'] = cc.repad_vocab(msg.pop('weight'), padded)
+        utils.check_message(msg, args.checking)
+    elif pp > 1:
+        # Tied embeddings: the last stage keeps its own copy of the word embeddings.
+        stage['output_layer.weight'] = word
+    _bert_heads(queue, md, args, padded, stage)
+    return stage
+
+
+def _bert_heads(queue, md, args, padded, stage):
+    """Receive the optional 'pooler', 'lm head', 'binary head' (in that order) until 'done'."""
+    expected = ['pooler', 'lm head', 'binary head']
+    while True:
+        msg = utils.queue_get(queue, None, args.checking)
+        if msg == 'done':
+            return
+        name = msg['name']
+        if name not in expected or md.model_type != 'BERT':
+            print(f'ERROR: got some more data but was expecting to be done ({name})')
+            sys.exit(1)
+        expected = expected[expected.index(name) + 1 :]
+        print(f'received {name}', flush=True)
+        if name == 'pooler':
+            stage['pooler.dense.weight'] = msg.pop('weight')
+            stage['pooler.dense.bias'] = msg.pop('bias')
+        elif name == 'lm head':
+            stage['lm_head.dense.weight'] = msg.pop('dense weight')
+            stage['lm_head.dense.bias'] = msg.pop('dense bias')
+            stage['lm_head.layer_norm.weight'] = msg.pop('norm weight')
+            if md.norm_has_bias:
+                stage['lm_head.layer_norm.bias'] = msg.pop('norm bias')
+            if 'output bias' in msg:
+                stage['output_layer.bias'] = cc.repad_vocab(msg.pop('output bias'), padded)
+        else:
+            stage['binary_head.weight'] = msg.pop('weight')
+            stage['binary_head.bias'] = msg.pop('bias')
+        utils.check_message(msg, args.checking)
+
+
+def _save(queue, args):
+    md = utils.queue_get(queue)
+    tp, pp = target_sizes(args, md)
+    try:
+        check_arguments(args, md)
+    except ValueError as exc:
+        print(f'error: {exc}')
+        sys.exit(1)
+    source_rows = md.checkpoint_args.padded_vocab_size
+    padded = target_vocab_size(md, tp, source_rows)
+    margs = cc.args_for_target(
+        md.checkpoint_args, tp, pp, padded, args.save_dir, md.iteration, md.true_vocab_size
+    )
+    margs.consumed_train_samples = md.consumed_train_samples or 0
+    margs.consumed_valid_samples = md.consumed_valid_samples or 0
+    print(
+        f'Setting consumed_train_samples to {margs.consumed_train_samples} and '
+        f'consumed_valid_samples to {margs.consumed_valid_samples}'
+    )
+    writer = cc.CheckpointWriter(args.save_dir, md.iteration, tp, pp, margs, md.swiglu)
+
+    layers_per_stage = md.num_layers // pp
+    block = cc.block_name(md.model_type)
+    progress = utils.Progress('saver', md.num_layers)
+    word = None
+    for pp_rank in range(pp):
+        stage = {}
+        if pp_rank == 0:
+            stage.update(_embeddings(queue, md, args, padded))
+            word = stage['embedding.word_embeddings.weight']
+        for local in range(layers_per_stage):
+            layer = _layer(queue, md, args, pp_rank * layers_per_stage + local)
+            stage.update({f'{block}.layers.{local}.{k}': v for k, v in layer.items()})
+            progress.step('layer')
+        last = pp_rank == pp - 1
+        if last:
+            stage.update(_last_stage_tail(queue, md, args, padded, word, pp))
+        writer.write_stage(pp_rank, stage, has_output_layer=last)
+        print(f'saver: wrote pipeline stage {pp_rank + 1}/{pp} ({tp} files)', flush=True)
+    writer.finish()
+    print('Done!')
+
+
+def save_checkpoint(queue, args):
+    utils.add_megatron_path(args.megatron_path)
+    os.environ.setdefault('WORLD_SIZE', '1')
+    _save(queue, args)

@@ -1,0 +1,141 @@
+"""Serve a GPT checkpoint over HTTP: Megatron's `PUT /api`, plus OpenAI-style `/v1/completions`.
+
+Start it with the model-parallel flags of the checkpoint, e.g. (see examples/inference/):
+
+    torchrun --nproc-per-node 1 tools/run_text_generation_server.py --load CKPT \\
+        --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \\
+        --max-position-embeddings 1024 --micro-batch-size 1 --tokenizer-type GPT2BPETokenizer \\
+        --vocab-file data/gpt2/gpt2-vocab.json --merge-file data/gpt2/gpt2-merges.txt
+
+Global rank 0 serves on --host:--port; every other rank waits for its broadcasts.
+"""
+
+import os
+import sys
+
+sys.path.append(os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron.core import parallel_state as mpu
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.inference.text_generation_server import (
+    MAX_PROMPTS,
+    MAX_REQUEST_BYTES,
+    MegatronServer,
+    run_generation_worker_loop,
+)
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.checkpointing import load_checkpoint
+from megatron.training.global_vars import get_args
+from megatron.training.initialize import initialize_megatron
+from megatron.training.training import get_model
+from megatron.training.utils import print_rank_0
+
+
+def model_provider(pre_process=True, post_process=True) -> GPTModel:
+    """The GPT model of this stage, with full-vocabulary logits on every TP rank
+    (parallel_output=False) so that each rank can sample. As in Megatron the layer spec is built
+    without q/k layernorm."""
+    args = get_args()
+    print_rank_0('building GPT model ...')
+    config = core_transformer_config_from_args(args)
+    transformer_layer_spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=transformer_layer_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=False,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
+
+
+def add_text_generate_args(parser):
+    """Server flags: Megatron's --port, plus where to bind and the request limits."""
+    group = parser.add_argument_group(title='text generation')
+    group.add_argument(
+        '--port', type=int, default=5000, help='port for text generation server to run on'
+    )
+    group.add_argument(
+        '--host',
+        type=str,
+        default='127.0.0.1',
+        help='Address the server binds to (Megatron binds 0.0.0.0, every '
+        'interface; pass --host 0.0.0.0 to serve other machines).',
+    )
+    group.add_argument(
+        '--max-prompts', type=int, default=MAX_PROMPTS, help='Most prompts in one request.'
+    )
+    group.add_argument(
+        '--max-request-bytes',
+        type=int,
+        default=MAX_REQUEST_BYTES,
+        help='Largest request body accepted, in bytes (larger: HTTP 400).',
+    )
+    group.add_argument(
+        '--served-model-name',
+        type=str,
+        default=None,
+        help='Model name reported by GET /v1/models (default: the --load ' 'directory name).',
+    )
+    return parser
+
+
+def main(args_list=None):
+    initialize_megatron(
+        extra_args_provider=add_text_generate_args,
+        args_defaults={
+            'tokenizer_type': 'GPT2BPETokenizer',
+            'no_load_rng': True,
+            'no_load_optim': True,
+        },
+        args_list=args_list,
+    )
+    args = get_args()
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        print("Interleaved pipeline schedule is not yet supported for text generation.")
+        sys.exit(1)
+    for flag, value in (
+        ('--max-prompts', args.max_prompts),
+        ('--max-request-bytes', args.max_request_bytes),
+    ):
+        if value < 1:
+            raise ValueError(f'{flag} must be at least 1, got {value}')
+    if args.data_parallel_size != 1:
+        # Every rank follows global rank 0's broadcasts: one model replica only.
+        raise ValueError(
+            f'text generation runs one model replica: world size ({args.world_size}) must equal '
+            f'--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x '
+            f'--pipeline-model-parallel-size ({args.pipeline_model_parallel_size})'
+        )
+    print_rank_0("WARNING: Forcing exit_on_missing_checkpoint to True for text generation.")
+    args.exit_on_missing_checkpoint = True
+
+    model = get_model(model_provider, wrap_with_ddp=False)
+    if args.load is not None:
+        _ = load_checkpoint(model, None, None)
+    assert len(model) == 1, "Above condition should have caught this"
+    model = model[0]
+
+    if mpu.is_pipeline_first_stage() and mpu.get_tensor_model_parallel_rank() == 0:
+        name = args.served_model_name or os.path.basename(os.path.normpath(args.load or 'megatron'))
+        server = MegatronServer(
+            model,
+            max_position_embeddings=args.max_position_embeddings,
+            max_prompts=args.max_prompts,
+            max_request_bytes=args.max_request_bytes,
+            model_name=name,
+        )
+        print_rank_0(f'text generation server listening on http://{args.host}:{args.port}')
+        server.run(args.host, port=args.port)
+    run_generation_worker_loop(model)
+
+
+if __name__ == "__main__":
+    main()

@@ -22,6 +22,7 @@ from megatron.core.models.T5.t5_spec import (
     get_t5_encoder_with_transformer_engine_block_spec,
 )
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.training import pretrain
 from megatron.training.utils import print_rank_0
@@ -183,7 +184,8 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 if __name__ == '__main__':
-    pretrain(
+    run_main(
+        pretrain,
         train_valid_test_datasets_provider,
         model_provider,
         ModelType.encoder_and_decoder,

@@ -20,6 +20,7 @@ from megatron.core.models.bert.bert_model import BertModel
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.bert_checks import check_bert_pretraining_inputs
 from megatron.training.datasets.masked_dataset_configs import core_bert_dataset_config_from_args
+from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.training import pretrain
 from megatron.training.utils import average_losses_across_data_parallel_group, print_rank_0
@@ -146,7 +147,8 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 if __name__ == '__main__':
-    pretrain(
+    run_main(
+        pretrain,
         train_valid_test_datasets_provider,
         model_provider,
         ModelType.encoder_or_decoder,

@@ -51,7 +51,8 @@ def _main(argv):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             run_main(pretrain, pretrain_gpt.train_valid_test_datasets_provider,
                      pretrain_gpt.model_provider, ModelType.encoder_or_decoder,
-                     pretrain_gpt.forward_step, args_defaults={'tokenizer_type': 'GPT2BPETokenizer'},
+                     pretrain_gpt.forward_step,
+                     args_defaults={'tokenizer_type': 'GPT2BPETokenizer'},
                      args_list=argv)
     except SystemExit as exc:
         code = exc.code
@@ -132,8 +133,9 @@ def _pre_init_cases(tmp_path):
                           rf'^error: --merge-file {VOCAB} is a JSON file, not a BPE merges file '
                           rf'\(swapped --vocab-file and --merge-file\?\)$'),
         'vocab-not-json': (mock + ['--vocab-file', MERGES], 1,
-                           rf'^error: --vocab-file {MERGES} is not a JSON vocabulary: .* \(it looks '
-                           rf'like a BPE merges file: swapped --vocab-file and --merge-file\?\)$'),
+                           rf'^error: --vocab-file {MERGES} is not a JSON vocabulary: .* '
+                           rf'\(it looks like a BPE merges file: swapped --vocab-file and '
+                           rf'--merge-file\?\)$'),
     }
 
 
@@ -201,8 +203,8 @@ def test_data_and_checkpoint_errors(data, tmp_path):
     code, out, err = _run(base + ['--train-iters', '0'])
     assert code == 1
     assert re.search(rf'^error: dataset cache file {target} is corrupt or was not written by '
-                     rf'Megatron \(not a plain numpy array: .*\); delete it \(or its cache directory '
-                     rf'{cache}\) so the indices are rebuilt$', _one_error_line(err)), err
+                     rf'Megatron \(not a plain numpy array: .*\); delete it \(or its cache '
+                     rf'directory {cache}\) so the indices are rebuilt$', _one_error_line(err)), err
 
     # empty-train-split.
     code, out, err = _run(['--data-path', str(data / 'docs_text_document'), '--data-cache-path',

@@ -97,7 +97,7 @@ def build_plain(batches, cfg):
     return step, sum(p.numel() for p in model.parameters())
 
 
-def build_megatron(batches, cfg):
+def build_megatron(batches, cfg, compile_too):
     """Returns (step(i), number of parameters, model FLOPs per step) for the framework."""
     os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
     os.environ.setdefault('MASTER_PORT', str(29500 + os.getpid() % 1000))
@@ -109,7 +109,7 @@ def build_megatron(batches, cfg):
     from megatron.core.utils import get_model_config
     from megatron.training.global_vars import get_args
     from megatron.training.initialize import initialize_megatron
-    from megatron.training.training import setup_model_and_optimizer, train_step
+    from megatron.training.training import setup_model_and_optimizer, train_step, training_log
     from megatron.training.utils import num_floating_point_operations
 
     initialize_megatron(args_list=[
@@ -119,27 +119,56 @@ def build_megatron(batches, cfg):
         '--global-batch-size', str(cfg['mbs']), '--train-iters', '1000', '--lr', '1e-4',
         '--tokenizer-type', 'NullTokenizer', '--vocab-size', str(cfg['vocab'] - 1),
         '--make-vocab-size-divisible-by', '128', '--attention-dropout', '0', '--hidden-dropout', '0',
-        '--weight-decay', '0.01', '--clip-grad', '1.0', '--no-create-attention-mask-in-dataloader',
+        '--weight-decay', '0.01', '--clip-grad', '1.0',
     ], args_defaults={})
     args = get_args()
     assert args.padded_vocab_size == cfg['vocab'], args.padded_vocab_size
-    model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder)
+    steps = {}
+    for name, compiled in (('megatron', False), ('megatron --torch-compile', True)):
+        if compiled and not compile_too:
+            continue
+        args.torch_compile = compiled
+        model, optimizer, scheduler = setup_model_and_optimizer(
+            pretrain_gpt.model_provider, ModelType.encoder_or_decoder
+        )
+        steps[name] = _megatron_step(model, optimizer, scheduler, batches, args, train_step,
+                                     training_log, pretrain_gpt.forward_step)
     config = get_model_config(model[0])
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
+    n_params = sum(p.numel() for p in model[0].parameters())
+    return steps, n_params, num_floating_point_operations(args, cfg['mbs'])
 
-    def data(i):
-        tokens, labels = batches[i % len(batches)]
-        s = tokens.shape[1]
-        yield {'tokens': tokens, 'labels': labels, 'loss_mask': torch.ones(tokens.shape),
-               'position_ids': torch.arange(s).unsqueeze(0).expand_as(tokens)}
+
+def _megatron_step(model, optimizer, scheduler, batches, args, train_step, training_log,
+                   forward_step):
+    """step(i): train_step on the dataloader-shaped batch (with its causal mask), then the log
+    line, as pretrain() runs an iteration with --log-interval 1."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+    from megatron.training.utils import get_ltor_masks_and_position_ids
+
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    prepared = []
+    for tokens, labels in batches:
+        mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+            tokens, -1, False, False, False
+        )
+        prepared.append({'tokens': tokens, 'labels': labels, 'loss_mask': loss_mask,
+                         'attention_mask': mask, 'position_ids': position_ids})
+    total_loss_dict = {}
 
     def step(i):
         args.curr_iteration = i
-        train_step(pretrain_gpt.forward_step, data(i), model, optimizer, scheduler, config)
+        loss_dict, skipped, grad_norm, num_zeros = train_step(
+            forward_step, iter([prepared[i % len(prepared)]]), model, optimizer, scheduler, config
+        )
+        training_log(loss_dict, total_loss_dict, optimizer.param_groups[0]['lr'], i + 1,
+                     optimizer.get_loss_scale().item(), False, skipped, grad_norm, None, num_zeros)
 
-    n_params = sum(p.numel() for p in model[0].parameters())
-    return step, n_params, num_floating_point_operations(args, cfg['mbs'])
+    return step
 
 
 def main():

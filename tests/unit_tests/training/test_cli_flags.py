@@ -35,6 +35,7 @@ OUR_EXTRA_FLAGS = {
 # Flags of this package only (no Megatron version has them).
 OUR_OWN_FLAGS = {
     '--watchdog-timeout',  # the hang watchdog (megatron/training/watchdog.py)
+    '--torch-compile',  # torch.compile of the transformer layers (megatron/training/training.py)
 }
 
 

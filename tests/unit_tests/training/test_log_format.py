@@ -18,12 +18,23 @@ def test_training_log_line_format():
     )
     expected = (
         ' [2024-08-12 01:02:03] iteration       20/     200 | consumed samples:          320 |'
-        ' elapsed time per iteration (ms): 123.5 | throughput per GPU (TFLOP/s/GPU): 0.0 |'
+        ' elapsed time per iteration (ms): 123.5 | throughput per GPU (TFLOP/s/GPU): 0.0123 |'
         ' learning rate: 1.000000E-03 | global batch size:    16 | lm loss: 7.250000E+00 |'
         ' loss scale: 1.0 | grad norm: 1.235 | number of skipped iterations:   1 |'
         ' number of nan iterations:   0 |'
     )
     assert line == expected
+
+
+def test_throughput_keeps_three_significant_digits_below_10_tflops():
+    def shown(tflops):
+        line = format_log_line(1, 10, 4, 5.0, 0.0, 4, {}, 1.0, throughput=tflops)
+        return re.search(r'\(TFLOP/s/GPU\): (\S+) \|', line).group(1)
+
+    # Megatron's one decimal at GPU rates; a CPU run's fraction of a TFLOP/s stays readable.
+    assert [shown(x) for x in (312.44, 10.0, 5.678, 0.04567, 0.000123456)] == [
+        '312.4', '10.0', '5.68', '0.0457', '0.000123'
+    ]
 
 
 def test_training_log_line_optional_fields():

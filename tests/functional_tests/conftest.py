@@ -23,5 +23,6 @@ def bert_data_prefix(tmp_path_factory):
 
 @pytest.fixture(scope='session')
 def t5_data_prefix(tmp_path_factory):
-    """Prefix of 3,000 quotations of fortunes.jsonl preprocessed with the bundled BERT vocabulary."""
+    """Prefix of 3,000 quotations of fortunes.jsonl preprocessed with the bundled BERT
+    vocabulary."""
     return prepare_t5_data(str(tmp_path_factory.mktemp('t5_data')))

@@ -116,6 +116,19 @@ def evaluate(data_loader, model, eval_metric):
     return total_output
 
 
+def compute_results(eval_metric, total_output, dataset):
+    """{name: value} of the task's result (the numbers of Megatron's result line)."""
+    if eval_metric == 'loss':
+        num_tokenized_tokens = dataset.num_tokenized_tokens
+        val_loss = total_output / (num_tokenized_tokens - 1)
+        token_ratio = (num_tokenized_tokens - 1) / (dataset.num_original_tokens - 1)
+        return {'avg loss': val_loss, 'ppl': math.exp(min(20, val_loss)),
+                'adjusted ppl': math.exp(min(20, val_loss * token_ratio)),
+                'token ratio': token_ratio}
+    return {'number correct': total_output, 'total examples': len(dataset),
+            'avg accuracy': total_output / len(dataset)}
+
+
 def format_results(task, eval_metric, total_output, dataset):
     """Megatron's result string for the task."""
     string = ' validation results on {} | '.format(task)
@@ -140,14 +153,20 @@ def format_results(task, eval_metric, total_output, dataset):
 
 
 def evaluate_and_print_results(task, data_loader, model, eval_metric):
-    """Evaluate and print the dashed result block on the last rank; returns the result string."""
+    """Evaluate and print the dashed result block on the last rank.
+
+    Returns:
+        {name: value} of the result on the last pipeline stage, None elsewhere.
+    """
     total_output = evaluate(data_loader, model, eval_metric)
     string = format_results(task, eval_metric, total_output, data_loader.dataset)
     length = len(string) + 1
     print_rank_last('-' * length)
     print_rank_last(string)
     print_rank_last('-' * length)
-    return string
+    if not mpu.is_pipeline_last_stage():
+        return None
+    return compute_results(eval_metric, total_output, data_loader.dataset)
 
 
 def main():
@@ -170,7 +189,7 @@ def main():
     dataloader = build_data_loader(dataset, args.micro_batch_size, args.num_workers,
                                    drop_last=False)
     start = time.time()
-    string = evaluate_and_print_results(task, dataloader, model, eval_metric)
+    result = evaluate_and_print_results(task, dataloader, model, eval_metric)
     print_rank_0('evaluation time (sec): {:.3f}'.format(time.time() - start))
     print_rank_0('done :-)')
-    return string
+    return result

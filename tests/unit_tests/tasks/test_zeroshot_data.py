@@ -109,7 +109,7 @@ def test_lambada_items_and_errors(tmp_path):
     ds = LambadaDataset(str(path), 0, _CharTokenizer(), 8, strict=True)
     item = ds[0]
     assert list(item['text']) == [ord(c) for c in 'ab cd'] + [0] * 4
-    assert list(item['pad_mask']) == [0, 0, 1, 1, 1, 0, 0, 0]  # ' cd' after 'ab'
+    assert list(item['pad_mask']) == [0, 1, 1, 1, 0, 0, 0, 0]  # labels ' cd' after 'ab'
     ds = LambadaDataset(str(path), 0, _CharTokenizer(), 8, strict=False)
     assert list(ds[0]['pad_mask']) == [0, 0, 0, 1, 0, 0, 0, 0]  # the last token only
     path.write_text('{"text": "ok"}\n{"txt": "x"}\n')

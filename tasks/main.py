@@ -1,0 +1,101 @@
+"""Downstream tasks: `python tasks/main.py --task NAME ...`, as in Megatron's tasks/main.py.
+
+Zero-shot GPT: LAMBADA, WIKITEXT103. BERT fine-tuning: MNLI, QQP (classification), RACE
+(multiple choice). The task name is checked before Megatron is initialized, so a typo costs one
+line and no start-up time.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron.training.errors import run_main  # noqa: E402
+from megatron.training.global_vars import get_args  # noqa: E402
+from megatron.training.initialize import initialize_megatron  # noqa: E402
+
+#: Task name -> (module, the tokenizer Megatron's README uses for it).
+TASKS = {
+    'RACE': ('tasks.race.finetune', 'BertWordPieceLowerCase'),
+    'MNLI': ('tasks.glue.finetune', 'BertWordPieceLowerCase'),
+    'QQP': ('tasks.glue.finetune', 'BertWordPieceLowerCase'),
+    'LAMBADA': ('tasks.zeroshot_gpt.evaluate', 'GPT2BPETokenizer'),
+    'WIKITEXT103': ('tasks.zeroshot_gpt.evaluate', 'GPT2BPETokenizer'),
+}
+#: Tasks of Megatron's registry that this package does not implement (retrieval QA).
+NOT_IMPLEMENTED = ('ICT-ZEROSHOT-NQ', 'RETRIEVER-EVAL', 'RET-FINETUNE-NQ')
+
+
+def get_tasks_args(parser):
+    """The "tasks" argument group (--pretrained-checkpoint is a core checkpointing flag)."""
+    group = parser.add_argument_group(title='tasks')
+    group.add_argument('--task', type=str, required=True, help='Task name.')
+    group.add_argument('--epochs', type=int, default=None,
+                       help='Number of finetunning epochs. Zero results in evaluation only.')
+    group.add_argument('--keep-last', action='store_true',
+                       help='Keep the last batch (maybe incomplete) in the data loader')
+    group.add_argument('--train-data', nargs='+', default=None,
+                       help='Whitespace separated paths or corpora names for training.')
+    group.add_argument('--valid-data', nargs='*', default=None, help='path(s) to the validation data.')
+    group.add_argument('--overlapping-eval', type=int, default=32,
+                       help='Sliding window for overlapping evaluation.')
+    group.add_argument('--strict-lambada', action='store_true',
+                       help='Use more difficult formulation of lambada.')
+    # Retriever args (parsed for command-line compatibility; the retrieval tasks are not built).
+    group.add_argument('--qa-data-dev', type=str, default=None,
+                       help='Path to the QA dataset dev file.')
+    group.add_argument('--qa-data-test', type=str, default=None,
+                       help='Path to the QA dataset test file.')
+    group.add_argument('--faiss-use-gpu', action='store_true', help='Whether create the FaissMIPSIndex on GPU')
+    group.add_argument('--faiss-match', type=str, default='string', choices=['regex', 'string'],
+                       help='Answer matching logic type')
+    group.add_argument('--faiss-topk-retrievals', type=int, default=100,
+                       help='Number of blocks to use as top-k during retrieval')
+    group.add_argument('--eval-micro-batch-size', type=int, default=None,
+                       help='Eval Batch size per model instance (local batch size).')
+    group.add_argument('--train-with-neg', action='store_true',
+                       help='Whether to use negative examples during model training')
+    group.add_argument('--train-hard-neg', type=int, default=0,
+                       help='Number of hard negative exmaples to use during training')
+    group.add_argument('--val-av-rank-hard-neg', type=int, default=30,
+                       help='Av.rank validation: how many hard negatives to take from each '
+                       'question pool')
+    group.add_argument('--val-av-rank-other-neg', type=int, default=30,
+                       help='Av.rank validation: how many other negatives to take from each '
+                       'question pool')
+    return parser
+
+
+def task_name(args_list=None):
+    """The --task value, checked against the registry before any start-up work."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument('--task', type=str, default=None)
+    known, _ = parser.parse_known_args(args_list)
+    if known.task is None:
+        raise ValueError('--task is required (one of ' + ', '.join(TASKS) + ')')
+    if known.task in NOT_IMPLEMENTED:
+        raise ValueError(f'--task {known.task}: retrieval tasks are not implemented in this package')
+    if known.task not in TASKS:
+        raise ValueError(f'--task {known.task}: Task {known.task} is not implemented '
+                         f'(known: {", ".join(TASKS)})')
+    return known.task
+
+
+def main(args_list=None):
+    """Initialize Megatron with the tasks flags and run the task; returns the task's result."""
+    import importlib
+
+    task = task_name(args_list)
+    module_name, tokenizer_type = TASKS[task]
+    initialize_megatron(extra_args_provider=get_tasks_args,
+                        args_defaults={'tokenizer_type': tokenizer_type}, args_list=args_list)
+    args = get_args()
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        raise ValueError('--num-layers-per-virtual-pipeline-stage: the interleaved schedule is not '
+                         'supported for downstream tasks')
+    return importlib.import_module(module_name).main()
+
+
+if __name__ == '__main__':
+    run_main(main)

@@ -1,0 +1,184 @@
+"""Zero-shot datasets, as in Megatron's tasks/zeroshot_gpt/datasets.py.
+
+WikiText: one token stream cut into overlapping windows of seq_length + 1 tokens; window i starts
+at token i * stride and scores only its last `stride` targets (window 0 scores all of its
+targets), so every target 1..N-1 is scored exactly once.
+LAMBADA: one JSON object per line; the target is the last BPE token (default) or, with
+--strict-lambada, the whole last word.
+"""
+
+import json
+import math
+import os
+
+import numpy as np
+import torch
+
+from megatron.training.utils import print_rank_0
+from tasks.zeroshot_gpt.detokenizer import get_detokenizer
+
+
+def num_windows(num_tokens: int, seq_len: int, stride: int) -> int:
+    """Number of windows Megatron builds for num_tokens tokens (the last few may score nothing)."""
+    targets = num_tokens - 1
+    return max(math.ceil(max(targets - stride, 0) / stride) + 1, 1)
+
+
+class LMDataset(torch.utils.data.Dataset):
+    """Overlapping windows over one token stream; items {'text': [L+1], 'pad_mask': [L]}.
+
+    Args:
+        tokens: the token ids of the whole (detokenized) text.
+        seq_len: L, the model's window.
+        pad_idx: the id that pads the last windows (EOD).
+        num_original_tokens: words of the raw file (for the adjusted perplexity).
+        num_tokenized_tokens: len(tokens).
+        overlapping_eval: the stride S (None: S = L; 0 becomes 1).
+    """
+
+    def __init__(self, tokens, seq_len, pad_idx, num_original_tokens, num_tokenized_tokens,
+                 overlapping_eval=None):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.pad_idx = pad_idx
+        self.overlapping_eval = overlapping_eval
+        if self.overlapping_eval is None:
+            self.overlapping_eval = self.seq_len
+        self.overlapping_eval = max(1, self.overlapping_eval)
+        self.num_original_tokens = num_original_tokens
+        self.num_tokenized_tokens = num_tokenized_tokens
+        self.total_sequences = num_windows(len(self.tokens), self.seq_len, self.overlapping_eval)
+
+    def __len__(self):
+        return self.total_sequences
+
+    def __getitem__(self, idx):
+        start_idx = idx * self.overlapping_eval
+        end_idx = start_idx + self.seq_len
+        tokens = self.tokens[start_idx:end_idx + 1]
+        num_tokens = len(tokens)
+        pad_mask = [1] * num_tokens
+        if num_tokens < self.seq_len + 1:
+            num_pad = self.seq_len + 1 - num_tokens
+            pad_mask += [0] * num_pad
+            tokens += [self.pad_idx] * num_pad
+        pad_mask = np.array(pad_mask[1:])  # aligned with the targets
+        if self.overlapping_eval != self.seq_len and idx != 0:
+            # Earlier windows already scored all but the last `stride` targets.
+            pad_mask[:-self.overlapping_eval] *= 0
+        return {'text': np.array(tokens), 'pad_mask': pad_mask}
+
+
+class LambadaDataset(torch.utils.data.Dataset):
+    """LAMBADA passages; items {'text': [L+1] (context + target, EOD-padded), 'pad_mask': [L]}.
+
+    Raises:
+        ValueError: a line is not a JSON object with a 'text' string, or a passage does not fit
+            in seq_len + 1 tokens (Megatron would fail while batching).
+    """
+
+    def __init__(self, path, pad_idx, tokenizer, seq_len, strict=False):
+        print_rank_0('> building lambada dataset from {} ...'.format(path))
+        self.seq_len = seq_len
+        self.pad_idx = pad_idx
+        self.tokenizer = tokenizer
+        self.strict = strict
+        self.tokens = []
+        self.labels = []
+        with open(path, 'r', encoding='utf-8') as f:
+            for row, line in enumerate(f, start=1):
+                text = _lambada_text(path, row, line)
+                tokens, labels = self.get_tokens(text)
+                if len(tokens) + len(labels) > seq_len + 1:
+                    raise ValueError(
+                        f'{path}: row {row}: passage has {len(tokens) + len(labels)} tokens, more '
+                        f'than --seq-length + 1 = {seq_len + 1}'
+                    )
+                self.tokens.append(tokens)
+                self.labels.append(labels)
+
+    def get_tokens(self, text):
+        """(context ids, target ids): the last BPE token, or with strict the whole last word."""
+        if not self.strict:
+            tokens = self.tokenizer.tokenize(text)
+            return tokens[:-1], [tokens[-1]]
+        last_token = text.split()[-1]
+        start_idx = text.rfind(last_token)
+        beginning_tokens = self.tokenizer.tokenize(text[:start_idx].strip())
+        last_token = self.tokenizer.tokenize(' ' + last_token)
+        return beginning_tokens, last_token
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, idx):
+        tokens = self.tokens[idx]
+        num_tokens = len(tokens)
+        pad_mask = [0] * num_tokens
+        labels = self.labels[idx]
+        pad_mask += [1] * len(labels)
+        tokens = tokens + labels
+        num_tokens = len(tokens)
+        if num_tokens < self.seq_len + 1:
+            num_pad = self.seq_len + 1 - num_tokens
+            pad_mask += [0] * num_pad
+            tokens += [self.pad_idx] * num_pad
+        pad_mask = np.array(pad_mask[1:])
+        return {'text': np.array(tokens), 'pad_mask': pad_mask}
+
+
+def _lambada_text(path, row, line):
+    """The 'text' of one JSON line, or a one-line ValueError naming file and row."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f'{path}: row {row}: not a JSON object ({exc.msg})') from None
+    if not isinstance(obj, dict) or not isinstance(obj.get('text'), str) or not obj['text'].split():
+        raise ValueError(f'{path}: row {row}: needs a non-empty "text" string')
+    return obj['text']
+
+
+def _build_lambada_dataset(args, tokenizer):
+    """LAMBADA dataset of the one --valid-data file."""
+    assert len(args.valid_data) == 1
+    val_dataset = LambadaDataset(
+        args.valid_data[0], tokenizer.eod, tokenizer, args.seq_length, args.strict_lambada
+    )
+    print_rank_0(' > found {} samples.'.format(len(val_dataset)))
+    return val_dataset
+
+
+def count_original_tokens(text: str) -> int:
+    """Words of a raw WikiText file: pieces of a split on the single space (newlines stay)."""
+    return len(text.strip().split(' '))
+
+
+def _build_wikitext103_dataset(args, tokenizer):
+    """Windows over the one --valid-data file, detokenized by the detokenizer its path selects."""
+    assert len(args.valid_data) == 1
+    path = args.valid_data[0]
+    detokenizer = get_detokenizer(path)
+    with open(path, 'rb') as reader:
+        entire_data = reader.read().decode('utf-8')
+    num_original_tokens = count_original_tokens(entire_data)
+    entire_data = detokenizer(entire_data)
+    tokenized_data = tokenizer.tokenize(entire_data)
+    num_tokenized_tokens = len(tokenized_data)
+    val_dataset = LMDataset(tokenized_data, args.seq_length, tokenizer.eod,
+                            num_original_tokens, num_tokenized_tokens, args.overlapping_eval)
+    print_rank_0(' > number of original tokens: {}, number of detokenized tokens: {}'.format(
+        num_original_tokens, num_tokenized_tokens))
+    return val_dataset
+
+
+def build_dataset(task, args, tokenizer):
+    """The evaluation dataset of a zero-shot task ('LAMBADA' or 'WIKITEXT103')."""
+    if not args.valid_data or len(args.valid_data) != 1:
+        raise ValueError(f'--task {task} needs exactly one --valid-data file, got {args.valid_data}')
+    if not os.path.isfile(args.valid_data[0]):
+        raise ValueError(f'--valid-data {args.valid_data[0]}: no such file')
+    if task == 'LAMBADA':
+        return _build_lambada_dataset(args, tokenizer)
+    if task == 'WIKITEXT103':
+        return _build_wikitext103_dataset(args, tokenizer)
+    raise ValueError(f'dataset for task {task} is not implemented')

@@ -118,9 +118,9 @@ def test_theory_against_measured_cpu_peak():
     with socket.socket() as sock:
         sock.bind(('127.0.0.1', 0))
         port = str(sock.getsockname()[1])
+    env = dict(os.environ, PYTHONPATH=str(REPO), MALLOC_MMAP_THRESHOLD_='65536')
     proc = subprocess.run([sys.executable, '-c', MEASURE, port], capture_output=True, text=True,
-                          timeout=300, cwd=str(REPO),
-                          env=dict(os.environ, PYTHONPATH=str(REPO), MALLOC_MMAP_THRESHOLD_='65536'))
+                          timeout=300, cwd=str(REPO), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 0.7 <= result['resident'] / result['theory'] <= 1.3, result

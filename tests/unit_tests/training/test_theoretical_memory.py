@@ -125,3 +125,25 @@ def test_theory_against_measured_cpu_peak():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 0.7 <= result['resident'] / result['theory'] <= 1.3, result
     assert 0.8 <= result['measured'] / result['theory'] <= 1.6, result
+
+
+def test_report_tool_prints_the_weight_line():
+    """The tool parses a training command line, builds the tokenizer for the padded vocabulary
+    and prints the lines without any process group (TP1: sequence parallelism is switched off,
+    so only the weight and optimizer line)."""
+    argv = ['--num-layers', '24', '--hidden-size', '1024', '--num-attention-heads', '16',
+            '--seq-length', '2048', '--max-position-embeddings', '2048', '--micro-batch-size', '4',
+            '--global-batch-size', '64', '--tokenizer-type', 'GPT2BPETokenizer',
+            '--vocab-file', str(REPO / 'data/gpt2/gpt2-vocab.json'),
+            '--merge-file', str(REPO / 'data/gpt2/gpt2-merges.txt')]
+    proc = subprocess.run([sys.executable, str(REPO / 'tools/report_theoretical_memory.py')] + argv,
+                          capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    h, L, V = 1024, 24, 50304
+    shard = L * (12 * h * h + 4 * h) + 2 * h + h * V
+    assert proc.stdout.splitlines()[-1] == (
+        f"Theoretical memory footprints: weight and optimizer={shard * 18 / 2**20:.2f} MB"
+    )
+    assert f"Number of parameters in most loaded shard in billions: {shard / 1e9:.4f}" in (
+        proc.stdout
+    )

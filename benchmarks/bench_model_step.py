@@ -68,6 +68,7 @@ def build_megatron(cfg, batches, with_mask):
         get_gpt_layer_local_spec(),
         vocab_size=cfg['vocab'],
         max_sequence_length=cfg['seq'],
+        share_embeddings_and_output_weights=True,  # as pretrain_gpt.py (and the plain model)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     inputs = []
@@ -82,6 +83,7 @@ def build_megatron(cfg, batches, with_mask):
         losses.float().mean().backward()
         opt.step()
 
+    step.params = list(model.parameters())
     return step
 
 
@@ -95,6 +97,7 @@ def build_plain(cfg, batches):
         model(tokens, labels).backward()
         opt.step()
 
+    step.params = list(model.parameters())
     return step
 
 
@@ -124,6 +127,9 @@ def main():
             if i > 0:
                 times[name].append(time.perf_counter() - t)
     tokens = cfg['mbs'] * cfg['seq']
+    n_meg = sum(p.numel() for p in steps['megatron'].params)
+    n_plain = sum(p.numel() for p in steps['plain'].params)
+    print(f'parameters: megatron {n_meg / 1e6:.2f}M, plain {n_plain / 1e6:.2f}M')
     print(f'preset {cli.preset}: {cfg}; torch threads {torch.get_num_threads()}; '
           f'attention mask {"None" if cli.no_mask else "dataloader causal mask tensor"}')
     med = {name: statistics.median(t) for name, t in times.items()}

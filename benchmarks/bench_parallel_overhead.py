@@ -120,7 +120,8 @@ def main():
     tokens = bench.micro_batch_size * bench.num_microbatches * bench.seq_length
     med = {name: statistics.median(t) for name, t in times.items()}
     print(f'GPT {bench.num_layers} layers, hidden {bench.hidden_size}, seq {bench.seq_length}, '
-          f'vocab {bench.vocab}, {bench.num_microbatches} micro-batches of {bench.micro_batch_size}')
+          f'vocab {bench.vocab}, {bench.num_microbatches} micro-batches of '
+          f'{bench.micro_batch_size}')
     for name, t in med.items():
         print(f'{name:>17}: {t * 1000:8.1f} ms/step  {tokens / t:8.1f} tokens/s')
     ref = med['TP1 (2 threads)']

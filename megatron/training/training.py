@@ -37,6 +37,7 @@ from megatron.training.initialize import (
     set_jit_fusion_options,
     write_args_to_tensorboard,
 )
+from megatron.training.theoretical_memory_usage import report_theoretical_memory
 from megatron.training.utils import (
     append_to_progress_log,
     calc_params_l2_norm,
@@ -667,6 +668,11 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         total_loss_dict[nan_iters_key] = 0
         print_rank_last(log_string)
         if report_memory_flag and learning_rate > 0.0:
+            # After the first step the optimizer state exists; compare with the theory.
+            if torch.distributed.get_rank() == 0:
+                report_theoretical_memory(
+                    args, num_microbatches=get_num_microbatches(), verbose=True
+                )
             report_memory('(after {} iterations)'.format(iteration))
             report_memory_flag = False
         timers.log(timers_to_log, normalizer=args.log_interval)

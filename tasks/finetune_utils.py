@@ -166,6 +166,10 @@ def _load_pretrained(model, optimizer):
     from megatron.training.utils import print_rank_0
 
     args = get_args()
+    module = model[0].module if hasattr(model[0], 'module') else model[0]
+    head_name = getattr(module, 'head_name', None)
+    head = getattr(module, head_name, None) if head_name else None
+    before = head.weight.detach().clone() if head is not None else None
     saved = (args.finetune, args.no_load_rng)
     args.finetune, args.no_load_rng = True, True
     try:
@@ -173,9 +177,9 @@ def _load_pretrained(model, optimizer):
         load_checkpoint(model, None, None, load_arg='pretrained_checkpoint', strict=False)
     finally:
         args.finetune, args.no_load_rng = saved
-    head = getattr(model[0].module if hasattr(model[0], 'module') else model[0], 'head_name', None)
-    print_rank_0(f'***WARNING*** could not find "{head}" in the pretrained checkpoint, '
-                 'initializing it randomly')
+    if head is not None and torch.equal(before, head.weight.detach()):
+        print_rank_0(f'***WARNING*** could not find "{head_name}" in the pretrained checkpoint, '
+                     'initializing it randomly')
     optimizer.reload_model_params()
 
 

@@ -99,3 +99,45 @@ def test_bad_inputs_fail_before_training(data, tmp_path):
     assert f'{missing}: no such file' in line
     line = _one_line_error(['--task', 'MNLX'] + common)
     assert 'Task MNLX is not implemented' in line
+
+
+def _pretrain_bert(save, data_prefix):
+    from tests.functional_tests.bert_utils import run_bert_pretrain
+
+    return run_bert_pretrain(['--micro-batch-size', '2', '--global-batch-size', '2',
+                              '--train-iters', '4', '--eval-iters', '1', '--data-path',
+                              data_prefix, '--save', save, '--save-interval', '4',
+                              '--bert-no-binary-head'])
+
+
+@pytest.fixture(scope='module')
+def bert_document_prefix(tmp_path_factory):
+    """mobydick.jsonl preprocessed with the BERT vocabulary, one sentence per document (no
+    NLTK model needed)."""
+    from tests.functional_tests.gpt_utils import preprocess_once
+
+    return preprocess_once(str(tmp_path_factory.mktemp('bert_doc')), 'mobydick', 'document',
+                           ['--tokenizer-type', 'BertWordPieceLowerCase', '--vocab-file',
+                            BERT_VOCAB])
+
+
+def test_finetune_from_pretrained_bert(data, tmp_path, bert_document_prefix):
+    """Weights from --pretrained-checkpoint (a BERT pretrained without the binary head, so its
+    pooler starts random too); iteration, optimizer and LR schedule start fresh; the task head
+    starts random."""
+    from tests.functional_tests.bert_utils import TINY_BERT_ARGS
+
+    pretrained = str(tmp_path / 'bert')
+    run_distributed(_pretrain_bert, world_size=1, args=(pretrained, bert_document_prefix), timeout=600)
+    size = TINY_BERT_ARGS[:TINY_BERT_ARGS.index('--lr')]  # the architecture flags, seq 32
+    result, stdout = _run(['--task', 'MNLI', '--epochs', '1', '--lr', '1e-3',
+                           '--train-data', os.path.join(data, 'MNLI', 'train.tsv'),
+                           '--valid-data', os.path.join(data, 'MNLI', 'dev_matched.tsv'),
+                           '--pretrained-checkpoint', pretrained, '--micro-batch-size', '8',
+                           '--vocab-file', BERT_VOCAB, '--num-workers', '0',
+                           '--log-interval', '10', '--eval-interval', '1000'] + size)
+    assert f'successfully loaded checkpoint from {pretrained}' in stdout
+    assert 'at iteration 0' in stdout
+    assert 'could not find "classification_head" in the pretrained checkpoint' in stdout
+    assert ' iteration       10/      30 |' in stdout
+    assert accuracy_lines(stdout)[0][:2] == (0, 'dev-matched')

@@ -4,7 +4,6 @@ Thin entry script: the model provider, the batch getter, the loss, the forward s
 provider; `pretrain()` does the rest. Run with torchrun, e.g. `bash examples/quickstart_bert.sh`.
 """
 
-import dataclasses
 from functools import partial
 from importlib import import_module
 
@@ -13,17 +12,15 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
-from megatron.core.datasets.bert_dataset import (
-    BERTMaskedWordPieceDataset,
-    BERTMaskedWordPieceDatasetConfig,
-)
+from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.enums import ModelType
 from megatron.core.models.bert import bert_layer_specs
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.bert_checks import check_bert_pretraining_inputs
+from megatron.training.datasets.masked_dataset_configs import core_bert_dataset_config_from_args
+from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.training import pretrain
 from megatron.training.utils import average_losses_across_data_parallel_group, print_rank_0
@@ -88,7 +85,10 @@ def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tens
 
     lm_loss_ = lm_loss_.float()
     loss_mask = loss_mask.float()
-    lm_loss = torch.sum(lm_loss_.view(-1) * loss_mask.reshape(-1)) / loss_mask.sum()
+    # A micro-batch of short samples can have no masked token at all (the masking budget is
+    # 0.15 x the sample's target length, < 1 below 7 tokens): Megatron then divides 0 by 0 and
+    # stops on the NaN; here that micro-batch contributes an lm loss of 0 instead.
+    lm_loss = torch.sum(lm_loss_.view(-1) * loss_mask.reshape(-1)) / loss_mask.sum().clamp(min=1)
 
     if sop_logits is not None:
         sop_loss = F.cross_entropy(
@@ -120,36 +120,6 @@ def forward_step(data_iterator, model: BertModel):
     return output_tensor, partial(loss_func, loss_mask, sentence_order)
 
 
-def core_bert_dataset_config_from_args(args, tokenizer) -> BERTMaskedWordPieceDatasetConfig:
-    """BERTMaskedWordPieceDatasetConfig from args (masking settings as in Megatron's BERT)."""
-    kwargs = dict(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=get_blend_from_list(args.data_path),
-        blend_per_split=[
-            get_blend_from_list(args.train_data_path),
-            get_blend_from_list(args.valid_data_path),
-            get_blend_from_list(args.test_data_path),
-        ],
-        renormalize_blend_weights=args.renormalize_blend_weights,
-        split=args.split,
-        num_dataset_builder_threads=args.num_dataset_builder_threads,
-        path_to_cache=args.data_cache_path,
-        mmap_bin_files=args.mmap_bin_files,
-        tokenizer=tokenizer,
-        masking_probability=args.mask_prob,
-        short_sequence_probability=args.short_seq_prob,
-        masking_max_ngram=3,
-        masking_do_full_word=True,
-        masking_do_permutation=False,
-        masking_use_longer_ngrams=False,
-        masking_use_geometric_distribution=False,
-        classification_head=args.bert_binary_head,
-    )
-    fields = {f.name for f in dataclasses.fields(BERTMaskedWordPieceDatasetConfig) if f.init}
-    return BERTMaskedWordPieceDatasetConfig(**{k: v for k, v in kwargs.items() if k in fields})
-
-
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """Build the train, validation and test datasets (on TP rank 0 of every pipeline stage).
 
@@ -177,7 +147,8 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 if __name__ == '__main__':
-    pretrain(
+    run_main(
+        pretrain,
         train_valid_test_datasets_provider,
         model_provider,
         ModelType.encoder_or_decoder,

@@ -4,6 +4,7 @@ Thin entry script: the model provider, the batch getter, the loss, the forward s
 provider; `pretrain()` does the rest. Run with torchrun, e.g. `bash examples/quickstart.sh`.
 """
 
+import copy
 import dataclasses
 from functools import partial
 
@@ -16,6 +17,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import StragglerDetector
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.errors import run_main
@@ -50,6 +52,8 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
         transformer_layer_spec = get_gpt_layer_local_spec(
             args.num_experts, args.moe_grouped_gemm, args.qk_layernorm
         )
+    if args.reset_attention_mask:
+        transformer_layer_spec = _with_exact_attention_mask(transformer_layer_spec)
     return GPTModel(
         config=config,
         transformer_layer_spec=transformer_layer_spec,
@@ -65,6 +69,26 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
         rotary_base=args.rotary_base,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
     )
+
+
+def _with_exact_attention_mask(layer_spec):
+    """The spec with its self attention applying the dataloader's mask exactly.
+
+    Causal layers ignore the mask they are given and run fused causal attention; the per-document
+    mask of --reset-attention-mask carries more than causality, so it needs the masked path.
+    """
+    attention = getattr(layer_spec.submodules, 'self_attention', None)
+    if attention is None or not hasattr(attention, 'params'):
+        raise ValueError(
+            '--reset-attention-mask needs a layer spec with a self_attention ModuleSpec '
+            f'(got {type(attention).__name__})'
+        )
+    layer_spec = copy.deepcopy(layer_spec)
+    layer_spec.submodules.self_attention.params = {
+        **layer_spec.submodules.self_attention.params,
+        'attn_mask_type': AttnMaskType.arbitrary,
+    }
+    return layer_spec
 
 
 def get_batch(data_iterator):

@@ -12,7 +12,9 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.datasets.t5_dataset import (
+    T5MaskedWordPieceDataset,
+)
 from megatron.core.enums import ModelType
 from megatron.core.models.T5 import T5Model
 from megatron.core.models.T5.t5_spec import (
@@ -22,12 +24,22 @@ from megatron.core.models.T5.t5_spec import (
     get_t5_encoder_with_transformer_engine_block_spec,
 )
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.global_vars import get_args, get_timers, get_tokenizer
+from megatron.training.datasets.masked_dataset_configs import core_t5_dataset_config_from_args
+from megatron.training.errors import run_main
+from megatron.training.global_vars import get_args, get_timers
 from megatron.training.training import pretrain
 from megatron.training.utils import print_rank_0
 
 #: The keys of a T5 sample that get_batch broadcasts over the tensor-parallel group (all int64).
-T5_BATCH_KEYS = ['text_enc', 'text_dec', 'labels', 'loss_mask', 'enc_mask', 'dec_mask', 'enc_dec_mask']
+T5_BATCH_KEYS = [
+    'text_enc',
+    'text_dec',
+    'labels',
+    'loss_mask',
+    'enc_mask',
+    'dec_mask',
+    'enc_dec_mask',
+]
 
 
 def model_provider(
@@ -135,33 +147,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     Args:
         train_val_test_num_samples: samples wanted for each split.
     """
-    from megatron.core.datasets.t5_dataset import (
-        T5MaskedWordPieceDataset,
-        T5MaskedWordPieceDatasetConfig,
-    )
-
     args = get_args()
-    config = T5MaskedWordPieceDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.encoder_seq_length,
-        sequence_length_decoder=args.decoder_seq_length,
-        blend=get_blend_from_list(args.data_path),
-        blend_per_split=[
-            get_blend_from_list(args.train_data_path),
-            get_blend_from_list(args.valid_data_path),
-            get_blend_from_list(args.test_data_path),
-        ],
-        split=args.split,
-        path_to_cache=args.data_cache_path,
-        tokenizer=get_tokenizer(),
-        masking_probability=args.mask_prob,
-        short_sequence_probability=args.short_seq_prob,
-        masking_max_ngram=10,
-        masking_do_full_word=True,
-        masking_do_permutation=False,
-        masking_use_longer_ngrams=False,
-        masking_use_geometric_distribution=True,
-    )
+    config = core_t5_dataset_config_from_args(args)
     print_rank_0('> building train, validation, and test datasets for T5 ...')
     train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
         T5MaskedWordPieceDataset, train_val_test_num_samples, is_dataset_built_on_rank, config
@@ -175,7 +162,8 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 if __name__ == '__main__':
-    pretrain(
+    run_main(
+        pretrain,
         train_valid_test_datasets_provider,
         model_provider,
         ModelType.encoder_and_decoder,

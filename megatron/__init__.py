@@ -1,1 +1,2 @@
-"""Megatron-LM style distributed training for transformer language models, on CPU (gloo) and GPU (NCCL)."""
+"""Megatron-LM style distributed training for transformer language models, on CPU (gloo) and GPU
+(NCCL)."""

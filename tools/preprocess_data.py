@@ -33,46 +33,13 @@ class PreprocessError(Exception):
 
 
 def _load_sentence_splitter(lang: str, keep_newlines: bool):
-    """NLTK punkt for `lang`, or a PreprocessError explaining how to get it."""
+    """NLTK Punkt for `lang` from installed parameters (no download), or a one-line PreprocessError."""
+    from megatron.training.tokenizer.sentence_splitter import SentenceSplitter, SentenceSplitterError
+
     try:
-        import nltk
-    except ImportError:
-        raise PreprocessError("--split-sentences needs NLTK (pip install nltk) and its punkt model") from None
-    splitter = None
-    try:
-        if hasattr(nltk.tokenize, "PunktTokenizer"):
-            splitter = nltk.tokenize.PunktTokenizer(lang)
-        else:
-            splitter = nltk.load(f"tokenizers/punkt/{lang}.pickle")
-    except (LookupError, OSError, ValueError):
-        splitter = None
-    if splitter is None:
-        try:
-            splitter = nltk.load(f"tokenizers/punkt/{lang}.pickle")
-        except Exception:
-            raise PreprocessError(
-                f"--split-sentences needs NLTK's punkt model for '{lang}', which is not installed; "
-                "run `python -m nltk.downloader punkt punkt_tab` on a machine with network access "
-                "(or drop --split-sentences)"
-            ) from None
-    if keep_newlines:
-        from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer
-
-        class CustomLanguageVars(PunktLanguageVars):
-            """Punkt variables that keep the newline after a sentence end with the sentence."""
-
-            _period_context_fmt = r"""
-                \S*                          # some word material
-                %(SentEndChars)s             # a potential sentence ending
-                \s*                          # keep whitespace (newlines) with the sentence
-                (?=(?P<after_tok>
-                    %(NonWord)s              # either other punctuation
-                    |
-                    (?P<next_tok>\S+)        # or the next token
-                ))"""
-
-        splitter = PunktSentenceTokenizer(train_text=splitter._params, lang_vars=CustomLanguageVars())
-    return splitter
+        return SentenceSplitter(lang, keep_newlines)
+    except SentenceSplitterError as exc:
+        raise PreprocessError(str(exc)) from None
 
 
 class Encoder(object):
@@ -259,7 +226,7 @@ def get_args(argv=None):
     group = parser.add_argument_group(title="input data")
     group.add_argument("--input", type=str, required=True, help="Path to input JSON (a glob with --partitions > 1)")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="space separate listed of keys to extract from json")
-    group.add_argument("--split-sentences", action="store_true", help="Split documents into sentences (NLTK punkt).")
+    group.add_argument("--split-sentences", action="store_true", help="Split documents into sentences (NLTK Punkt, offline).")
     group.add_argument("--keep-newlines", action="store_true", help="Keep newlines between sentences when splitting.")
 
     group = parser.add_argument_group(title="tokenizer")

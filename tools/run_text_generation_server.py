@@ -87,14 +87,21 @@ def add_text_generate_args(parser):
     return parser
 
 
+#: Script defaults for flags left unset. Generation batches prompts itself, so the training
+#: micro-batch size only needs a value: a checkpoint converted with --use-checkpoint-args then
+#: starts with the tokenizer flags alone.
+ARGS_DEFAULTS = {
+    'tokenizer_type': 'GPT2BPETokenizer',
+    'no_load_rng': True,
+    'no_load_optim': True,
+    'micro_batch_size': 1,
+}
+
+
 def main(args_list=None):
     initialize_megatron(
         extra_args_provider=add_text_generate_args,
-        args_defaults={
-            'tokenizer_type': 'GPT2BPETokenizer',
-            'no_load_rng': True,
-            'no_load_optim': True,
-        },
+        args_defaults=ARGS_DEFAULTS,
         args_list=args_list,
     )
     args = get_args()

@@ -77,7 +77,8 @@ class OptimizerParamScheduler:
             raise ValueError(f'lr (--lr) {self.max_lr} must be >= min_lr (--min-lr) {self.min_lr}')
         if not self.init_lr <= self.max_lr:
             raise ValueError(
-                f'lr_warmup_init (--lr-warmup-init) {self.init_lr} must be <= lr (--lr) {self.max_lr}'
+                f'lr_warmup_init (--lr-warmup-init) {self.init_lr} must be <= lr (--lr) '
+                f'{self.max_lr}'
             )
 
         self.lr_warmup_steps = lr_warmup_steps
@@ -87,29 +88,32 @@ class OptimizerParamScheduler:
         self.lr_wsd_decay_style = lr_wsd_decay_style
         if not self.lr_decay_steps > 0:
             raise ValueError(
-                f'lr decay steps (--lr-decay-iters/--lr-decay-samples) must be > 0, got {lr_decay_steps}'
+                'lr decay steps (--lr-decay-iters/--lr-decay-samples) must be > 0, got '
+                f'{lr_decay_steps}'
             )
         if not self.lr_warmup_steps < self.lr_decay_steps:
             raise ValueError(
                 f'lr warmup steps ({self.lr_warmup_steps}) must be < lr decay steps '
-                f'({self.lr_decay_steps}) (--lr-warmup-iters/--lr-warmup-fraction vs --lr-decay-iters)'
+                f'({self.lr_decay_steps}) (--lr-warmup-iters/--lr-warmup-fraction vs '
+                '--lr-decay-iters)'
             )
 
         self.lr_decay_style = lr_decay_style
         if lr_decay_style not in _LR_DECAY_STYLES:
             raise ValueError(
-                f'lr_decay_style (--lr-decay-style) must be one of {_LR_DECAY_STYLES}, got {lr_decay_style!r}'
+                f'lr_decay_style (--lr-decay-style) must be one of {_LR_DECAY_STYLES}, got '
+                f'{lr_decay_style!r}'
             )
         if lr_decay_style == 'WSD':
             if wsd_decay_steps is None or not 0 < wsd_decay_steps <= lr_decay_steps:
                 raise ValueError(
-                    f'WSD needs 0 < wsd_decay_steps (--lr-wsd-decay-iters/samples) <= lr decay steps '
-                    f'({lr_decay_steps}), got {wsd_decay_steps}'
+                    'WSD needs 0 < wsd_decay_steps (--lr-wsd-decay-iters/samples) <= lr decay '
+                    f'steps ({lr_decay_steps}), got {wsd_decay_steps}'
                 )
             if lr_wsd_decay_style not in _WSD_DECAY_STYLES:
                 raise ValueError(
-                    f'lr_wsd_decay_style (--lr-wsd-decay-style) must be one of {_WSD_DECAY_STYLES}, '
-                    f'got {lr_wsd_decay_style!r}'
+                    'lr_wsd_decay_style (--lr-wsd-decay-style) must be one of '
+                    f'{_WSD_DECAY_STYLES}, got {lr_wsd_decay_style!r}'
                 )
 
         self.start_wd = start_wd
@@ -122,7 +126,8 @@ class OptimizerParamScheduler:
         self.wd_incr_style = wd_incr_style
         if wd_incr_style not in _WD_INCR_STYLES:
             raise ValueError(
-                f'wd_incr_style (--weight-decay-incr-style) must be one of {_WD_INCR_STYLES}, got {wd_incr_style!r}'
+                f'wd_incr_style (--weight-decay-incr-style) must be one of {_WD_INCR_STYLES}, got '
+                f'{wd_incr_style!r}'
             )
         if wd_incr_style == 'constant' and start_wd != end_wd:
             raise ValueError(

@@ -193,7 +193,9 @@ def initialize_model_parallel(
             "initialize_model_parallel called twice; call destroy_model_parallel() in between"
         )
     if (use_sharp or nccl_communicator_config_path is not None) and rank == 0:
-        warnings.warn("use_sharp / nccl_communicator_config_path have no effect in this implementation")
+        warnings.warn(
+            "use_sharp / nccl_communicator_config_path have no effect in this implementation"
+        )
     timeout = timedelta(minutes=distributed_timeout_minutes)
 
     global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
@@ -305,7 +307,8 @@ def get_model_parallel_group(with_expert_parallel: bool = False, check_initializ
     the tensor + expert + pipeline group (equal to it when expert parallelism is 1)."""
     if with_expert_parallel:
         return _checked(
-            _MODEL_PARALLEL_GROUP_WITH_EP, "model parallel group with expert parallel",
+            _MODEL_PARALLEL_GROUP_WITH_EP,
+            "model parallel group with expert parallel",
             check_initialized,
         )
     return _checked(_MODEL_PARALLEL_GROUP, "model parallel group", check_initialized)
@@ -318,19 +321,25 @@ def get_tensor_model_parallel_group(check_initialized: bool = True):
 
 def get_pipeline_model_parallel_group(check_initialized: bool = True):
     """The pipeline model parallel group of the caller."""
-    return _checked(_PIPELINE_MODEL_PARALLEL_GROUP, "pipeline model parallel group", check_initialized)
+    return _checked(
+        _PIPELINE_MODEL_PARALLEL_GROUP, "pipeline model parallel group", check_initialized
+    )
 
 
 def get_data_parallel_group(with_context_parallel: bool = False, check_initialized: bool = True):
     """The data parallel group of the caller (optionally including the context parallel ranks)."""
     if with_context_parallel:
         return _checked(
-            _DATA_PARALLEL_GROUP_WITH_CP, "data parallel group with context parallel", check_initialized
+            _DATA_PARALLEL_GROUP_WITH_CP,
+            "data parallel group with context parallel",
+            check_initialized,
         )
     return _checked(_DATA_PARALLEL_GROUP, "data parallel group", check_initialized)
 
 
-def get_data_parallel_group_gloo(with_context_parallel: bool = False, check_initialized: bool = True):
+def get_data_parallel_group_gloo(
+    with_context_parallel: bool = False, check_initialized: bool = True
+):
     """The gloo copy of the caller's data parallel group (for CPU-side collectives)."""
     if with_context_parallel:
         return _checked(
@@ -375,7 +384,9 @@ def get_position_embedding_global_ranks() -> List[int]:
     return _checked(_POSITION_EMBEDDING_GLOBAL_RANKS, "position embedding group")
 
 
-def get_tensor_and_data_parallel_group(with_context_parallel: bool = False, check_initialized: bool = True):
+def get_tensor_and_data_parallel_group(
+    with_context_parallel: bool = False, check_initialized: bool = True
+):
     """The tensor + data parallel group (optionally + context parallel) of the caller."""
     if with_context_parallel:
         return _checked(
@@ -383,7 +394,9 @@ def get_tensor_and_data_parallel_group(with_context_parallel: bool = False, chec
             "tensor and data parallel group with context parallel",
             check_initialized,
         )
-    return _checked(_TENSOR_AND_DATA_PARALLEL_GROUP, "tensor and data parallel group", check_initialized)
+    return _checked(
+        _TENSOR_AND_DATA_PARALLEL_GROUP, "tensor and data parallel group", check_initialized
+    )
 
 
 def get_tensor_and_context_parallel_group(check_initialized: bool = True):
@@ -433,7 +446,9 @@ def get_nccl_options(pg_name: str, nccl_comm_cfgs: dict):
     return nccl_options
 
 
-def get_data_modulo_expert_parallel_group(with_context_parallel: bool = False, check_initialized: bool = True):
+def get_data_modulo_expert_parallel_group(
+    with_context_parallel: bool = False, check_initialized: bool = True
+):
     """The data parallel group of expert parameters (data parallel / expert parallel)."""
     if with_context_parallel:
         return _checked(
@@ -453,7 +468,9 @@ def get_data_modulo_expert_parallel_group_gloo(with_context_parallel: bool = Fal
             _DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP_GLOO,
             "data modulo expert parallel gloo group with context parallel",
         )
-    return _checked(_DATA_MODULO_EXPERT_PARALLEL_GROUP_GLOO, "data modulo expert parallel gloo group")
+    return _checked(
+        _DATA_MODULO_EXPERT_PARALLEL_GROUP_GLOO, "data modulo expert parallel gloo group"
+    )
 
 
 # Fallback helpers: core modules take groups as arguments and resolve None through these.
@@ -469,7 +486,9 @@ def get_pipeline_model_parallel_group_if_none(group=None, check_initialized: boo
     return group if group is not None else get_pipeline_model_parallel_group(check_initialized)
 
 
-def get_data_parallel_group_if_none(group=None, with_context_parallel: bool = False, check_initialized: bool = True):
+def get_data_parallel_group_if_none(
+    group=None, with_context_parallel: bool = False, check_initialized: bool = True
+):
     """`group` if given, else the global data parallel group (optionally with context parallel)."""
     if group is not None:
         return group
@@ -704,7 +723,11 @@ def get_tensor_model_parallel_src_rank() -> int:
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
     """Global rank of the first rank of the caller's data parallel group."""
-    ranks = _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP if with_context_parallel else _DATA_PARALLEL_GLOBAL_RANKS
+    ranks = (
+        _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP
+        if with_context_parallel
+        else _DATA_PARALLEL_GLOBAL_RANKS
+    )
     return _checked(ranks, "data parallel group")[0]
 
 
@@ -721,19 +744,25 @@ def get_pipeline_model_parallel_last_rank() -> int:
 def get_pipeline_model_parallel_next_rank() -> int:
     """Global rank of the next stage (wraps around)."""
     ranks = _checked(_PIPELINE_GLOBAL_RANKS, "pipeline model parallel group")
-    return ranks[(get_pipeline_model_parallel_rank() + 1) % get_pipeline_model_parallel_world_size()]
+    return ranks[
+        (get_pipeline_model_parallel_rank() + 1) % get_pipeline_model_parallel_world_size()
+    ]
 
 
 def get_pipeline_model_parallel_prev_rank() -> int:
     """Global rank of the previous stage (wraps around)."""
     ranks = _checked(_PIPELINE_GLOBAL_RANKS, "pipeline model parallel group")
-    return ranks[(get_pipeline_model_parallel_rank() - 1) % get_pipeline_model_parallel_world_size()]
+    return ranks[
+        (get_pipeline_model_parallel_rank() - 1) % get_pipeline_model_parallel_world_size()
+    ]
 
 
 def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
     """Number of data parallel replicas (0 when torch.distributed is not initialized)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(group=get_data_parallel_group(with_context_parallel))
+        return torch.distributed.get_world_size(
+            group=get_data_parallel_group(with_context_parallel)
+        )
     return 0
 
 
@@ -841,7 +870,8 @@ class GlobalMemoryBuffer:
         self.buffer = {}
 
     def get_tensor(self, tensor_shape, dtype, name):
-        """A tensor of `tensor_shape` and `dtype` backed by the buffer `name` (contents undefined)."""
+        """A tensor of `tensor_shape` and `dtype` backed by the buffer `name` (contents
+        undefined)."""
         from megatron.core.utils import get_current_device
 
         required_len = 1

@@ -31,8 +31,8 @@ logger = logging.getLogger('megatron.core.utils')
 _FIELDS = ('rtt_ms', 'drtt_ms', 'etpt_tflops', 'power_w', 'temp_c', 'util_pct', 'clock_mhz')
 
 
-def _on_cuda() -> bool:
-    # The package's one device rule (imported lazily: megatron.core.utils imports this module).
+def _uses_cuda() -> bool:
+    # Imported here: megatron.core.utils imports this module at its top (re-export).
     from megatron.core.utils import uses_cuda
 
     return uses_cuda()
@@ -40,13 +40,13 @@ def _on_cuda() -> bool:
 
 def _synchronize_device():
     # Section boundaries must include the queued GPU work, as CUDA events would.
-    if _on_cuda():
+    if _uses_cuda() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 
 def _gpu_readings() -> List[float]:
     """[power W, temperature C, utilization %, SM clock MHz] of this rank's GPU, or zeros."""
-    if not _on_cuda():
+    if not (_uses_cuda() and torch.cuda.is_initialized()):
         return [0.0, 0.0, 0.0, 0.0]
     readings = []
     for read in (

@@ -130,14 +130,17 @@ class Timers:
     """Group of named timers.
 
     Args:
-        log_level: the `--timing-log-level` (0, 1 or 2); timers asked for at a higher level are dummies.
+        log_level: the `--timing-log-level` (0, 1 or 2); timers asked for at a higher level are
+            dummies.
         log_option: 'max', 'minmax' or 'all': how times across ranks are reported.
     """
 
     def __init__(self, log_level: int, log_option: str):
         self._log_level = log_level
         if log_option not in ('max', 'minmax', 'all'):
-            raise ValueError(f"--timing-log-option must be 'max', 'minmax' or 'all', got {log_option!r}")
+            raise ValueError(
+                f"--timing-log-option must be 'max', 'minmax' or 'all', got {log_option!r}"
+            )
         self._log_option = log_option
         self._timers = {}
         self._log_levels = {}
@@ -173,14 +176,17 @@ class Timers:
             rank = torch.distributed.get_rank()
         else:
             world_size, rank = 1, 0
-        # gloo has no all_gather_into_tensor for CPU tensors in every torch version: use the list form.
+        # gloo has no all_gather_into_tensor for CPU tensors in every torch version: use the list
+        # form.
         device = get_current_device()
         rank_name_to_time = torch.zeros((world_size, len(names)), dtype=torch.float, device=device)
         for i, name in enumerate(names):
             if name in self._timers:
                 rank_name_to_time[rank, i] = self._timers[name].elapsed(reset=reset)
         if world_size > 1:
-            gathered = [torch.zeros(len(names), dtype=torch.float, device=device) for _ in range(world_size)]
+            gathered = [
+                torch.zeros(len(names), dtype=torch.float, device=device) for _ in range(world_size)
+            ]
             torch.distributed.all_gather(gathered, rank_name_to_time[rank, :].contiguous())
             rank_name_to_time = torch.stack(gathered)
         return rank_name_to_time
@@ -236,8 +242,13 @@ class Timers:
             return None
         return output_string
 
-    def get_all_timers_string(self, names: List[str] = None, normalizer: float = 1.0,
-                              reset: bool = True, barrier: bool = False):
+    def get_all_timers_string(
+        self,
+        names: List[str] = None,
+        normalizer: float = 1.0,
+        reset: bool = True,
+        barrier: bool = False,
+    ):
         """The report string for `names` (default: all timers), times in ms / normalizer."""
         if names is None:
             names = list(self._timers.keys())
@@ -248,12 +259,21 @@ class Timers:
             )
         return self._get_all_ranks_time_string(names, reset, barrier, normalizer / 1000.0)
 
-    def log(self, names: List[str], rank: int = None, normalizer: float = 1.0,
-            reset: bool = True, barrier: bool = False):
-        """Print the timers' report on `rank` (default: the last rank). Collective: call on all ranks."""
+    def log(
+        self,
+        names: List[str],
+        rank: int = None,
+        normalizer: float = 1.0,
+        reset: bool = True,
+        barrier: bool = False,
+    ):
+        """Print the timers' report on `rank` (default: the last rank). Collective: call on all
+        ranks."""
         output_string = self.get_all_timers_string(names, normalizer, reset, barrier)
         if rank is None:
-            rank = torch.distributed.get_world_size() - 1 if torch.distributed.is_initialized() else 0
+            rank = (
+                torch.distributed.get_world_size() - 1 if torch.distributed.is_initialized() else 0
+            )
         current = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == current and output_string is not None:
             print(output_string, flush=True)

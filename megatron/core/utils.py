@@ -80,7 +80,9 @@ def scaled_init_method_normal(sigma: float, num_layers: int):
     return init_
 
 
-def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_model_obj: bool = False):
+def get_attr_wrapped_model(
+    model, attr: str, allow_none: bool = True, return_model_obj: bool = False
+):
     """Get an attribute from a model that may be wrapped (DDP, Float16Module, ...).
 
     Unwraps `.module` until the attribute is found.
@@ -177,8 +179,8 @@ def assert_viewless_tensor(tensor: Any, extra_msg: str = None):
     if not isinstance(tensor, torch.Tensor):
         return tensor
     assert tensor._base is None, (
-        "Ensure tensor._base is None before setting tensor.data or storing tensor to memory buffer. "
-        f"Found tensor._base={tensor._base}. {extra_msg}"
+        "Ensure tensor._base is None before setting tensor.data or storing tensor to memory "
+        f"buffer. Found tensor._base={tensor._base}. {extra_msg}"
     )
     return tensor
 

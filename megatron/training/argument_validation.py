@@ -101,8 +101,11 @@ def validate_args(args, defaults={}):
             )
 
     # Removed flags.
-    for removed, name in (('batch_size', '--batch-size'), ('warmup', '--warmup'),
-                          ('model_parallel_size', '--model-parallel-size')):
+    for removed, name in (
+        ('batch_size', '--batch-size'),
+        ('warmup', '--warmup'),
+        ('model_parallel_size', '--model-parallel-size'),
+    ):
         if getattr(args, removed, None) is not None:
             raise ValueError(f'{name} is no longer supported; see --help for its replacement')
     if args.checkpoint_activations:
@@ -139,7 +142,9 @@ def validate_args(args, defaults={}):
 
     # Batch sizes.
     if args.micro_batch_size is None or args.micro_batch_size <= 0:
-        raise ValueError(f'--micro-batch-size must be a positive integer, got {args.micro_batch_size}')
+        raise ValueError(
+            f'--micro-batch-size must be a positive integer, got {args.micro_batch_size}'
+        )
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
         if args.rank == 0:
@@ -182,8 +187,8 @@ def validate_args(args, defaults={}):
         if layers_per_stage % args.num_layers_per_virtual_pipeline_stage != 0:
             raise ValueError(
                 f'--num-layers ({args.num_layers}) / --pipeline-model-parallel-size '
-                f'({args.pipeline_model_parallel_size}) = {layers_per_stage} layers per stage is not '
-                'divisible by --num-layers-per-virtual-pipeline-stage '
+                f'({args.pipeline_model_parallel_size}) = {layers_per_stage} layers per stage is '
+                'not divisible by --num-layers-per-virtual-pipeline-stage '
                 f'({args.num_layers_per_virtual_pipeline_stage})'
             )
         args.virtual_pipeline_model_parallel_size = (
@@ -214,7 +219,10 @@ def validate_args(args, defaults={}):
         if not args.accumulate_allreduce_grads_in_fp32:
             args.accumulate_allreduce_grads_in_fp32 = True
             if args.rank == 0:
-                print('accumulate and all-reduce gradients in fp32 for bfloat16 data type.', flush=True)
+                print(
+                    'accumulate and all-reduce gradients in fp32 for bfloat16 data type.',
+                    flush=True,
+                )
     if args.rank == 0:
         print('using {} for parameters ...'.format(args.params_dtype), flush=True)
     if args.fp16_lm_cross_entropy and not args.fp16:
@@ -237,22 +245,30 @@ def validate_args(args, defaults={}):
     if args.train_iters is not None:
         if args.rampup_batch_size is not None:
             raise ValueError('--rampup-batch-size is only supported with --train-samples')
-        for flag, value in (('--lr-decay-samples', args.lr_decay_samples),
-                            ('--lr-warmup-samples', args.lr_warmup_samples),
-                            ('--lr-wsd-decay-samples', args.lr_wsd_decay_samples)):
+        for flag, value in (
+            ('--lr-decay-samples', args.lr_decay_samples),
+            ('--lr-warmup-samples', args.lr_warmup_samples),
+            ('--lr-wsd-decay-samples', args.lr_wsd_decay_samples),
+        ):
             if value not in (None, 0):
-                raise ValueError(f'{flag} ({value}) is not allowed with iteration-based --train-iters')
+                raise ValueError(
+                    f'{flag} ({value}) is not allowed with iteration-based --train-iters'
+                )
         if args.lr_warmup_fraction is not None and args.lr_warmup_iters != 0:
             raise ValueError(
                 f'--lr-warmup-fraction ({args.lr_warmup_fraction}) and --lr-warmup-iters '
                 f'({args.lr_warmup_iters}) are mutually exclusive'
             )
     if args.train_samples is not None:
-        for flag, value in (('--lr-decay-iters', args.lr_decay_iters),
-                            ('--lr-warmup-iters', args.lr_warmup_iters),
-                            ('--lr-wsd-decay-iters', args.lr_wsd_decay_iters)):
+        for flag, value in (
+            ('--lr-decay-iters', args.lr_decay_iters),
+            ('--lr-warmup-iters', args.lr_warmup_iters),
+            ('--lr-wsd-decay-iters', args.lr_wsd_decay_iters),
+        ):
             if value not in (None, 0):
-                raise ValueError(f'{flag} ({value}) is not allowed with sample-based --train-samples')
+                raise ValueError(
+                    f'{flag} ({value}) is not allowed with sample-based --train-samples'
+                )
         if args.lr_warmup_fraction is not None and args.lr_warmup_samples != 0:
             raise ValueError(
                 f'--lr-warmup-fraction ({args.lr_warmup_fraction}) and --lr-warmup-samples '
@@ -264,9 +280,12 @@ def validate_args(args, defaults={}):
         raise ValueError('--num-layers and --encoder-num-layers are mutually exclusive')
     if args.num_layers is None and args.encoder_num_layers is not None:
         args.num_layers = args.encoder_num_layers
-    for flag, value in (('--num-layers', args.num_layers), ('--hidden-size', args.hidden_size),
-                        ('--num-attention-heads', args.num_attention_heads),
-                        ('--max-position-embeddings', args.max_position_embeddings)):
+    for flag, value in (
+        ('--num-layers', args.num_layers),
+        ('--hidden-size', args.hidden_size),
+        ('--num-attention-heads', args.num_attention_heads),
+        ('--max-position-embeddings', args.max_position_embeddings),
+    ):
         if value is None:
             raise ValueError(f'{flag} is required')
         if value <= 0:
@@ -288,7 +307,10 @@ def validate_args(args, defaults={}):
             f'--num-query-groups ({args.num_query_groups}) is not divisible by '
             f'--tensor-model-parallel-size ({args.tensor_model_parallel_size})'
         )
-    if args.num_layers % args.pipeline_model_parallel_size != 0 and args.pipeline_model_parallel_split_rank is None:
+    if (
+        args.num_layers % args.pipeline_model_parallel_size != 0
+        and args.pipeline_model_parallel_split_rank is None
+    ):
         raise ValueError(
             f'--num-layers ({args.num_layers}) is not divisible by --pipeline-model-parallel-size '
             f'({args.pipeline_model_parallel_size})'
@@ -319,7 +341,10 @@ def validate_args(args, defaults={}):
                 f'--max-position-embeddings ({args.max_position_embeddings}) must be >= '
                 f'--seq-length ({args.seq_length})'
             )
-    if args.decoder_seq_length is not None and args.max_position_embeddings < args.decoder_seq_length:
+    if (
+        args.decoder_seq_length is not None
+        and args.max_position_embeddings < args.decoder_seq_length
+    ):
         raise ValueError(
             f'--max-position-embeddings ({args.max_position_embeddings}) must be >= '
             f'--decoder-seq-length ({args.decoder_seq_length})'
@@ -327,8 +352,8 @@ def validate_args(args, defaults={}):
     if args.seq_length is not None and args.context_parallel_size > 1:
         if args.seq_length % (2 * args.context_parallel_size) != 0:
             raise ValueError(
-                f'--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size '
-                f'({args.context_parallel_size})'
+                f'--seq-length ({args.seq_length}) must be divisible by 2 x '
+                f'--context-parallel-size ({args.context_parallel_size})'
             )
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = 'rope'
@@ -375,16 +400,22 @@ def validate_args(args, defaults={}):
     if args.recompute_granularity == 'full' and args.recompute_method is None:
         raise ValueError('--recompute-granularity full requires --recompute-method uniform|block')
     if args.recompute_method is not None and args.recompute_num_layers is None:
-        raise ValueError(f'--recompute-method {args.recompute_method} requires --recompute-num-layers')
+        raise ValueError(
+            f'--recompute-method {args.recompute_method} requires --recompute-num-layers'
+        )
     if args.distribute_saved_activations:
         if args.tensor_model_parallel_size == 1:
-            raise ValueError('--distribute-saved-activations requires --tensor-model-parallel-size > 1')
+            raise ValueError(
+                '--distribute-saved-activations requires --tensor-model-parallel-size > 1'
+            )
         if args.recompute_granularity != 'full':
             raise ValueError('--distribute-saved-activations requires --recompute-granularity full')
 
     # Sequence parallelism is only meaningful with tensor parallelism.
     if args.tensor_model_parallel_size == 1 and args.sequence_parallel:
-        _note(args, '--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled')
+        _note(
+            args, '--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled'
+        )
         args.sequence_parallel = False
     if args.sequence_parallel:
         args.async_tensor_model_parallel_allreduce = False
@@ -426,8 +457,11 @@ def validate_args(args, defaults={}):
 def _validate_megatron_r08_extras(args):
     """Rules of the flags added by Megatron core_r0.8.0 that this package accepts."""
     if getattr(args, 'ckpt_fully_parallel_save_deprecated', False) and args.rank == 0:
-        print('--ckpt-fully-parallel-save flag is deprecated and has no effect. '
-              'Use --no-ckpt-fully-parallel-save to disable parallel save.', flush=True)
+        print(
+            '--ckpt-fully-parallel-save flag is deprecated and has no effect. Use '
+            '--no-ckpt-fully-parallel-save to disable parallel save.',
+            flush=True,
+        )
     # Deferring the output layer's weight-gradient GEMM only matters with a pipeline flush.
     if getattr(args, 'defer_embedding_wgrad_compute', False):
         if args.pipeline_model_parallel_size == 1:
@@ -487,8 +521,11 @@ def validate_encoder_decoder_args(args):
             'supported for encoder-decoder (T5) models'
         )
     if args.decoder_num_layers is None:
-        _note(args, f'--decoder-num-layers not given: using --encoder-num-layers '
-                    f'({args.encoder_num_layers})')
+        _note(
+            args,
+            '--decoder-num-layers not given: using --encoder-num-layers '
+            f'({args.encoder_num_layers})',
+        )
         args.decoder_num_layers = args.encoder_num_layers
     pp, split = args.pipeline_model_parallel_size, args.pipeline_model_parallel_split_rank
     if pp > 1:
@@ -509,8 +546,8 @@ def validate_encoder_decoder_args(args):
                 f'--pipeline-model-parallel-split-rank {split})'
             )
     has_data = any(
-        getattr(args, name, None) for name in
-        ('data_path', 'train_data_path', 'valid_data_path', 'test_data_path')
+        getattr(args, name, None)
+        for name in ('data_path', 'train_data_path', 'valid_data_path', 'test_data_path')
     )
     if has_data and args.vocab_extra_ids <= 0:
         raise ValueError(

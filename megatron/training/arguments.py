@@ -779,6 +779,9 @@ def _add_experimental_args(parser):
                        'supplied to any of the hybrid ratio arguments, then the number of each '
                        'type of layer in the override pattern must match number in the overidden '
                        'pattern')
+    group.add_argument('--torch-compile', action='store_true',
+                       help='Compile each transformer layer with torch.compile (this package only; '
+                       'off by default). The first iterations pay the compilation.')
     group.add_argument('--yaml-cfg', type=str, default=None,
                        help='Config file to add additional arguments (not required; not supported here).')
     return parser

@@ -95,8 +95,11 @@ def repad_vocab(weight: torch.Tensor, padded_size: int) -> torch.Tensor:
     row (normally a padding row).
     """
     rows = weight.shape[0]
-    if padded_size <= rows:
-        return weight[:padded_size]
+    if padded_size == rows:
+        return weight
+    if padded_size < rows:
+        # A copy: saving a slice would write the whole original storage.
+        return weight[:padded_size].clone()
     extra = weight[-1:].expand(padded_size - rows, *weight.shape[1:])
     return torch.cat([weight, extra], dim=0)
 
@@ -279,7 +282,11 @@ class CheckpointReader:
         keys = ['model'] if 'model' in files[0] else [f'model{i}' for i in range(self.vp or 1)]
         chunks = []
         for vp_rank, key in enumerate(keys):
-            merged = merge_tensor_parallel_state_dicts([f[key] for f in files], swiglu)
+            if self.tp == 1:
+                # Nothing to merge: keep the memory-mapped tensors instead of copying them.
+                merged = dict(files[0][key])
+            else:
+                merged = merge_tensor_parallel_state_dicts([f[key] for f in files], swiglu)
             offset = layer_offset(self.args.num_layers, self.pp, pp_rank, self.vp, vp_rank)
             chunks.append((offset, merged))
         others = [{k: v for k, v in f.items() if not k.startswith('model')} for f in files]
@@ -374,8 +381,12 @@ class CheckpointWriter:
         self.swiglu = types.SimpleNamespace(gated_linear_unit=swiglu)
 
     def write_stage(self, pp_rank: int, stage: StateDict, has_output_layer: bool) -> List[str]:
-        """Split one stage's full state dict (stage-local layer numbers) and save each TP rank."""
-        shards = split_state_dict_for_tensor_parallel(stage, self.swiglu, self.tp)
+        """Split one stage's full state dict (stage-local layer numbers) and save each TP rank.
+
+        `stage` is consumed: each full tensor is dropped once split, so the stage is held about
+        once in memory, not twice.
+        """
+        shards = self._split_consuming(stage)
         names = []
         for tp_rank, shard in enumerate(shards):
             name = get_checkpoint_name(
@@ -400,6 +411,20 @@ class CheckpointWriter:
             os.replace(tmp, name)
             names.append(name)
         return names
+
+    def _split_consuming(self, stage: StateDict) -> List[StateDict]:
+        if self.tp == 1:
+            shards = [dict(stage)]
+            stage.clear()
+            return shards
+        shards: List[StateDict] = [{} for _ in range(self.tp)]
+        for name in list(stage):
+            pieces = split_state_dict_for_tensor_parallel(
+                {name: stage.pop(name)}, self.swiglu, self.tp
+            )
+            for shard, piece in zip(shards, pieces):
+                shard.update(piece)
+        return shards
 
     def finish(self) -> None:
         """Write the tracker file last, so a partial conversion is never taken as a checkpoint."""

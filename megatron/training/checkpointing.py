@@ -31,6 +31,7 @@ import glob
 import os
 import random
 import sys
+import zipfile
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -562,9 +563,16 @@ def save_checkpoint(
 
 
 def _torch_load(filename: str) -> Dict[str, Any]:
-    """torch.load with weights_only=True (plus argparse.Namespace for the saved args)."""
+    """torch.load with weights_only=True (plus argparse.Namespace for the saved args).
+
+    The file is memory-mapped (copy-on-write): tensors are read from the page cache as they are
+    copied into the model, so the data-parallel replicas that load the same file share one read
+    and a caller that needs only the args touches only the pickle.
+    """
     with torch.serialization.safe_globals(SAFE_GLOBALS):
-        return torch.load(filename, map_location='cpu', weights_only=True)
+        if not zipfile.is_zipfile(filename):  # legacy (pre-1.6) format: cannot be mapped
+            return torch.load(filename, map_location='cpu', weights_only=True)
+        return torch.load(filename, map_location='cpu', weights_only=True, mmap=True)
 
 
 def _layout_mismatch_message(checkpoint_args, checkpoint_name: str) -> Optional[str]:

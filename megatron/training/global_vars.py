@@ -1,7 +1,9 @@
-"""The training layer's process-wide state: args, tokenizer, timers, TensorBoard writer, signal handler.
+"""The training layer's process-wide state: args, tokenizer, timers, TensorBoard writer, signal
+handler.
 
-Only the training layer reads these (megatron/core takes configs). `set_global_variables(args)` fills
-them once per run; `destroy_global_vars()` clears them so several runs can share one process (tests).
+Only the training layer reads these (megatron/core takes configs). `set_global_variables(args)`
+fills them once per run; `destroy_global_vars()` clears them so several runs can share one process
+(tests).
 """
 
 import os
@@ -78,7 +80,8 @@ def _set_signal_handler():
 
 
 def set_global_variables(args, build_tokenizer=True):
-    """Set args, the micro-batch calculator, tokenizer, TensorBoard writer, timers, signal handler."""
+    """Set args, the micro-batch calculator, tokenizer, TensorBoard writer, timers, signal
+    handler."""
     assert args is not None
     _ensure_var_is_not_initialized(_GLOBAL_ARGS, 'args')
     set_args(args)

@@ -430,3 +430,10 @@ def save_hf_dir(hf_dir: str, config: dict, state_dict, tokenizer_dir: Optional[s
                 shutil.copyfile(src, os.path.join(hf_dir, name))
                 copied.append(name)
     return copied
+
+
+def copy_gpt2_bpe_files(hf_dir: str, vocab_file: str, merge_file: str) -> List[str]:
+    """Megatron's GPT-2 BPE files as the vocab.json / merges.txt transformers reads."""
+    shutil.copyfile(vocab_file, os.path.join(hf_dir, 'vocab.json'))
+    shutil.copyfile(merge_file, os.path.join(hf_dir, 'merges.txt'))
+    return ['vocab.json', 'merges.txt']

@@ -119,11 +119,13 @@ def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ran
             print('> initializing torch distributed ...', flush=True)
         if device_count > 0:
             torch.cuda.set_device(args.local_rank % device_count)
+        timeout = timedelta(minutes=args.distributed_timeout_minutes)
         torch.distributed.init_process_group(
             backend=args.distributed_backend,
             world_size=args.world_size,
             rank=args.rank,
-            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+            timeout=timeout,
+            store=_per_attempt_store(args.world_size, timeout),
         )
 
     if mpu.model_parallel_is_initialized():
@@ -170,6 +172,22 @@ def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ran
                 f'{mpu.get_pipeline_model_parallel_world_size()}',
                 flush=True,
             )
+
+
+def _per_attempt_store(world_size, timeout):
+    """Under torchrun, the launcher's store with a prefix per restart attempt (None otherwise).
+
+    torchrun keeps one store for all `--max-restarts` attempts; the process group of a restarted
+    job would read the previous attempt's keys (the dead ranks' addresses) and fail to connect.
+    """
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    store = torch.distributed.TCPStore(
+        os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
+        is_master=False, timeout=timeout,
+    )
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+    return torch.distributed.PrefixStore(f'megatron/attempt_{attempt}', store)
 
 
 def _set_random_seed(seed_, data_parallel_random_init=False):

@@ -37,6 +37,7 @@ from megatron.training.initialize import (
     set_jit_fusion_options,
     write_args_to_tensorboard,
 )
+from megatron.training.theoretical_memory_usage import report_theoretical_memory
 from megatron.training.utils import (
     append_to_progress_log,
     calc_params_l2_norm,
@@ -103,6 +104,30 @@ def pretrain(
         dict with 'iteration', 'train_losses' ({iteration: {key: float}} on the last rank),
         'valid_losses' and 'test_losses' (final evaluation; {key: float} on the last rank).
     """
+    try:
+        return _pretrain(
+            train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+            process_non_loss_data_func, extra_args_provider, args_defaults,
+            get_embedding_ranks, get_position_embedding_ranks, args_list,
+        )
+    finally:
+        # Also when training raised: a watchdog left running would later stop this process.
+        stop_watchdog()
+
+
+def _pretrain(
+    train_valid_test_dataset_provider,
+    model_provider,
+    model_type,
+    forward_step_func,
+    process_non_loss_data_func=None,
+    extra_args_provider=None,
+    args_defaults={},
+    get_embedding_ranks=None,
+    get_position_embedding_ranks=None,
+    args_list=None,
+):
+    """pretrain() itself; the wrapper stops the watchdog however this returns."""
     initialize_megatron(
         extra_args_provider=extra_args_provider,
         args_defaults=args_defaults,
@@ -291,6 +316,8 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     device = get_current_device()
     for model_module in model:
         model_module.to(device)
+    if getattr(args, 'torch_compile', False):
+        _compile_transformer_layers(model)
 
     if args.fp16 or args.bf16:
         from megatron.core.transformer.module import Float16Module
@@ -329,6 +356,20 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
             for model_module in model:
                 model_module.broadcast_params()
     return model
+
+
+def _compile_transformer_layers(model):
+    """--torch-compile: compile each TransformerLayer's forward in place (`nn.Module.compile`).
+
+    Parameter names, state dicts and DDP's gradient hooks are unchanged; only the layer bodies run
+    as compiled graphs, so checkpoints stay interchangeable with uncompiled runs.
+    """
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    for model_module in model:
+        for module in model_module.modules():
+            if isinstance(module, TransformerLayer):
+                module.compile()
 
 
 def get_optimizer_param_scheduler(optimizer):
@@ -491,6 +532,15 @@ _TIMERS_TO_LOG = [
 ]
 
 
+def _format_tflops(tflops: float) -> str:
+    """Megatron's one decimal from 10 TFLOP/s up; below, enough decimals for three significant
+    digits, so that a CPU run (a fraction of a TFLOP/s) still reads as a figure, not 0.0."""
+    if not math.isfinite(tflops) or tflops >= 10.0 or tflops <= 0.0:
+        return f'{tflops:.1f}'
+    decimals = min(9, max(1, 2 - math.floor(math.log10(tflops))))
+    return f'{tflops:.{decimals}f}'
+
+
 def format_log_line(iteration, train_iters, consumed_samples, elapsed_ms, learning_rate,
                     batch_size, losses, loss_scale, grad_norm=None, num_zeros_in_grad=None,
                     params_norm=None, skipped=0, nan=0, throughput=None, timestamp=None):
@@ -507,7 +557,7 @@ def format_log_line(iteration, train_iters, consumed_samples, elapsed_ms, learni
     log_string += ' consumed samples: {:12d} |'.format(consumed_samples)
     log_string += ' elapsed time per iteration (ms): {:.1f} |'.format(elapsed_ms)
     if throughput is not None:
-        log_string += f' throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |'
+        log_string += f' throughput per GPU (TFLOP/s/GPU): {_format_tflops(throughput)} |'
     log_string += ' learning rate: {:.6E} |'.format(learning_rate)
     log_string += ' global batch size: {:5d} |'.format(batch_size)
     for key, avg in losses.items():
@@ -618,6 +668,11 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         total_loss_dict[nan_iters_key] = 0
         print_rank_last(log_string)
         if report_memory_flag and learning_rate > 0.0:
+            # After the first step the optimizer state exists; compare with the theory.
+            if torch.distributed.get_rank() == 0:
+                report_theoretical_memory(
+                    args, num_microbatches=get_num_microbatches(), verbose=True
+                )
             report_memory('(after {} iterations)'.format(iteration))
             report_memory_flag = False
         timers.log(timers_to_log, normalizer=args.log_interval)
@@ -1031,8 +1086,10 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
         flags = torch.tensor([0, 0, 0], dtype=torch.long, device=device)
 
     torch.distributed.broadcast(flags, 0)
-    _check_training_data(args, do_train=bool(flags[0].item()))
+    # With virtual pipelines this runs once per model chunk and a chunk's provider may build no
+    # dataset on global rank 0 (Megatron's is_dataset_built_on_rank), so the flags accumulate.
     args.do_train = getattr(args, 'do_train', False) or bool(flags[0].item())
+    _check_training_data(args, do_train=args.do_train)
     args.do_valid = getattr(args, 'do_valid', False) or bool(flags[1].item())
     args.do_test = getattr(args, 'do_test', False) or bool(flags[2].item())
     return train_dataloader, valid_dataloader, test_dataloader

@@ -1,7 +1,7 @@
 """Training-layer helpers: rank-aware printing, loss averaging, norms, memory reports, batches.
 
-`get_batch_on_this_tp_rank` is how every tensor-parallel rank gets the same micro-batch: only TP rank
-0 reads the data iterator, then it broadcasts the tensors over the TP group.
+`get_batch_on_this_tp_rank` is how every tensor-parallel rank gets the same micro-batch: only TP
+rank 0 reads the data iterator, then it broadcasts the tensors over the TP group.
 """
 
 import logging
@@ -75,7 +75,8 @@ def append_to_progress_log(string, barrier=True):
 
 
 def average_losses_across_data_parallel_group(losses):
-    """Mean of each loss over the data-parallel group (one all-reduce of the concatenated losses)."""
+    """Mean of each loss over the data-parallel group (one all-reduce of the concatenated
+    losses)."""
     averaged_losses = torch.cat([loss.clone().detach().view(1) for loss in losses])
     torch.distributed.all_reduce(averaged_losses, group=mpu.get_data_parallel_group())
     averaged_losses = averaged_losses / torch.distributed.get_world_size(
@@ -87,9 +88,9 @@ def average_losses_across_data_parallel_group(losses):
 def calc_params_l2_norm(model):
     """L2 norm of all parameters, each counted once.
 
-    Parameters duplicated across TP ranks (norms, row-parallel biases) are counted on TP rank 0 only,
-    the tied output weight once (`shared` params are skipped on non-first stages); squares are summed
-    over the model-parallel group.
+    Parameters duplicated across TP ranks (norms, row-parallel biases) are counted on TP rank 0
+    only, the tied output weight once (`shared` params are skipped on non-first stages); squares
+    are summed over the model-parallel group.
     """
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
@@ -99,7 +100,8 @@ def calc_params_l2_norm(model):
     for model_module in model:
         for param in model_module.parameters():
             is_not_shared = not (
-                getattr(param, 'shared', False) and not mpu.is_pipeline_first_stage(ignore_virtual=True)
+                getattr(param, 'shared', False)
+                and not mpu.is_pipeline_first_stage(ignore_virtual=True)
             )
             if is_not_shared and param_is_not_tensor_parallel_duplicate(param):
                 data = param.main_param if getattr(param, 'main_param', None) is not None else param
@@ -109,7 +111,8 @@ def calc_params_l2_norm(model):
 
 
 def report_memory(name):
-    """Print this rank's memory use (CUDA allocator stats, or process RSS on CPU), dp rank 0 only."""
+    """Print this rank's memory use (CUDA allocator stats, or process RSS on CPU), dp rank 0
+    only."""
     if mpu.get_data_parallel_rank() != 0:
         return
     mega_bytes = 1024.0 * 1024.0
@@ -147,7 +150,9 @@ def _max_rss_bytes():
         return 0
 
 
-def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss):
+def get_ltor_masks_and_position_ids(
+    data, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss
+):
     """Left-to-right (causal) attention mask, loss mask and position ids for a batch of tokens.
 
     Args:
@@ -183,9 +188,9 @@ def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_a
             for j in range(eod_index.size()[0]):
                 i = eod_index[j]
                 if reset_attention_mask:
-                    attention_mask[b, 0, (i + 1):, : (i + 1)] = 0
+                    attention_mask[b, 0, (i + 1) :, : (i + 1)] = 0
                 if reset_position_ids:
-                    position_ids[b, (i + 1):] -= i + 1 - prev_index
+                    position_ids[b, (i + 1) :] -= i + 1 - prev_index
                     prev_index = i + 1
     attention_mask = attention_mask < 0.5
     return attention_mask, loss_mask, position_ids
@@ -211,12 +216,16 @@ def get_batch_on_this_tp_rank(data_iterator):
             data = next(data_iterator)
         else:
             data = None
-        attention_mask = data.get('attention_mask') if args.create_attention_mask_in_dataloader else None
+        attention_mask = (
+            data.get('attention_mask') if args.create_attention_mask_in_dataloader else None
+        )
         batch = {
             'tokens': data['tokens'].to(device, non_blocking=True),
             'labels': data['labels'].to(device, non_blocking=True),
             'loss_mask': data['loss_mask'].to(device, non_blocking=True),
-            'attention_mask': None if attention_mask is None else attention_mask.to(device, non_blocking=True),
+            'attention_mask': None
+            if attention_mask is None
+            else attention_mask.to(device, non_blocking=True),
             'position_ids': data['position_ids'].to(device, non_blocking=True),
         }
         if args.pipeline_model_parallel_size == 1:
@@ -286,7 +295,9 @@ def num_floating_point_operations(args, batch_size):
     """
     query_projection_size = args.kv_channels * args.num_attention_heads
     query_projection_to_hidden_size_ratio = query_projection_size / args.hidden_size
-    num_query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    num_query_groups = (
+        args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    )
     num_experts_routed_to = 1 if args.num_experts is None else args.moe_router_topk
     gated_linear_multiplier = 3 / 2 if args.swiglu else 1
     return (
@@ -298,10 +309,18 @@ def num_floating_point_operations(args, batch_size):
         * args.hidden_size
         * (
             (
-                (1 + (num_query_groups / args.num_attention_heads) + (args.seq_length / args.hidden_size))
+                (
+                    1
+                    + (num_query_groups / args.num_attention_heads)
+                    + (args.seq_length / args.hidden_size)
+                )
                 * query_projection_to_hidden_size_ratio
             )
-            + ((args.ffn_hidden_size / args.hidden_size) * num_experts_routed_to * gated_linear_multiplier)
+            + (
+                (args.ffn_hidden_size / args.hidden_size)
+                * num_experts_routed_to
+                * gated_linear_multiplier
+            )
             + (args.padded_vocab_size / (2 * args.num_layers * args.hidden_size))
         )
     )

@@ -1,5 +1,5 @@
 """Fixtures of the end-to-end tests: the bundled corpus preprocessed once per session (GPT-2 BPE
-documents; BERT WordPiece sentences)."""
+documents; BERT WordPiece sentences; BERT WordPiece fortunes for T5)."""
 
 import pytest
 
@@ -20,6 +20,9 @@ def bert_data_prefix(tmp_path_factory):
     session."""
     return prepare_bert_data(str(tmp_path_factory.mktemp('bert_data')))
 
+
+@pytest.fixture(scope='session')
 def t5_data_prefix(tmp_path_factory):
-    """Prefix of 3,000 quotations of fortunes.jsonl preprocessed with the bundled BERT vocabulary."""
+    """Prefix of 3,000 quotations of fortunes.jsonl preprocessed with the bundled BERT
+    vocabulary."""
     return prepare_t5_data(str(tmp_path_factory.mktemp('t5_data')))

@@ -11,6 +11,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONVERT = os.path.join(REPO, 'tools', 'checkpoint', 'convert.py')
+CHECKPOINT_UTIL = os.path.join(REPO, 'tools', 'checkpoint_util.py')
 
 #: Tiny models on mock data (NullTokenizer: 4096 ids, eod = 4095).
 COMMON_ARGS = [
@@ -127,12 +128,12 @@ def make_source_checkpoint(save_dir, arch_args, layout_args, world_size, tp, pp,
     run_distributed(run_pretrain, world_size=world_size, tp=tp, pp=pp, args=(extra,), timeout=600)
 
 
-def convert(*flags, check=True, model_type='GPT'):
-    """Run tools/checkpoint/convert.py in a subprocess; returns the CompletedProcess."""
+def convert(*flags, check=True, model_type='GPT', script=CONVERT):
+    """Run tools/checkpoint/convert.py (or `script`) in a subprocess; the CompletedProcess."""
     env = dict(os.environ, PYTHONPATH=REPO)
     model_flags = ['--model-type', model_type] if model_type else []
     proc = subprocess.run(
-        [sys.executable, CONVERT, *model_flags, *flags],
+        [sys.executable, script, *model_flags, *flags],
         capture_output=True,
         text=True,
         cwd=REPO,

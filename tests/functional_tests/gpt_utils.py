@@ -61,7 +61,8 @@ def preprocess_once(work_dir, output_name, level, preprocess_args):
 
 
 def prepare_data(work_dir):
-    """Preprocess data/corpus/mobydick.jsonl with GPT-2 BPE once into work_dir; returns the prefix."""
+    """Preprocess data/corpus/mobydick.jsonl with GPT-2 BPE once into work_dir; returns the
+    prefix."""
     return preprocess_once(
         work_dir, 'mobydick', 'document',
         ['--tokenizer-type', 'GPT2BPETokenizer', '--vocab-file', VOCAB, '--merge-file', MERGES,

@@ -1,6 +1,6 @@
-"""Shared pieces of the T5 end-to-end tests: the tiny model's flags, reference weights that every
-TP/PP layout can load, a synthetic span-corruption batch source, and the worker function that runs
-`pretrain()` from pretrain_t5.py inside a `run_distributed` rank.
+"""Shared pieces of the T5 end-to-end tests: the tiny model's flags, the preprocessed corpus,
+reference weights that every TP/PP layout can load, and the worker function that runs `pretrain()`
+from pretrain_t5.py inside a `run_distributed` rank.
 """
 
 import fcntl
@@ -22,17 +22,58 @@ NUM_FORTUNES = 3000
 #: A tiny T5 on the bundled BERT WordPiece vocabulary with 100 sentinels: 2 + 2 layers, hidden 64.
 #: The padded vocabulary (30522 + [BOS], [EOS] + 100 -> 30720) is the same at TP=1 and TP=2.
 TINY_T5_ARGS = [
-    '--encoder-num-layers', '2', '--decoder-num-layers', '2',
-    '--hidden-size', '64', '--num-attention-heads', '4', '--kv-channels', '16',
-    '--ffn-hidden-size', '128',
-    '--encoder-seq-length', str(ENC_SEQ), '--decoder-seq-length', str(DEC_SEQ),
-    '--max-position-embeddings', str(ENC_SEQ),
-    '--attention-dropout', '0.0', '--hidden-dropout', '0.0',
-    '--lr', '3e-3', '--min-lr', '3e-4', '--lr-decay-style', 'cosine', '--lr-warmup-iters', '2',
-    '--weight-decay', '0.01', '--clip-grad', '1.0', '--seed', '1234',
-    '--vocab-file', BERT_VOCAB, '--vocab-extra-ids', '100', '--transformer-impl', 'local',
-    '--split', '98,2,0', '--num-workers', '0', '--log-interval', '1', '--eval-interval', '1000',
-    '--distributed-backend', 'gloo',
+    '--encoder-num-layers',
+    '2',
+    '--decoder-num-layers',
+    '2',
+    '--hidden-size',
+    '64',
+    '--num-attention-heads',
+    '4',
+    '--kv-channels',
+    '16',
+    '--ffn-hidden-size',
+    '128',
+    '--encoder-seq-length',
+    str(ENC_SEQ),
+    '--decoder-seq-length',
+    str(DEC_SEQ),
+    '--max-position-embeddings',
+    str(ENC_SEQ),
+    '--attention-dropout',
+    '0.0',
+    '--hidden-dropout',
+    '0.0',
+    '--lr',
+    '3e-3',
+    '--min-lr',
+    '3e-4',
+    '--lr-decay-style',
+    'cosine',
+    '--lr-warmup-iters',
+    '2',
+    '--weight-decay',
+    '0.01',
+    '--clip-grad',
+    '1.0',
+    '--seed',
+    '1234',
+    '--vocab-file',
+    BERT_VOCAB,
+    '--vocab-extra-ids',
+    '100',
+    '--transformer-impl',
+    'local',
+    '--split',
+    '98,2,0',
+    '--num-workers',
+    '0',
+    '--log-interval',
+    '1',
+    '--eval-interval',
+    '1000',
+    '--distributed-backend',
+    'gloo',
 ]
 
 
@@ -48,80 +89,33 @@ def prepare_t5_data(work_dir):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(prefix + '.idx'):
             subset = os.path.join(work_dir, 'fortunes.jsonl')
-            with open(os.path.join(REPO, 'data', 'corpus', 'fortunes.jsonl')) as src, \
-                    open(subset, 'w') as dst:
+            with (
+                open(os.path.join(REPO, 'data', 'corpus', 'fortunes.jsonl')) as src,
+                open(subset, 'w') as dst,
+            ):
                 for _, line in zip(range(NUM_FORTUNES), src):
                     dst.write(line)
             subprocess.run(
-                [sys.executable, os.path.join(REPO, 'tools', 'preprocess_data.py'),
-                 '--input', subset, '--output-prefix', os.path.join(work_dir, 'fortunes'),
-                 '--tokenizer-type', 'BertWordPieceLowerCase', '--vocab-file', BERT_VOCAB,
-                 '--workers', '1'],
-                check=True, capture_output=True, text=True,
+                [
+                    sys.executable,
+                    os.path.join(REPO, 'tools', 'preprocess_data.py'),
+                    '--input',
+                    subset,
+                    '--output-prefix',
+                    os.path.join(work_dir, 'fortunes'),
+                    '--tokenizer-type',
+                    'BertWordPieceLowerCase',
+                    '--vocab-file',
+                    BERT_VOCAB,
+                    '--workers',
+                    '1',
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
             )
         fcntl.flock(lock, fcntl.LOCK_UN)
     return prefix
-
-
-class SyntheticT5Dataset(torch.utils.data.Dataset):
-    """Samples with the keys, dtypes and masks of Megatron's T5 dataset, drawn per index.
-
-    Encoder input: word ids with one sentinel per masked span and trailing padding; decoder input:
-    [BOS], then each span's sentinel and its tokens; labels: the decoder input shifted left with
-    [EOS] at the end and -1 at padding. Masks: 1 = attend between real (id >= 1) tokens, the decoder
-    one also causal.
-    """
-
-    BOS, EOS, SENTINEL0, WORDS = 30522, 30523, 30524, (1000, 29000)
-
-    def __init__(self, num_samples: int, seed: int):
-        self.num_samples = num_samples
-        self.seed = seed
-
-    def __len__(self):
-        return self.num_samples
-
-    def __getitem__(self, idx):
-        g = torch.Generator().manual_seed(self.seed * 100003 + idx)
-        enc_len = int(torch.randint(ENC_SEQ // 2, ENC_SEQ + 1, (1,), generator=g))
-        num_spans = int(torch.randint(1, 4, (1,), generator=g))
-        span_tokens = torch.randint(*self.WORDS, (num_spans, 2), generator=g)
-        dec = [self.BOS]
-        for i in range(num_spans):
-            dec += [self.SENTINEL0 + i] + span_tokens[i].tolist()
-        labels = dec[1:] + [self.EOS]
-        text_enc = torch.zeros(ENC_SEQ, dtype=torch.long)
-        text_enc[:enc_len] = torch.randint(*self.WORDS, (enc_len,), generator=g)
-        text_enc[: 2 * num_spans : 2] = self.SENTINEL0 + torch.arange(num_spans)
-        text_dec = torch.zeros(DEC_SEQ, dtype=torch.long)
-        text_dec[: len(dec)] = torch.tensor(dec)
-        lab = torch.full((DEC_SEQ,), -1, dtype=torch.long)
-        lab[: len(labels)] = torch.tensor(labels)
-        loss_mask = torch.zeros(DEC_SEQ, dtype=torch.long)
-        loss_mask[: len(dec)] = 1
-        enc_real, dec_real = (text_enc >= 1).long(), (text_dec >= 1).long()
-        causal = torch.tril(torch.ones(DEC_SEQ, DEC_SEQ, dtype=torch.long))
-        return {
-            'text_enc': text_enc,
-            'text_dec': text_dec,
-            'labels': lab,
-            'loss_mask': loss_mask,
-            'truncated': 0,
-            'enc_mask': enc_real[:, None] * enc_real[None, :],
-            'dec_mask': dec_real[:, None] * dec_real[None, :] * causal,
-            'enc_dec_mask': dec_real[:, None] * enc_real[None, :],
-        }
-
-
-def synthetic_datasets_provider(train_val_test_num_samples):
-    """SyntheticT5Dataset for train / valid / test (for runs that test the pipeline, not data)."""
-    return tuple(
-        SyntheticT5Dataset(n, seed) if n > 0 else None
-        for n, seed in zip(train_val_test_num_samples, (1, 2, 3))
-    )
-
-
-synthetic_datasets_provider.is_distributed = True
 
 
 def _global_name(model, name):
@@ -164,8 +158,9 @@ def set_t5_reference_weights(model):
             param.copy_(full.to(param.dtype))
 
 
-def _reference_model_provider(pre_process=True, post_process=True, add_encoder=True,
-                              add_decoder=True):
+def _reference_model_provider(
+    pre_process=True, post_process=True, add_encoder=True, add_decoder=True
+):
     import pretrain_t5
 
     model = pretrain_t5.model_provider(pre_process, post_process, add_encoder, add_decoder)
@@ -173,13 +168,12 @@ def _reference_model_provider(pre_process=True, post_process=True, add_encoder=T
     return model
 
 
-def run_pretrain_t5(extra_args, reference_weights=False, synthetic=False, capture_stdout=False):
+def run_pretrain_t5(extra_args, reference_weights=False, capture_stdout=False):
     """Run pretrain_t5's pretrain() on this rank (called inside a run_distributed worker).
 
     Args:
         extra_args: flags added to TINY_T5_ARGS.
         reference_weights: start from `set_t5_reference_weights` instead of Megatron's init.
-        synthetic: read SyntheticT5Dataset batches instead of the T5 dataset.
         capture_stdout: return what this rank printed as result['stdout'].
 
     Returns pretrain()'s result dict (losses are filled on the last rank).
@@ -197,13 +191,10 @@ def run_pretrain_t5(extra_args, reference_weights=False, synthetic=False, captur
     destroy_global_vars()
     buffer = io.StringIO()
     redirect = contextlib.redirect_stdout(buffer) if capture_stdout else contextlib.nullcontext()
-    provider = (
-        synthetic_datasets_provider if synthetic else pretrain_t5.train_valid_test_datasets_provider
-    )
     try:
         with redirect:
             result = pretrain(
-                provider,
+                pretrain_t5.train_valid_test_datasets_provider,
                 _reference_model_provider if reference_weights else pretrain_t5.model_provider,
                 ModelType.encoder_and_decoder,
                 pretrain_t5.forward_step,

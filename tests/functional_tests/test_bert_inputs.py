@@ -24,7 +24,9 @@ def document_level_prefix(tmp_path_factory):
     work = tmp_path_factory.mktemp('doc_level')
     with open(work / 'docs.jsonl', 'w') as f:
         for i in range(6):
-            text = ' '.join(f'This is sentence {j} of document {i}, about whales.' for j in range(40))
+            text = ' '.join(
+                f'This is sentence {j} of document {i}, about whales.' for j in range(40)
+            )
             f.write(json.dumps({'text': text}) + '\n')
     subprocess.run(
         [sys.executable, os.path.join(REPO, 'tools', 'preprocess_data.py'),

@@ -61,7 +61,8 @@ def test_layout_matches_reference(layout, reference, bert_data_prefix, tmp_path_
     result = _run(layout, bert_data_prefix, str(tmp_path_factory.mktemp('cache')))
     assert result['iteration'] == TRAIN_ITERS
     for metric in METRICS:
-        assert _losses(result, metric) == pytest.approx(_losses(reference, metric), rel=RTOL), metric
+        expected = _losses(reference, metric)
+        assert _losses(result, metric) == pytest.approx(expected, rel=RTOL), metric
         assert result['valid_losses'][metric] == pytest.approx(
             reference['valid_losses'][metric], rel=RTOL
         )

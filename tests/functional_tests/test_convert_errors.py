@@ -120,3 +120,53 @@ def test_unknown_plugin(capsys, tmp_path):
             ]
         )
     assert str(exc.value) == 'Unable to load loader plugin nope. Exiting.'
+
+
+def _saver_args(source, save_dir, checking=True):
+    parser = convert.build_parser()
+    import loader_mcore
+    import saver_mcore
+
+    loader_mcore.add_arguments(parser)
+    saver_mcore.add_arguments(parser)
+    argv = ['--model-type', 'GPT', '--load-dir', source, '--save-dir', save_dir]
+    args = parser.parse_args(argv + ([] if checking else ['--no-checking']))
+    return args, loader_mcore.check_arguments(args), saver_mcore
+
+
+def test_saver_checks_message_names_and_leftover_keys(capsys, source, tmp_path):
+    """Megatron's saver-side protocol checks, on a queue filled by hand."""
+    import queue
+
+    import torch
+
+    args, md, saver = _saver_args(source, str(tmp_path / 'out'))
+    q = queue.Queue()
+    q.put(md)
+    q.put({'name': 'transformer layer 0'})
+    with pytest.raises(SystemExit) as exc:
+        saver.save_checkpoint(q, args)
+    assert exc.value.code == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        'Unexpected message. Expecting "embeddings" but got "transformer layer 0". Exiting saver.'
+    )
+
+    q = queue.Queue()
+    q.put(md)
+    q.put({'name': 'embeddings', 'word embeddings': torch.zeros(4096, 32),
+           'position embeddings': torch.zeros(16, 32), 'stray': torch.zeros(1)})  # fmt: skip
+    with pytest.raises(SystemExit):
+        saver.save_checkpoint(q, args)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-3:] == [
+        'Unexpected values in embeddings:',
+        '   stray',
+        'Exiting. If you want to ignore this, use the argument --no-checking.',
+    ]
+
+    q = queue.Queue()
+    q.put('exit')
+    with pytest.raises(SystemExit):
+        saver.save_checkpoint(q, args)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == 'Loader exited, exiting saver'
+    assert not os.path.exists(tmp_path / 'out' / 'latest_checkpointed_iteration.txt')

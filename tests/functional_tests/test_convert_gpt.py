@@ -46,6 +46,7 @@ def checkpoints(tmp_path_factory):
         '--target-pipeline-parallel-size',
         '1',
     )
+    # tools/checkpoint_util.py: the older name of the same tool.
     cu.convert(
         '--loader',
         'megatron',
@@ -59,6 +60,7 @@ def checkpoints(tmp_path_factory):
         '4',
         '--true-vocab-size',
         '4096',
+        script=cu.CHECKPOINT_UTIL,
     )
     proc = cu.convert(
         '--load-dir',

@@ -150,3 +150,32 @@ def test_hf_import_export(tmp_path, arch):
     for layout, (tp, pp) in (('tp2pp2', (2, 2)), ('tp1', (1, 1))):
         got = _our_logits(ours[layout], tokens, tp, pp)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=f'{arch} {layout}')
+
+
+def test_loader_llama_mistral_matches_loader_hf(tmp_path):
+    """Megatron's flags for Llama directories give loader_hf's weights, with Megatron's args
+    (Llama2Tokenizer, --tokenizer-model, seq_length 4096, iteration 1) plus the RoPE base."""
+    hf_dir = str(tmp_path / 'hf')
+    _hf_model('llama').save_pretrained(hf_dir, safe_serialization=True)
+    via_hf, via_llama = str(tmp_path / 'via_hf'), str(tmp_path / 'via_llama')
+    cu.convert('--loader', 'hf', '--saver', 'mcore', '--load-dir', hf_dir, '--save-dir', via_hf)
+    common = ['--loader', 'llama_mistral', '--saver', 'mcore', '--load-dir', hf_dir]
+    common += ['--model-size', 'llama2-7B', '--tokenizer-model', '/models/tokenizer.model']
+    meta = cu.convert(*common, '--checkpoint-type', 'meta', '--save-dir', via_llama, check=False)
+    assert meta.returncode == 2 and meta.stderr.strip().startswith(
+        'error: --checkpoint-type meta: only "hf" is supported here'
+    )
+    cu.convert(*common, '--checkpoint-type', 'hf', '--save-dir', via_llama)
+
+    expected, _ = cu.full_model(via_hf)
+    got, reader = cu.full_model(via_llama)
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+    args = reader.args
+    assert (args.tokenizer_type, args.tokenizer_model) == (
+        'Llama2Tokenizer',
+        '/models/tokenizer.model',
+    )
+    assert (args.seq_length, reader.iteration, args.rotary_base) == (4096, 1, 5000)
+    assert args.params_dtype == torch.float32

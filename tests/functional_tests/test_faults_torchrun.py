@@ -15,6 +15,22 @@ def _standalone(nproc, port, *extra):
             '--master-port', str(port), *extra]
 
 
+def test_argument_error_is_one_line_once_under_torchrun(tmp_path):
+    run = Launcher(_standalone(2, free_port()),
+                   ['--global-batch-size', '4', '--train-iters', '2',
+                    '--tensor-model-parallel-size', '3'], str(tmp_path / 'log'))
+    try:
+        assert run.wait(300) == 1
+    finally:
+        run.kill()
+    text = run.output()
+    expected = ('error: world size (2) is not divisible by --tensor-model-parallel-size (3) x '
+                '--pipeline-model-parallel-size (1) x --context-parallel-size (1) = 3')
+    assert [line for line in text.splitlines() if 'error:' in line] == [expected], text
+    # No worker traceback (torchrun's own failure summary follows, from the launcher).
+    assert 'pretrain_gpt.py", line' not in text and '[rank' not in text, text
+
+
 def test_frozen_rank_is_reported_by_the_watchdog(tmp_path):
     run = Launcher(_standalone(2, free_port()),
                    ['--global-batch-size', '4', '--train-iters', '100000',

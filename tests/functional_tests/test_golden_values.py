@@ -1,6 +1,6 @@
-"""Golden values: each case's per-step lm loss matches its golden_values.json (numpy.isclose with the
-case's RTOL, atol 0), as Megatron's functional tests compare them. Goldens come from
-generate_golden_values.py, never typed by hand."""
+"""Golden values: each case's per-step losses (its METRICS, e.g. lm loss, sop loss) match its
+golden_values.json (numpy.isclose with the case's RTOL, atol 0), as Megatron's functional tests
+compare them. Goldens come from generate_golden_values.py, never typed by hand."""
 
 import json
 import os

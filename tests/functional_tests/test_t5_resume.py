@@ -2,8 +2,8 @@
 
 TP=2 x PP=2 with --pipeline-model-parallel-split-rank 1 (4 gloo ranks): an uninterrupted reference
 run; a run stopped by `--exit-interval` (which saves before leaving); the same command again with
-`--load`. The losses of the resumed iterations equal the reference's bit for bit (fp32 on CPU,
-compared through float.hex).
+`--load`, on span-corrupted fortunes (T5MaskedWordPieceDataset). The losses of the resumed
+iterations equal the reference's bit for bit (fp32 on CPU, compared through float.hex).
 """
 
 import os
@@ -13,10 +13,22 @@ from tests.unit_tests.dist_utils import run_distributed
 
 TRAIN_ITERS, STOP_AT = 6, 3
 LAYOUT = [
-    '--tensor-model-parallel-size', '2', '--pipeline-model-parallel-size', '2',
-    '--pipeline-model-parallel-split-rank', '1',
-    '--micro-batch-size', '2', '--global-batch-size', '8', '--eval-iters', '1',
-    '--save-interval', '1000', '--train-iters', str(TRAIN_ITERS),
+    '--tensor-model-parallel-size',
+    '2',
+    '--pipeline-model-parallel-size',
+    '2',
+    '--pipeline-model-parallel-split-rank',
+    '1',
+    '--micro-batch-size',
+    '2',
+    '--global-batch-size',
+    '8',
+    '--eval-iters',
+    '1',
+    '--save-interval',
+    '1000',
+    '--train-iters',
+    str(TRAIN_ITERS),
 ]
 
 
@@ -24,9 +36,9 @@ def _hex(result):
     return {int(it): float(v['lm loss']).hex() for it, v in result['train_losses'].items()}
 
 
-def _stop_and_resume(work_dir, data_args, synthetic):
+def _stop_and_resume(work_dir, data_args):
     common = LAYOUT + list(data_args)
-    run = lambda extra: _hex(run_pretrain_t5(common + extra, synthetic=synthetic))  # noqa: E731
+    run = lambda extra: _hex(run_pretrain_t5(common + extra))  # noqa: E731
     reference = run(['--save', os.path.join(work_dir, 'ref')])
     resume_dir = os.path.join(work_dir, 'resume')
     stopped = run(['--save', resume_dir, '--load', resume_dir, '--exit-interval', str(STOP_AT)])
@@ -34,10 +46,16 @@ def _stop_and_resume(work_dir, data_args, synthetic):
     return reference, stopped, resumed
 
 
-def test_exact_resume_tp2_pp2_split1(tmp_path):
+def test_exact_resume_tp2_pp2_split1(tmp_path, t5_data_prefix):
+    data_args = ['--data-path', t5_data_prefix, '--data-cache-path', str(tmp_path / 'cache')]
     outs = run_distributed(
-        _stop_and_resume, world_size=4, tp=2, pp=2, split_rank=1,
-        args=(str(tmp_path), [], True), timeout=600,
+        _stop_and_resume,
+        world_size=4,
+        tp=2,
+        pp=2,
+        split_rank=1,
+        args=(str(tmp_path), data_args),
+        timeout=600,
     )
     reference, stopped, resumed = outs[-1]  # the last rank is on the last stage
     assert sorted(reference) == list(range(1, TRAIN_ITERS + 1))

@@ -1,9 +1,10 @@
 """The text generation server as users run it: tools/run_text_generation_server.py started as a
 real process on a loopback port, queried with `requests`, the `openai` client and the CLI.
 
-One single-process server (GPT-2 checkpoint converted from a random tiny HF model) serves most
-tests; one tensor-parallel server (2 ranks, gloo) checks the rank choreography. Both are stopped
-by their fixtures.
+One single-process server (a random tiny HF GPT-2, saved with save_pretrained and converted by
+tools/checkpoint/convert.py; started with --load, --use-checkpoint-args and the tokenizer files
+only) serves most tests; one tensor-parallel server (2 ranks, gloo, on the same model converted
+to TP 2) checks the rank choreography. Both are stopped by their fixtures.
 """
 
 import json
@@ -41,10 +42,11 @@ def _free_port():
 class _Server:
     """A server process, its base URL and its log."""
 
-    def __init__(self, ckpt, arch, tp, log_path, extra=()):
+    def __init__(self, ckpt, tp, log_path, extra=()):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        flags = hc.server_flags(arch, tp=tp) + ["--load", ckpt, "--port", str(self.port)]
+        # No architecture or layout flags: they come from the converted checkpoint.
+        flags = hc.server_flags(ckpt) + ["--port", str(self.port)]
         flags += list(extra)
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
         if tp == 1:
@@ -111,15 +113,14 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def hf_gpt2():
-    return hc.build_hf_model("gpt2")
+    return hc.hf_model("gpt2")
 
 
 @pytest.fixture(scope="module")
 def server(hf_gpt2, tmp_path_factory):
-    ckpt = hc.save_megatron_checkpoint(hf_gpt2, "gpt2", str(tmp_path_factory.mktemp("ckpt")))
+    ckpt = hc.converted_checkpoint("gpt2", 1, 1, tmp_path_factory)
     srv = _Server(
         ckpt,
-        "gpt2",
         1,
         str(tmp_path_factory.mktemp("log") / "server.log"),
         extra=("--max-request-bytes", "4096"),
@@ -372,8 +373,9 @@ def test_seeded_sampling_reproduces(server):
     assert first["text"] == second["text"]
 
 
-def test_concurrent_clients_each_get_their_own_answer(server):
-    prompts = ["Alpha beta gamma", "Numbers one two", "Why is the sky"]
+def _check_concurrent_clients(server, prompts):
+    """Each prompt from its own thread, twice, all at once: every answer is the prompt's own
+    (as answered alone)."""
     expected = {
         p: server.put({"prompts": [p], "tokens_to_generate": 12, "top_k": 1}).json()["text"][0]
         for p in prompts
@@ -396,6 +398,10 @@ def test_concurrent_clients_each_get_their_own_answer(server):
     assert not errors
     for p in prompts:
         assert results[p] == [expected[p]] * 2
+
+
+def test_concurrent_clients_each_get_their_own_answer(server):
+    _check_concurrent_clients(server, ["Alpha beta gamma", "Numbers one two", "Why is the sky"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -477,9 +483,9 @@ def test_cli(server):
 # Tensor-parallel server: rank 0 serves, rank 1 joins through the broadcasts
 
 
-def test_tensor_parallel_server(hf_gpt2, tmp_path):
-    ckpt = hc.save_megatron_checkpoint(hf_gpt2, "gpt2", str(tmp_path / "ckpt"), tp=2)
-    srv = _Server(ckpt, "gpt2", 2, str(tmp_path / "server.log"))
+def test_tensor_parallel_server(hf_gpt2, tmp_path, tmp_path_factory):
+    ckpt = hc.converted_checkpoint("gpt2", 2, 1, tmp_path_factory)
+    srv = _Server(ckpt, 2, str(tmp_path / "server.log"))
     try:
         prompt = "Hello world, this is"
         body = srv.put({"prompts": [prompt], "tokens_to_generate": 6, "top_k": 1}).json()
@@ -489,6 +495,8 @@ def test_tensor_parallel_server(hf_gpt2, tmp_path):
         assert too_long.json() == "Length of prompt + tokens_to_generate longer than allowed"
         beams = srv.put({"prompts": [prompt], "tokens_to_generate": 3, "beam_width": 2}).json()
         assert len(beams["scores"]) == 2
+        # Concurrent requests must not interleave the broadcasts the other rank follows.
+        _check_concurrent_clients(srv, ["Alpha beta gamma", "Numbers one two"])
         client = openai.OpenAI(
             base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT
         )

@@ -8,7 +8,8 @@ Usage::
         rank = torch.distributed.get_rank()
         return x * rank
 
-    outs = run_distributed(_body, world_size=2, tp=2, args=(torch.ones(3),))  # [rank0_out, rank1_out]
+    # [rank0_out, rank1_out]
+    outs = run_distributed(_body, world_size=2, tp=2, args=(torch.ones(3),))
 
 How it works:
 
@@ -116,7 +117,9 @@ def _reset_state(tp, pp, vpp, cp, ep, split_rank):
     model_parallel_cuda_manual_seed(SEED)
 
 
-def _worker_main(rank: int, world_size: int, port: int, job_q, result_q, parent_pid: int, backend: str):
+def _worker_main(
+    rank: int, world_size: int, port: int, job_q, result_q, parent_pid: int, backend: str
+):
     """Entry point of one pool worker: join the default group, then run jobs until told to stop."""
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -161,7 +164,9 @@ def _worker_main(rank: int, world_size: int, port: int, job_q, result_q, parent_
             result_q.put((job_id, rank, True, data))
         except BaseException as exc:  # report everything, including KeyboardInterrupt/SystemExit
             is_assert = isinstance(exc, AssertionError)
-            result_q.put((job_id, rank, False, (is_assert, f"rank {rank}: {traceback.format_exc()}")))
+            result_q.put(
+                (job_id, rank, False, (is_assert, f"rank {rank}: {traceback.format_exc()}"))
+            )
     try:
         from megatron.core import parallel_state
 
@@ -186,7 +191,15 @@ class _Pool:
         for rank in range(world_size):
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, self.port, self.job_qs[rank], self.result_q, os.getpid(), backend),
+                args=(
+                    rank,
+                    world_size,
+                    self.port,
+                    self.job_qs[rank],
+                    self.result_q,
+                    os.getpid(),
+                    backend,
+                ),
                 name=f"dist_utils-ws{world_size}-rank{rank}",
             )
             proc.start()
@@ -205,8 +218,8 @@ class _Pool:
             if msg is None:
                 missing = sorted(set(range(self.world_size)) - ready)
                 raise RuntimeError(
-                    f"dist_utils: ranks {missing} of a {self.world_size}-rank pool did not join the "
-                    f"gloo group on port {self.port} within {POOL_START_TIMEOUT:.0f}s"
+                    f"dist_utils: ranks {missing} of a {self.world_size}-rank pool did not join "
+                    f"the gloo group on port {self.port} within {POOL_START_TIMEOUT:.0f}s"
                     + ("".join("\n" + e for e in errors))
                 )
             tag, rank, ok, err = msg
@@ -275,7 +288,9 @@ class _Pool:
         if errors:
             lines = [f"dist_utils: {name} failed on rank(s) {sorted(errors)} of {self.world_size}"]
             if missing:
-                lines.append(f"(ranks {missing} gave no answer; probably blocked on the failed rank)")
+                lines.append(
+                    f"(ranks {missing} gave no answer; probably blocked on the failed rank)"
+                )
             lines += [errors[r] for r in sorted(errors)]
             exc_type = AssertionError if any_assert else RuntimeError
             raise exc_type("\n".join(lines))
@@ -377,8 +392,8 @@ def run_distributed(
     layout = dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, split_rank=split_rank)
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise RuntimeError(
-            f"run_distributed: backend='nccl' with world_size {world_size} needs {world_size} GPUs, "
-            f"found {torch.cuda.device_count()} (mark the test with @pytest.mark.gpu)"
+            f"run_distributed: backend='nccl' with world_size {world_size} needs {world_size} "
+            f"GPUs, found {torch.cuda.device_count()} (mark the test with @pytest.mark.gpu)"
         )
     pool = _get_pool(world_size, backend)
     try:

@@ -49,12 +49,11 @@ def _initialize_with_hooks():
     # The harness built default groups for this job; initialize_megatron must build its own.
     ps.destroy_model_parallel()
     initialize_megatron(
-        args_list=[
-            '--num-layers', '2', '--hidden-size', '32', '--num-attention-heads', '4',
-            '--seq-length', '16', '--max-position-embeddings', '16', '--micro-batch-size', '1',
-            '--pipeline-model-parallel-size', '2', '--tokenizer-type', 'NullTokenizer',
-            '--vocab-size', '64', '--distributed-backend', 'gloo',
-        ],
+        args_list=(
+            "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--max-position-embeddings 16 --micro-batch-size 1 --pipeline-model-parallel-size 2 "
+            "--tokenizer-type NullTokenizer --vocab-size 64 --distributed-backend gloo"
+        ).split(),
         get_embedding_ranks=_last_only,
         get_position_embedding_ranks=_every_stage,
     )

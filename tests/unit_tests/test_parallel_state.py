@@ -15,7 +15,9 @@ from tests.unit_tests.dist_utils import run_distributed
 
 def test_documented_16_rank_example():
     # The example of Megatron's initialize_model_parallel docstring (tp=2, pp=4, dp=2).
-    groups = ps.generate_model_parallel_groups(16, tensor_model_parallel_size=2, pipeline_model_parallel_size=4)
+    groups = ps.generate_model_parallel_groups(
+        16, tensor_model_parallel_size=2, pipeline_model_parallel_size=4
+    )
     assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
     assert groups["pp"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
@@ -27,7 +29,9 @@ def test_documented_16_rank_example():
 
 
 def _assert_partition(groups, world_size, group_size, kind):
-    assert all(len(g) == group_size for g in groups), f"{kind}: sizes {sorted({len(g) for g in groups})}"
+    assert all(len(g) == group_size for g in groups), (
+        f"{kind}: sizes {sorted({len(g) for g in groups})}"
+    )
     flat = sorted(itertools.chain.from_iterable(groups))
     assert flat == list(range(world_size)), f"{kind}: not every rank exactly once"
 
@@ -51,14 +55,32 @@ def test_large_world_invariants(world, tp, pp, cp, ep):
     )
     dp = world // (tp * pp * cp)
     sizes = {
-        "tp": tp, "pp": pp, "dp": dp, "cp": cp, "dp-cp": dp * cp, "mp": tp * pp,
-        "tp-dp": tp * dp, "tp-dp-cp": tp * dp * cp, "tp-cp": tp * cp, "ep": ep,
-        "tp-ep": tp * ep, "dp-modulo-ep": dp // ep, "dp-modulo-ep-cp": dp // ep * cp,
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "cp": cp,
+        "dp-cp": dp * cp,
+        "mp": tp * pp,
+        "tp-dp": tp * dp,
+        "tp-dp-cp": tp * dp * cp,
+        "tp-cp": tp * cp,
+        "ep": ep,
+        "tp-ep": tp * ep,
+        "dp-modulo-ep": dp // ep,
+        "dp-modulo-ep-cp": dp // ep * cp,
     }
     for kind, size in sizes.items():
         _assert_partition(g[kind], world, size, kind)
     # Each kind of group varies exactly its own coordinates and fixes all the others.
-    varying = {"tp": {0}, "cp": {1}, "dp": {2}, "pp": {3}, "dp-cp": {1, 2}, "mp": {0, 3}, "tp-dp": {0, 2}}
+    varying = {
+        "tp": {0},
+        "cp": {1},
+        "dp": {2},
+        "pp": {3},
+        "dp-cp": {1, 2},
+        "mp": {0, 3},
+        "tp-dp": {0, 2},
+    }
     for kind, dims in varying.items():
         for group in g[kind]:
             coords = [_coords(r, tp, cp, dp) for r in group]
@@ -81,18 +103,25 @@ def test_large_world_invariants(world, tp, pp, cp, ep):
 
 
 def test_split_rank_adds_to_embedding_groups():
-    g = ps.generate_model_parallel_groups(8, pipeline_model_parallel_size=4, tensor_model_parallel_size=2,
-                                          pipeline_model_parallel_split_rank=2)
+    g = ps.generate_model_parallel_groups(
+        8,
+        pipeline_model_parallel_size=4,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_split_rank=2,
+    )
     assert g["pp"][0] == [0, 2, 4, 6]
     assert g["embedding"][0] == [0, 4, 6] and g["position_embedding"][0] == [0, 4]
     # Split rank 0 is already the first stage: nothing added.
-    g = ps.generate_model_parallel_groups(4, pipeline_model_parallel_size=4, pipeline_model_parallel_split_rank=0)
+    g = ps.generate_model_parallel_groups(
+        4, pipeline_model_parallel_size=4, pipeline_model_parallel_split_rank=0
+    )
     assert g["embedding"] == [[0, 3]] and g["position_embedding"] == [[0]]
 
 
 def test_tp_pp_dp_order():
-    g = ps.generate_model_parallel_groups(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                          order="tp-pp-dp")
+    g = ps.generate_model_parallel_groups(
+        8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, order="tp-pp-dp"
+    )
     assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -102,15 +131,28 @@ def test_tp_pp_dp_order():
     "kwargs,pattern",
     [
         (dict(world_size=12, tensor_model_parallel_size=5), r"world_size \(12\).*\(5\).*= 5"),
-        (dict(world_size=16, tensor_model_parallel_size=2, pipeline_model_parallel_size=3),
-         r"world_size \(16\).*tensor_model_parallel_size \(2\).*pipeline_model_parallel_size \(3\)"),
+        (
+            dict(world_size=16, tensor_model_parallel_size=2, pipeline_model_parallel_size=3),
+            r"world_size \(16\).*tensor_model_parallel_size \(2\).*pipeline_model_parallel_size "
+            r"\(3\)",
+        ),
         (dict(world_size=8, context_parallel_size=3), r"context_parallel_size \(3\)"),
-        (dict(world_size=8, tensor_model_parallel_size=2, expert_model_parallel_size=3),
-         r"data parallel size \(4\).*expert_model_parallel_size \(3\)"),
-        (dict(world_size=8, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2),
-         r"virtual_pipeline_model_parallel_size \(2\).*got 1"),
-        (dict(world_size=8, pipeline_model_parallel_size=2, pipeline_model_parallel_split_rank=2),
-         r"split_rank \(2\)"),
+        (
+            dict(world_size=8, tensor_model_parallel_size=2, expert_model_parallel_size=3),
+            r"data parallel size \(4\).*expert_model_parallel_size \(3\)",
+        ),
+        (
+            dict(
+                world_size=8, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2
+            ),
+            r"virtual_pipeline_model_parallel_size \(2\).*got 1",
+        ),
+        (
+            dict(
+                world_size=8, pipeline_model_parallel_size=2, pipeline_model_parallel_split_rank=2
+            ),
+            r"split_rank \(2\)",
+        ),
         (dict(world_size=8, tensor_model_parallel_size=0), r"tensor_model_parallel_size.*0"),
         (dict(world_size=8, order="tp-cp-ep-xx-pp"), r"unknown dimension 'xx'"),
         (dict(world_size=8, order="tp-ep-cp-dp-pp"), r"ep and dp must be adjacent"),
@@ -173,7 +215,11 @@ def _check_live_groups(expected, tp, pp, cp, ep, vpp=None):
     rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()
     assert ps.model_parallel_is_initialized()
-    mine = {kind: next(g for g in groups if rank in g) for kind, groups in expected.items() if kind in _GETTERS}
+    mine = {
+        kind: next(g for g in groups if rank in g)
+        for kind, groups in expected.items()
+        if kind in _GETTERS
+    }
     for kind, getter in _GETTERS.items():
         got = torch.distributed.get_process_group_ranks(getter())
         assert got == mine[kind], f"{kind}: {got} != {mine[kind]}"
@@ -227,7 +273,11 @@ def _check_live_groups(expected, tp, pp, cp, ep, vpp=None):
             elif rank == emb[-1]:
                 assert ps.is_rank_in_embedding_group() == (chunk == vpp - 1)
     buf = ps.get_global_memory_buffer().get_tensor((3, 4), torch.float32, "mpu")
-    assert buf.shape == (3, 4) and ps.get_global_memory_buffer().get_tensor((2,), torch.float32, "mpu").data_ptr() == buf.data_ptr()
+    assert (
+        buf.shape == (3, 4)
+        and ps.get_global_memory_buffer().get_tensor((2,), torch.float32, "mpu").data_ptr()
+        == buf.data_ptr()
+    )
     # The groups really communicate: a tp all-reduce sums over tp ranks only.
     t = torch.tensor([float(rank)])
     torch.distributed.all_reduce(t, group=ps.get_tensor_model_parallel_group())
@@ -237,15 +287,32 @@ def _check_live_groups(expected, tp, pp, cp, ep, vpp=None):
 
 @pytest.mark.parametrize(
     "tp,pp,cp,ep,vpp",
-    [(2, 2, 1, 1, None), (1, 2, 1, 1, 2), (1, 1, 2, 1, None), (2, 1, 1, 2, None), (1, 4, 1, 1, None)],
+    [
+        (2, 2, 1, 1, None),
+        (1, 2, 1, 1, 2),
+        (1, 1, 2, 1, None),
+        (2, 1, 1, 2, None),
+        (1, 4, 1, 1, None),
+    ],
 )
 def test_live_groups_match_pure_layout_4_ranks(tp, pp, cp, ep, vpp):
     expected = ps.generate_model_parallel_groups(
-        4, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        context_parallel_size=cp, expert_model_parallel_size=ep,
+        4,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
     )
-    out = run_distributed(_check_live_groups, 4, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp,
-                          args=(expected, tp, pp, cp, ep, vpp))
+    out = run_distributed(
+        _check_live_groups,
+        4,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        vpp=vpp,
+        args=(expected, tp, pp, cp, ep, vpp),
+    )
     assert out == [0, 1, 2, 3]
 
 
@@ -254,7 +321,9 @@ def test_live_groups_match_pure_layout_8_ranks():
     expected = ps.generate_model_parallel_groups(
         8, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
     )
-    out = run_distributed(_check_live_groups, 8, tp=tp, pp=pp, cp=cp, args=(expected, tp, pp, cp, 1))
+    out = run_distributed(
+        _check_live_groups, 8, tp=tp, pp=pp, cp=cp, args=(expected, tp, pp, cp, 1)
+    )
     assert out == list(range(8))
 
 
@@ -295,8 +364,14 @@ def _destroy_resets_everything():
         else:
             raise AssertionError(f"{getter} did not raise after destroy_model_parallel()")
     # Every module-level global that holds state is covered by the reset list.
-    state_globals = {n for n in vars(ps) if n.startswith("_") and n.isupper() and n.lstrip("_")[:1].isalpha()}
-    assert state_globals - set(ps._RESET_TO_NONE) <= {"_CREATED_GROUPS", "_INIT_HINT", "_RESET_TO_NONE"}
+    state_globals = {
+        n for n in vars(ps) if n.startswith("_") and n.isupper() and n.lstrip("_")[:1].isalpha()
+    }
+    assert state_globals - set(ps._RESET_TO_NONE) <= {
+        "_CREATED_GROUPS",
+        "_INIT_HINT",
+        "_RESET_TO_NONE",
+    }
     # And the state can be built again.
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     assert ps.get_tensor_model_parallel_world_size() == 2

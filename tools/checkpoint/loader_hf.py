@@ -9,6 +9,7 @@ import os
 import types
 
 import loader_mcore
+import torch
 import utils
 
 utils.add_megatron_path()
@@ -71,8 +72,8 @@ def metadata(args, config, margs, dtype):
 
 
 def _config_dtype(config):
-    return {'float16': hfc.torch.float16, 'bfloat16': hfc.torch.bfloat16}.get(
-        config.get('torch_dtype') or config.get('dtype'), hfc.torch.float32
+    return {'float16': torch.float16, 'bfloat16': torch.bfloat16}.get(
+        config.get('torch_dtype') or config.get('dtype'), torch.float32
     )
 
 

@@ -9,6 +9,7 @@ Llama-3 import needs no --rotary-base at run time.
 """
 
 import loader_hf
+import torch
 import utils
 
 utils.add_megatron_path()
@@ -85,8 +86,8 @@ def _tokenizer_type(model_size):
 
 def _dtype(args):
     if args.bf16:
-        return hfc.torch.bfloat16
-    return hfc.torch.float16 if args.fp16 else hfc.torch.float32
+        return torch.bfloat16
+    return torch.float16 if args.fp16 else torch.float32
 
 
 def _build(args):

@@ -166,7 +166,9 @@ def _load(queue, args):
     for vp_rank in range(num_chunks):
         for pp_rank in range(reader.pp):
             offset, chunk = stage(pp_rank)[vp_rank]
+            stages[pp_rank][vp_rank] = (offset, None)  # sent once: let it go
             layers, rest = cc.split_chunk_by_layer(chunk, offset)
+            del chunk
             for index, layer in layers.items():
                 utils.queue_put(
                     queue, f'transformer layer {index}', cc.layer_to_message(layer, md.swiglu)

@@ -27,6 +27,13 @@ def add_arguments(parser):
         help='copy the tokenizer files (tokenizer.json, vocab.json, merges.txt, '
         'tokenizer.model, ...) found in this directory',
     )
+    group.add_argument(
+        '--merge-file',
+        type=str,
+        default=None,
+        help='GPT-2 BPE merges: copied as merges.txt, with the loader\'s --vocab-file copied as '
+        'vocab.json, so that transformers\' AutoTokenizer loads the directory',
+    )
 
 
 def check_arguments(args, md):
@@ -34,6 +41,11 @@ def check_arguments(args, md):
         hfc.hf_family_of_args(md.checkpoint_args)
     if args.hf_tokenizer_dir is not None and not os.path.isdir(args.hf_tokenizer_dir):
         raise ValueError(f'--hf-tokenizer-dir {args.hf_tokenizer_dir} is not a directory')
+    if args.merge_file is not None and not getattr(args, 'vocab_file', None):
+        raise ValueError('--merge-file needs the loader\'s --vocab-file (the GPT-2 vocab.json)')
+    for path in (args.merge_file, getattr(args, 'vocab_file', None)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f'{path}: no such file')
     existing = [
         n
         for n in (hfc.CONFIG_NAME, hfc.SAFETENSORS_NAME)
@@ -102,6 +114,10 @@ def save_checkpoint(queue, args):
     config = hfc.hf_config_from_args(md.checkpoint_args, _true_vocab(md), dtype)
     state_dict = hfc.hf_state_dict_from_full(config, full)
     copied = hfc.save_hf_dir(args.save_dir, config, state_dict, args.hf_tokenizer_dir)
+    if args.merge_file is not None:
+        copied += hfc.copy_gpt2_bpe_files(
+            args.save_dir, getattr(args, 'vocab_file', None), args.merge_file
+        )
     print(
         f'saver: wrote {config["architectures"][0]} to {args.save_dir}'
         + (f' with tokenizer files {copied}' if copied else ''),

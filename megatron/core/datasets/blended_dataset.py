@@ -47,7 +47,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         assert len(datasets) == len(weights)
         if len(datasets) >= 32767:
             raise ValueError(f"BlendedDataset supports at most 32766 datasets, got {len(datasets)}")
-        assert all(type(d) == type(datasets[0]) for d in datasets)
+        assert all(type(d) is type(datasets[0]) for d in datasets)
         assert all(d.index_split == datasets[0].index_split for d in datasets)
         if not all(w > 0 for w in weights):
             raise ValueError(f"BlendedDataset weights must be > 0, got {weights}")
@@ -55,7 +55,9 @@ class BlendedDataset(torch.utils.data.Dataset):
             assert all(w == int(w) for w in weights)
 
         if len(datasets) == 1:
-            log_single_rank(logger, logging.WARNING, "Building a BlendedDataset for a single MegatronDataset")
+            log_single_rank(
+                logger, logging.WARNING, "Building a BlendedDataset for a single MegatronDataset"
+            )
 
         if size is not None:
             weights = normalize(weights)
@@ -73,8 +75,12 @@ class BlendedDataset(torch.utils.data.Dataset):
         unique_identifiers["weights"] = self.weights
         unique_identifiers["size"] = self.size
         self.unique_identifiers = unique_identifiers
-        self.unique_description = json.dumps(unique_identifiers, indent=4, default=lambda obj: obj.unique_identifiers)
-        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+        self.unique_description = json.dumps(
+            unique_identifiers, indent=4, default=lambda obj: obj.unique_identifiers
+        )
+        self.unique_description_hash = hashlib.md5(
+            self.unique_description.encode("utf-8")
+        ).hexdigest()
         self.built_anew_on_cache_miss = False
 
         self.dataset_index, self.dataset_sample_index = self._build_indices()
@@ -93,17 +99,25 @@ class BlendedDataset(torch.utils.data.Dataset):
             base = f"{self.unique_description_hash}-{type(self).__name__}-{self.split.name}"
             path_to_description = os.path.join(path_to_cache, f"{base}-description.txt")
             path_to_dataset_index = os.path.join(path_to_cache, f"{base}-dataset_index.npy")
-            path_to_dataset_sample_index = os.path.join(path_to_cache, f"{base}-dataset_sample_index.npy")
+            path_to_dataset_sample_index = os.path.join(
+                path_to_cache, f"{base}-dataset_sample_index.npy"
+            )
             cache_hit = all(
-                map(os.path.isfile, [path_to_description, path_to_dataset_index, path_to_dataset_sample_index])
+                map(
+                    os.path.isfile,
+                    [path_to_description, path_to_dataset_index, path_to_dataset_sample_index],
+                )
             )
         else:
             cache_hit = False
 
         if not path_to_cache or (
-            not cache_hit and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
+            not cache_hit
+            and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
         ):
-            log_single_rank(logger, logging.INFO, f"Build and save the {type(self).__name__} indices")
+            log_single_rank(
+                logger, logging.INFO, f"Build and save the {type(self).__name__} indices"
+            )
             self.built_anew_on_cache_miss = True
             t_beg = time.time()
             from megatron.core.datasets import helpers
@@ -112,14 +126,22 @@ class BlendedDataset(torch.utils.data.Dataset):
                 dataset_index = numpy.zeros(self.size, dtype=numpy.int16)
                 dataset_sample_index = numpy.zeros(self.size, dtype=numpy.int64)
                 helpers.build_blending_indices(
-                    dataset_index, dataset_sample_index, self.weights, len(self.datasets), self.size, _VERBOSE
+                    dataset_index,
+                    dataset_sample_index,
+                    self.weights,
+                    len(self.datasets),
+                    self.size,
+                    _VERBOSE,
                 )
             else:
                 size = int(sum(self.weights))
                 dataset_index = numpy.zeros(size, dtype=numpy.int16)
                 dataset_sample_index = numpy.zeros(size, dtype=numpy.int64)
                 helpers.build_exhaustive_blending_indices(
-                    dataset_index, dataset_sample_index, [int(w) for w in self.weights], len(self.datasets)
+                    dataset_index,
+                    dataset_sample_index,
+                    [int(w) for w in self.weights],
+                    len(self.datasets),
                 )
 
             if path_to_cache:
@@ -128,13 +150,21 @@ class BlendedDataset(torch.utils.data.Dataset):
                 save_index(path_to_dataset_index, dataset_index)
                 save_index(path_to_dataset_sample_index, dataset_sample_index)
             else:
-                log_single_rank(logger, logging.WARNING, "Unable to save the blending indexes because path_to_cache is None")
-            log_single_rank(logger, logging.DEBUG, f"\t> time elapsed: {time.time() - t_beg:4f} seconds")
+                log_single_rank(
+                    logger,
+                    logging.WARNING,
+                    "Unable to save the blending indexes because path_to_cache is None",
+                )
+            log_single_rank(
+                logger, logging.DEBUG, f"\t> time elapsed: {time.time() - t_beg:4f} seconds"
+            )
             return dataset_index, dataset_sample_index
 
         log_single_rank(logger, logging.INFO, f"Load the {type(self).__name__} indices")
         if not cache_hit:
-            raise FileNotFoundError(f"BlendedDataset indices not found in {path_to_cache} (rank 0 builds them)")
+            raise FileNotFoundError(
+                f"BlendedDataset indices not found in {path_to_cache} (rank 0 builds them)"
+            )
         dataset_index = load_index(path_to_dataset_index, ndim=1)
         dataset_sample_index = load_index(path_to_dataset_sample_index, ndim=1)
         return dataset_index, dataset_sample_index

@@ -26,7 +26,9 @@ MidLevelDataset = MegatronDataset
 
 TopLevelDataset = Union[BlendedDataset, MidLevelDataset]
 
-DistributedDataset = Union[TopLevelDataset, MidLevelDataset, LowLevelDataset, torch.utils.data.Dataset]
+DistributedDataset = Union[
+    TopLevelDataset, MidLevelDataset, LowLevelDataset, torch.utils.data.Dataset
+]
 
 
 def _virtual_pipeline_rank() -> Optional[int]:
@@ -64,11 +66,14 @@ class BlendedMegatronDatasetBuilder(object):
         self.config = config
 
         if len(self.sizes) != len(Split):
-            raise ValueError(f"sizes must have {len(Split)} entries (train, valid, test), got {self.sizes}")
+            raise ValueError(
+                f"sizes must have {len(Split)} entries (train, valid, test), got {self.sizes}"
+            )
         log_single_rank(
             logger,
             logging.INFO,
-            f"Building dataset splits with cls={cls.__name__}, sizes={self.sizes}, and config={self.config}",
+            f"Building dataset splits with cls={cls.__name__}, sizes={self.sizes}, and "
+            f"config={self.config}",
         )
 
         if not self.config.mock:
@@ -83,16 +88,22 @@ class BlendedMegatronDatasetBuilder(object):
                         continue
                     weights_are_none = self.config.blend_per_split[split.value][1] is None
                 if size_is_none and not weights_are_none:
-                    raise ValueError(f"the {split.name} split has blend weights but no requested size")
+                    raise ValueError(
+                        f"the {split.name} split has blend weights but no requested size"
+                    )
 
         if torch.distributed.is_initialized():
             gb_rank = torch.distributed.get_rank()
             vp_rank = _virtual_pipeline_rank()
             if gb_rank == 0 and (vp_rank == 0 or vp_rank is None):
-                assert self.is_built_on_rank(), "is_built_on_rank must return True when global rank = 0 and vp rank = 0"
+                assert self.is_built_on_rank(), (
+                    "is_built_on_rank must return True when global rank = 0 and vp rank = 0"
+                )
 
     def build(self) -> List[Optional[TopLevelDataset]]:
-        """Build all dataset splits (call on all ranks). Returns [train, valid, test] (None where absent).
+        """Build all dataset splits (call on all ranks).
+
+        Returns [train, valid, test] (None where absent).
 
         Raises:
             IndexError: when a blend asks a component for more samples than it has.
@@ -101,12 +112,15 @@ class BlendedMegatronDatasetBuilder(object):
         for dataset in datasets:
             if dataset is not None and len(dataset) > 0 and isinstance(dataset, BlendedDataset):
                 assert dataset.size is None or dataset.size == dataset.dataset_index.shape[0]
-                counts = numpy.bincount(numpy.asarray(dataset.dataset_index), minlength=len(dataset.datasets))
+                counts = numpy.bincount(
+                    numpy.asarray(dataset.dataset_index), minlength=len(dataset.datasets)
+                )
                 for i, (component, count) in enumerate(zip(dataset.datasets, counts)):
                     if len(component) < count:
                         raise IndexError(
-                            f"{type(dataset).__name__} blend goes out of bounds for {type(component).__name__} "
-                            f"{i} for {dataset.split.name} split ({count} samples drawn, {len(component)} available)"
+                            f"{type(dataset).__name__} blend goes out of bounds for "
+                            f"{type(component).__name__} {i} for {dataset.split.name} split "
+                            f"({count} samples drawn, {len(component)} available)"
                         )
         return datasets
 
@@ -128,7 +142,9 @@ class BlendedMegatronDatasetBuilder(object):
             else:
                 sizes_per_dataset = _get_size_per_split_per_dataset(weights, self.sizes)
 
-            megatron_datasets = self._build_megatron_datasets_parallel(prefixes, split, sizes_per_dataset)
+            megatron_datasets = self._build_megatron_datasets_parallel(
+                prefixes, split, sizes_per_dataset
+            )
 
             blended_datasets = [None] * len(Split)
             for i in range(len(Split)):
@@ -142,7 +158,9 @@ class BlendedMegatronDatasetBuilder(object):
                         weights_i = [s / size_i for s in size_per_dataset]
                 elif weights_i is None:
                     try:
-                        weights_i = [len(megatron_dataset) for megatron_dataset in megatron_datasets[i]]
+                        weights_i = [
+                            len(megatron_dataset) for megatron_dataset in megatron_datasets[i]
+                        ]
                     except TypeError:
                         weights_i = [0 for _ in prefixes]
                     if self.sizes[i] is not None:
@@ -152,7 +170,13 @@ class BlendedMegatronDatasetBuilder(object):
                 else:
                     raise RuntimeError
                 blended_datasets[i] = self.build_generic_dataset(
-                    BlendedDataset, self.is_built_on_rank, True, megatron_datasets[i], weights_i, size_i, self.config
+                    BlendedDataset,
+                    self.is_built_on_rank,
+                    True,
+                    megatron_datasets[i],
+                    weights_i,
+                    size_i,
+                    self.config,
                 )
             return blended_datasets
 
@@ -171,7 +195,9 @@ class BlendedMegatronDatasetBuilder(object):
                 weights = normalize(weights)
 
             if len(prefixes) == 1:
-                blended_datasets[i] = self._build_megatron_dataset_splits(prefixes[0], split_spoof, sizes_spoof)[i]
+                blended_datasets[i] = self._build_megatron_dataset_splits(
+                    prefixes[0], split_spoof, sizes_spoof
+                )[i]
                 continue
 
             if weights is None:
@@ -179,7 +205,9 @@ class BlendedMegatronDatasetBuilder(object):
             else:
                 sizes_per_dataset = _get_size_per_split_per_dataset(weights, sizes_spoof)
 
-            megatron_datasets = self._build_megatron_datasets_parallel(prefixes, split_spoof, sizes_per_dataset)[i]
+            megatron_datasets = self._build_megatron_datasets_parallel(
+                prefixes, split_spoof, sizes_per_dataset
+            )[i]
 
             if weights is not None and self.sizes[i] is not None:
                 size_per_dataset = list(zip(*sizes_per_dataset))[i]
@@ -198,7 +226,13 @@ class BlendedMegatronDatasetBuilder(object):
             else:
                 raise RuntimeError
             blended_datasets[i] = self.build_generic_dataset(
-                BlendedDataset, self.is_built_on_rank, True, megatron_datasets, weights, size, self.config
+                BlendedDataset,
+                self.is_built_on_rank,
+                True,
+                megatron_datasets,
+                weights,
+                size,
+                self.config,
             )
         return blended_datasets
 
@@ -210,7 +244,13 @@ class BlendedMegatronDatasetBuilder(object):
         def _threading_helper(megatron_datasets, num_workers):
             with ThreadPoolExecutor(max_workers=num_workers) as executor:
                 futures = [
-                    executor.submit(self._build_megatron_dataset_splits, prefixes[i], split, sizes_per_dataset[i], False)
+                    executor.submit(
+                        self._build_megatron_dataset_splits,
+                        prefixes[i],
+                        split,
+                        sizes_per_dataset[i],
+                        False,
+                    )
                     for i in range(len(prefixes))
                 ]
                 for future in futures:
@@ -259,8 +299,9 @@ class BlendedMegatronDatasetBuilder(object):
         for i, split_name in enumerate(Split):
             if split_indices[i] is not None and len(split_indices[i]) == 0 and sizes[i]:
                 raise ValueError(
-                    f"--split {self.config.split} leaves the {split_name.name} split of {dataset_path} with no "
-                    f"documents ({num_elements} in total) but {sizes[i]} samples are requested from it"
+                    f"--split {self.config.split} leaves the {split_name.name} split of "
+                    f"{dataset_path} with no documents ({num_elements} in total) but {sizes[i]} "
+                    "samples are requested from it"
                 )
 
         mid_level_datasets = []
@@ -302,9 +343,9 @@ class BlendedMegatronDatasetBuilder(object):
                     dataset = cls(*args)
                 except OSError as err:
                     raise Exception(
-                        "Failed to write dataset materials to the data cache directory. Please supply a "
-                        "directory to which you have write access via the path_to_cache attribute in "
-                        "BlendedMegatronDatasetConfig (--data-cache-path) and retry."
+                        "Failed to write dataset materials to the data cache directory. Please "
+                        "supply a directory to which you have write access via the path_to_cache "
+                        "attribute in BlendedMegatronDatasetConfig (--data-cache-path) and retry."
                     ) from err
             if synchronize_ranks:
                 torch.distributed.barrier()
@@ -317,7 +358,8 @@ class BlendedMegatronDatasetBuilder(object):
 def _get_size_per_split_per_dataset(
     normalized_weights: List[float], target_size_per_split: List[Optional[int]]
 ) -> List[List[Optional[int]]]:
-    """Samples to request per dataset per split: ceil(N * w * 1.005) (core_v0.8.0's 0.5 % margin)."""
+    """Samples to request per dataset per split: ceil(N * w * 1.005) (core_v0.8.0's 0.5 %
+    margin)."""
     assert numpy.isclose(sum(normalized_weights), 1.0)
     return [
         [

@@ -25,7 +25,8 @@ class BlendedMegatronDatasetConfig:
     """The sequence length."""
 
     blend: Optional[Tuple[List[str], Optional[List[float]]]] = None
-    """The blend: path prefixes and optional weights, e.g. (["a", "b"], [0.3, 0.7]). Not with blend_per_split."""
+    """The blend: path prefixes and optional weights, e.g. (["a", "b"], [0.3, 0.7]). Not with
+    blend_per_split."""
 
     blend_per_split: Optional[List[Optional[Tuple[List[str], Optional[List[float]]]]]] = None
     """A blend per split (train, valid, test). Not with blend."""
@@ -40,7 +41,8 @@ class BlendedMegatronDatasetConfig:
     """Threads building the mid-level datasets of a blend."""
 
     path_to_cache: Optional[str] = None
-    """Where the index .npy files go; default `<prefix>/cache/<Class>_indices` (no cache for mock data)."""
+    """Where the index .npy files go; default `<prefix>/cache/<Class>_indices` (no cache for mock
+    data)."""
 
     mmap_bin_files: bool = True
     """Memory-map the .bin files (else read with seeks)."""
@@ -57,42 +59,69 @@ class BlendedMegatronDatasetConfig:
 
     def __post_init__(self) -> None:
         if self.sequence_length is None or self.sequence_length <= 0:
-            raise ValueError(f"sequence_length (--seq-length) must be > 0, got {self.sequence_length}")
+            raise ValueError(
+                f"sequence_length (--seq-length) must be > 0, got {self.sequence_length}"
+            )
         if self.num_dataset_builder_threads < 1:
-            raise ValueError(f"num_dataset_builder_threads must be >= 1, got {self.num_dataset_builder_threads}")
+            raise ValueError(
+                f"num_dataset_builder_threads must be >= 1, got {self.num_dataset_builder_threads}"
+            )
         if self.blend_per_split is not None and any(self.blend_per_split):
             if self.blend is not None:
-                raise ValueError("blend (--data-path) and blend_per_split (--train/valid/test-data-path) are incompatible")
+                raise ValueError(
+                    "blend (--data-path) and blend_per_split (--train/valid/test-data-path) are "
+                    "incompatible"
+                )
             if self.split is not None:
-                raise ValueError("split (--split) and blend_per_split (--train/valid/test-data-path) are incompatible")
+                raise ValueError(
+                    "split (--split) and blend_per_split (--train/valid/test-data-path) are "
+                    "incompatible"
+                )
             if len(self.blend_per_split) != len(Split):
-                raise ValueError(f"blend_per_split needs {len(Split)} entries, got {len(self.blend_per_split)}")
+                raise ValueError(
+                    f"blend_per_split needs {len(Split)} entries, got {len(self.blend_per_split)}"
+                )
             for split in Split:
                 blend = self.blend_per_split[split.value]
                 if blend is None:
-                    log_single_rank(logger, logging.INFO, f"blend not provided for {split.name} split")
+                    log_single_rank(
+                        logger, logging.INFO, f"blend not provided for {split.name} split"
+                    )
                 elif blend[1] is not None and len(blend[0]) != len(blend[1]):
                     raise ValueError(
-                        f"blend_per_split[{split.name}]: {len(blend[0])} prefixes but {len(blend[1])} weights"
+                        f"blend_per_split[{split.name}]: {len(blend[0])} prefixes but "
+                        f"{len(blend[1])} weights"
                     )
         else:
             if self.blend is not None:
                 if self.blend[1] is not None and len(self.blend[0]) != len(self.blend[1]):
-                    raise ValueError(f"blend: {len(self.blend[0])} prefixes but {len(self.blend[1])} weights")
+                    raise ValueError(
+                        f"blend: {len(self.blend[0])} prefixes but {len(self.blend[1])} weights"
+                    )
                 if self.split is None:
-                    raise ValueError("split (--split) must be provided when blend (--data-path) is given")
+                    raise ValueError(
+                        "split (--split) must be provided when blend (--data-path) is given"
+                    )
             else:
                 self.mock = True
-                log_single_rank(logger, logging.INFO, "Let mock = True, as both blend and blend_per_split are None")
+                log_single_rank(
+                    logger,
+                    logging.INFO,
+                    "Let mock = True, as both blend and blend_per_split are None",
+                )
                 self.split = "1,1,1"
-                log_single_rank(logger, logging.INFO, f"Let split = {self.split}, an arbitrarily even split, as mock is True")
+                log_single_rank(
+                    logger,
+                    logging.INFO,
+                    f"Let split = {self.split}, an arbitrarily even split, as mock is True",
+                )
             split_vector = parse_and_normalize_split(self.split)
             self.split_matrix = convert_split_vector_to_split_matrix(split_vector)
             log_single_rank(logger, logging.INFO, f"Let split_matrix = {self.split_matrix}")
 
 
 def parse_and_normalize_split(split: str) -> List[float]:
-    """"99,1,0" -> [0.99, 0.01, 0.0] (missing entries are 0).
+    """ "99,1,0" -> [0.99, 0.01, 0.0] (missing entries are 0).
 
     Raises:
         ValueError: more than three entries, a negative entry, or all zero.
@@ -126,7 +155,9 @@ def convert_split_vector_to_split_matrix(
     bookends_b = expansion(vector_b)
     overlap = []
     for i in range(len(vector_a)):
-        overlap.append((max(bookends_a[i], bookends_b[i]), min(bookends_a[i + 1], bookends_b[i + 1])))
+        overlap.append(
+            (max(bookends_a[i], bookends_b[i]), min(bookends_a[i + 1], bookends_b[i + 1]))
+        )
     matrix = []
     for i in range(len(vector_a)):
         if overlap[i][1] <= overlap[i][0]:

@@ -88,9 +88,15 @@ class GPTDataset(MegatronDataset):
         index_split: Split,
         config: GPTDatasetConfig,
     ) -> None:
-        super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
+        super().__init__(
+            indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config
+        )
         self.masks_and_position_ids_are_cacheable = not any(
-            [self.config.reset_position_ids, self.config.reset_attention_mask, self.config.eod_mask_loss]
+            [
+                self.config.reset_position_ids,
+                self.config.reset_attention_mask,
+                self.config.eod_mask_loss,
+            ]
         )
         self.masks_and_position_ids_are_cached = False
         self.cached_attention_mask = None
@@ -103,7 +109,9 @@ class GPTDataset(MegatronDataset):
         if self._pad_token_id is None:
             self._pad_token_id = _PAD_TOKEN_ID
 
-        (self.document_index, self.sample_index, self.shuffle_index) = self._build_document_sample_shuffle_indices()
+        (self.document_index, self.sample_index, self.shuffle_index) = (
+            self._build_document_sample_shuffle_indices()
+        )
 
     @staticmethod
     def numel_low_level_dataset(low_level_dataset: IndexedDataset) -> int:
@@ -124,7 +132,9 @@ class GPTDataset(MegatronDataset):
         idx None returns a padding sample (sample 0 with an all-zero loss mask).
         """
         if idx is not None and not (-len(self) <= idx < len(self)):
-            raise IndexError(f"{type(self).__name__} index {idx} out of range ({len(self)} samples)")
+            raise IndexError(
+                f"{type(self).__name__} index {idx} out of range ({len(self)} samples)"
+            )
         text, _ = self._query_document_sample_shuffle_indices(0 if idx is None else idx)
 
         text = torch.from_numpy(text).long()
@@ -136,7 +146,10 @@ class GPTDataset(MegatronDataset):
             labels = torch.roll(text, shifts=-1, dims=0)
             labels[-1] = self._pad_token_id
 
-        if not self.masks_and_position_ids_are_cacheable or not self.masks_and_position_ids_are_cached:
+        if (
+            not self.masks_and_position_ids_are_cacheable
+            or not self.masks_and_position_ids_are_cached
+        ):
             attention_mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
                 tokens,
                 self.config.tokenizer.eod,
@@ -173,9 +186,16 @@ class GPTDataset(MegatronDataset):
                 "loss_mask": loss_mask,
                 "position_ids": position_ids,
             }
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+        return {
+            "tokens": tokens,
+            "labels": labels,
+            "loss_mask": loss_mask,
+            "position_ids": position_ids,
+        }
 
-    def _query_document_sample_shuffle_indices(self, idx: int) -> Tuple[numpy.ndarray, numpy.ndarray]:
+    def _query_document_sample_shuffle_indices(
+        self, idx: int
+    ) -> Tuple[numpy.ndarray, numpy.ndarray]:
         """Token ids (int64, sequence_length + extra) and document ids of sample `idx`."""
         idx = self.shuffle_index[idx]
         doc_index_beg, doc_index_beg_offset = self.sample_index[idx]
@@ -198,7 +218,9 @@ class GPTDataset(MegatronDataset):
                 document_ids.append(self.document_index[i])
                 offset = 0 if i > doc_index_beg else int(doc_index_beg_offset)
                 length = None if i < doc_index_end else int(doc_index_end_offset) + extra
-                sample_parts.append(self.dataset.get(self.document_index[i], offset=offset, length=length))
+                sample_parts.append(
+                    self.dataset.get(self.document_index[i], offset=offset, length=length)
+                )
 
         length = sum(map(len, sample_parts))
         target = self.config.sequence_length + extra
@@ -212,7 +234,9 @@ class GPTDataset(MegatronDataset):
     def _cache_paths(self) -> Optional[Dict[str, str]]:
         path_to_cache = self.config.path_to_cache
         if path_to_cache is None and not self.config.mock:
-            path_to_cache = os.path.join(self.dataset.path_prefix, "cache", f"{type(self).__name__}_indices")
+            path_to_cache = os.path.join(
+                self.dataset.path_prefix, "cache", f"{type(self).__name__}_indices"
+            )
         if not path_to_cache:
             return None
         base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
@@ -224,20 +248,28 @@ class GPTDataset(MegatronDataset):
             "shuffle_index": os.path.join(path_to_cache, f"{base}-shuffle_index.npy"),
         }
 
-    def _build_document_sample_shuffle_indices(self) -> Tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+    def _build_document_sample_shuffle_indices(
+        self,
+    ) -> Tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
         """Build (on rank 0, or every rank without a cache) or load the three indices."""
         paths = self._cache_paths()
         if paths is not None:
             cache_hit = all(
-                os.path.isfile(paths[k]) for k in ("description", "document_index", "sample_index", "shuffle_index")
+                os.path.isfile(paths[k])
+                for k in ("description", "document_index", "sample_index", "shuffle_index")
             )
         else:
             cache_hit = False
 
         if paths is None or (
-            not cache_hit and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
+            not cache_hit
+            and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
         ):
-            log_single_rank(logger, logging.INFO, f"Build and save the {type(self).__name__} {self.index_split.name} indices")
+            log_single_rank(
+                logger,
+                logging.INFO,
+                f"Build and save the {type(self).__name__} {self.index_split.name} indices",
+            )
             self.built_anew_on_cache_miss = True
             t_beg = time.time()
             document_index, sample_index, shuffle_index = self._build_indices()
@@ -249,23 +281,33 @@ class GPTDataset(MegatronDataset):
                 save_index(paths["shuffle_index"], shuffle_index)
             else:
                 log_single_rank(
-                    logger, logging.WARNING,
-                    f"Unable to save the {type(self).__name__} indexes because path_to_cache is None",
+                    logger,
+                    logging.WARNING,
+                    f"Unable to save the {type(self).__name__} indexes because path_to_cache is "
+                    "None",
                 )
-            log_single_rank(logger, logging.DEBUG, f"\t> time elapsed: {time.time() - t_beg:4f} seconds")
-            log_single_rank(logger, logging.INFO, f"> total number of samples: {sample_index.shape[0] - 1}")
+            log_single_rank(
+                logger, logging.DEBUG, f"\t> time elapsed: {time.time() - t_beg:4f} seconds"
+            )
+            log_single_rank(
+                logger, logging.INFO, f"> total number of samples: {sample_index.shape[0] - 1}"
+            )
             return document_index, sample_index, shuffle_index
 
-        log_single_rank(logger, logging.INFO, f"Load the {type(self).__name__} {self.index_split.name} indices")
+        log_single_rank(
+            logger, logging.INFO, f"Load the {type(self).__name__} {self.index_split.name} indices"
+        )
         if not cache_hit:
             raise FileNotFoundError(
-                f"{type(self).__name__} {self.index_split.name} indices not found in {paths['dir']} "
-                f"(rank 0 builds them; was it built with the same config?)"
+                f"{type(self).__name__} {self.index_split.name} indices not found in "
+                f"{paths['dir']} (rank 0 builds them; was it built with the same config?)"
             )
         document_index = load_index(paths["document_index"], ndim=1)
         sample_index = load_index(paths["sample_index"], ndim=2)
         shuffle_index = load_index(paths["shuffle_index"], ndim=1)
-        log_single_rank(logger, logging.INFO, f"> total number of samples: {sample_index.shape[0] - 1}")
+        log_single_rank(
+            logger, logging.INFO, f"> total number of samples: {sample_index.shape[0] - 1}"
+        )
         return document_index, sample_index, shuffle_index
 
     def _build_indices(self) -> Tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
@@ -274,28 +316,40 @@ class GPTDataset(MegatronDataset):
         num_tokens_per_epoch = self._get_num_tokens_per_epoch()
         if num_tokens_per_epoch == 0 and self.num_samples:
             raise ValueError(
-                f"{type(self).__name__}: the {self.index_split.name} split of {self.dataset_path} has "
-                f"{len(self.indices)} documents and no tokens, but {self.num_samples} samples are requested "
-                f"from it (check --split {self.config.split})"
+                f"{type(self).__name__}: the {self.index_split.name} split of {self.dataset_path} "
+                f"has {len(self.indices)} documents and no tokens, but {self.num_samples} samples "
+                f"are requested from it (check --split {self.config.split})"
             )
         num_epochs = self._get_num_epochs(num_tokens_per_epoch)
 
         separate_final_epoch = False
         num_samples_sans_final_epoch = None
         if num_epochs > 1:
-            num_samples_sans_final_epoch = ((num_epochs - 1) * num_tokens_per_epoch - extra) // sequence_length
+            num_samples_sans_final_epoch = (
+                (num_epochs - 1) * num_tokens_per_epoch - extra
+            ) // sequence_length
             num_samples_from_final_epoch = self.num_samples - num_samples_sans_final_epoch
             num_samples_per_epoch = (num_tokens_per_epoch - extra) // sequence_length
             assert num_samples_from_final_epoch >= 0
             assert num_samples_from_final_epoch <= num_samples_per_epoch + 1
             threshold = 0.80
-            separate_final_epoch = num_samples_from_final_epoch < int(threshold * num_samples_per_epoch)
-            log_single_rank(logger, logging.DEBUG, f"> num_samples_from_final_epoch: {num_samples_from_final_epoch}")
-            log_single_rank(logger, logging.DEBUG, f"> num_samples_per_epoch: {num_samples_per_epoch}")
+            separate_final_epoch = num_samples_from_final_epoch < int(
+                threshold * num_samples_per_epoch
+            )
+            log_single_rank(
+                logger,
+                logging.DEBUG,
+                f"> num_samples_from_final_epoch: {num_samples_from_final_epoch}",
+            )
+            log_single_rank(
+                logger, logging.DEBUG, f"> num_samples_per_epoch: {num_samples_per_epoch}"
+            )
         log_single_rank(logger, logging.DEBUG, f"> separate_final_epoch: {separate_final_epoch}")
 
         numpy_random_state = numpy.random.RandomState(self.config.random_seed)
-        document_index = _build_document_index(self.indices, num_epochs, numpy_random_state, separate_final_epoch)
+        document_index = _build_document_index(
+            self.indices, num_epochs, numpy_random_state, separate_final_epoch
+        )
 
         if self.index_split == Split.valid:
             drop_last_partial_sequence = self.config.drop_last_partial_validation_sequence
@@ -321,7 +375,9 @@ class GPTDataset(MegatronDataset):
                 num_samples_sans_final_epoch, sample_index.shape[0] - 1, numpy_random_state
             )
         else:
-            shuffle_index = _build_shuffle_index(sample_index.shape[0] - 1, sample_index.shape[0] - 1, numpy_random_state)
+            shuffle_index = _build_shuffle_index(
+                sample_index.shape[0] - 1, sample_index.shape[0] - 1, numpy_random_state
+            )
         log_single_rank(logger, logging.INFO, f"> total number of epochs: {num_epochs}")
         return document_index, sample_index, shuffle_index
 
@@ -333,7 +389,9 @@ class GPTDataset(MegatronDataset):
         """Smallest E >= 1 with E * tokens_per_epoch >= num_samples * sequence_length + extra."""
         if self.num_samples is None:
             return 1
-        num_tokens_requested = self.num_samples * self.config.sequence_length + int(self.config.add_extra_token_to_sequence)
+        num_tokens_requested = self.num_samples * self.config.sequence_length + int(
+            self.config.add_extra_token_to_sequence
+        )
         if num_tokens_per_epoch <= 0:
             return 1
         num_epochs = 1
@@ -350,7 +408,8 @@ def _build_document_index(
     numpy_random_state: numpy.random.RandomState,
     separate_final_epoch: bool,
 ) -> numpy.ndarray:
-    """The documents tiled num_epochs times (int32) and shuffled; last epoch apart when separated."""
+    """The documents tiled num_epochs times (int32) and shuffled; last epoch apart when
+    separated."""
     if not separate_final_epoch or num_epochs == 1:
         document_index = numpy.tile(numpy.asarray(documents), num_epochs).astype(numpy.int32)
         numpy_random_state.shuffle(document_index)
@@ -363,7 +422,8 @@ def _build_document_index(
 def _build_shuffle_index(
     num_samples: int, total_size: int, numpy_random_state: numpy.random.RandomState
 ) -> numpy.ndarray:
-    """A shuffled arange(0, num_samples), then a shuffled arange(num_samples, total_size) if larger."""
+    """A shuffled arange(0, num_samples), then a shuffled arange(num_samples, total_size) if
+    larger."""
     dtype_ = numpy.uint32
     if total_size >= (numpy.iinfo(numpy.uint32).max - 1):
         dtype_ = numpy.int64
@@ -391,7 +451,9 @@ def _get_ltor_masks_and_position_ids(
     """
     seq_length = data.numel()
     if create_attention_mask:
-        attention_mask = torch.tril(torch.ones((seq_length, seq_length), device=data.device)).unsqueeze(0)
+        attention_mask = torch.tril(
+            torch.ones((seq_length, seq_length), device=data.device)
+        ).unsqueeze(0)
     else:
         attention_mask = None
 
@@ -411,9 +473,9 @@ def _get_ltor_masks_and_position_ids(
         for j in range(eod_index.numel()):
             i = eod_index[j]
             if reset_attention_mask and attention_mask is not None:
-                attention_mask[0, (i + 1):, : (i + 1)] = 0
+                attention_mask[0, (i + 1) :, : (i + 1)] = 0
             if reset_position_ids:
-                position_ids[(i + 1):] -= i + 1 - prev_index
+                position_ids[(i + 1) :] -= i + 1 - prev_index
                 prev_index = i + 1
 
     if attention_mask is not None:
@@ -434,7 +496,9 @@ class MockGPTLowLevelDataset:
     def __init__(self, tokenizer: MegatronTokenizer) -> None:
         self.tokenizer = tokenizer
         rng = numpy.random.default_rng(seed=self.seed)
-        self.sequence_lengths = rng.integers(low=1, high=self.max_sequence_length, size=self.size, dtype=numpy.int32)
+        self.sequence_lengths = rng.integers(
+            low=1, high=self.max_sequence_length, size=self.size, dtype=numpy.int32
+        )
 
     def __len__(self) -> int:
         return self.size
@@ -447,7 +511,7 @@ class MockGPTLowLevelDataset:
         """Tokens [offset, offset + length) of sequence idx."""
         if length is None:
             length = self.sequence_lengths[idx] - offset
-        return self[idx][offset: offset + length]
+        return self[idx][offset : offset + length]
 
 
 class MockGPTDataset(GPTDataset):
@@ -472,7 +536,9 @@ class MockGPTDataset(GPTDataset):
         return len(low_level_dataset)
 
     @staticmethod
-    def build_low_level_dataset(dataset_path: Optional[str], config: GPTDatasetConfig) -> MockGPTLowLevelDataset:
+    def build_low_level_dataset(
+        dataset_path: Optional[str], config: GPTDatasetConfig
+    ) -> MockGPTLowLevelDataset:
         return MockGPTLowLevelDataset(config.tokenizer)
 
     def __len__(self) -> int:
@@ -480,5 +546,7 @@ class MockGPTDataset(GPTDataset):
 
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
         if idx is not None and idx >= self.num_samples:
-            raise IndexError(f"The index {idx} exceeds the available number of samples ({self.num_samples})")
+            raise IndexError(
+                f"The index {idx} exceeds the available number of samples ({self.num_samples})"
+            )
         return super().__getitem__(idx)

@@ -1,7 +1,7 @@
 """Python face of the C++ index builders (`helpers_cpp`), built on first use when missing.
 
-The functions keep Megatron's names and argument orders (megatron/core/datasets/helpers.cpp). `build_sample_idx`
-picks the int32 or int64 kernel from the size of its inputs.
+The functions keep Megatron's names and argument orders (megatron/core/datasets/helpers.cpp).
+`build_sample_idx` picks the int32 or int64 kernel from the size of its inputs.
 """
 
 import importlib
@@ -34,7 +34,8 @@ def build_sample_idx(
     drop_last_partial_sequence: bool = True,
     add_extra_token_to_sequence: bool = True,
 ) -> numpy.ndarray:
-    """Sample index `[num_samples + 1, 2]`: (position in document_indices, token offset) per sample start.
+    """Sample index `[num_samples + 1, 2]`: (position in document_indices, token offset) per
+    sample start.
 
     Args:
         sizes: int32 tokens per sequence of the low-level dataset.
@@ -61,36 +62,75 @@ def build_sample_idx(
     )
 
 
-def build_blending_indices(dataset_index, dataset_sample_index, weights, num_datasets, size, verbose):
+def build_blending_indices(
+    dataset_index, dataset_sample_index, weights, num_datasets, size, verbose
+):
     """Fill int16 `dataset_index` and int64 `dataset_sample_index` (length `size`) in place."""
     _lib().build_blending_indices(
-        dataset_index, dataset_sample_index, numpy.asarray(weights, dtype=numpy.float64),
-        int(num_datasets), int(size), bool(verbose),
+        dataset_index,
+        dataset_sample_index,
+        numpy.asarray(weights, dtype=numpy.float64),
+        int(num_datasets),
+        int(size),
+        bool(verbose),
     )
 
 
 def build_exhaustive_blending_indices(dataset_index, dataset_sample_index, sizes, num_datasets):
     """Fill the blending outputs (length sum(sizes)) until every dataset is spent."""
     _lib().build_exhaustive_blending_indices(
-        dataset_index, dataset_sample_index, numpy.asarray(sizes, dtype=numpy.int64), int(num_datasets)
+        dataset_index,
+        dataset_sample_index,
+        numpy.asarray(sizes, dtype=numpy.int64),
+        int(num_datasets),
     )
 
 
-def build_mapping(docs, sizes, num_epochs, max_num_samples, max_seq_length, short_seq_prob, seed, verbose,
-                  min_num_sent):
+def build_mapping(
+    docs,
+    sizes,
+    num_epochs,
+    max_num_samples,
+    max_seq_length,
+    short_seq_prob,
+    seed,
+    verbose,
+    min_num_sent,
+):
     """BERT/T5 sample map `[n, 3]` (first sentence, last sentence + 1, target length), shuffled."""
     return _lib().build_mapping(
-        numpy.asarray(docs, dtype=numpy.int64), numpy.asarray(sizes, dtype=numpy.int32), int(num_epochs),
-        int(max_num_samples), int(max_seq_length), float(short_seq_prob), int(seed), bool(verbose),
+        numpy.asarray(docs, dtype=numpy.int64),
+        numpy.asarray(sizes, dtype=numpy.int32),
+        int(num_epochs),
+        int(max_num_samples),
+        int(max_seq_length),
+        float(short_seq_prob),
+        int(seed),
+        bool(verbose),
         int(min_num_sent),
     )
 
 
-def build_blocks_mapping(docs, sizes, titles_sizes, num_epochs, max_num_samples, max_seq_length, seed, verbose,
-                         use_one_sent_blocks):
+def build_blocks_mapping(
+    docs,
+    sizes,
+    titles_sizes,
+    num_epochs,
+    max_num_samples,
+    max_seq_length,
+    seed,
+    verbose,
+    use_one_sent_blocks,
+):
     """ICT/REALM block map `[n, 4]` (first sentence, last sentence + 1, doc, block id), shuffled."""
     return _lib().build_blocks_mapping(
-        numpy.asarray(docs, dtype=numpy.int64), numpy.asarray(sizes, dtype=numpy.int32),
-        numpy.asarray(titles_sizes, dtype=numpy.int32), int(num_epochs), int(max_num_samples),
-        int(max_seq_length), int(seed), bool(verbose), bool(use_one_sent_blocks),
+        numpy.asarray(docs, dtype=numpy.int64),
+        numpy.asarray(sizes, dtype=numpy.int32),
+        numpy.asarray(titles_sizes, dtype=numpy.int32),
+        int(num_epochs),
+        int(max_num_samples),
+        int(max_seq_length),
+        int(seed),
+        bool(verbose),
+        bool(use_one_sent_blocks),
     )

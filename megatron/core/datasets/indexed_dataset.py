@@ -228,16 +228,17 @@ class IndexedDataset(torch.utils.data.Dataset):
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
                 other = bin_path if path == bin_path else idx_path
-                raise FileNotFoundError(
-                    f"indexed dataset '{path_prefix}': missing file {other}"
-                )
+                raise FileNotFoundError(f"indexed dataset '{path_prefix}': missing file {other}")
         self.path_prefix = path_prefix
         self.multimodal = multimodal
         self.mmap = mmap
         self.index = _IndexReader(idx_path, self.multimodal)
         bin_size = os.path.getsize(bin_path)
         if len(self.index) > 0:
-            needed = int(self.index.sequence_pointers[-1]) + int(self.index.sequence_lengths[-1]) * self.index.dtype_size
+            needed = (
+                int(self.index.sequence_pointers[-1])
+                + int(self.index.sequence_lengths[-1]) * self.index.dtype_size
+            )
         else:
             needed = 0
         if bin_size < needed:
@@ -272,7 +273,9 @@ class IndexedDataset(torch.utils.data.Dataset):
 
     def _read(self, count: int, byte_offset: int) -> numpy.ndarray:
         if self.mmap:
-            return numpy.frombuffer(self.bin_buffer, dtype=self.index.dtype, count=count, offset=byte_offset)
+            return numpy.frombuffer(
+                self.bin_buffer, dtype=self.index.dtype, count=count, offset=byte_offset
+            )
         with open(get_bin_path(self.path_prefix), "rb") as stream:
             stream.seek(byte_offset)
             data = stream.read(count * self.index.dtype_size)
@@ -355,7 +358,9 @@ class IndexedDataset(torch.utils.data.Dataset):
     @staticmethod
     def exists(path_prefix: str) -> bool:
         """Whether both `prefix.idx` and `prefix.bin` exist."""
-        return os.path.exists(get_idx_path(path_prefix)) and os.path.exists(get_bin_path(path_prefix))
+        return os.path.exists(get_idx_path(path_prefix)) and os.path.exists(
+            get_bin_path(path_prefix)
+        )
 
 
 class IndexedDatasetBuilder(object):
@@ -367,7 +372,9 @@ class IndexedDatasetBuilder(object):
         multimodal: also record one int8 mode per sequence.
     """
 
-    def __init__(self, bin_path: str, dtype: Type[numpy.number] = numpy.int32, multimodal: bool = False) -> None:
+    def __init__(
+        self, bin_path: str, dtype: Type[numpy.number] = numpy.int32, multimodal: bool = False
+    ) -> None:
         self.data_file = open(bin_path, "wb")
         self.bin_path = bin_path
         self.dtype = dtype
@@ -376,7 +383,9 @@ class IndexedDatasetBuilder(object):
         self.document_indices = [0]
         self.sequence_modes = [] if self.multimodal else None
 
-    def add_item(self, tensor: Union[torch.Tensor, numpy.ndarray, List[int]], mode: int = 0) -> None:
+    def add_item(
+        self, tensor: Union[torch.Tensor, numpy.ndarray, List[int]], mode: int = 0
+    ) -> None:
         """Append one sequence (does not close the document)."""
         if isinstance(tensor, torch.Tensor):
             tensor = tensor.numpy()
@@ -397,7 +406,10 @@ class IndexedDatasetBuilder(object):
             tensor = tensor.numpy()
         np_array = numpy.asarray(tensor, dtype=self.dtype).reshape(-1)
         if sum(lengths) != np_array.size:
-            raise ValueError(f"add_document: lengths sum to {sum(lengths)} but the document has {np_array.size} tokens")
+            raise ValueError(
+                f"add_document: lengths sum to {sum(lengths)} but the document has {np_array.size} "
+                "tokens"
+            )
         self.data_file.write(np_array.tobytes(order="C"))
         self.sequence_lengths.extend(int(x) for x in lengths)
         self.document_indices.append(len(self.sequence_lengths))
@@ -409,7 +421,8 @@ class IndexedDatasetBuilder(object):
         self.document_indices.append(len(self.sequence_lengths))
 
     def add_index(self, path_prefix: str) -> None:
-        """Append a finished dataset (same dtype): its index entries shifted, its `.bin` verbatim."""
+        """Append a finished dataset (same dtype): its index entries shifted, its `.bin`
+        verbatim."""
         index = _IndexReader(get_idx_path(path_prefix), multimodal=self.multimodal)
         if numpy.dtype(index.dtype) != numpy.dtype(self.dtype):
             raise ValueError(

@@ -49,12 +49,17 @@ def compile_helpers() -> None:
             "megatron.core.datasets.helpers_cpp is not built and pybind11 is not installed; "
             "run `pip install pybind11` then `pip install -e .`"
         ) from exc
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    cxx = (
+        os.environ.get("CXX")
+        or shutil.which("c++")
+        or shutil.which("g++")
+        or shutil.which("clang++")
+    )
     if cxx is None:
         raise RuntimeError(
-            "megatron.core.datasets.helpers_cpp is not built and no C++ compiler was found "
-            "(looked for $CXX, c++, g++, clang++); install one (e.g. `apt-get install g++`) or install "
-            "a wheel built elsewhere"
+            "megatron.core.datasets.helpers_cpp is not built and no C++ compiler was found (looked "
+            "for $CXX, c++, g++, clang++); install one (e.g. `apt-get install g++`) or install a "
+            "wheel built elsewhere"
         )
     lock_path = os.path.join(tempfile.gettempdir(), "megatron_helpers_cpp_build.lock")
     with open(lock_path, "w") as lock:
@@ -64,9 +69,18 @@ def compile_helpers() -> None:
                 return
             tmp = target + f".tmp{os.getpid()}"
             cmd = [
-                cxx, "-O3", "-Wall", "-shared", "-std=c++17", "-fPIC", "-fvisibility=hidden",
-                f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
-                _HELPERS_SRC, "-o", tmp,
+                cxx,
+                "-O3",
+                "-Wall",
+                "-shared",
+                "-std=c++17",
+                "-fPIC",
+                "-fvisibility=hidden",
+                f"-I{pybind11.get_include()}",
+                f"-I{sysconfig.get_paths()['include']}",
+                _HELPERS_SRC,
+                "-o",
+                tmp,
             ]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
@@ -82,7 +96,9 @@ def _is_fresh(target: str) -> bool:
     """Whether the built extension exists and is not older than helpers.cpp."""
     if not os.path.exists(target):
         return False
-    return not os.path.exists(_HELPERS_SRC) or os.path.getmtime(target) >= os.path.getmtime(_HELPERS_SRC)
+    return not os.path.exists(_HELPERS_SRC) or os.path.getmtime(target) >= os.path.getmtime(
+        _HELPERS_SRC
+    )
 
 
 def normalize(weights: List[float]) -> List[float]:
@@ -119,7 +135,9 @@ def get_blend_from_list(
         weight_per_dataset = None
         raw_prefix_per_dataset = blend
     else:
-        raw_weight_per_dataset, raw_prefix_per_dataset = zip(*[(blend[i], blend[i + 1]) for i in range(0, len(blend), 2)])
+        raw_weight_per_dataset, raw_prefix_per_dataset = zip(
+            *[(blend[i], blend[i + 1]) for i in range(0, len(blend), 2)]
+        )
         weight_per_dataset = []
         for rwpd in raw_weight_per_dataset:
             try:
@@ -137,7 +155,9 @@ def get_blend_from_list(
             raw_prefix_per_dataset = blend
         else:
             if any(w < 0 for w in weight_per_dataset):
-                raise ValueError(f"--data-path: blend weights must be >= 0, got {weight_per_dataset}")
+                raise ValueError(
+                    f"--data-path: blend weights must be >= 0, got {weight_per_dataset}"
+                )
             if sum(weight_per_dataset) <= 0:
                 raise ValueError(f"--data-path: blend weights sum to 0: {weight_per_dataset}")
     prefix_per_dataset = [rppd.strip() for rppd in raw_prefix_per_dataset]

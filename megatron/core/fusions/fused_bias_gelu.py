@@ -22,7 +22,8 @@ def bias_gelu_back(g: torch.Tensor, bias: torch.Tensor, y: torch.Tensor) -> torc
 
 
 class GeLUFunction(torch.autograd.Function):
-    """Autograd function for bias + GeLU that saves only its inputs (recomputes tanh in backward)."""
+    """Autograd function for bias + GeLU that saves only its inputs (recomputes tanh in
+    backward)."""
 
     @staticmethod
     def forward(ctx, input, bias):

@@ -53,9 +53,12 @@ def get_grad_norm_fp32(
         return total_norm[0].item()
 
     total_norm = torch.zeros(1, dtype=torch.float, device=device)
-    for grad in grads_for_norm:
-        grad_norm = torch.linalg.vector_norm(grad.detach().float(), ord=norm_type)
-        total_norm += grad_norm.to(device) ** norm_type
+    grads = [g.detach() for g in grads_for_norm if g.numel() > 0]
+    grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
+    if grads:
+        # One multi-tensor kernel for all per-tensor norms instead of a Python loop over params.
+        norms = torch._foreach_norm(grads, norm_type)
+        total_norm += torch.stack(norms).to(device).pow(norm_type).sum()
     torch.distributed.all_reduce(
         total_norm, op=torch.distributed.ReduceOp.SUM, group=model_parallel_group
     )

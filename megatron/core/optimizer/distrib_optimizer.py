@@ -529,5 +529,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """
         state = None
         if self.is_dp_zero():
-            state = torch.load(filename, weights_only=True, map_location='cpu')
+            # Memory-mapped: each bucket's shards are read from the page cache as they are sent.
+            state = torch.load(filename, weights_only=True, map_location='cpu', mmap=True)
         self.load_parameter_state_from_dp_zero(state)

@@ -3,7 +3,7 @@
 Re-exported by `schedules.py`, where `get_forward_backward_func` picks it when a virtual pipeline
 size is set. Stage boundary tensors are [s, b, h] as in `schedules.py`.
 
-Structure: `_Layout` holds the fixed facts of one call (sizes, micro-batch -> chunk maps),
+Structure: `_Layout` holds the fixed quantities of one call (sizes, micro-batch -> chunk maps),
 `_State` everything that changes while it runs (queued tensors, tokens, in-flight p2p handles,
 the grad-sync context), and `_InterleavedSchedule` the named steps that read and update them.
 `forward_backward_pipelining_with_interleaving` validates, then runs
@@ -65,7 +65,7 @@ def get_num_warmup_microbatches_with_interleaving(
 
 @dataclass(frozen=True)
 class _Layout:
-    """Fixed facts of one schedule call: which chunk and micro-batch the k-th step handles.
+    """Fixed quantities of one schedule call: which chunk and micro-batch the k-th step handles.
 
     Forward step k runs chunk (k mod (pp * v)) // pp; backward step k the mirrored chunk.
     """

@@ -23,7 +23,9 @@ def _check_data_types(keys: List[str], data: Dict[str, torch.Tensor], target_dty
             )
 
 
-def _build_key_size_numel_dictionaries(keys: List[str], data: Dict[str, torch.Tensor], group, src_rank):
+def _build_key_size_numel_dictionaries(
+    keys: List[str], data: Dict[str, torch.Tensor], group, src_rank
+):
     """Broadcast the shapes from the source rank; returns (key -> size, key -> numel, total)."""
     max_dim = _MAX_DATA_DIM
     sizes = [0 for _ in range(max_dim) for _ in keys]
@@ -33,7 +35,10 @@ def _build_key_size_numel_dictionaries(keys: List[str], data: Dict[str, torch.Te
         offset = 0
         for key in keys:
             if data[key].dim() >= max_dim:
-                raise ValueError(f'{key}: tensors of {data[key].dim()} dims are not supported (max {max_dim - 1})')
+                raise ValueError(
+                    f'{key}: tensors of {data[key].dim()} dims are not supported (max '
+                    f'{max_dim - 1})'
+                )
             size = data[key].size()
             for i, s in enumerate(size):
                 sizes[i + offset] = s
@@ -62,7 +67,9 @@ def _build_key_size_numel_dictionaries(keys: List[str], data: Dict[str, torch.Te
     return key_size, key_numel, total_numel
 
 
-def broadcast_data(keys: List[str], data: Dict[str, torch.Tensor], datatype: torch.dtype, tp_group=None):
+def broadcast_data(
+    keys: List[str], data: Dict[str, torch.Tensor], datatype: torch.dtype, tp_group=None
+):
     """Broadcast `data[key]` for every key from tp rank 0 to the other tp ranks.
 
     Args:
@@ -78,12 +85,16 @@ def broadcast_data(keys: List[str], data: Dict[str, torch.Tensor], datatype: tor
     # Fall back to the global tensor model parallel group when none is given.
     group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
     src_rank = torch.distributed.get_global_rank(group, 0)
-    key_size, key_numel, total_numel = _build_key_size_numel_dictionaries(keys, data, group, src_rank)
+    key_size, key_numel, total_numel = _build_key_size_numel_dictionaries(
+        keys, data, group, src_rank
+    )
 
     device = get_current_device()
     if group.rank() == 0:
         _check_data_types(keys, data, datatype)
-        flatten_data = torch.cat([data[key].contiguous().view(-1) for key in keys], dim=0).to(device)
+        flatten_data = torch.cat([data[key].contiguous().view(-1) for key in keys], dim=0).to(
+            device
+        )
     else:
         flatten_data = torch.empty(total_numel, device=device, dtype=datatype)
 

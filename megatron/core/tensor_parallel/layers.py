@@ -30,7 +30,10 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+from megatron.core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+)
 from megatron.core.tensor_parallel.utils import VocabUtility
 from megatron.core.utils import divide, get_current_device
 
@@ -42,13 +45,16 @@ _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
 
 
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
-    """True if `param` is split across tp ranks, or this is tp rank 0 (count replicated params once)."""
+    """True if `param` is split across tp ranks, or this is tp rank 0 (count replicated params
+    once)."""
     return (
         hasattr(param, 'tensor_model_parallel') and param.tensor_model_parallel
     ) or parallel_state.get_tensor_model_parallel_rank() == 0
 
 
-def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int):
+def set_tensor_model_parallel_attributes(
+    tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int
+):
     """Mark how `tensor` is split: `tensor_model_parallel`, `partition_dim`, `partition_stride`."""
     for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
         assert not hasattr(tensor, attribute), f'{attribute} already set'
@@ -68,7 +74,9 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tenso
         maybe_set(attribute, value)
 
 
-def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, source_tensor: torch.Tensor):
+def copy_tensor_model_parallel_attributes(
+    destination_tensor: torch.Tensor, source_tensor: torch.Tensor
+):
     """Copy the split attributes of `source_tensor` onto `destination_tensor`."""
 
     def maybe_copy(attribute):
@@ -80,10 +88,16 @@ def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, sour
 
 
 def _initialize_affine_weight_gpu(
-    weight: torch.Tensor, init_method: Callable, partition_dim: int, stride: int = 1, expert_parallel: bool = False
+    weight: torch.Tensor,
+    init_method: Callable,
+    partition_dim: int,
+    stride: int = 1,
+    expert_parallel: bool = False,
 ):
     """Initialize this rank's partition in place under the model-parallel (or expert) RNG stream."""
-    set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim, stride=stride)
+    set_tensor_model_parallel_attributes(
+        tensor=weight, is_parallel=True, dim=partition_dim, stride=stride
+    )
     if expert_parallel:
         with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
             init_method(weight)
@@ -115,7 +129,9 @@ def _initialize_affine_weight_cpu(
     Returns:
         The master weight if return_master_weight, else None.
     """
-    set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim, stride=stride)
+    set_tensor_model_parallel_attributes(
+        tensor=weight, is_parallel=True, dim=partition_dim, stride=stride
+    )
 
     master_weight = torch.empty(output_size, input_size, dtype=torch.float, requires_grad=False)
     init_method(master_weight)
@@ -178,15 +194,19 @@ class VocabParallelEmbedding(torch.nn.Module):
                 f'num_embeddings ({num_embeddings}) must be divisible by the tensor parallel size '
                 f'({self.tensor_model_parallel_size}); pad the vocabulary'
             )
-        (self.vocab_start_index, self.vocab_end_index) = VocabUtility.vocab_range_from_global_vocab_size(
-            self.num_embeddings, self.tp_group.rank(), self.tensor_model_parallel_size
+        (self.vocab_start_index, self.vocab_end_index) = (
+            VocabUtility.vocab_range_from_global_vocab_size(
+                self.num_embeddings, self.tp_group.rank(), self.tensor_model_parallel_size
+            )
         )
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.deterministic_mode = config.deterministic_mode
 
         if config.use_cpu_initialization:
             self.weight = Parameter(
-                torch.empty(self.num_embeddings_per_partition, self.embedding_dim, dtype=config.params_dtype)
+                torch.empty(
+                    self.num_embeddings_per_partition, self.embedding_dim, dtype=config.params_dtype
+                )
             )
             if config.perform_initialization:
                 _initialize_affine_weight_cpu(
@@ -217,7 +237,8 @@ class VocabParallelEmbedding(torch.nn.Module):
                 set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        """[b, s] token ids -> [b, s, h] embeddings ([s/tp, b, h] with reduce_scatter_embeddings)."""
+        """[b, s] token ids -> [b, s, h] embeddings ([s/tp, b, h] with
+        reduce_scatter_embeddings)."""
         if self.tensor_model_parallel_size > 1:
             # Ids outside this rank's rows look up row 0 and are zeroed afterwards.
             input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
@@ -356,9 +377,13 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                     # gradient to it that the hook must keep, else uninitialized memory that the
                     # hook drops unread.
                     if getattr(weight, 'zero_out_wgrad', False):
-                        grad_weight = torch.zeros(weight.shape, dtype=input.dtype, device=input.device)
+                        grad_weight = torch.zeros(
+                            weight.shape, dtype=input.dtype, device=input.device
+                        )
                     else:
-                        grad_weight = torch.empty(weight.shape, dtype=input.dtype, device=input.device)
+                        grad_weight = torch.empty(
+                            weight.shape, dtype=input.dtype, device=input.device
+                        )
                     weight.grad_added_to_main_grad = True
             else:
                 grad_weight = grad_output_2d.t().matmul(total_input_2d)  # [o, h]
@@ -420,8 +445,16 @@ linear_with_grad_accumulation_and_async_allreduce.warned = False
 
 
 def _linear_with_frozen_weight(
-    input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce=None, sequence_parallel=False,
-    grad_output_buffer=None, wgrad_deferral_limit=None, allreduce_dgrad=None, tp_group=None,
+    input,
+    weight,
+    bias,
+    gradient_accumulation_fusion,
+    async_grad_allreduce=None,
+    sequence_parallel=False,
+    grad_output_buffer=None,
+    wgrad_deferral_limit=None,
+    allreduce_dgrad=None,
+    tp_group=None,
 ):
     """linear_with_grad_accumulation_and_async_allreduce for a weight without gradient."""
     if sequence_parallel:
@@ -503,14 +536,17 @@ class ColumnParallelLinear(torch.nn.Module):
         self.explicit_expert_comm = self.is_expert and (world_size > 1 or self.expert_parallel)
         if output_size % world_size != 0:
             raise ValueError(
-                f'output_size ({output_size}) must be divisible by the tensor parallel size ({world_size})'
+                f'output_size ({output_size}) must be divisible by the tensor parallel size '
+                f'({world_size})'
             )
         self.output_size_per_partition = divide(output_size, world_size)
 
         if not skip_weight_param_allocation:
             if config.use_cpu_initialization:
                 self.weight = Parameter(
-                    torch.empty(self.output_size_per_partition, self.input_size, dtype=config.params_dtype)
+                    torch.empty(
+                        self.output_size_per_partition, self.input_size, dtype=config.params_dtype
+                    )
                 )
                 if config.perform_initialization:
                     self.master_weight = _initialize_affine_weight_cpu(
@@ -553,7 +589,11 @@ class ColumnParallelLinear(torch.nn.Module):
 
         if bias:
             device = None if config.use_cpu_initialization else get_current_device()
-            self.bias = Parameter(torch.empty(self.output_size_per_partition, device=device, dtype=config.params_dtype))
+            self.bias = Parameter(
+                torch.empty(
+                    self.output_size_per_partition, device=device, dtype=config.params_dtype
+                )
+            )
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
             if config.perform_initialization:
                 # Always initialize bias to zero.
@@ -566,15 +606,19 @@ class ColumnParallelLinear(torch.nn.Module):
         self.sequence_parallel = config.sequence_parallel
         if self.sequence_parallel and world_size <= 1:
             warnings.warn(
-                f'`sequence_parallel` is set to `True`, but tensor model parallel size is {world_size}. '
-                'Disabling sequence parallel.'
+                '`sequence_parallel` is set to `True`, but tensor model parallel size is '
+                f'{world_size}. Disabling sequence parallel.'
             )
             self.sequence_parallel = False
 
-        self.allreduce_dgrad = world_size > 1 and not self.sequence_parallel and not self.disable_grad_reduce
+        self.allreduce_dgrad = (
+            world_size > 1 and not self.sequence_parallel and not self.disable_grad_reduce
+        )
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         if self.allreduce_dgrad and self.sequence_parallel:
-            raise RuntimeError('allreduce_dgrad and sequence_parallel cannot be enabled at the same time.')
+            raise RuntimeError(
+                'allreduce_dgrad and sequence_parallel cannot be enabled at the same time.'
+            )
         self._forward_impl = linear_with_grad_accumulation_and_async_allreduce
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None):
@@ -598,22 +642,33 @@ class ColumnParallelLinear(torch.nn.Module):
             expected_shape = (self.output_size_per_partition, self.input_size)
             if weight.shape != expected_shape:
                 raise RuntimeError(
-                    f'supplied weight\'s shape is {tuple(weight.shape)}, not {expected_shape} as expected'
+                    f'supplied weight\'s shape is {tuple(weight.shape)}, not {expected_shape} as '
+                    'expected'
                 )
 
         if self.config._cpu_offloading_context is not None:
             if self.config._cpu_offloading_context.inside_context is True:
-                assert self.config.cpu_offloading is False, 'CPU Offloading cannot be enabled while using non-TE modules'
+                assert self.config.cpu_offloading is False, (
+                    'CPU Offloading cannot be enabled while using non-TE modules'
+                )
 
         bias = self.bias if not self.skip_bias_add else None
 
-        if self.allreduce_dgrad or self.sequence_parallel or self.explicit_expert_comm or self.disable_grad_reduce:
+        if (
+            self.allreduce_dgrad
+            or self.sequence_parallel
+            or self.explicit_expert_comm
+            or self.disable_grad_reduce
+        ):
             # The linear function handles the input's communication itself.
             input_parallel = input_
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
 
-        if self.config.defer_embedding_wgrad_compute and self.embedding_activation_buffer is not None:
+        if (
+            self.config.defer_embedding_wgrad_compute
+            and self.embedding_activation_buffer is not None
+        ):
             self.embedding_activation_buffer.append(input_parallel)
 
         if not weight.requires_grad:
@@ -628,7 +683,9 @@ class ColumnParallelLinear(torch.nn.Module):
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             allreduce_dgrad=False if self.explicit_expert_comm else self.allreduce_dgrad,
             sequence_parallel=False if self.explicit_expert_comm else self.sequence_parallel,
-            grad_output_buffer=self.grad_output_buffer if self.config.defer_embedding_wgrad_compute else None,
+            grad_output_buffer=self.grad_output_buffer
+            if self.config.defer_embedding_wgrad_compute
+            else None,
             tp_group=self.tp_group,
         )
         if self.gather_output:
@@ -640,7 +697,8 @@ class ColumnParallelLinear(torch.nn.Module):
         return output, output_bias
 
     def set_extra_state(self, state: Any):
-        """Extra state is ignored (the key exists for Transformer Engine state-dict compatibility)."""
+        """Extra state is ignored (the key exists for Transformer Engine state-dict
+        compatibility)."""
 
     def get_extra_state(self) -> None:
         """Keep compatibility with Transformer Engine state dicts (`._extra_state` keys)."""
@@ -712,13 +770,16 @@ class RowParallelLinear(torch.nn.Module):
         self.explicit_expert_comm = self.is_expert and (world_size > 1 or self.expert_parallel)
         if input_size % world_size != 0:
             raise ValueError(
-                f'input_size ({input_size}) must be divisible by the tensor parallel size ({world_size})'
+                f'input_size ({input_size}) must be divisible by the tensor parallel size '
+                f'({world_size})'
             )
         self.input_size_per_partition = divide(input_size, world_size)
 
         if config.use_cpu_initialization:
             self.weight = Parameter(
-                torch.empty(self.output_size, self.input_size_per_partition, dtype=config.params_dtype)
+                torch.empty(
+                    self.output_size, self.input_size_per_partition, dtype=config.params_dtype
+                )
             )
             if config.perform_initialization:
                 self.master_weight = _initialize_affine_weight_cpu(
@@ -759,7 +820,9 @@ class RowParallelLinear(torch.nn.Module):
 
         if bias:
             device = None if config.use_cpu_initialization else get_current_device()
-            self.bias = Parameter(torch.empty(self.output_size, device=device, dtype=config.params_dtype))
+            self.bias = Parameter(
+                torch.empty(self.output_size, device=device, dtype=config.params_dtype)
+            )
             if config.perform_initialization:
                 # Always initialize bias to zero.
                 with torch.no_grad():
@@ -772,14 +835,17 @@ class RowParallelLinear(torch.nn.Module):
         self._forward_impl = linear_with_grad_accumulation_and_async_allreduce
 
     def forward(self, input_: torch.Tensor):
-        """[s, b, h/tp] (or [s, b, h] if not input_is_parallel) -> ([s, b, o] or [s/tp, b, o], bias).
+        """[s, b, h/tp] (or [s, b, h] if not input_is_parallel) -> ([s, b, o] or [s/tp, b, o],
+        bias).
 
         Returns:
             (output, output_bias); output_bias is the bias when skip_bias_add, else None.
         """
         if self.config._cpu_offloading_context is not None:
             if self.config._cpu_offloading_context.inside_context is True:
-                assert self.config.cpu_offloading is False, 'CPU Offloading cannot be enabled while using non-TE modules'
+                assert self.config.cpu_offloading is False, (
+                    'CPU Offloading cannot be enabled while using non-TE modules'
+                )
 
         if self.input_is_parallel:
             input_parallel = input_
@@ -808,7 +874,9 @@ class RowParallelLinear(torch.nn.Module):
             assert self.skip_bias_add
             output_ = output_parallel
         elif self.sequence_parallel:
-            output_ = reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
+            output_ = reduce_scatter_to_sequence_parallel_region(
+                output_parallel, group=self.tp_group
+            )
         else:
             output_ = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
         if not self.skip_bias_add:
@@ -820,7 +888,8 @@ class RowParallelLinear(torch.nn.Module):
         return output, output_bias
 
     def set_extra_state(self, state: Any):
-        """Extra state is ignored (the key exists for Transformer Engine state-dict compatibility)."""
+        """Extra state is ignored (the key exists for Transformer Engine state-dict
+        compatibility)."""
 
     def get_extra_state(self) -> None:
         """Keep compatibility with Transformer Engine state dicts (`._extra_state` keys)."""

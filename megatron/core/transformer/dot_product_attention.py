@@ -33,7 +33,8 @@ class DotProductAttention(MegatronModule):
     Args:
         config (TransformerConfig): the model config.
         layer_number (int): 1-based global layer number (query-key layer scaling uses it).
-        attn_mask_type (AttnMaskType): causal masks are built when no mask is passed.
+        attn_mask_type (AttnMaskType): causal: fused causal attention, any passed mask ignored
+            (see `_can_use_sdpa`); other types apply the passed mask.
         attention_type (str): "self" or "cross".
         attention_dropout (float, optional): overrides config.attention_dropout.
         pg_collection (ProcessGroupCollection, optional): its `tp` group splits the heads
@@ -93,9 +94,16 @@ class DotProductAttention(MegatronModule):
     def _can_use_sdpa(
         self, query: Tensor, attention_mask: Optional[Tensor], attn_mask_type
     ) -> bool:
-        """Whether torch's scaled_dot_product_attention gives the same result as the explicit path:
-        causal with no explicit mask, no dropout, and the softmax in the input precision."""
-        if attention_mask is not None or attn_mask_type != AttnMaskType.causal:
+        """Whether torch's fused scaled_dot_product_attention runs: causal layers, no dropout, and
+        the softmax in the input precision.
+
+        A causal layer ignores `attention_mask`, as Megatron's fused upper-triangular softmax and
+        Transformer Engine's causal attention do: the dataloader's mask of a causal model without
+        per-document resets is the causal mask itself. Models whose mask carries more than
+        causality (`--reset-attention-mask`) build their attention with `AttnMaskType.arbitrary`,
+        which keeps the exact masked path.
+        """
+        if attn_mask_type != AttnMaskType.causal:
             return False
         if self.training and self.attention_dropout_p > 0.0:
             return False
@@ -156,6 +164,8 @@ class DotProductAttention(MegatronModule):
         matmul_result = matmul_result * (1.0 / self.norm_factor)
         attention_scores = matmul_result.view(b, np_, sq, sk)  # [b, np, sq, sk]
 
+        if attn_mask_type == AttnMaskType.causal:
+            attention_mask = None  # causal layers ignore the passed mask (see `_can_use_sdpa`)
         attention_probs = self.scale_mask_softmax(attention_scores, attention_mask)
 
         if not self.config.sequence_parallel:

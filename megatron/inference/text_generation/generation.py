@@ -174,12 +174,9 @@ def generate_tokens_probs_and_return_on_first_stage(
             # Pick the slice that we need to pass through the network.
             tokens2use = tokens[:, prev_context_length:context_length]
             positions2use = position_ids[:, prev_context_length:context_length]
-            attention_mask2use = attention_mask[
-                ..., prev_context_length:context_length, :context_length
-            ]
 
             # logits will be meaningful only in the last pipeline stage: [b, width, v]
-            logits = forward_step(tokens2use, positions2use, attention_mask2use)
+            logits = forward_step(tokens2use, positions2use, attention_mask)
 
             if mpu.is_pipeline_last_stage():
                 if prevent_newline_after_colon:
@@ -328,12 +325,9 @@ def beam_search_and_return_on_first_stage(
         for context_length in range(prompt_length, final_sequence_length):
             tokens2use = tokens[:, prev_context_length:context_length]
             positions2use = position_ids[:, prev_context_length:context_length]
-            attention_mask2use = attention_mask[
-                ..., prev_context_length:context_length, :context_length
-            ]
 
             # [beam, width, v] on the last stage
-            logits = forward_step(tokens2use, positions2use, attention_mask2use)
+            logits = forward_step(tokens2use, positions2use, attention_mask)
 
             if mpu.is_pipeline_last_stage():
                 if prevent_newline_after_colon:
@@ -428,14 +422,18 @@ def beam_search_and_return_on_first_stage(
 
 
 def _build_attention_mask_and_position_ids(tokens):
-    """Causal mask [1, 1, s, s] (True = masked out) and positions 0..s-1 for every row."""
-    # Since we are not interested in loss-mask and reset attention/position is also False,
-    # eod_token is not used so it is safe to set it to None.
-    attention_mask, _, position_ids = get_ltor_masks_and_position_ids(
+    """(None, positions 0..s-1 for every row [b, s]).
+
+    Megatron passes its left-to-right mask sliced to the fed columns ([..., prev:ctx, :ctx]).
+    That is exactly the core attention's causal mask aligned to the last query, which the
+    attention applies itself when the mask is None; it then runs through torch's fused
+    scaled_dot_product_attention instead of materializing scores and a masked softmax.
+    """
+    _, _, position_ids = get_ltor_masks_and_position_ids(
         data=tokens,
         eod_token=None,
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
     )
-    return attention_mask, position_ids
+    return None, position_ids

@@ -16,17 +16,24 @@ from torch.utils.data import Dataset
 from megatron.core.utils import uses_cuda
 
 
-def _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size):
+def _check_common(
+    total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
+):
     if total_samples <= 0:
         raise ValueError(f"no sample to consume: the dataset has {total_samples} samples")
     if consumed_samples >= total_samples:
-        raise ValueError(f"no samples left to consume: consumed_samples {consumed_samples} >= {total_samples} samples")
+        raise ValueError(
+            f"no samples left to consume: consumed_samples {consumed_samples} >= {total_samples} "
+            "samples"
+        )
     if micro_batch_size <= 0:
         raise ValueError(f"--micro-batch-size must be > 0, got {micro_batch_size}")
     if data_parallel_size <= 0:
         raise ValueError(f"data parallel size must be > 0, got {data_parallel_size}")
     if not 0 <= data_parallel_rank < data_parallel_size:
-        raise ValueError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
+        raise ValueError(
+            f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})"
+        )
 
 
 class MegatronPretrainingSampler:
@@ -40,9 +47,22 @@ class MegatronPretrainingSampler:
         drop_last: drop a final incomplete global batch.
     """
 
-    def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
-                 drop_last=True):
-        _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+    def __init__(
+        self,
+        total_samples,
+        consumed_samples,
+        micro_batch_size,
+        data_parallel_rank,
+        data_parallel_size,
+        drop_last=True,
+    ):
+        _check_common(
+            total_samples,
+            consumed_samples,
+            micro_batch_size,
+            data_parallel_rank,
+            data_parallel_size,
+        )
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -102,9 +122,23 @@ class MegatronPretrainingRandomSampler:
     permutation is dealt round-robin over the ranks. The last incomplete global batch is dropped.
     """
 
-    def __init__(self, dataset, total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
-                 data_parallel_size, data_sharding):
-        _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+    def __init__(
+        self,
+        dataset,
+        total_samples,
+        consumed_samples,
+        micro_batch_size,
+        data_parallel_rank,
+        data_parallel_size,
+        data_sharding,
+    ):
+        _check_common(
+            total_samples,
+            consumed_samples,
+            micro_batch_size,
+            data_parallel_rank,
+            data_parallel_size,
+        )
         self.dataset = dataset
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
@@ -135,7 +169,9 @@ class MegatronPretrainingRandomSampler:
         g = torch.Generator()
         g.manual_seed(self.epoch)
         if self.data_sharding:
-            bucket_size = (self.total_samples // self.micro_batch_times_data_parallel_size) * self.micro_batch_size
+            bucket_size = (
+                self.total_samples // self.micro_batch_times_data_parallel_size
+            ) * self.micro_batch_size
             bucket_offset = current_epoch_samples // self.data_parallel_size
             start_idx = self.data_parallel_rank * bucket_size
             random_idx = torch.randperm(bucket_size, generator=g).tolist()
@@ -145,7 +181,7 @@ class MegatronPretrainingRandomSampler:
             full_bucket_offset = current_epoch_samples
             idx_range_total = torch.randperm(full_bucket_size, generator=g).tolist()
             idx_range_active = idx_range_total[full_bucket_offset:]
-            idx_range = idx_range_active[self.data_parallel_rank::self.data_parallel_size]
+            idx_range = idx_range_active[self.data_parallel_rank :: self.data_parallel_size]
 
         batch = []
         for idx in idx_range:
@@ -156,9 +192,17 @@ class MegatronPretrainingRandomSampler:
                 batch = []
 
 
-def build_data_loader(dataset, consumed_samples: int, dataloader_type: str, micro_batch_size: int,
-                      data_parallel_rank: int, data_parallel_size: int, num_workers: int = 2,
-                      data_sharding: bool = True, pin_memory: Optional[bool] = None):
+def build_data_loader(
+    dataset,
+    consumed_samples: int,
+    dataloader_type: str,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    num_workers: int = 2,
+    data_sharding: bool = True,
+    pin_memory: Optional[bool] = None,
+):
     """The DataLoader for `dataset`, with everything passed explicitly (no global args).
 
     Raises:
@@ -187,7 +231,9 @@ def build_data_loader(dataset, consumed_samples: int, dataloader_type: str, micr
     elif dataloader_type == "external":
         return dataset
     else:
-        raise ValueError(f"--dataloader-type {dataloader_type} is not supported (single, cyclic, external)")
+        raise ValueError(
+            f"--dataloader-type {dataloader_type} is not supported (single, cyclic, external)"
+        )
     if pin_memory is None:
         pin_memory = uses_cuda()
     return torch.utils.data.DataLoader(

@@ -11,6 +11,8 @@ from typing import Dict, List, Optional, Tuple
 
 import regex as re
 
+from .fast_bpe import build_fast_gpt2_encode
+
 GPT2_PRETOKENIZE_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
@@ -125,6 +127,10 @@ class GPT2Tokenizer(object):
         self.special_tokens_decoder = {}
         self.set_special_tokens(special_tokens)
         self.bpe = lru_cache(maxsize=cache_size)(self._bpe)
+        # A compiled library's encoder giving the same ids (tiktoken / tokenizers), if installed.
+        self._fast_encode, self.encode_backend = build_fast_gpt2_encode(
+            self.encoder, bpe_merges, self.byte_decoder, GPT2_PRETOKENIZE_PATTERN
+        )
 
     def __len__(self) -> int:
         return len(self.encoder) + len(self.special_tokens)
@@ -201,6 +207,12 @@ class GPT2Tokenizer(object):
 
     def encode(self, text: str) -> List[int]:
         """Text -> ids."""
+        if self._fast_encode is not None:
+            return self._fast_encode(text)
+        return self.encode_python(text)
+
+    def encode_python(self, text: str) -> List[int]:
+        """Text -> ids with the pure-Python BPE loop (the reference the fast encoders match)."""
         encoder = self.encoder
         ids = []
         for token in re.findall(self.pat, text):

@@ -282,6 +282,15 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
         return self._eos_token
 
     @property
+    def additional_special_tokens(self) -> List[str]:
+        """The sentinel tokens `<extra_id_0>`... (`--vocab-extra-ids`), in ascending id order."""
+        return self._additional_special_tokens
+
+    @additional_special_tokens.setter
+    def additional_special_tokens(self, value: List[str]) -> None:
+        self._additional_special_tokens = value
+
+    @property
     def additional_special_tokens_ids(self):
         return [self.vocab.get(token) for token in self._additional_special_tokens]
 

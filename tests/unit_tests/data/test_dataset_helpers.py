@@ -54,7 +54,9 @@ class MT19937_64:
         self.mt = [0] * self.N
         self.mt[0] = seed & self.MASK
         for i in range(1, self.N):
-            self.mt[i] = (6364136223846793005 * (self.mt[i - 1] ^ (self.mt[i - 1] >> 62)) + i) & self.MASK
+            self.mt[i] = (
+                6364136223846793005 * (self.mt[i - 1] ^ (self.mt[i - 1] >> 62)) + i
+            ) & self.MASK
         self.index = self.N
 
     def __call__(self):
@@ -77,8 +79,11 @@ class MT19937_64:
         return x & self.MASK
 
 
-def ref_build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch, drop_last=True, extra=1):
-    """Walk the document stream, cutting samples of seq_length + extra tokens overlapping by extra."""
+def ref_build_sample_idx(
+    sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch, drop_last=True, extra=1
+):
+    """Walk the document stream, cutting samples of seq_length + extra tokens overlapping by
+    extra."""
     total = num_epochs * tokens_per_epoch - extra
     if drop_last:
         n = total // seq_length
@@ -149,7 +154,9 @@ def _shuffle_rows(rows, seed):
     return rows
 
 
-def ref_build_mapping(docs, sizes, num_epochs, max_num_samples, max_seq_length, short_seq_prob, seed, min_num_sent):
+def ref_build_mapping(
+    docs, sizes, num_epochs, max_num_samples, max_seq_length, short_seq_prob, seed, min_num_sent
+):
     ratio = int(round(1.0 / short_seq_prob)) if short_seq_prob > 0 else 0
     gen = MT19937(seed)
 
@@ -185,7 +192,9 @@ def ref_build_mapping(docs, sizes, num_epochs, max_num_samples, max_seq_length, 
     return numpy.array(_shuffle_rows(rows, seed), dtype=numpy.int64).reshape(-1, 3)
 
 
-def ref_build_blocks_mapping(docs, sizes, titles, num_epochs, max_num_samples, max_seq_length, seed, one_sent):
+def ref_build_blocks_mapping(
+    docs, sizes, titles, num_epochs, max_num_samples, max_seq_length, seed, one_sent
+):
     min_num_sent = 1 if one_sent else 2
     rows = []
     for _ in range(num_epochs):
@@ -196,7 +205,9 @@ def ref_build_blocks_mapping(docs, sizes, titles, num_epochs, max_num_samples, m
             first, last = int(docs[doc]), int(docs[doc + 1])
             tgt = max_seq_length - int(titles[doc])
             remain = last - first
-            long_sentence = remain >= min_num_sent and any(int(sizes[k]) > 512 for k in range(first, last))
+            long_sentence = remain >= min_num_sent and any(
+                int(sizes[k]) > 512 for k in range(first, last)
+            )
             if remain < min_num_sent or long_sentence:
                 continue
             start, seq_len, num_sent = first, 0, 0
@@ -204,7 +215,9 @@ def ref_build_blocks_mapping(docs, sizes, titles, num_epochs, max_num_samples, m
                 seq_len += int(sizes[k])
                 num_sent += 1
                 remain -= 1
-                if (seq_len >= tgt and remain >= min_num_sent and num_sent >= min_num_sent) or remain == 0:
+                if (
+                    seq_len >= tgt and remain >= min_num_sent and num_sent >= min_num_sent
+                ) or remain == 0:
                     rows.append((start, k + 1, doc, block_id))
                     block_id += 1
                     start = k + 1
@@ -250,7 +263,9 @@ def test_build_sample_idx_random(drop_last, extra):
         doc_idx = numpy.tile(docs, epochs)
         rng.shuffle(doc_idx)
         seq = int(rng.integers(1, 20))
-        out = helpers.build_sample_idx(sizes, doc_idx, seq, epochs, tokens_per_epoch, drop_last, extra)
+        out = helpers.build_sample_idx(
+            sizes, doc_idx, seq, epochs, tokens_per_epoch, drop_last, extra
+        )
         ref = ref_build_sample_idx(sizes, doc_idx, seq, epochs, tokens_per_epoch, drop_last, extra)
         numpy.testing.assert_array_equal(out, ref)
 
@@ -321,8 +336,15 @@ def test_build_mapping_random(min_num_sent):
     rng = numpy.random.default_rng(13 + min_num_sent)
     for trial in range(6):
         docs, sizes = _random_sentences(rng, int(rng.integers(2, 30)))
-        args = (docs, sizes, int(rng.integers(1, 4)), int(rng.integers(1, 200)), int(rng.integers(8, 120)),
-                [0.0, 0.1, 0.5][trial % 3], int(rng.integers(1, 1000)))
+        args = (
+            docs,
+            sizes,
+            int(rng.integers(1, 4)),
+            int(rng.integers(1, 200)),
+            int(rng.integers(8, 120)),
+            [0.0, 0.1, 0.5][trial % 3],
+            int(rng.integers(1, 1000)),
+        )
         out = helpers.build_mapping(*args, False, min_num_sent)
         ref = ref_build_mapping(*args, min_num_sent)
         assert out.dtype == numpy.uint32
@@ -335,8 +357,15 @@ def test_build_blocks_mapping_random(one_sent):
     for _ in range(6):
         docs, sizes = _random_sentences(rng, int(rng.integers(2, 30)))
         titles = rng.integers(0, 6, size=len(docs) - 1).astype(numpy.int32)
-        args = (docs, sizes, titles, int(rng.integers(1, 4)), int(rng.integers(1, 200)),
-                int(rng.integers(16, 120)), int(rng.integers(1, 1000)))
+        args = (
+            docs,
+            sizes,
+            titles,
+            int(rng.integers(1, 4)),
+            int(rng.integers(1, 200)),
+            int(rng.integers(16, 120)),
+            int(rng.integers(1, 1000)),
+        )
         out = helpers.build_blocks_mapping(*args, False, one_sent)
         ref = ref_build_blocks_mapping(*args, one_sent)
         numpy.testing.assert_array_equal(out.astype(numpy.int64), ref)
@@ -353,24 +382,27 @@ def test_compile_helpers_reports_missing_compiler(tmp_path):
     )
     env = dict(os.environ, PATH=str(tmp_path), TMPD=str(tmp_path))
     env.pop("CXX", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert "ERR" in out.stdout and "no C++ compiler was found" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "ERR" in out.stdout and "no C++ compiler was found" in out.stdout, (
+        out.stdout + out.stderr
+    )
 
 
 def test_compile_helpers_builds_a_working_module(tmp_path):
     """compile_helpers() builds helpers.cpp into an importable extension (the on-first-use path)."""
     code = (
-        "import os, shutil, sys, importlib, numpy\n"
-        "import megatron.core.datasets.utils as u\n"
-        "d = os.environ['TMPD']\n"
-        "shutil.copy(u._HELPERS_SRC, os.path.join(d, 'helpers.cpp'))\n"
-        "u._HELPERS_DIR = d; u._HELPERS_SRC = os.path.join(d, 'helpers.cpp')\n"
-        "u.compile_helpers()\n"
-        "sys.path.insert(0, d)\n"
-        "m = importlib.import_module('helpers_cpp')\n"
-        "print(m.build_sample_idx_int32(numpy.array([5,3,7],'int32'), numpy.array([0,1,2],'int32'), 4, 1, 15, True, 1).tolist())\n"
+        "import os, shutil, sys, importlib, numpy\nimport megatron.core.datasets.utils as u\nd = "
+        "os.environ['TMPD']\nshutil.copy(u._HELPERS_SRC, os.path.join(d, 'helpers.cpp'))\n"
+        "u._HELPERS_DIR = d; u._HELPERS_SRC = os.path.join(d, 'helpers.cpp')\nu.compile_helpers()\n"
+        "sys.path.insert(0, d)\nm = importlib.import_module('helpers_cpp')\n"
+        "print(m.build_sample_idx_int32(numpy.array([5,3,7],'int32'), "
+        "numpy.array([0,1,2],'int32'), 4, 1, 15, True, 1).tolist())\n"
     )
     env = dict(os.environ, TMPD=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[[0, 0], [0, 4], [2, 0], [2, 4]]"

@@ -1,6 +1,6 @@
 """GPTDataset / BlendedDataset / builder on real tokenized text, against a reference written from
-Megatron's megatron/core/datasets/gpt_dataset.py: epochs, the separate-last-epoch rule, the seeded shuffles,
-samples as windows of the shuffled token stream, masks, blend sizing and the cache."""
+Megatron's megatron/core/datasets/gpt_dataset.py: epochs, the separate-last-epoch rule, the seeded
+shuffles, samples as windows of the shuffled token stream, masks, blend sizing and the cache."""
 
 import hashlib
 import json
@@ -29,9 +29,14 @@ SEQ = 32
 
 def _tokenizer():
     args = types.SimpleNamespace(
-        tokenizer_type="GPT2BPETokenizer", vocab_file=str(DATA / "gpt2" / "gpt2-vocab.json"),
-        merge_file=str(DATA / "gpt2" / "gpt2-merges.txt"), tokenizer_model=None, vocab_extra_ids=0,
-        make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, rank=1,
+        tokenizer_type="GPT2BPETokenizer",
+        vocab_file=str(DATA / "gpt2" / "gpt2-vocab.json"),
+        merge_file=str(DATA / "gpt2" / "gpt2-merges.txt"),
+        tokenizer_model=None,
+        vocab_extra_ids=0,
+        make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=1,
+        rank=1,
     )
     return build_tokenizer(args)
 
@@ -59,9 +64,17 @@ def corpus(tmp_path_factory):
 
 
 def _config(corpus, cache, **kw):
-    base = dict(random_seed=1234, sequence_length=SEQ, blend=([corpus.fortunes], None), split="969,30,1",
-                path_to_cache=str(cache), tokenizer=corpus.tok, reset_position_ids=False,
-                reset_attention_mask=False, eod_mask_loss=False)
+    base = dict(
+        random_seed=1234,
+        sequence_length=SEQ,
+        blend=([corpus.fortunes], None),
+        split="969,30,1",
+        path_to_cache=str(cache),
+        tokenizer=corpus.tok,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
     base.update(kw)
     return GPTDatasetConfig(**base)
 
@@ -95,7 +108,7 @@ def reference_split(corpus_prefix, seed, num_samples, docs):
         rs.shuffle(doc_index)
     stream = numpy.concatenate([ds[int(d)] for d in doc_index]).astype(numpy.int64)
     total = (epochs * tokens_per_epoch - 1) // SEQ
-    windows = [stream[j * SEQ: j * SEQ + SEQ + 1] for j in range(total)]
+    windows = [stream[j * SEQ : j * SEQ + SEQ + 1] for j in range(total)]
     if separate:
         a = numpy.arange(n0, dtype=numpy.uint32)
         rs.shuffle(a)
@@ -105,8 +118,13 @@ def reference_split(corpus_prefix, seed, num_samples, docs):
     else:
         shuffle = numpy.arange(total, dtype=numpy.uint32)
         rs.shuffle(shuffle)
-    return types.SimpleNamespace(epochs=epochs, separate=separate, doc_index=doc_index, shuffle=shuffle,
-                                 samples=[windows[j] for j in shuffle])
+    return types.SimpleNamespace(
+        epochs=epochs,
+        separate=separate,
+        doc_index=doc_index,
+        shuffle=shuffle,
+        samples=[windows[j] for j in shuffle],
+    )
 
 
 def _train_docs(n):
@@ -124,7 +142,9 @@ def test_samples_match_reference(corpus, tmp_path, case):
         n = (3 * tokens - 1) // SEQ
     else:
         n = ((2 * tokens - 1) // SEQ) + 1
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [n, None, None], lambda: True, _config(corpus, tmp_path)).build()
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [n, None, None], lambda: True, _config(corpus, tmp_path)
+    ).build()
     ref = reference_split(corpus.fortunes, 1234, n, docs)
     assert ref.epochs == {"one_epoch": 1, "three_epochs_joint": 3, "three_epochs_separate": 3}[case]
     assert ref.separate == (case == "three_epochs_separate")
@@ -140,18 +160,36 @@ def test_samples_match_reference(corpus, tmp_path, case):
 
 def test_cache_names_description_and_reuse(corpus, tmp_path):
     cfg = _config(corpus, tmp_path, split="90,8,2")
-    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, [40, 8, 4], lambda: True, cfg).build()
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        GPTDataset, [40, 8, 4], lambda: True, cfg
+    ).build()
     assert train.built_anew_on_cache_miss
     for ds, name in ((train, "train"), (valid, "valid"), (test, "test")):
         desc = json.loads(ds.unique_description)
-        assert list(desc) == ["class", "dataset_path", "num_samples", "index_split", "random_seed",
-                              "sequence_length", "split", "split_matrix", "tokenizer"]
+        assert list(desc) == [
+            "class",
+            "dataset_path",
+            "num_samples",
+            "index_split",
+            "random_seed",
+            "sequence_length",
+            "split",
+            "split_matrix",
+            "tokenizer",
+        ]
         assert desc["index_split"] == name and desc["split"] == "90,8,2"
         assert desc["tokenizer"]["class"] == "_GPT2BPETokenizer"
         digest = hashlib.md5(ds.unique_description.encode("utf-8")).hexdigest()
-        for suffix in ("description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy"):
+        for suffix in (
+            "description.txt",
+            "document_index.npy",
+            "sample_index.npy",
+            "shuffle_index.npy",
+        ):
             assert (tmp_path / f"{digest}-GPTDataset-{name}-{suffix}").is_file()
-        assert (tmp_path / f"{digest}-GPTDataset-{name}-description.txt").read_text() == ds.unique_description
+        assert (
+            tmp_path / f"{digest}-GPTDataset-{name}-description.txt"
+        ).read_text() == ds.unique_description
     assert desc["split_matrix"] == [[0.0, 0.9], [0.9, 0.98], [0.98, 1.0]]
     # A restart with the same config loads the cache and gives the same samples.
     again = BlendedMegatronDatasetBuilder(GPTDataset, [40, 8, 4], lambda: True, cfg).build()[0]
@@ -159,9 +197,13 @@ def test_cache_names_description_and_reuse(corpus, tmp_path):
     assert all(torch.equal(again[i]["tokens"], train[i]["tokens"]) for i in range(len(train)))
     # Another seed: another order (and another cache entry).
     other_cfg = _config(corpus, tmp_path, split="90,8,2", random_seed=5)
-    other = BlendedMegatronDatasetBuilder(GPTDataset, [40, 8, 4], lambda: True, other_cfg).build()[0]
+    other = BlendedMegatronDatasetBuilder(GPTDataset, [40, 8, 4], lambda: True, other_cfg).build()[
+        0
+    ]
     assert other.built_anew_on_cache_miss
-    assert not numpy.array_equal(numpy.asarray(other.shuffle_index), numpy.asarray(train.shuffle_index))
+    assert not numpy.array_equal(
+        numpy.asarray(other.shuffle_index), numpy.asarray(train.shuffle_index)
+    )
 
 
 def test_default_cache_location(corpus, tmp_path):
@@ -171,7 +213,9 @@ def test_default_cache_location(corpus, tmp_path):
     shutil.copy(corpus.moby + ".bin", prefix + ".bin")
     shutil.copy(corpus.moby + ".idx", prefix + ".idx")
     cfg = _config(corpus, None, blend=([prefix], None), path_to_cache=None)
-    train = BlendedMegatronDatasetBuilder(GPTDataset, [10, None, None], lambda: True, cfg).build()[0]
+    train = BlendedMegatronDatasetBuilder(GPTDataset, [10, None, None], lambda: True, cfg).build()[
+        0
+    ]
     files = os.listdir(os.path.join(prefix, "cache", "GPTDataset_indices"))
     assert f"{train.unique_description_hash}-GPTDataset-train-shuffle_index.npy" in files
 
@@ -182,21 +226,31 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.training.tokenizer import build_tokenizer
 prefix, cache, data = sys.argv[1:4]
-tok = build_tokenizer(types.SimpleNamespace(tokenizer_type="GPT2BPETokenizer", vocab_file=data + "/gpt2/gpt2-vocab.json",
+tok = build_tokenizer(types.SimpleNamespace(tokenizer_type="GPT2BPETokenizer",
+    vocab_file=data + "/gpt2/gpt2-vocab.json",
     merge_file=data + "/gpt2/gpt2-merges.txt", tokenizer_model=None, vocab_extra_ids=0,
     make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, rank=1))
-cfg = GPTDatasetConfig(random_seed=1234, sequence_length=32, blend=([prefix], None), split="969,30,1",
-    path_to_cache=cache, tokenizer=tok, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+cfg = GPTDatasetConfig(random_seed=1234, sequence_length=32, blend=([prefix], None),
+    split="969,30,1", path_to_cache=cache, tokenizer=tok, reset_position_ids=False,
+    reset_attention_mask=False, eod_mask_loss=False)
 train = BlendedMegatronDatasetBuilder(GPTDataset, [300, None, None], lambda: True, cfg).build()[0]
-print(train.unique_description_hash, ",".join(str(int(train[i]["tokens"][0])) for i in range(len(train))))
+print(train.unique_description_hash,
+      ",".join(str(int(train[i]["tokens"][0])) for i in range(len(train))))
 """
 
 
 def test_same_order_in_another_process(corpus, tmp_path):
     cfg = _config(corpus, tmp_path / "here")
-    train = BlendedMegatronDatasetBuilder(GPTDataset, [300, None, None], lambda: True, cfg).build()[0]
-    out = subprocess.run([sys.executable, "-c", _ORDER_SCRIPT, corpus.fortunes, str(tmp_path / "there"), str(DATA)],
-                         capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    train = BlendedMegatronDatasetBuilder(GPTDataset, [300, None, None], lambda: True, cfg).build()[
+        0
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", _ORDER_SCRIPT, corpus.fortunes, str(tmp_path / "there"), str(DATA)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(REPO),
+    )
     assert out.returncode == 0, out.stderr
     digest, firsts = out.stdout.split()
     assert digest == train.unique_description_hash
@@ -216,12 +270,24 @@ def _brute_force_masks(tokens, eod, reset_position_ids, reset_attention_mask, eo
     return masked, loss, position_ids
 
 
-@pytest.mark.parametrize("flags", [(False, False, False), (True, False, False), (False, True, False),
-                                   (False, False, True), (True, True, True)])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        (False, False, False),
+        (True, False, False),
+        (False, True, False),
+        (False, False, True),
+        (True, True, True),
+    ],
+)
 def test_masks_and_position_ids(corpus, tmp_path, flags):
     rp, ra, em = flags
-    cfg = _config(corpus, tmp_path, reset_position_ids=rp, reset_attention_mask=ra, eod_mask_loss=em)
-    train = BlendedMegatronDatasetBuilder(GPTDataset, [60, None, None], lambda: True, cfg).build()[0]
+    cfg = _config(
+        corpus, tmp_path, reset_position_ids=rp, reset_attention_mask=ra, eod_mask_loss=em
+    )
+    train = BlendedMegatronDatasetBuilder(GPTDataset, [60, None, None], lambda: True, cfg).build()[
+        0
+    ]
     eod = corpus.tok.eod
     seen_eod = False
     for i in range(60):
@@ -229,7 +295,11 @@ def test_masks_and_position_ids(corpus, tmp_path, flags):
         tokens = sample["tokens"].tolist()
         seen_eod |= eod in tokens
         masked, loss, pos = _brute_force_masks(tokens, eod, rp, ra, em)
-        assert sample["attention_mask"].dtype == torch.bool and sample["attention_mask"].shape == (1, SEQ, SEQ)
+        assert sample["attention_mask"].dtype == torch.bool and sample["attention_mask"].shape == (
+            1,
+            SEQ,
+            SEQ,
+        )
         assert numpy.array_equal(sample["attention_mask"][0].numpy(), masked)
         assert sample["loss_mask"].tolist() == loss
         assert sample["position_ids"].tolist() == pos
@@ -264,24 +334,45 @@ def test_weighted_blend_sizes_and_items(corpus, tmp_path):
     digest = datasets[0].unique_description_hash
     assert (tmp_path / f"{digest}-BlendedDataset-train-dataset_index.npy").is_file()
     assert datasets[0].weights == [0.3, 0.7]
-    renorm = _config(corpus, tmp_path, blend=blend, split="80,10,10", renormalize_blend_weights=True)
+    renorm = _config(
+        corpus, tmp_path, blend=blend, split="80,10,10", renormalize_blend_weights=True
+    )
     train = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, renorm).build()[0]
     per_dataset = [math.ceil(100 * w * 1.005) for w in (0.3, 0.7)]
     assert train.weights == pytest.approx([n / sum(per_dataset) for n in per_dataset])
-    assert list(json.loads(datasets[0].unique_description)) == ["class", "datasets", "split", "weights", "size"]
+    assert list(json.loads(datasets[0].unique_description)) == [
+        "class",
+        "datasets",
+        "split",
+        "weights",
+        "size",
+    ]
 
 
 def test_unweighted_blend_and_blend_per_split(corpus, tmp_path):
     cfg = _config(corpus, tmp_path, blend=([corpus.fortunes, corpus.moby], None), split="90,8,2")
-    train = BlendedMegatronDatasetBuilder(GPTDataset, [50, None, None], lambda: True, cfg).build()[0]
+    train = BlendedMegatronDatasetBuilder(GPTDataset, [50, None, None], lambda: True, cfg).build()[
+        0
+    ]
     assert len(train) == 50  # min(requested, sum of one-epoch lengths)
     assert [d.num_samples for d in train.datasets] == [None, None]
-    cfg = GPTDatasetConfig(random_seed=1, sequence_length=SEQ, blend_per_split=[([corpus.fortunes], None), ([corpus.moby], None), None],
-                           path_to_cache=str(tmp_path), tokenizer=corpus.tok, reset_position_ids=False,
-                           reset_attention_mask=False, eod_mask_loss=False)
-    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, [30, 10, 5], lambda: True, cfg).build()
+    cfg = GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=SEQ,
+        blend_per_split=[([corpus.fortunes], None), ([corpus.moby], None), None],
+        path_to_cache=str(tmp_path),
+        tokenizer=corpus.tok,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        GPTDataset, [30, 10, 5], lambda: True, cfg
+    ).build()
     assert test is None
-    assert isinstance(train, GPTDataset) and train.dataset_path == corpus.fortunes and len(train) >= 30
+    assert (
+        isinstance(train, GPTDataset) and train.dataset_path == corpus.fortunes and len(train) >= 30
+    )
     assert valid.dataset_path == corpus.moby and len(valid.indices) == 30
 
 
@@ -292,11 +383,19 @@ def test_split_without_documents_is_an_error(corpus, tmp_path):
     shutil.copy(corpus.moby + ".bin", prefix + ".bin")
     shutil.copy(corpus.moby + ".idx", prefix + ".idx")
     cfg = _config(corpus, tmp_path, blend=([prefix], None), split="99,1,0")
-    with pytest.raises(ValueError, match=r"--split 99,1,0 leaves the valid split of .* with no documents \(30 in total\) but 10 samples") as info:
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"--split 99,1,0 leaves the valid split of .* with no documents \(30 in total\) but 10 "
+            r"samples"
+        ),
+    ) as info:
         BlendedMegatronDatasetBuilder(GPTDataset, [10, 10, 0], lambda: True, cfg).build()
     assert "\n" not in str(info.value)
     # Requesting nothing from the empty split is fine.
-    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, [10, 0, 0], lambda: True, cfg).build()
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        GPTDataset, [10, 0, 0], lambda: True, cfg
+    ).build()
     assert len(valid) == 0 and test is None
 
 
@@ -308,25 +407,55 @@ def test_config_errors(corpus):
     with pytest.raises(ValueError, match=">= 0"):
         get_blend_from_list(["-1", "a", "1", "b"])
     with pytest.raises(ValueError, match="split"):
-        GPTDatasetConfig(random_seed=1, sequence_length=SEQ, blend=([corpus.fortunes], None), tokenizer=corpus.tok,
-                         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+        GPTDatasetConfig(
+            random_seed=1,
+            sequence_length=SEQ,
+            blend=([corpus.fortunes], None),
+            tokenizer=corpus.tok,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+        )
     with pytest.raises(ValueError, match="incompatible"):
-        GPTDatasetConfig(random_seed=1, sequence_length=SEQ, blend=([corpus.fortunes], None), split="1",
-                         blend_per_split=[([corpus.fortunes], None), None, None], tokenizer=corpus.tok,
-                         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+        GPTDatasetConfig(
+            random_seed=1,
+            sequence_length=SEQ,
+            blend=([corpus.fortunes], None),
+            split="1",
+            blend_per_split=[([corpus.fortunes], None), None, None],
+            tokenizer=corpus.tok,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+        )
     with pytest.raises(ValueError, match="eod_mask_loss"):
-        GPTDatasetConfig(random_seed=1, sequence_length=SEQ, tokenizer=corpus.tok, reset_position_ids=False,
-                         reset_attention_mask=False)
+        GPTDatasetConfig(
+            random_seed=1,
+            sequence_length=SEQ,
+            tokenizer=corpus.tok,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+        )
 
 
 def test_mock_dataset(corpus):
-    cfg = GPTDatasetConfig(random_seed=1234, sequence_length=SEQ, tokenizer=corpus.tok, reset_position_ids=False,
-                           reset_attention_mask=False, eod_mask_loss=True)
+    cfg = GPTDatasetConfig(
+        random_seed=1234,
+        sequence_length=SEQ,
+        tokenizer=corpus.tok,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=True,
+    )
     assert cfg.mock and cfg.split == "1,1,1"
-    train, valid, test = BlendedMegatronDatasetBuilder(MockGPTDataset, [20, 4, 2], lambda: True, cfg).build()
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        MockGPTDataset, [20, 4, 2], lambda: True, cfg
+    ).build()
     assert (len(train), len(valid), len(test)) == (20, 4, 2)
     sample = train[0]
-    assert sample["tokens"].shape == (SEQ,) and torch.equal(sample["labels"][:-1], sample["tokens"][1:])
+    assert sample["tokens"].shape == (SEQ,) and torch.equal(
+        sample["labels"][:-1], sample["tokens"][1:]
+    )
     # Mock documents are 1, 2, ..., n-1, eod: every non-eod token is one more than the previous one
     # inside a document.
     toks = sample["tokens"].tolist()
@@ -338,23 +467,44 @@ def test_mock_dataset(corpus):
 
 def _distributed_build(fortunes_prefix, cache, data_dir):
     """Every rank builds through the builder; rank 0 writes the cache, the others load it."""
-    tok = build_tokenizer(types.SimpleNamespace(
-        tokenizer_type="GPT2BPETokenizer", vocab_file=data_dir + "/gpt2/gpt2-vocab.json",
-        merge_file=data_dir + "/gpt2/gpt2-merges.txt", tokenizer_model=None, vocab_extra_ids=0,
-        make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, rank=1))
-    cfg = GPTDatasetConfig(random_seed=1234, sequence_length=SEQ, blend=([fortunes_prefix], None), split="969,30,1",
-                           path_to_cache=cache, tokenizer=tok, reset_position_ids=False, reset_attention_mask=False,
-                           eod_mask_loss=False)
-    train = BlendedMegatronDatasetBuilder(GPTDataset, [100, None, None], lambda: True, cfg).build()[0]
-    return {"built": train.built_anew_on_cache_miss,
-            "shuffle": torch.from_numpy(numpy.asarray(train.shuffle_index).astype(numpy.int64)),
-            "first": train[0]["tokens"]}
+    tok = build_tokenizer(
+        types.SimpleNamespace(
+            tokenizer_type="GPT2BPETokenizer",
+            vocab_file=data_dir + "/gpt2/gpt2-vocab.json",
+            merge_file=data_dir + "/gpt2/gpt2-merges.txt",
+            tokenizer_model=None,
+            vocab_extra_ids=0,
+            make_vocab_size_divisible_by=128,
+            tensor_model_parallel_size=1,
+            rank=1,
+        )
+    )
+    cfg = GPTDatasetConfig(
+        random_seed=1234,
+        sequence_length=SEQ,
+        blend=([fortunes_prefix], None),
+        split="969,30,1",
+        path_to_cache=cache,
+        tokenizer=tok,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
+    train = BlendedMegatronDatasetBuilder(GPTDataset, [100, None, None], lambda: True, cfg).build()[
+        0
+    ]
+    return {
+        "built": train.built_anew_on_cache_miss,
+        "shuffle": torch.from_numpy(numpy.asarray(train.shuffle_index).astype(numpy.int64)),
+        "first": train[0]["tokens"],
+    }
 
 
 def test_built_on_rank_zero_loaded_elsewhere(corpus, tmp_path):
     dist_utils = pytest.importorskip("tests.unit_tests.dist_utils")
-    outs = dist_utils.run_distributed(_distributed_build, world_size=2,
-                                      args=(corpus.fortunes, str(tmp_path / "cache"), str(DATA)))
+    outs = dist_utils.run_distributed(
+        _distributed_build, world_size=2, args=(corpus.fortunes, str(tmp_path / "cache"), str(DATA))
+    )
     assert outs[0]["built"] is True and outs[1]["built"] is False
     assert torch.equal(outs[0]["shuffle"], outs[1]["shuffle"])
     assert torch.equal(outs[0]["first"], outs[1]["first"])

@@ -1,5 +1,6 @@
 """tools/preprocess_data.py and tools/merge_datasets.py on the bundled corpora: round trips,
-worker-count independence, partitions, merging, and the one-line errors on bad input."""
+worker-count independence, partitions, merging, and the one-line errors on bad input.
+(--split-sentences is covered in test_sentence_splitting.py.)"""
 
 import importlib.util
 import json
@@ -22,6 +23,10 @@ GPT2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(DATA / "gpt2
 
 
 def _load_tool(name):
+    # Worker pools pickle the tool's classes by module name, so every importer of this file (pytest
+    # may import it twice, as a test module and from test_preprocess_limits) must share one module.
+    if f"_tool_{name}" in sys.modules:
+        return sys.modules[f"_tool_{name}"]
     spec = importlib.util.spec_from_file_location(f"_tool_{name}", REPO / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # worker pools pickle the tool's classes by module name
@@ -178,28 +183,3 @@ def test_missing_vocab_file(tmp_path, small_jsonl):
 
 def test_missing_input_file(tmp_path):
     _expect_error(tmp_path, ["--input", str(tmp_path / "none.jsonl"), "--workers", "1"] + GPT2, r"no such file")
-
-
-def _punkt_available():
-    try:
-        preprocess._load_sentence_splitter("english", False)
-        return True
-    except preprocess.PreprocessError:
-        return False
-
-
-@pytest.mark.skipif(_punkt_available(), reason="NLTK punkt is installed: the splitting test below runs instead")
-def test_split_sentences_without_punkt_is_a_clear_error(tmp_path, small_jsonl):
-    path, _ = small_jsonl
-    _expect_error(tmp_path, ["--input", str(path), "--split-sentences", "--workers", "1"] + GPT2,
-                  r"--split-sentences needs NLTK's punkt model for 'english', which is not installed")
-
-
-@pytest.mark.skipif(not _punkt_available(), reason="NLTK punkt model not installed (cannot be downloaded here)")
-def test_split_sentences_with_punkt(tmp_path, gpt2, small_jsonl):
-    path, texts = small_jsonl
-    prefix = str(tmp_path / "ss")
-    preprocess.main(["--input", str(path), "--output-prefix", prefix, "--split-sentences", "--workers", "1"] + GPT2)
-    ds = IndexedDataset(prefix + "_text_sentence")
-    assert ds.document_indices[-1] == len(ds) and len(ds.document_indices) == len(texts) + 1
-    assert len(ds) > len(texts)

@@ -1,13 +1,9 @@
-"""Tiny random Hugging Face GPT-2 and Llama models (built here, nothing downloaded) written as
-Megatron checkpoints for any TP x PP layout, with the matching server command-line flags.
-
-The HF weights are mapped with megatron/core/models/gpt/hf_weight_mapping.py, split for tensor
-parallelism with its `split_state_dict_for_tensor_parallel`, cut into pipeline stages here, and
-saved in Megatron's torch format (`release/mp_rank_TT[_PPP]/model_optim_rng.pt` plus the
-tracker file), which `load_checkpoint` reads.
+"""Tiny random Hugging Face GPT-2 and Llama models (built here, nothing downloaded), saved with
+`save_pretrained` and converted to Megatron checkpoints of any TP x PP layout by the conversion
+tool as users run it (`tools/checkpoint/convert.py --loader hf --saver mcore`), with the flags that
+start the server on such a checkpoint.
 """
 
-import os
 import pathlib
 
 import torch
@@ -69,70 +65,19 @@ def build_hf_model(arch, seed=0):
     return model.eval()
 
 
-def server_flags(arch, tp=1, pp=1):
-    """Command-line flags describing the model of `build_hf_model(arch)` (no --load)."""
-    common = [
-        "--num-layers",
-        "2",
-        "--seq-length",
-        str(MAX_POSITIONS),
-        "--max-position-embeddings",
-        str(MAX_POSITIONS),
-        "--micro-batch-size",
-        "1",
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
+def server_flags(ckpt):
+    """Flags that start the text generation server (or `initialize_megatron` with the server's
+    extra args) on a converted checkpoint: the model comes from the checkpoint's own args
+    (--use-checkpoint-args, tensor / pipeline sizes included); only the tokenizer files are given
+    (gloo is picked when there is no GPU)."""
+    return [
+        "--load",
+        ckpt,
+        "--use-checkpoint-args",
         "--vocab-file",
         GPT2_VOCAB,
         "--merge-file",
         GPT2_MERGES,
-        "--tensor-model-parallel-size",
-        str(tp),
-        "--pipeline-model-parallel-size",
-        str(pp),
-        "--distributed-backend",
-        "gloo",
-        "--attention-dropout",
-        "0.0",
-        "--hidden-dropout",
-        "0.0",
-        "--transformer-impl",
-        "local",
-        "--seed",
-        "1234",
-    ]
-    if arch == "gpt2":
-        return common + [
-            "--hidden-size",
-            "32",
-            "--num-attention-heads",
-            "4",
-            "--openai-gelu",
-            "--no-bias-gelu-fusion",
-            "--norm-epsilon",
-            "1e-5",
-        ]
-    return common + [
-        "--hidden-size",
-        "64",
-        "--ffn-hidden-size",
-        "96",
-        "--num-attention-heads",
-        "8",
-        "--group-query-attention",
-        "--num-query-groups",
-        "2",
-        "--position-embedding-type",
-        "rope",
-        "--rotary-base",
-        "10000",
-        "--normalization",
-        "RMSNorm",
-        "--norm-epsilon",
-        "1e-6",
-        "--swiglu",
-        "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights",
     ]
 
 
@@ -141,67 +86,57 @@ def padded_vocab_size(tp, divisible_by=128):
     return ((VOCAB_SIZE + multiple - 1) // multiple) * multiple
 
 
-#: Parameters held by the last pipeline stage only.
-LAST_STAGE = ("decoder.final_layernorm", "output_layer.weight")
+# Conversions done in this test session, by (arch, tp, pp): each is a convert.py subprocess, so
+# every test module asking for the same layout shares one.
+_HF_MODELS = {}
+_HF_DIRS = {}
+_CONVERTED = {}
 
 
-def _stage_state_dict(full, num_layers, pp, stage, tied):
-    """Keep stage `stage`'s layers (renumbered from 0) and its embedding / output layer."""
-    per_stage = num_layers // pp
-    first, last = stage == 0, stage == pp - 1
-    out = {}
-    for name, tensor in full.items():
-        if name.startswith("decoder.layers."):
-            index = int(name.split(".")[2])
-            if stage * per_stage <= index < (stage + 1) * per_stage:
-                rest = name.split(".", 3)[3]
-                out[f"decoder.layers.{index - stage * per_stage}.{rest}"] = tensor
-        elif (first and name.startswith("embedding.")) or (last and name.startswith(LAST_STAGE)):
-            out[name] = tensor
-    if last and tied and not first:
-        # The last stage keeps its own copy of the tied word embeddings.
-        out["output_layer.weight"] = full["embedding.word_embeddings.weight"]
-    # Linear layers save an (empty) `_extra_state` entry, as GPTModel.state_dict() has.
-    for name in list(out):
-        module = name.rsplit(".", 1)[0]
-        if module.endswith(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")):
-            out[module + "._extra_state"] = None
-    if last:
-        out["output_layer._extra_state"] = None
-    return out
+def hf_model(arch):
+    """`build_hf_model(arch)`, built once per session: the model every checkpoint is made of."""
+    if arch not in _HF_MODELS:
+        _HF_MODELS[arch] = build_hf_model(arch)
+    return _HF_MODELS[arch]
 
 
-def save_megatron_checkpoint(hf_model, arch, ckpt_dir, tp=1, pp=1):
-    """Write `hf_model` as a Megatron release checkpoint of layout TP x PP into ckpt_dir."""
-    from megatron.core.models.gpt import hf_weight_mapping as hfm
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def hf_model_dir(arch, tmp_path_factory):
+    """`hf_model(arch)` written with save_pretrained (config.json + model.safetensors)."""
+    if arch not in _HF_DIRS:
+        path = tmp_path_factory.mktemp(f"hf_{arch}")
+        hf_model(arch).save_pretrained(str(path), safe_serialization=True)
+        _HF_DIRS[arch] = str(path)
+    return _HF_DIRS[arch]
 
-    if arch == "gpt2":
-        kw = hfm.gpt2_config_kwargs(hf_model.config)
-        to_mcore = hfm.gpt2_hf_to_mcore_state_dict
-    else:
-        kw = hfm.llama_config_kwargs(hf_model.config)
-        to_mcore = hfm.llama_hf_to_mcore_state_dict
-    config = TransformerConfig(**kw["config"])
-    hf_sd = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
-    full = to_mcore(hf_sd, config, padded_vocab_size(tp))
-    if "output_layer.weight" in full:
-        rows = padded_vocab_size(tp) - full["output_layer.weight"].shape[0]
-        if rows > 0:
-            pad = full["output_layer.weight"].new_zeros(rows, full["output_layer.weight"].shape[1])
-            full["output_layer.weight"] = torch.cat([full["output_layer.weight"], pad])
-    tied = kw["model"]["share_embeddings_and_output_weights"]
-    shards = hfm.split_state_dict_for_tensor_parallel(full, config, tp)
-    for t, shard in enumerate(shards):
-        for p in range(pp):
-            sub = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
-            path = os.path.join(ckpt_dir, "release", sub, "model_optim_rng.pt")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            model_sd = _stage_state_dict(shard, config.num_layers, pp, p, tied)
-            torch.save({"model": model_sd, "checkpoint_version": 3.0, "iteration": 0}, path)
-    with open(os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("release")
-    return ckpt_dir
+
+def converted_checkpoint(arch, tp, pp, tmp_path_factory):
+    """The HF directory of `arch` converted by tools/checkpoint/convert.py (loader hf, saver
+    mcore) to a TP x PP checkpoint; converted once per session and layout."""
+    from tests.functional_tests import convert_utils as cu
+
+    key = (arch, tp, pp)
+    if key not in _CONVERTED:
+        save_dir = str(tmp_path_factory.mktemp(f"ckpt_{arch}_tp{tp}_pp{pp}"))
+        cu.convert(
+            "--loader",
+            "hf",
+            "--saver",
+            "mcore",
+            "--load-dir",
+            hf_model_dir(arch, tmp_path_factory),
+            "--save-dir",
+            save_dir,
+            "--target-tensor-parallel-size",
+            str(tp),
+            "--target-pipeline-parallel-size",
+            str(pp),
+            # The tiny Llama uses GPT-2's vocabulary (the loader's default for a Llama is the
+            # Hugging Face tokenizer of the directory).
+            "--hf-tokenizer-type",
+            "GPT2BPETokenizer",
+        )
+        _CONVERTED[key] = save_dir
+    return _CONVERTED[key]
 
 
 def hf_greedy(hf_model, prompt_ids, new_tokens):

@@ -23,7 +23,7 @@ def _load_server_tool():
     return module
 
 
-def _setup_model(ckpt, arch, tp, pp, extra=()):
+def _setup_model(ckpt, extra=()):
     """initialize_megatron + the server's model provider + load_checkpoint, in this rank."""
     from megatron.training.checkpointing import load_checkpoint
     from megatron.training.global_vars import destroy_global_vars
@@ -34,22 +34,22 @@ def _setup_model(ckpt, arch, tp, pp, extra=()):
     destroy_global_vars()
     initialize_megatron(
         extra_args_provider=tool.add_text_generate_args,
-        args_defaults={'no_load_rng': True, 'no_load_optim': True},
-        args_list=hc.server_flags(arch, tp, pp) + ["--load", ckpt] + list(extra),
+        args_defaults=tool.ARGS_DEFAULTS,
+        args_list=hc.server_flags(ckpt) + list(extra),
     )
     model = get_model(tool.model_provider, wrap_with_ddp=False)
     load_checkpoint(model, None, None)
     return model[0]
 
 
-def _serve_requests(ckpt, arch, tp, pp, requests, extra=()):
+def _serve_requests(ckpt, requests, extra=()):
     """Run each request as the server does: rank 0 passes it, the other ranks join empty."""
     from megatron.inference.text_generation import (
         beam_search_and_post_process,
         generate_and_post_process,
     )
 
-    model = _setup_model(ckpt, arch, tp, pp, extra)
+    model = _setup_model(ckpt, extra)
     rank0 = torch.distributed.get_rank() == 0
     results = []
     for req in requests:
@@ -67,15 +67,12 @@ NEW = 6
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """(HF models by arch, get(arch, tp, pp) -> checkpoint dir written on first use)."""
-    models = {arch: hc.build_hf_model(arch) for arch in ("gpt2", "llama")}
-    dirs = {}
+    """(HF models by arch, get(arch, tp, pp) -> the HF model converted by convert.py to that
+    layout, on first use)."""
+    models = {arch: hc.hf_model(arch) for arch in ("gpt2", "llama")}
 
     def get(arch, tp, pp):
-        if (arch, tp, pp) not in dirs:
-            path = str(tmp_path_factory.mktemp(f"{arch}_tp{tp}_pp{pp}"))
-            dirs[(arch, tp, pp)] = hc.save_megatron_checkpoint(models[arch], arch, path, tp, pp)
-        return dirs[(arch, tp, pp)]
+        return hc.converted_checkpoint(arch, tp, pp, tmp_path_factory)
 
     return models, get
 
@@ -96,10 +93,11 @@ def _hf_expected(hf_model, prompts, tokens_to_generate):
 
 def _hf_token_logprobs(hf_model, tokens, padded_vocab):
     """log P(token k + 1 | tokens 0..k) from transformers' full forward. Megatron's log-softmax
-    runs over the padded vocabulary, whose extra rows are zero: their logits are 0."""
+    runs over the padded vocabulary, whose extra rows the conversion tool fills (as Megatron's
+    savers do) with copies of the last real row: their logits repeat the last real logit."""
     with torch.no_grad():
         logits = hf_model(torch.tensor([tokens])).logits[0]
-    pad = logits.new_zeros(logits.size(0), padded_vocab - logits.size(1))
+    pad = logits[:, -1:].expand(-1, padded_vocab - logits.size(1))
     log_probs = torch.log_softmax(torch.cat([logits, pad], dim=-1).double(), dim=-1)
     return [log_probs[k, tokens[k + 1]].item() for k in range(len(tokens) - 1)]
 
@@ -120,7 +118,7 @@ def test_greedy_matches_transformers(checkpoints, arch, layout):
         world_size=tp * pp,
         tp=tp,
         pp=pp,
-        args=(get_ckpt(arch, tp, pp), arch, tp, pp, requests, extra),
+        args=(get_ckpt(arch, tp, pp), requests, extra),
     )
     texts, segments, logprobs, tokens = outs[0][0]
     expected = _hf_expected(models[arch], PROMPTS, NEW)
@@ -171,14 +169,14 @@ def _full_forward_logprobs(model, row):
     return [log_probs[k, row[k + 1]].item() for k in range(len(row) - 1)]
 
 
-def _behaviours(ckpt, arch):
+def _behaviours(ckpt):
     from megatron.inference.text_generation import (
         beam_search_and_post_process,
         generate_and_post_process,
     )
     from megatron.training.global_vars import get_tokenizer
 
-    model = _setup_model(ckpt, arch, 1, 1)
+    model = _setup_model(ckpt)
     tokenizer = get_tokenizer()
     run = lambda **kw: generate_and_post_process(
         model, prompts=PROMPTS, tokens_to_generate=NEW, **kw
@@ -222,7 +220,7 @@ def _behaviours(ckpt, arch):
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_generation_behaviours(checkpoints, arch):
     _, get_ckpt = checkpoints
-    (out,) = run_distributed(_behaviours, world_size=1, args=(get_ckpt(arch, 1, 1), arch))
+    (out,) = run_distributed(_behaviours, world_size=1, args=(get_ckpt(arch, 1, 1),))
     _texts, segments, logprobs, tokens = out["greedy"]
 
     # With and without the KV cache: the same tokens.
@@ -257,3 +255,72 @@ def test_generation_behaviours(checkpoints, arch):
     texts3, _, scores3 = out["beam_3"]
     assert len(texts3) == 3 and scores3 == sorted(scores3, reverse=True)
     assert all(t.startswith(PROMPTS[0]) for t in texts3)
+
+
+EOL, DOUBLE_EOL = 198, 628  # GPT-2 ids of "\n" and "\n\n"
+
+
+def _boosted_generations(ckpt):
+    """Greedy generations while a forward hook on the output layer adds a large bias to the
+    logit of "\\n" or "\\n\\n" (the model itself is unchanged), with each termination option."""
+    from megatron.inference.text_generation import generate_and_post_process
+    from megatron.training.global_vars import get_args, get_tokenizer
+
+    model = _setup_model(ckpt)
+    boost = torch.zeros(get_args().padded_vocab_size)
+
+    def add_boost(_module, _inputs, output):
+        logits, bias = output  # logits [s, b, v]
+        return logits + boost, bias
+
+    model.output_layer.register_forward_hook(add_boost)
+
+    def run(prompts, **kw):
+        """Each row's tokens cut to its length, as its text and segments are (the returned
+        tokens themselves are the whole padded rows, as in Megatron)."""
+        _, segments, _, tokens = generate_and_post_process(
+            model, prompts=prompts, tokens_to_generate=NEW, top_k_sampling=1, **kw
+        )
+        return [row[: len(seg)] for row, seg in zip(tokens, segments)]
+
+    tokenize = get_tokenizer().tokenize
+    out = {"prompts": [tokenize(p) for p in PROMPTS], "colon_prompt": tokenize("Answer:")}
+    out["colon_unboosted"] = run(["Answer:"], prevent_newline_after_colon=True)
+    boost[EOL] = 1e3
+    out["eol"] = run(PROMPTS)
+    out["eol_stop_on_eol"] = run(PROMPTS, stop_on_eol=True)
+    out["eol_stop_on_double_eol"] = run(PROMPTS, stop_on_double_eol=True)
+    out["colon_prevent"] = run(["Answer:"], prevent_newline_after_colon=True)
+    out["colon_allow"] = run(["Answer:"], prevent_newline_after_colon=False)
+    boost[EOL] = 0.0
+    boost[DOUBLE_EOL] = 1e3
+    out["double_eol_stop_on_eol"] = run(PROMPTS, stop_on_eol=True)
+    out["double_eol_stop_on_double_eol"] = run(PROMPTS, stop_on_double_eol=True)
+    return out
+
+
+def test_stop_on_eol_double_eol_and_no_newline_after_colon(checkpoints):
+    _, get_ckpt = checkpoints
+    (out,) = run_distributed(_boosted_generations, world_size=1, args=(get_ckpt("gpt2", 1, 1),))
+    prompts, width = out["prompts"], max(len(p) for p in out["prompts"]) + NEW
+    # Without a stop option "\n" does not end a row: every row runs to the padded width.
+    assert out["eol"] == [p + [EOL] * (width - len(p)) for p in prompts]
+    # stop_on_eol: each row ends on its first "\n" (kept), rows of different prompt lengths
+    # ending at different columns.
+    assert out["eol_stop_on_eol"] == [p + [EOL] for p in prompts]
+    # stop_on_double_eol: two "\n" in a row, or one "\n\n" token.
+    assert out["eol_stop_on_double_eol"] == [p + [EOL, EOL] for p in prompts]
+    assert out["double_eol_stop_on_double_eol"] == [p + [DOUBLE_EOL] for p in prompts]
+    # stop_on_eol also stops on "\n\n", as in Megatron.
+    assert out["double_eol_stop_on_eol"] == [p + [DOUBLE_EOL] for p in prompts]
+
+    # prevent_newline_after_colon: right after ":" the "\n" logit is forbidden, so the first
+    # token is the model's own choice without the boost; after that "\n" is allowed again.
+    colon = out["colon_prompt"]
+    assert colon[-1] == 25  # ":"
+    (unboosted,) = out["colon_unboosted"]
+    assert unboosted[len(colon)] != EOL
+    (prevented,) = out["colon_prevent"]
+    assert prevented == colon + [unboosted[len(colon)]] + [EOL] * (NEW - 1)
+    (allowed,) = out["colon_allow"]
+    assert allowed == colon + [EOL] * NEW

@@ -65,7 +65,8 @@ def build_t5(
 
 
 def random_batch(batch_size, seed):
-    """Token ids 1..VOCAB-2 (VOCAB-1 is MBart's padding_idx) with trailing padding (id 0), labels -1 at padding, and the masks.
+    """Token ids 1..VOCAB-2 (VOCAB-1 is MBart's padding_idx) with trailing padding (id 0), labels
+    -1 at padding, and the masks.
 
     Masks as Megatron builds them: 1 = attend if both positions are real (id >= 1), the decoder
     one also causal; pretrain_t5.get_batch turns them into bool "value < 0.5" (True = masked).
@@ -201,19 +202,25 @@ def mbart_name_map(encoder_layers=2, decoder_layers=2):
             ours, theirs = f'{stack}.layers.{i}', f'model.{stack}.layers.{i}'
             names = dict(common)
             if stack == 'decoder':
-                names.update({
-                    'pre_cross_attn_layernorm': 'encoder_attn_layer_norm',
-                    'cross_attention.linear_q': 'encoder_attn.q_proj',
-                    'cross_attention.linear_proj': 'encoder_attn.out_proj',
-                })
+                names.update(
+                    {
+                        'pre_cross_attn_layernorm': 'encoder_attn_layer_norm',
+                        'cross_attention.linear_q': 'encoder_attn.q_proj',
+                        'cross_attention.linear_proj': 'encoder_attn.out_proj',
+                    }
+                )
             for suffix in ('weight', 'bias'):
                 for a, b in names.items():
                     m[f'{ours}.{a}.{suffix}'] = ([f'{theirs}.{b}.{suffix}'], 'same')
                 m[f'{ours}.self_attention.linear_qkv.{suffix}'] = (
-                    [f'{theirs}.self_attn.{x}_proj.{suffix}' for x in 'qkv'], 'rows')
+                    [f'{theirs}.self_attn.{x}_proj.{suffix}' for x in 'qkv'],
+                    'rows',
+                )
                 if stack == 'decoder':
                     m[f'{ours}.cross_attention.linear_kv.{suffix}'] = (
-                        [f'{theirs}.encoder_attn.{x}_proj.{suffix}' for x in 'kv'], 'rows')
+                        [f'{theirs}.encoder_attn.{x}_proj.{suffix}' for x in 'kv'],
+                        'rows',
+                    )
     return m
 
 

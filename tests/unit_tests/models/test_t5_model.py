@@ -94,7 +94,9 @@ def test_state_dict_names_match_megatron():
     assert out['same_module']
     assert out['model_type'] == 'ModelType.encoder_and_decoder'
     # Untied: the head gets a weight under both names and no bias at all.
-    expected_untied = {k: v for k, v in EXPECTED_KEYS.items() if not k.endswith('output_layer.bias')}
+    expected_untied = {
+        k: v for k, v in EXPECTED_KEYS.items() if not k.endswith('output_layer.bias')
+    }
     expected_untied['output_layer.weight'] = (128, 32)
     expected_untied['lm_head.output_layer.weight'] = (128, 32)
     assert out['untied'] == expected_untied
@@ -145,8 +147,10 @@ def _compare_with_mbart():
     unpatched.eval()
     tu.load_into_mbart(model.state_dict(), unpatched)
     unpatched_logits = unpatched(
-        input_ids=batch['text_enc'], attention_mask=enc_pad,
-        decoder_input_ids=batch['text_dec'], decoder_attention_mask=dec_pad,
+        input_ids=batch['text_enc'],
+        attention_mask=enc_pad,
+        decoder_input_ids=batch['text_dec'],
+        decoder_attention_mask=dec_pad,
     ).logits
     return dict(
         real=dec_pad.bool(),

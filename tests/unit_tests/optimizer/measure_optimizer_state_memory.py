@@ -139,10 +139,11 @@ def main():
                 }
                 results.append(row)
                 print(
-                    f"{dtype_name} DP={dp} {outs[0]['optimizer_type']:<34} params={outs[0]['model_params']:,} "
-                    f"optimizer state per rank: {', '.join(f'{b / 2**20:.1f} MiB' for b in per_rank)} "
-                    f"(grad buffer {outs[0]['grad_buffer_bytes'] / 2**20:.1f} MiB, "
-                    f"param buffer {outs[0]['param_buffer_bytes'] / 2**20:.1f} MiB)",
+                    f"{dtype_name} DP={dp} {outs[0]['optimizer_type']:<34} "
+                    f"params={outs[0]['model_params']:,} optimizer state per rank: "
+                    f"{', '.join(f'{b / 2**20:.1f} MiB' for b in per_rank)} (grad buffer "
+                    f"{outs[0]['grad_buffer_bytes'] / 2**20:.1f} MiB, param buffer "
+                    f"{outs[0]['param_buffer_bytes'] / 2**20:.1f} MiB)",
                     flush=True,
                 )
     if args.json:

@@ -28,7 +28,8 @@ class _Net(torch.nn.Module):
 
 
 def _build(dtype, use_distributed_optimizer, seed, wrap_ddp=True, overlap=False, bucket_size=None):
-    """Model, chunk (DDP-wrapped or not) and optimizer; `overlap` overlaps grad reduce and param gather."""
+    """Model, chunk (DDP-wrapped or not) and optimizer; `overlap` overlaps grad reduce and param
+    gather."""
     torch.manual_seed(seed)
     model = _Net().to(dtype)
     chunk = model

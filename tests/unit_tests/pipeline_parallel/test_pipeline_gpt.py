@@ -301,7 +301,8 @@ def _check_grads(ref, outs):
 
 
 def _check_layout(outs, pp, vpp):
-    """Layer numbers follow Megatron's layout; the tied output layer starts equal to the embedding."""
+    """Layer numbers follow Megatron's layout; the tied output layer starts equal to the
+    embedding."""
     chunks = vpp or 1
     per_chunk = NUM_LAYERS // (pp * chunks)
     for out in outs:

@@ -67,8 +67,14 @@ def _build(sequence_parallel=False, tied=True):
     pre, post, add_enc, add_dec = _stage_flags()
     config = tu.tiny_config(num_layers=ENC_LAYERS, sequence_parallel=sequence_parallel)
     model = tu.build_t5(
-        config, ENC_LAYERS, DEC_LAYERS, pre_process=pre, post_process=post,
-        add_encoder=add_enc, add_decoder=add_dec, tied=tied,
+        config,
+        ENC_LAYERS,
+        DEC_LAYERS,
+        pre_process=pre,
+        post_process=post,
+        add_encoder=add_enc,
+        add_decoder=add_dec,
+        tied=tied,
     )
     return config, model
 
@@ -169,9 +175,7 @@ def _pipeline_body(params, sequence_parallel, tied, mutation):
     finally:
         if mutation == 'drop_encoder_grad_skip':
             schedules.backward_step = real_backward
-    grads = {
-        _global_name(model, n): _gather_tp(p, p.grad) for n, p in model.named_parameters()
-    }
+    grads = {_global_name(model, n): _gather_tp(p, p.grad) for n, p in model.named_parameters()}
     return {
         'losses': [float(d['lm loss'][0] / d['lm loss'][1]) for d in losses],
         'grads': grads,
@@ -195,8 +199,13 @@ def _run(layout, sequence_parallel=False, tied=True, mutation=None):
     world, tp, pp, split = LAYOUTS[layout]
     ref = _reference(tied)
     outs = run_distributed(
-        _pipeline_body, world, tp=tp, pp=pp, split_rank=split,
-        args=(ref['params'], sequence_parallel, tied, mutation), timeout=180,
+        _pipeline_body,
+        world,
+        tp=tp,
+        pp=pp,
+        split_rank=split,
+        args=(ref['params'], sequence_parallel, tied, mutation),
+        timeout=180,
     )
     return ref, outs
 

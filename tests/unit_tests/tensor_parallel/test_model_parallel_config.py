@@ -29,16 +29,37 @@ def test_every_field_has_a_docstring():
 @pytest.mark.parametrize(
     "kwargs,pattern",
     [
-        (dict(sequence_parallel=True), r"sequence_parallel needs tensor_model_parallel_size > 1, got 1"),
-        (dict(pipeline_model_parallel_size=2), r"pipeline_model_parallel_size is 2: pipeline_dtype"),
-        (dict(virtual_pipeline_model_parallel_size=2), r"virtual_pipeline_model_parallel_size \(2\).*got 1"),
-        (dict(tensor_model_parallel_size=0), r"tensor_model_parallel_size must be a positive integer, got 0"),
+        (
+            dict(sequence_parallel=True),
+            r"sequence_parallel needs tensor_model_parallel_size > 1, got 1",
+        ),
+        (
+            dict(pipeline_model_parallel_size=2),
+            r"pipeline_model_parallel_size is 2: pipeline_dtype",
+        ),
+        (
+            dict(virtual_pipeline_model_parallel_size=2),
+            r"virtual_pipeline_model_parallel_size \(2\).*got 1",
+        ),
+        (
+            dict(tensor_model_parallel_size=0),
+            r"tensor_model_parallel_size must be a positive integer, got 0",
+        ),
         (dict(fp16=True, bf16=True), r"fp16 and bf16"),
         (dict(defer_embedding_wgrad_compute=True), r"defer_embedding_wgrad_compute needs pipeline"),
-        (dict(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32),
-         r"gradient_accumulation_fusion"),
-        (dict(expert_model_parallel_size=2, tensor_model_parallel_size=2),
-         r"expert_model_parallel_size \(2\).*tensor_model_parallel_size \(2\).*sequence_parallel"),
+        (
+            dict(
+                defer_embedding_wgrad_compute=True,
+                pipeline_model_parallel_size=2,
+                pipeline_dtype=torch.float32,
+            ),
+            r"gradient_accumulation_fusion",
+        ),
+        (
+            dict(expert_model_parallel_size=2, tensor_model_parallel_size=2),
+            r"expert_model_parallel_size \(2\).*tensor_model_parallel_size "
+            r"\(2\).*sequence_parallel",
+        ),
     ],
 )
 def test_post_init_value_errors(kwargs, pattern):
@@ -47,7 +68,11 @@ def test_post_init_value_errors(kwargs, pattern):
 
 
 def test_derived_fields():
-    c = ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
-                            async_tensor_model_parallel_allreduce=True, params_dtype=torch.bfloat16)
+    c = ModelParallelConfig(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        async_tensor_model_parallel_allreduce=True,
+        params_dtype=torch.bfloat16,
+    )
     assert c.async_tensor_model_parallel_allreduce is False  # sequence parallel overlaps itself
     assert c.autocast_dtype == torch.bfloat16

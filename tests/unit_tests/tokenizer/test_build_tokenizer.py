@@ -64,6 +64,12 @@ def test_bert_special_ids_and_sentinels():
     # [BOS], [EOS] and 100 T5 sentinels are appended after the 30522 file entries.
     assert tok.vocab_size == 30522 + 2 + 100
     assert tok.inv_vocab[30522 + 2] == "<extra_id_0>"
+    # T5 takes its sentinels from additional_special_tokens_ids, <extra_id_0> first (ascending).
+    assert (tok.bos, tok.eos) == (30522, 30523)
+    assert tok.additional_special_tokens == [f"<extra_id_{i}>" for i in range(100)]
+    assert tok.additional_special_tokens_ids == list(range(30524, 30624))
+    no_extra = build_tokenizer(_args(tokenizer_type="BertWordPieceCase", vocab_file=BERT_VOCAB))
+    assert no_extra.additional_special_tokens_ids == [] and no_extra.vocab_size == 30524
     assert tok.detokenize(tok.tokenize("Call me Ishmael.")) == "call me ishmael."
 
 

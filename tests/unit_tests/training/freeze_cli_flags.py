@@ -1,4 +1,5 @@
-"""Write cli_flags.json: every flag of megatron/training/arguments.py (name, dest, type, default...).
+"""Write cli_flags.json: every flag of megatron/training/arguments.py (name, dest, type,
+default...).
 
 Run after changing a flag on purpose:  python tests/unit_tests/training/freeze_cli_flags.py
 test_cli_flags.py diffs the live parser against the file, so flags change only deliberately.

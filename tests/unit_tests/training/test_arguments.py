@@ -1,4 +1,5 @@
-"""parse_args / validate_args: defaults, derived args and one-line errors naming flags and numbers."""
+"""parse_args / validate_args: defaults, derived args and one-line errors naming flags and
+numbers."""
 
 import pytest
 import torch
@@ -6,9 +7,22 @@ import torch
 from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
 
 BASE = [
-    '--num-layers', '4', '--hidden-size', '64', '--num-attention-heads', '4',
-    '--seq-length', '32', '--max-position-embeddings', '32',
-    '--micro-batch-size', '2', '--train-iters', '10', '--lr', '1e-3',
+    '--num-layers',
+    '4',
+    '--hidden-size',
+    '64',
+    '--num-attention-heads',
+    '4',
+    '--seq-length',
+    '32',
+    '--max-position-embeddings',
+    '32',
+    '--micro-batch-size',
+    '2',
+    '--train-iters',
+    '10',
+    '--lr',
+    '1e-3',
 ]
 
 
@@ -24,7 +38,9 @@ def _validate(extra=(), world_size=1, defaults={}):
 
 
 def test_derived_values(capsys):
-    args = _validate(['--tensor-model-parallel-size', '2', '--pipeline-model-parallel-size', '2'], world_size=8)
+    args = _validate(
+        ['--tensor-model-parallel-size', '2', '--pipeline-model-parallel-size', '2'], world_size=8
+    )
     assert args.data_parallel_size == 2
     assert args.global_batch_size == 2 * 2  # micro batch x data parallel
     assert args.ffn_hidden_size == 4 * 64
@@ -34,8 +50,10 @@ def test_derived_values(capsys):
     assert args.start_weight_decay == args.end_weight_decay == 0.01
     assert args.consumed_train_samples == 0 and args.consumed_valid_samples == 0
     out = capsys.readouterr().out
-    assert ('using world size: 8, data-parallel size: 2, context-parallel size: 1 '
-            'tensor-model-parallel size: 2, pipeline-model-parallel size: 2 ') in out
+    assert (
+        'using world size: 8, data-parallel size: 2, context-parallel size: 1 '
+        'tensor-model-parallel size: 2, pipeline-model-parallel size: 2 '
+    ) in out
     assert '------------------------ arguments ------------------------' in out
     assert '  data_parallel_size .............................. 2' in out
 
@@ -54,8 +72,10 @@ def test_swiglu_ffn_size():
 def test_script_defaults_fill_only_none_args():
     args = _validate(defaults={'tokenizer_type': 'GPT2BPETokenizer'})
     assert args.tokenizer_type == 'GPT2BPETokenizer'
-    args = _validate(['--tokenizer-type', 'NullTokenizer', '--vocab-size', '100'],
-                     defaults={'tokenizer_type': 'GPT2BPETokenizer'})
+    args = _validate(
+        ['--tokenizer-type', 'NullTokenizer', '--vocab-size', '100'],
+        defaults={'tokenizer_type': 'GPT2BPETokenizer'},
+    )
     assert args.tokenizer_type == 'NullTokenizer'
 
 
@@ -73,42 +93,94 @@ def test_split_default_with_data_path():
 
 
 def test_virtual_pipeline_size_derived():
-    args = _validate(['--pipeline-model-parallel-size', '2', '--num-layers-per-virtual-pipeline-stage', '1'],
-                     world_size=2)
+    args = _validate(
+        ['--pipeline-model-parallel-size', '2', '--num-layers-per-virtual-pipeline-stage', '1'],
+        world_size=2,
+    )
     assert args.virtual_pipeline_model_parallel_size == 2
 
 
 @pytest.mark.parametrize(
     'extra, world_size, pattern',
     [
-        (['--tensor-model-parallel-size', '2', '--pipeline-model-parallel-size', '2'], 6,
-         r'world size \(6\) is not divisible by --tensor-model-parallel-size \(2\) x '
-         r'--pipeline-model-parallel-size \(2\) x --context-parallel-size \(1\) = 4'),
-        (['--global-batch-size', '6'], 2,
-         r'--global-batch-size \(6\) is not divisible by --micro-batch-size \(2\) x data parallel size \(2\) = 4'),
-        (['--max-position-embeddings', '16'], 1,
-         r'--max-position-embeddings \(16\) must be >= --seq-length \(32\)'),
+        (
+            ['--tensor-model-parallel-size', '2', '--pipeline-model-parallel-size', '2'],
+            6,
+            r'world size \(6\) is not divisible by --tensor-model-parallel-size \(2\) x '
+            r'--pipeline-model-parallel-size \(2\) x --context-parallel-size \(1\) = 4',
+        ),
+        (
+            ['--global-batch-size', '6'],
+            2,
+            r'--global-batch-size \(6\) is not divisible by --micro-batch-size \(2\) x data '
+            r'parallel size \(2\) = 4',
+        ),
+        (
+            ['--max-position-embeddings', '16'],
+            1,
+            r'--max-position-embeddings \(16\) must be >= --seq-length \(32\)',
+        ),
         (['--fp16', '--bf16'], 1, r'--fp16 and --bf16 are mutually exclusive'),
-        (['--train-samples', '100'], 1, r'--train-iters \(10\) and --train-samples \(100\) are mutually exclusive'),
-        (['--rampup-batch-size', '2', '2', '100'], 1, r'--rampup-batch-size is only supported with --train-samples'),
-        (['--lr-warmup-fraction', '0.1', '--lr-warmup-iters', '5'], 1,
-         r'--lr-warmup-fraction \(0.1\) and --lr-warmup-iters \(5\) are mutually exclusive'),
+        (
+            ['--train-samples', '100'],
+            1,
+            r'--train-iters \(10\) and --train-samples \(100\) are mutually exclusive',
+        ),
+        (
+            ['--rampup-batch-size', '2', '2', '100'],
+            1,
+            r'--rampup-batch-size is only supported with --train-samples',
+        ),
+        (
+            ['--lr-warmup-fraction', '0.1', '--lr-warmup-iters', '5'],
+            1,
+            r'--lr-warmup-fraction \(0.1\) and --lr-warmup-iters \(5\) are mutually exclusive',
+        ),
         (['--min-lr', '0.1'], 1, r'--min-lr \(0.1\) must be <= --lr \(0.001\)'),
         (['--save', '/tmp/x'], 1, r'--save requires --save-interval'),
-        (['--num-attention-heads', '3'], 1, r'--hidden-size \(64\) is not divisible by --num-attention-heads \(3\)'),
-        (['--tensor-model-parallel-size', '8'], 8,
-         r'--num-attention-heads \(4\) is not divisible by --tensor-model-parallel-size \(8\)'),
-        (['--pipeline-model-parallel-size', '3'], 3,
-         r'--num-layers \(4\) is not divisible by --pipeline-model-parallel-size \(3\)'),
-        (['--num-layers-per-virtual-pipeline-stage', '1'], 1,
-         r'--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1, got 1'),
-        (['--pipeline-model-parallel-size', '2', '--num-layers-per-virtual-pipeline-stage', '3'], 2,
-         r'is not divisible by --num-layers-per-virtual-pipeline-stage \(3\)'),
+        (
+            ['--num-attention-heads', '3'],
+            1,
+            r'--hidden-size \(64\) is not divisible by --num-attention-heads \(3\)',
+        ),
+        (
+            ['--tensor-model-parallel-size', '8'],
+            8,
+            r'--num-attention-heads \(4\) is not divisible by --tensor-model-parallel-size \(8\)',
+        ),
+        (
+            ['--pipeline-model-parallel-size', '3'],
+            3,
+            r'--num-layers \(4\) is not divisible by --pipeline-model-parallel-size \(3\)',
+        ),
+        (
+            ['--num-layers-per-virtual-pipeline-stage', '1'],
+            1,
+            r'--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1, '
+            r'got 1',
+        ),
+        (
+            ['--pipeline-model-parallel-size', '2', '--num-layers-per-virtual-pipeline-stage', '3'],
+            2,
+            r'is not divisible by --num-layers-per-virtual-pipeline-stage \(3\)',
+        ),
         (['--fp16-lm-cross-entropy'], 1, r'--fp16-lm-cross-entropy requires --fp16'),
-        (['--weight-decay-incr-style', 'linear'], 1,
-         r'--weight-decay-incr-style linear requires both --start-weight-decay and --end-weight-decay'),
-        (['--recompute-granularity', 'full'], 1, r'--recompute-granularity full requires --recompute-method'),
-        (['--overlap-param-gather'], 1, r'--overlap-param-gather requires --use-distributed-optimizer'),
+        (
+            ['--weight-decay-incr-style', 'linear'],
+            1,
+            r'--weight-decay-incr-style linear requires both --start-weight-decay and '
+            r'--end-weight-decay',
+        ),
+        (
+            ['--recompute-granularity', 'full'],
+            1,
+            r'--recompute-granularity full requires --recompute-method',
+        ),
+        (
+            ['--overlap-param-gather'],
+            1,
+            r'--overlap-param-gather requires --use-distributed-optimizer',
+        ),
         (['--micro-batch-size', '0'], 1, r'--micro-batch-size must be a positive integer, got 0'),
         (['--checkpoint-activations'], 1, r'--checkpoint-activations is no longer supported'),
     ],

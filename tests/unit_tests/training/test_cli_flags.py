@@ -30,12 +30,12 @@ OUR_EXTRA_FLAGS = {
     '--non-persistent-global-ckpt-dir',
     '--non-persistent-save-interval',
     '--renormalize-blend-weights',
-    '--watchdog-timeout',  # ours: seconds without progress before a rank is reported (0 = off)
 }
 
 # Flags of this package only (no Megatron version has them).
 OUR_OWN_FLAGS = {
     '--watchdog-timeout',  # the hang watchdog (megatron/training/watchdog.py)
+    '--torch-compile',  # torch.compile of the transformer layers (megatron/training/training.py)
 }
 
 

@@ -164,15 +164,33 @@ def _sdpa_vs_explicit():
         attention_dropout=0.0,
     )
     core = DotProductAttention(config, 1, AttnMaskType.causal, "self")
+    masked_core = DotProductAttention(config, 1, AttnMaskType.arbitrary, "self")
     g = torch.Generator().manual_seed(9)
     q = torch.randn(SQ, B, 4, 8, generator=g)
     k, v = (torch.randn(SQ, B, 2, 8, generator=g) for _ in range(2))
     causal = torch.triu(torch.ones(SQ, SQ, dtype=torch.bool), 1).expand(B, 1, SQ, SQ)
+    # Per-document mask: two documents of SQ // 2 tokens, causal within each.
+    doc = causal.clone()
+    doc[:, :, SQ // 2 :, : SQ // 2] = True
     fast = core(q, k, v, None)  # SDPA path
-    explicit = core(q, k, v, causal)  # explicit masked-softmax path
-    return fast, explicit
+    fast_with_mask = core(q, k, v, causal)  # a causal layer ignores the dataloader's mask
+    fast_ignoring_doc = core(q, k, v, doc)
+    explicit = masked_core(q, k, v, causal)  # explicit masked-softmax path
+    explicit_doc = masked_core(q, k, v, doc)
+    # Reference for the per-document mask: each document attended alone.
+    half = SQ // 2
+    first = core(q[:half], k[:half], v[:half], None)
+    second = core(q[half:], k[half:], v[half:], None)
+    return fast, fast_with_mask, fast_ignoring_doc, explicit, explicit_doc, first, second
 
 
 def test_sdpa_fast_path_matches_explicit_path():
-    fast, explicit = run_distributed(_sdpa_vs_explicit, WORLD, tp=1)[0]
+    fast, fast_mask, fast_doc, explicit, explicit_doc, first, second = run_distributed(
+        _sdpa_vs_explicit, WORLD, tp=1
+    )[0]
     torch.testing.assert_close(fast, explicit, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fast_mask, fast, atol=0, rtol=0)
+    torch.testing.assert_close(fast_doc, fast, atol=0, rtol=0)
+    # The arbitrary-mask path (--reset-attention-mask) applies the per-document mask exactly.
+    torch.testing.assert_close(explicit_doc, torch.cat([first, second]), atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(explicit_doc, fast, atol=1e-3)

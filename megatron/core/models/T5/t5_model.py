@@ -337,7 +337,7 @@ class T5Model(LanguageModule):
             input_tensor = [input_tensor]
 
         if self.add_encoder and self.add_decoder:
-            assert len(input_tensor) == 1, 'input_tensor should be length 1 with encoder and decoder'
+            assert len(input_tensor) == 1, 'input_tensor should be length 1 (encoder and decoder)'
             self.encoder.set_input_tensor(input_tensor[0])
         elif self.add_encoder:
             assert len(input_tensor) == 1, 'input_tensor should be length 1 for an encoder stage'

@@ -138,12 +138,12 @@ def _block(layer_spec: ModuleSpec, num_layers: int) -> TransformerBlockSubmodule
 
 
 def get_t5_encoder_with_local_block_spec(num_layers: int) -> TransformerBlockSubmodules:
-    """All `num_layers` encoder layers plus the final LayerNorm (T5Model keeps its stage's share)."""
+    """All `num_layers` encoder layers and the final LayerNorm (T5Model keeps its stage's share)."""
     return _block(encoder_model_with_local_spec(), num_layers)
 
 
 def get_t5_decoder_with_local_block_spec(num_layers: int) -> TransformerBlockSubmodules:
-    """All `num_layers` decoder layers plus the final LayerNorm (T5Model keeps its stage's share)."""
+    """All `num_layers` decoder layers and the final LayerNorm (T5Model keeps its stage's share)."""
     return _block(decoder_model_with_local_spec(), num_layers)
 
 

@@ -5,6 +5,7 @@ Notation: b batch, s sequence, h hidden size, v padded vocabulary, p tensor-para
 
 from typing import Dict, Literal, Optional
 
+import torch
 from torch import Tensor
 
 from megatron.core import tensor_parallel

@@ -400,7 +400,8 @@ def split_state_dict_for_tensor_parallel(
             continue
         if tensor.shape[dim] % tp_size != 0:
             raise ValueError(
-                f"{name}: size {tensor.shape[dim]} of dim {dim} is not divisible by tp_size {tp_size}"
+                f"{name}: size {tensor.shape[dim]} of dim {dim} is not divisible by tp_size "
+                f"{tp_size}"
             )
         if _is_gated_fc1(name, config):
             gate, up = tensor.chunk(2, dim=0)
@@ -416,7 +417,8 @@ def split_state_dict_for_tensor_parallel(
 
 
 def merge_tensor_parallel_state_dicts(shards: List[StateDict], config) -> StateDict:
-    """Inverse of `split_state_dict_for_tensor_parallel` (replicated tensors are taken from rank 0)."""
+    """Inverse of `split_state_dict_for_tensor_parallel` (replicated tensors are taken from rank
+    0)."""
     merged: StateDict = {}
     for name, tensor in shards[0].items():
         if not isinstance(tensor, torch.Tensor):  # e.g. `_extra_state` entries (None)

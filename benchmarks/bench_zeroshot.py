@@ -69,7 +69,8 @@ def main():
     hf, ours = _hf_checkpoint(args, work)
 
     for key, value in (('RANK', '0'), ('WORLD_SIZE', '1'), ('LOCAL_RANK', '0'),
-                       ('MASTER_ADDR', '127.0.0.1'), ('MASTER_PORT', str(29500 + os.getpid() % 1000))):
+                       ('MASTER_ADDR', '127.0.0.1'),
+                       ('MASTER_PORT', str(29500 + os.getpid() % 1000))):
         os.environ.setdefault(key, value)
     from megatron.core.enums import ModelType
     from megatron.training.checkpointing import load_checkpoint

@@ -44,7 +44,8 @@ class MNLIDataset(GLUEAbstractDataset):
             try:
                 unique_id = int(cols[0].strip())
             except ValueError:
-                raise ValueError(f'{filename}: row {row}: uid {cols[0]!r} is not an integer') from None
+                raise ValueError(
+                    f'{filename}: row {row}: uid {cols[0]!r} is not an integer') from None
             if unique_id < 0 or not text_a or not text_b:
                 raise ValueError(f'{filename}: row {row}: negative uid or empty sentence')
             if label not in LABELS:

@@ -42,14 +42,16 @@ class QQPDataset(GLUEAbstractDataset):
                 try:
                     label = int(cols[5])
                 except ValueError:
-                    raise ValueError(f'{filename}: row {row}: label {cols[5]!r} is not 0 or 1') from None
+                    raise ValueError(
+                        f'{filename}: row {row}: label {cols[5]!r} is not 0 or 1') from None
             text_a, text_b = clean_text(text_a.strip()), clean_text(text_b.strip())
             if not text_a or not text_b:
                 print_rank_0('***WARNING*** {}: row {}: empty question, skipping'.format(
                     filename, row))
                 continue
             if label not in LABELS:
-                raise ValueError(f'{filename}: row {row}: unknown label {label!r} (expected 0 or 1)')
+                raise ValueError(
+                    f'{filename}: row {row}: unknown label {label!r} (expected 0 or 1)')
             samples.append({'text_a': text_a, 'text_b': text_b, 'label': label, 'uid': uid})
         print_rank_0(' >> processed {} samples.'.format(len(samples)))
         return samples

@@ -5,8 +5,6 @@ import glob
 import json
 import os
 
-import numpy as np
-
 from megatron.training.utils import print_rank_0
 from tasks.data_utils import build_sample, build_tokens_types_paddings_from_ids, clean_text
 

@@ -128,7 +128,8 @@ def test_finetune_from_pretrained_bert(data, tmp_path, bert_document_prefix):
     from tests.functional_tests.bert_utils import TINY_BERT_ARGS
 
     pretrained = str(tmp_path / 'bert')
-    run_distributed(_pretrain_bert, world_size=1, args=(pretrained, bert_document_prefix), timeout=600)
+    run_distributed(_pretrain_bert, world_size=1, args=(pretrained, bert_document_prefix),
+                    timeout=600)
     size = TINY_BERT_ARGS[:TINY_BERT_ARGS.index('--lr')]  # the architecture flags, seq 32
     result, stdout = _run(['--task', 'MNLI', '--epochs', '1', '--lr', '1e-3',
                            '--train-data', os.path.join(data, 'MNLI', 'train.tsv'),

@@ -76,6 +76,7 @@ EVAL_AND_LOGGING_ARGS=(
     --tensorboard-dir "$WORK_DIR/tensorboard"
     --log-validation-ppl-to-tensorboard
     --save "$WORK_DIR/checkpoints"
+    --save-interval "$TRAIN_ITERS"
 )
 
 echo "==> training a ${GPT_MODEL_ARGS[1]}-layer GPT for $TRAIN_ITERS iterations with torchrun on $NPROC processes"

@@ -37,7 +37,8 @@ def get_tasks_args(parser):
                        help='Keep the last batch (maybe incomplete) in the data loader')
     group.add_argument('--train-data', nargs='+', default=None,
                        help='Whitespace separated paths or corpora names for training.')
-    group.add_argument('--valid-data', nargs='*', default=None, help='path(s) to the validation data.')
+    group.add_argument('--valid-data', nargs='*', default=None,
+                       help='path(s) to the validation data.')
     group.add_argument('--overlapping-eval', type=int, default=32,
                        help='Sliding window for overlapping evaluation.')
     group.add_argument('--strict-lambada', action='store_true',
@@ -47,7 +48,8 @@ def get_tasks_args(parser):
                        help='Path to the QA dataset dev file.')
     group.add_argument('--qa-data-test', type=str, default=None,
                        help='Path to the QA dataset test file.')
-    group.add_argument('--faiss-use-gpu', action='store_true', help='Whether create the FaissMIPSIndex on GPU')
+    group.add_argument('--faiss-use-gpu', action='store_true',
+                       help='Whether create the FaissMIPSIndex on GPU')
     group.add_argument('--faiss-match', type=str, default='string', choices=['regex', 'string'],
                        help='Answer matching logic type')
     group.add_argument('--faiss-topk-retrievals', type=int, default=100,
@@ -75,7 +77,8 @@ def task_name(args_list=None):
     if known.task is None:
         raise ValueError('--task is required (one of ' + ', '.join(TASKS) + ')')
     if known.task in NOT_IMPLEMENTED:
-        raise ValueError(f'--task {known.task}: retrieval tasks are not implemented in this package')
+        raise ValueError(
+            f'--task {known.task}: retrieval tasks are not implemented in this package')
     if known.task not in TASKS:
         raise ValueError(f'--task {known.task}: Task {known.task} is not implemented '
                          f'(known: {", ".join(TASKS)})')

@@ -70,7 +70,8 @@ def write_mnli(out_dir, books, rng, n_train, n_dev):
     """MNLI-layout train (12 cols), dev_matched (16 cols) and test_matched (10 cols) files."""
     train = []
     for i, (b, a, c) in enumerate(_pairs(rng, books, n_train, 0)):
-        train.append([i, i, f'{i}e', BOOKS[b], '', '', '', '', a, c, MNLI_LABELS[b], MNLI_LABELS[b]])
+        label = MNLI_LABELS[b]
+        train.append([i, i, f'{i}e', BOOKS[b], '', '', '', '', a, c, label, label])
     dev = []
     for i, (b, a, c) in enumerate(_pairs(rng, books, n_dev, 400)):
         label = MNLI_LABELS[b]

@@ -174,7 +174,8 @@ def _build_wikitext103_dataset(args, tokenizer):
 def build_dataset(task, args, tokenizer):
     """The evaluation dataset of a zero-shot task ('LAMBADA' or 'WIKITEXT103')."""
     if not args.valid_data or len(args.valid_data) != 1:
-        raise ValueError(f'--task {task} needs exactly one --valid-data file, got {args.valid_data}')
+        raise ValueError(
+            f'--task {task} needs exactly one --valid-data file, got {args.valid_data}')
     if not os.path.isfile(args.valid_data[0]):
         raise ValueError(f'--valid-data {args.valid_data[0]}: no such file')
     if task == 'LAMBADA':

@@ -142,3 +142,27 @@ def test_finetune_from_pretrained_bert(data, tmp_path, bert_document_prefix):
     assert 'could not find "classification_head" in the pretrained checkpoint' in stdout
     assert ' iteration       10/      30 |' in stdout
     assert accuracy_lines(stdout)[0][:2] == (0, 'dev-matched')
+
+
+def test_race_finetune_then_evaluate_only(tmp_path):
+    """RACE layout: 4 rows per question (the micro batch counts questions), per-directory names,
+    the fine-tuned checkpoint evaluates to the same accuracy with --epochs 0."""
+    sys.path.insert(0, REPO)
+    from tasks.make_fixture_data import build_all
+
+    data = build_all(str(tmp_path / 'data'), n_train=3, n_dev=3, race_train_docs=30,
+                     race_dev_docs=12, lambada=2, wiki_paragraphs=2)
+    save = str(tmp_path / 'race')
+    dev = os.path.join(data, 'RACE', 'dev', 'middle')
+    result, stdout = _run(['--task', 'RACE', '--epochs', '1', '--lr', '1e-3',
+                           '--train-data', os.path.join(data, 'RACE', 'train', 'middle'),
+                           '--valid-data', dev, '--save', save, '--save-interval', '10000',
+                           '--eval-interval', '1000', '--micro-batch-size', '4']
+                          + TINY_BERT[:TINY_BERT.index('--micro-batch-size')]
+                          + TINY_BERT[TINY_BERT.index('--micro-batch-size') + 2:])
+    (epoch, name, correct, total), = accuracy_lines(stdout)
+    assert (epoch, name, total) == (0, 'dev-middle', 24)  # 12 documents x 2 questions
+    assert 'global batch size:    16 |' in stdout  # 4 questions x 4 options
+    result, stdout = _run(['--task', 'RACE', '--epochs', '0', '--valid-data', dev,
+                           '--load', save, '--no-load-optim', '--no-load-rng'] + TINY_BERT)
+    assert accuracy_lines(stdout) == [(-1, 'dev-middle', correct, total)]

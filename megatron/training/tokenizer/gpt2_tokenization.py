@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 
 import regex as re
 
-from .fast_bpe import build_fast_gpt2_encode
+from .fast_encoders import build_fast_gpt2_encode
 
 GPT2_PRETOKENIZE_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 

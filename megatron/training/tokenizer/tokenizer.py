@@ -13,6 +13,7 @@ from typing import List, Optional
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
 
 from .bert_tokenization import FullTokenizer as FullBertTokenizer
+from .fast_encoders import build_fast_wordpiece_encode
 from .gpt2_tokenization import GPT2Tokenizer
 
 TOKENIZER_TYPES = (
@@ -179,6 +180,10 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
     def __init__(self, vocab_file: str, lower_case: bool = True, vocab_extra_ids: int = 0):
         super().__init__(vocab_file, lower_case=lower_case, vocab_extra_ids=vocab_extra_ids)
         self.tokenizer = FullBertTokenizer(vocab_file, do_lower_case=lower_case)
+        # Built before [BOS]/[EOS]/sentinels are appended; WordPiece never produces them.
+        self._fast_encode, self.encode_backend = build_fast_wordpiece_encode(
+            self.tokenizer.vocab, lower_case
+        )
         for needed in ("[CLS]", "[SEP]", "[PAD]", "[MASK]"):
             if needed not in self.tokenizer.vocab:
                 raise ValueError(f"--vocab-file {vocab_file}: no {needed} token; not a BERT vocabulary")
@@ -221,6 +226,12 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
         return self.tokenizer.inv_vocab
 
     def tokenize(self, text: str) -> List[int]:
+        if self._fast_encode is not None:
+            return self._fast_encode(text)
+        return self.tokenize_python(text)
+
+    def tokenize_python(self, text: str) -> List[int]:
+        """The pure-Python basic + WordPiece tokenizer (the reference the fast encoder matches)."""
         return self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(text))
 
     def decode(self, ids: List[int]) -> str:

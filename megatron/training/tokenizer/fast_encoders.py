@@ -1,4 +1,4 @@
-"""Compiled encoders for GPT-2 byte-level BPE that give the pure-Python tokenizer's ids.
+"""Compiled encoders that give the pure-Python tokenizers' ids (GPT-2 BPE, BERT WordPiece).
 
 `GPT2Tokenizer.encode` (Megatron's algorithm, pure Python) is the reference and the fallback.
 Where a compiled library is installed it encodes the same text to the same ids several times
@@ -10,8 +10,15 @@ faster:
 - Hugging Face `tokenizers` otherwise: its BPE model applies the merges list itself.
 
 Neither adds special tokens: `<|endoftext|>` inside text is encoded as plain text, as Megatron's
-tokenizer does. Set MEGATRON_TOKENIZER_BACKEND=python to force the pure-Python encoder
-(`tiktoken` / `tokenizers` force one library; `auto`, the default, takes the first that loads).
+tokenizer does.
+
+BERT WordPiece (`FullTokenizer`: basic tokenization, then greedy longest-match-first WordPiece)
+is served by Hugging Face `tokenizers` with the BERT normalizer (control characters dropped,
+whitespace normalised, CJK characters split, lower-casing and accent stripping for the uncased
+vocabularies) and pre-tokenizer (whitespace and punctuation splits).
+
+Set MEGATRON_TOKENIZER_BACKEND=python to force the pure-Python encoders (`tiktoken` /
+`tokenizers` force one library; `auto`, the default, takes the first that loads).
 """
 
 import os
@@ -95,3 +102,38 @@ def _hf_tokenizers_encode(encoder, merges):
         return tokenizer.encode(text, add_special_tokens=False).ids
 
     return encode
+
+
+def build_fast_wordpiece_encode(
+    vocab: Dict[str, int], lower_case: bool, max_input_chars_per_word: int = 100
+) -> Tuple[Optional[Callable[[str], List[int]]], str]:
+    """A Hugging Face `tokenizers` encode function giving FullTokenizer's ids, or None.
+
+    Args:
+        vocab: token -> id, before any tokens are appended (they never come out of WordPiece:
+            the basic tokenizer splits their brackets off).
+        lower_case: the uncased BERT pipeline (lower-case and strip accents).
+        max_input_chars_per_word: longer words become [UNK], as in FullTokenizer.
+    """
+    if requested_backend() not in ("auto", "tokenizers"):
+        return None, "python"
+    try:
+        from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    except ImportError:
+        return None, "python"
+    if "[UNK]" not in vocab:
+        return None, "python"
+    tokenizer = Tokenizer(
+        models.WordPiece(
+            vocab=dict(vocab), unk_token="[UNK]", max_input_chars_per_word=max_input_chars_per_word
+        )
+    )
+    tokenizer.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=lower_case, lowercase=lower_case
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+
+    def encode(text: str) -> List[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    return encode, "tokenizers"

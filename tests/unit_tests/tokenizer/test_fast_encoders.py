@@ -1,8 +1,8 @@
-"""The compiled GPT-2 BPE encoders (tiktoken, Hugging Face tokenizers) give the pure-Python
-encoder's ids: on a slice of each bundled corpus and on edge cases (contractions, whitespace runs,
-`<|endoftext|>` in text, non-Latin scripts, digits, emoji, invalid surrogates excluded), and
-tools/preprocess_data.py writes byte-identical .bin/.idx files with the fast and the pure-Python
-backend."""
+"""The compiled GPT-2 BPE encoders (tiktoken, Hugging Face tokenizers) and the WordPiece
+encoder (tokenizers) give the pure-Python encoders' ids: on a slice of each bundled corpus and on
+edge cases (contractions, whitespace runs, `<|endoftext|>` in text, non-Latin scripts, digits,
+emoji, control characters, over-long words); tools/preprocess_data.py writes byte-identical
+.bin/.idx files with the fast and the pure-Python backend."""
 
 import json
 import os
@@ -75,3 +75,28 @@ def test_preprocess_output_identical_across_backends(tmp_path):
         outputs[backend] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
     assert sorted(outputs["auto"]) == ["c_text_document.bin", "c_text_document.idx"]
     assert outputs["auto"] == outputs["python"]
+
+
+@pytest.mark.parametrize("tokenizer_type", ["BertWordPieceLowerCase", "BertWordPieceCase"])
+def test_fast_wordpiece_matches_pure_python(monkeypatch, tokenizer_type):
+    pytest.importorskip("tokenizers")
+    import types
+
+    from megatron.training.tokenizer import build_tokenizer
+
+    def build():
+        return build_tokenizer(types.SimpleNamespace(
+            tokenizer_type=tokenizer_type, vocab_file=str(DATA / "bert" / "bert-vocab.txt"),
+            merge_file=None, tokenizer_model=None, vocab_extra_ids=2,
+            make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, rank=1))
+
+    tok = build()
+    assert tok.encode_backend == "tokenizers"
+    texts = EDGE_CASES + [
+        "Ünïcödé ÀÉÎÕÜ ß ﬁ \u00ad soft\u200bhyphen \x00ctl\x7f [BOS] <extra_id_0> [MASK]",
+        "x" * 150 + " long words become [UNK]",
+    ] + _corpus_slice("mobydick.jsonl", 150) + _corpus_slice("fortunes.jsonl", 600)
+    for text in texts:
+        assert tok.tokenize(text) == tok.tokenize_python(text), text[:80]
+    monkeypatch.setenv("MEGATRON_TOKENIZER_BACKEND", "python")
+    assert build().encode_backend == "python"

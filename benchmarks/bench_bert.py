@@ -38,8 +38,12 @@ def _parse():
     parser.add_argument('--steps', type=int, default=4, help='measured steps per model')
     parser.add_argument('--warmup', type=int, default=1, help='unmeasured steps per model')
     parser.add_argument('--bf16', action='store_true', help='autocast to bf16 (both models)')
-    parser.add_argument('--peak-tflops', type=float, default=None,
-                        help='peak TFLOP/s for MFU (default: measured GEMM throughput)')
+    parser.add_argument(
+        '--peak-tflops',
+        type=float,
+        default=None,
+        help='peak TFLOP/s for MFU (default: measured GEMM throughput)',
+    )
     parser.add_argument('--threads', type=int, default=0, help='torch threads on CPU (0 = default)')
     parser.add_argument('--small', action='store_true', help='tiny model for a quick check')
     args = parser.parse_args()
@@ -60,7 +64,9 @@ def _init_single_process():
         port = sock.getsockname()[1]
     torch.distributed.init_process_group(
         backend='nccl' if torch.cuda.is_available() else 'gloo',
-        init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1,
+        init_method=f'tcp://127.0.0.1:{port}',
+        rank=0,
+        world_size=1,
     )
     parallel_state.initialize_model_parallel()
     torch.manual_seed(1234)
@@ -76,20 +82,33 @@ def _build_models(args, device):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, hidden_dropout=0.1, attention_dropout=0.1,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
     )
     ours = BertModel(
-        config=config, num_tokentypes=2, transformer_layer_spec=bert_layer_local_spec,
-        vocab_size=args.vocab_size, max_sequence_length=args.seq_length,
-        share_embeddings_and_output_weights=True, add_binary_head=True,
+        config=config,
+        num_tokentypes=2,
+        transformer_layer_spec=bert_layer_local_spec,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+        share_embeddings_and_output_weights=True,
+        add_binary_head=True,
     ).to(device)
     hf_config = MegatronBertConfig(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-        intermediate_size=4 * args.hidden_size, max_position_embeddings=args.seq_length,
-        type_vocab_size=2, hidden_act='gelu', layer_norm_eps=1e-5,
-        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        intermediate_size=4 * args.hidden_size,
+        max_position_embeddings=args.seq_length,
+        type_vocab_size=2,
+        hidden_act='gelu',
+        layer_norm_eps=1e-5,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
     )
     hf = MegatronBertForPreTraining(hf_config).to(device)
     missing, unexpected = hf.load_state_dict(
@@ -108,9 +127,17 @@ def _batch(args, device, seed):
     loss_mask = (torch.rand(b, s, generator=g) < 0.15).float()
     labels = torch.where(loss_mask.bool(), ids, torch.full_like(ids, -1))
     is_random = torch.randint(0, 2, (b,), generator=g)
-    return {k: t.to(device) for k, t in dict(
-        ids=ids, types=types, padding=padding, loss_mask=loss_mask, labels=labels,
-        is_random=is_random).items()}
+    return {
+        k: t.to(device)
+        for k, t in dict(
+            ids=ids,
+            types=types,
+            padding=padding,
+            loss_mask=loss_mask,
+            labels=labels,
+            is_random=is_random,
+        ).items()
+    }
 
 
 def _step_ours(model, optimizer, batch):
@@ -126,8 +153,9 @@ def _step_ours(model, optimizer, batch):
 
 
 def _step_hf(model, optimizer, batch):
-    out = model(input_ids=batch['ids'], attention_mask=batch['padding'],
-                token_type_ids=batch['types'])
+    out = model(
+        input_ids=batch['ids'], attention_mask=batch['padding'], token_type_ids=batch['types']
+    )
     logits = out.prediction_logits.float()
     lm = torch.nn.functional.cross_entropy(
         logits.view(-1, logits.size(-1)), batch['labels'].clamp(min=0).view(-1), reduction='none'
@@ -135,15 +163,21 @@ def _step_hf(model, optimizer, batch):
     mask = batch['loss_mask'].view(-1)
     loss = (lm * mask).sum() / mask.sum()
     loss = loss + torch.nn.functional.cross_entropy(
-        out.seq_relationship_logits.float(), batch['is_random'])
+        out.seq_relationship_logits.float(), batch['is_random']
+    )
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
 def _model_flops_per_step(args):
-    b, s, h, n, v = (args.micro_batch_size, args.seq_length, args.hidden_size, args.num_layers,
-                     args.vocab_size)
+    b, s, h, n, v = (
+        args.micro_batch_size,
+        args.seq_length,
+        args.hidden_size,
+        args.num_layers,
+        args.vocab_size,
+    )
     forward = n * (24 * b * s * h * h + 4 * b * s * s * h) + 2 * b * s * h * h + 2 * b * s * h * v
     return 3 * forward
 
@@ -160,7 +194,7 @@ def _measured_peak_flops(device, dtype):
             a @ bm
         _sync(device)
         best = min(best, (time.perf_counter() - start) / 4)
-    return 2 * n ** 3 / best
+    return 2 * n**3 / best
 
 
 def _sync(device):
@@ -188,10 +222,13 @@ def main():
     times = {'ours': [], 'hf': []}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     num_params = sum(p.numel() for p in ours.parameters())
-    print(f'BERT training step: {num_params / 1e6:.1f}M params, layers {args.num_layers}, hidden '
-          f'{args.hidden_size}, heads {args.num_attention_heads}, vocab {args.vocab_size}, seq '
-          f'{args.seq_length}, micro batch {args.micro_batch_size}, {dtype}, device {device} '
-          f'({torch.get_num_threads()} threads)', flush=True)
+    print(
+        f'BERT training step: {num_params / 1e6:.1f}M params, layers {args.num_layers}, hidden '
+        f'{args.hidden_size}, heads {args.num_attention_heads}, vocab {args.vocab_size}, seq '
+        f'{args.seq_length}, micro batch {args.micro_batch_size}, {dtype}, device {device} '
+        f'({torch.get_num_threads()} threads)',
+        flush=True,
+    )
     for i in range(args.warmup + args.steps):
         batch = _batch(args, device, seed=i)
         for name in ('ours', 'hf'):
@@ -204,17 +241,21 @@ def main():
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - start)
         if i >= args.warmup:
-            print(f'  step {i + 1}/{args.warmup + args.steps}: ours {times["ours"][-1]:.3f}s, '
-                  f'hf {times["hf"][-1]:.3f}s', flush=True)
+            print(
+                f'  step {i + 1}/{args.warmup + args.steps}: ours {times["ours"][-1]:.3f}s, '
+                f'hf {times["hf"][-1]:.3f}s',
+                flush=True,
+            )
         else:
             print(f'  step {i + 1}/{args.warmup + args.steps}: warm-up', flush=True)
 
-    peak = (args.peak_tflops * 1e12 if args.peak_tflops
-            else _measured_peak_flops(device, dtype))
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else _measured_peak_flops(device, dtype)
     flops = _model_flops_per_step(args)
     tokens = args.micro_batch_size * args.seq_length
-    print(f"peak {'given' if args.peak_tflops else 'measured GEMM'}: {peak / 1e12:.3f} TFLOP/s; "
-          f'model FLOPs per step {flops / 1e9:.1f} GFLOP')
+    print(
+        f"peak {'given' if args.peak_tflops else 'measured GEMM'}: {peak / 1e12:.3f} TFLOP/s; "
+        f'model FLOPs per step {flops / 1e9:.1f} GFLOP'
+    )
     print(f"{'model':<32} {'step (s)':>9} {'tokens/s':>10} {'MFU':>7}")
     rate = {}
     for name, label in (('ours', 'megatron BertModel'), ('hf', 'HF MegatronBertForPreTraining')):

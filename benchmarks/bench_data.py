@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 
 import numpy
 
@@ -31,7 +30,9 @@ DATA = REPO / "data"
 
 
 def _load_preprocess():
-    spec = importlib.util.spec_from_file_location("_bench_preprocess_data", REPO / "tools" / "preprocess_data.py")
+    spec = importlib.util.spec_from_file_location(
+        "_bench_preprocess_data", REPO / "tools" / "preprocess_data.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -54,20 +55,43 @@ def bench_preprocess(workdir):
         mb = os.path.getsize(path) / 1024 / 1024
         for workers in (1, 2):
             prefix = os.path.join(workdir, f"{path.stem}_w{workers}")
-            args = preprocess.get_args([
-                "--input", str(path), "--output-prefix", prefix, "--append-eod", "--workers", str(workers),
-                "--log-interval", "100000000", "--tokenizer-type", "GPT2BPETokenizer",
-                "--vocab-file", str(DATA / "gpt2" / "gpt2-vocab.json"),
-                "--merge-file", str(DATA / "gpt2" / "gpt2-merges.txt"),
-            ])
+            args = preprocess.get_args(
+                [
+                    "--input",
+                    str(path),
+                    "--output-prefix",
+                    prefix,
+                    "--append-eod",
+                    "--workers",
+                    str(workers),
+                    "--log-interval",
+                    "100000000",
+                    "--tokenizer-type",
+                    "GPT2BPETokenizer",
+                    "--vocab-file",
+                    str(DATA / "gpt2" / "gpt2-vocab.json"),
+                    "--merge-file",
+                    str(DATA / "gpt2" / "gpt2-merges.txt"),
+                ]
+            )
             cpu0 = _cpu_seconds()
             t0 = time.perf_counter()
             docs = preprocess.run(args)
             dt = time.perf_counter() - t0
             cpu = _cpu_seconds() - cpu0
-            rows.append(dict(corpus=corpus, workers=workers, seconds=round(dt, 3), mb_per_s=round(mb / dt, 3),
-                             docs_per_s=round(docs / dt, 1), docs=docs, mb=round(mb, 3),
-                             cpu_seconds=round(cpu, 3), mb_per_cpu_s=round(mb / cpu, 3)))
+            rows.append(
+                dict(
+                    corpus=corpus,
+                    workers=workers,
+                    seconds=round(dt, 3),
+                    mb_per_s=round(mb / dt, 3),
+                    docs_per_s=round(docs / dt, 1),
+                    docs=docs,
+                    mb=round(mb, 3),
+                    cpu_seconds=round(cpu, 3),
+                    mb_per_cpu_s=round(mb / cpu, 3),
+                )
+            )
             prefixes[path.stem] = prefix + "_text_document"
     return rows, prefixes
 
@@ -110,37 +134,71 @@ print(json.dumps(dict(tokens=int(sizes.sum()), documents=num_docs, seq_length=se
 
 
 def bench_index(tokens, seq, workdir):
-    out = subprocess.run([sys.executable, "-c", _INDEX_CHILD, str(REPO), str(tokens), str(seq),
-                          os.path.join(workdir, "index_cache")], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _INDEX_CHILD,
+            str(REPO),
+            str(tokens),
+            str(seq),
+            os.path.join(workdir, "index_cache"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def bench_reads(prefixes, seq, reads, workdir):
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.training.tokenizer.tokenizer import _GPT2BPETokenizer
 
-    tok = _GPT2BPETokenizer(str(DATA / "gpt2" / "gpt2-vocab.json"), str(DATA / "gpt2" / "gpt2-merges.txt"))
+    tok = _GPT2BPETokenizer(
+        str(DATA / "gpt2" / "gpt2-vocab.json"), str(DATA / "gpt2" / "gpt2-merges.txt")
+    )
     rows = []
     for create_mask in (False, True):
-        cfg = GPTDatasetConfig(random_seed=1234, sequence_length=seq,
-                               blend=([prefixes["fortunes"], prefixes["mobydick"]], [0.5, 0.5]), split="100,0,0",
-                               path_to_cache=os.path.join(workdir, "read_cache"), tokenizer=tok,
-                               reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-                               create_attention_mask=create_mask)
-        train = BlendedMegatronDatasetBuilder(GPTDataset, [5000, None, None], lambda: True, cfg).build()[0]
+        cfg = GPTDatasetConfig(
+            random_seed=1234,
+            sequence_length=seq,
+            blend=([prefixes["fortunes"], prefixes["mobydick"]], [0.5, 0.5]),
+            split="100,0,0",
+            path_to_cache=os.path.join(workdir, "read_cache"),
+            tokenizer=tok,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            create_attention_mask=create_mask,
+        )
+        train = BlendedMegatronDatasetBuilder(
+            GPTDataset, [5000, None, None], lambda: True, cfg
+        ).build()[0]
         order = numpy.random.default_rng(0).integers(0, len(train), size=reads)
         t0 = time.perf_counter()
         for i in order:
             train[int(i)]
         dt = time.perf_counter() - t0
-        rows.append(dict(seq_length=seq, attention_mask=create_mask, samples=reads,
-                         samples_per_s=round(reads / dt, 1), tokens_per_s=round(reads * seq / dt)))
+        rows.append(
+            dict(
+                seq_length=seq,
+                attention_mask=create_mask,
+                samples=reads,
+                samples_per_s=round(reads / dt, 1),
+                tokens_per_s=round(reads * seq / dt),
+            )
+        )
     return rows
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", type=float, default=1e8)
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--read-seq-length", type=int, default=1024)
@@ -151,22 +209,35 @@ def main():
         pre, prefixes = bench_preprocess(workdir)
         index = [bench_index(args.tokens, seq, workdir) for seq in (args.seq_length, 128)]
         reads = bench_reads(prefixes, args.read_seq_length, args.reads, workdir)
-    results = dict(cpu_count=os.cpu_count(), load_average=os.getloadavg(), preprocess=pre, gpt_index=index,
-                   random_reads=reads)
-    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (figures scale down under load)")
+    results = dict(
+        cpu_count=os.cpu_count(),
+        load_average=os.getloadavg(),
+        preprocess=pre,
+        gpt_index=index,
+        random_reads=reads,
+    )
+    print(
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (figures scale down under load)"
+    )
     print("preprocess_data (GPT2BPETokenizer, --append-eod):")
     for r in pre:
-        print(f"  {r['corpus']:15s} workers={r['workers']}  {r['mb_per_s']:6.2f} MB/s  {r['docs_per_s']:9.1f} docs/s"
-              f"  ({r['docs']} docs, {r['mb']} MB, {r['seconds']} s wall, {r['cpu_seconds']} CPU s,"
-              f" {r['mb_per_cpu_s']} MB per CPU s)")
+        print(
+            f"  {r['corpus']:15s} workers={r['workers']}  {r['mb_per_s']:6.2f} MB/s  {r['docs_per_s']:9.1f} docs/s"
+            f"  ({r['docs']} docs, {r['mb']} MB, {r['seconds']} s wall, {r['cpu_seconds']} CPU s,"
+            f" {r['mb_per_cpu_s']} MB per CPU s)"
+        )
     for ix in index:
-        print(f"GPT indices for {ix['tokens']:,} tokens ({ix['documents']:,} docs), seq {ix['seq_length']}: "
-              f"{ix['build_seconds']} s incl. .npy writes, peak allocation {ix['traced_peak_mib']} MiB "
-              f"(indices {ix['index_mib']} MiB, process peak RSS {ix['peak_rss_mib']} MiB); "
-              f"{ix['samples']:,} samples; cache reload {ix['cache_load_seconds']} s")
+        print(
+            f"GPT indices for {ix['tokens']:,} tokens ({ix['documents']:,} docs), seq {ix['seq_length']}: "
+            f"{ix['build_seconds']} s incl. .npy writes, peak allocation {ix['traced_peak_mib']} MiB "
+            f"(indices {ix['index_mib']} MiB, process peak RSS {ix['peak_rss_mib']} MiB); "
+            f"{ix['samples']:,} samples; cache reload {ix['cache_load_seconds']} s"
+        )
     for r in reads:
-        print(f"random reads seq {r['seq_length']} attention_mask={r['attention_mask']}: "
-              f"{r['samples_per_s']} samples/s, {r['tokens_per_s']:,} tokens/s")
+        print(
+            f"random reads seq {r['seq_length']} attention_mask={r['attention_mask']}: "
+            f"{r['samples_per_s']} samples/s, {r['tokens_per_s']:,} tokens/s"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -130,12 +130,16 @@ def main():
     n_meg = sum(p.numel() for p in steps['megatron'].params)
     n_plain = sum(p.numel() for p in steps['plain'].params)
     print(f'parameters: megatron {n_meg / 1e6:.2f}M, plain {n_plain / 1e6:.2f}M')
-    print(f'preset {cli.preset}: {cfg}; torch threads {torch.get_num_threads()}; '
-          f'attention mask {"None" if cli.no_mask else "dataloader causal mask tensor"}')
+    print(
+        f'preset {cli.preset}: {cfg}; torch threads {torch.get_num_threads()}; '
+        f'attention mask {"None" if cli.no_mask else "dataloader causal mask tensor"}'
+    )
     med = {name: statistics.median(t) for name, t in times.items()}
     for name, t in med.items():
-        print(f'{name:>9}: {t * 1000:8.1f} ms/step  {tokens / t:8.1f} tokens/s  '
-              f'(min {min(times[name]) * 1000:.1f}, max {max(times[name]) * 1000:.1f} ms)')
+        print(
+            f'{name:>9}: {t * 1000:8.1f} ms/step  {tokens / t:8.1f} tokens/s  '
+            f'(min {min(times[name]) * 1000:.1f}, max {max(times[name]) * 1000:.1f} ms)'
+        )
     print(f'ratio megatron / plain (tokens/s): {med["plain"] / med["megatron"]:.3f}')
     torch.distributed.destroy_process_group()
 

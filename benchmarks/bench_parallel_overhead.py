@@ -25,8 +25,11 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAYOUTS = {'TP1 (2 threads)': (1, 1, 1, 2), 'TP2 (2x1 thread)': (2, 2, 1, 1),
-           'PP2 (2x1 thread)': (2, 1, 2, 1)}  # world, tp, pp, threads
+LAYOUTS = {
+    'TP1 (2 threads)': (1, 1, 1, 2),
+    'TP2 (2x1 thread)': (2, 2, 1, 1),
+    'PP2 (2x1 thread)': (2, 1, 2, 1),
+}  # world, tp, pp, threads
 
 
 def _free_port():
@@ -36,8 +39,13 @@ def _free_port():
 
 
 def _rank_main(rank, world, tp, pp, threads, port, bench, result_file):
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     sys.path.insert(0, REPO)
     import torch
 
@@ -51,40 +59,81 @@ def _rank_main(rank, world, tp, pp, threads, port, bench, result_file):
     from megatron.training.training import setup_model_and_optimizer, train_step
     from megatron.training.utils import get_ltor_masks_and_position_ids
 
-    argv = ['--num-layers', str(bench.num_layers), '--hidden-size', str(bench.hidden_size),
-            '--num-attention-heads', str(bench.num_attention_heads),
-            '--seq-length', str(bench.seq_length), '--max-position-embeddings',
-            str(bench.seq_length), '--micro-batch-size', str(bench.micro_batch_size),
-            '--global-batch-size', str(bench.micro_batch_size * bench.num_microbatches),
-            '--train-iters', '100', '--lr', '1e-4', '--tokenizer-type', 'NullTokenizer',
-            '--vocab-size', str(bench.vocab - 1), '--make-vocab-size-divisible-by', '128',
-            '--attention-dropout', '0', '--hidden-dropout', '0', '--clip-grad', '1.0',
-            '--tensor-model-parallel-size', str(tp), '--pipeline-model-parallel-size', str(pp),
-            '--distributed-backend', 'gloo']
+    argv = [
+        '--num-layers',
+        str(bench.num_layers),
+        '--hidden-size',
+        str(bench.hidden_size),
+        '--num-attention-heads',
+        str(bench.num_attention_heads),
+        '--seq-length',
+        str(bench.seq_length),
+        '--max-position-embeddings',
+        str(bench.seq_length),
+        '--micro-batch-size',
+        str(bench.micro_batch_size),
+        '--global-batch-size',
+        str(bench.micro_batch_size * bench.num_microbatches),
+        '--train-iters',
+        '100',
+        '--lr',
+        '1e-4',
+        '--tokenizer-type',
+        'NullTokenizer',
+        '--vocab-size',
+        str(bench.vocab - 1),
+        '--make-vocab-size-divisible-by',
+        '128',
+        '--attention-dropout',
+        '0',
+        '--hidden-dropout',
+        '0',
+        '--clip-grad',
+        '1.0',
+        '--tensor-model-parallel-size',
+        str(tp),
+        '--pipeline-model-parallel-size',
+        str(pp),
+        '--distributed-backend',
+        'gloo',
+    ]
     if tp > 1:
         argv.append('--sequence-parallel')
     with contextlib.redirect_stdout(io.StringIO()):
         initialize_megatron(args_list=argv)
         model, optimizer, scheduler = setup_model_and_optimizer(
-            pretrain_gpt.model_provider, ModelType.encoder_or_decoder)
+            pretrain_gpt.model_provider, ModelType.encoder_or_decoder
+        )
     args = get_args()
     config = get_model_config(model[0])
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
     g = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, bench.vocab - 1, (bench.micro_batch_size, bench.seq_length + 1),
-                        generator=g)
+    seq = torch.randint(
+        0, bench.vocab - 1, (bench.micro_batch_size, bench.seq_length + 1), generator=g
+    )
     tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
     mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(tokens, -1, False, False, False)
-    batch = {'tokens': tokens, 'labels': labels, 'loss_mask': loss_mask,
-             'attention_mask': mask, 'position_ids': position_ids}
+    batch = {
+        'tokens': tokens,
+        'labels': labels,
+        'loss_mask': loss_mask,
+        'attention_mask': mask,
+        'position_ids': position_ids,
+    }
     times = []
     for i in range(bench.steps + 1):
         args.curr_iteration = i
         torch.distributed.barrier()
         start = time.perf_counter()
-        train_step(pretrain_gpt.forward_step, iter([batch] * bench.num_microbatches), model,
-                   optimizer, scheduler, config)
+        train_step(
+            pretrain_gpt.forward_step,
+            iter([batch] * bench.num_microbatches),
+            model,
+            optimizer,
+            scheduler,
+            config,
+        )
         torch.distributed.barrier()
         if i > 0:
             times.append(time.perf_counter() - start)
@@ -113,15 +162,21 @@ def main():
         for r in range(bench.repeats):
             for name, (world, tp, pp, threads) in LAYOUTS.items():
                 result = os.path.join(tmp, f'{r}_{tp}_{pp}.json')
-                mp.spawn(_rank_main, args=(world, tp, pp, threads, _free_port(), bench, result),
-                         nprocs=world, join=True)
+                mp.spawn(
+                    _rank_main,
+                    args=(world, tp, pp, threads, _free_port(), bench, result),
+                    nprocs=world,
+                    join=True,
+                )
                 with open(result) as f:
                     times[name] += json.load(f)
     tokens = bench.micro_batch_size * bench.num_microbatches * bench.seq_length
     med = {name: statistics.median(t) for name, t in times.items()}
-    print(f'GPT {bench.num_layers} layers, hidden {bench.hidden_size}, seq {bench.seq_length}, '
-          f'vocab {bench.vocab}, {bench.num_microbatches} micro-batches of '
-          f'{bench.micro_batch_size}')
+    print(
+        f'GPT {bench.num_layers} layers, hidden {bench.hidden_size}, seq {bench.seq_length}, '
+        f'vocab {bench.vocab}, {bench.num_microbatches} micro-batches of '
+        f'{bench.micro_batch_size}'
+    )
     for name, t in med.items():
         print(f'{name:>17}: {t * 1000:8.1f} ms/step  {tokens / t:8.1f} tokens/s')
     ref = med['TP1 (2 threads)']

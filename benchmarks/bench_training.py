@@ -51,7 +51,9 @@ class PlainBlock(torch.nn.Module):
     def forward(self, x):
         b, s, h = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))  # [b, np, s, hn]
+        q, k, v = (
+            t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v)
+        )  # [b, np, s, hn]
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
@@ -83,8 +85,12 @@ def build_plain(batches, cfg):
     model = PlainGPT(cfg['vocab'], cfg['seq'], cfg['hidden'], cfg['heads'], cfg['layers'])
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
-    opt = torch.optim.AdamW([{'params': decay, 'weight_decay': 0.01}, {'params': no_decay, 'weight_decay': 0.0}],
-                            lr=1e-4, betas=(0.9, 0.999), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{'params': decay, 'weight_decay': 0.01}, {'params': no_decay, 'weight_decay': 0.0}],
+        lr=1e-4,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+    )
 
     def step(i):
         opt.zero_grad(set_to_none=True)
@@ -112,15 +118,46 @@ def build_megatron(batches, cfg, compile_too):
     from megatron.training.training import setup_model_and_optimizer, train_step, training_log
     from megatron.training.utils import num_floating_point_operations
 
-    initialize_megatron(args_list=[
-        '--num-layers', str(cfg['layers']), '--hidden-size', str(cfg['hidden']),
-        '--num-attention-heads', str(cfg['heads']), '--seq-length', str(cfg['seq']),
-        '--max-position-embeddings', str(cfg['seq']), '--micro-batch-size', str(cfg['mbs']),
-        '--global-batch-size', str(cfg['mbs']), '--train-iters', '1000', '--lr', '1e-4',
-        '--tokenizer-type', 'NullTokenizer', '--vocab-size', str(cfg['vocab'] - 1),
-        '--make-vocab-size-divisible-by', '128', '--attention-dropout', '0', '--hidden-dropout', '0',
-        '--weight-decay', '0.01', '--clip-grad', '1.0', '--log-interval', '1', '--log-throughput',
-    ], args_defaults={})
+    initialize_megatron(
+        args_list=[
+            '--num-layers',
+            str(cfg['layers']),
+            '--hidden-size',
+            str(cfg['hidden']),
+            '--num-attention-heads',
+            str(cfg['heads']),
+            '--seq-length',
+            str(cfg['seq']),
+            '--max-position-embeddings',
+            str(cfg['seq']),
+            '--micro-batch-size',
+            str(cfg['mbs']),
+            '--global-batch-size',
+            str(cfg['mbs']),
+            '--train-iters',
+            '1000',
+            '--lr',
+            '1e-4',
+            '--tokenizer-type',
+            'NullTokenizer',
+            '--vocab-size',
+            str(cfg['vocab'] - 1),
+            '--make-vocab-size-divisible-by',
+            '128',
+            '--attention-dropout',
+            '0',
+            '--hidden-dropout',
+            '0',
+            '--weight-decay',
+            '0.01',
+            '--clip-grad',
+            '1.0',
+            '--log-interval',
+            '1',
+            '--log-throughput',
+        ],
+        args_defaults={},
+    )
     from megatron.training.global_vars import get_timers
 
     get_timers()('interval-time', log_level=0).start(barrier=True)
@@ -134,8 +171,16 @@ def build_megatron(batches, cfg, compile_too):
         model, optimizer, scheduler = setup_model_and_optimizer(
             pretrain_gpt.model_provider, ModelType.encoder_or_decoder
         )
-        steps[name] = _megatron_step(model, optimizer, scheduler, batches, args, train_step,
-                                     training_log, pretrain_gpt.forward_step)
+        steps[name] = _megatron_step(
+            model,
+            optimizer,
+            scheduler,
+            batches,
+            args,
+            train_step,
+            training_log,
+            pretrain_gpt.forward_step,
+        )
     config = get_model_config(model[0])
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
@@ -143,8 +188,9 @@ def build_megatron(batches, cfg, compile_too):
     return steps, n_params, num_floating_point_operations(args, cfg['mbs'])
 
 
-def _megatron_step(model, optimizer, scheduler, batches, args, train_step, training_log,
-                   forward_step):
+def _megatron_step(
+    model, optimizer, scheduler, batches, args, train_step, training_log, forward_step
+):
     """step(i): train_step on the dataloader-shaped batch (with its causal mask), then the log
     line, as pretrain() runs an iteration with --log-interval 1."""
     from megatron.core.distributed import finalize_model_grads
@@ -159,8 +205,15 @@ def _megatron_step(model, optimizer, scheduler, batches, args, train_step, train
         mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
             tokens, -1, False, False, False
         )
-        prepared.append({'tokens': tokens, 'labels': labels, 'loss_mask': loss_mask,
-                         'attention_mask': mask, 'position_ids': position_ids})
+        prepared.append(
+            {
+                'tokens': tokens,
+                'labels': labels,
+                'loss_mask': loss_mask,
+                'attention_mask': mask,
+                'position_ids': position_ids,
+            }
+        )
     total_loss_dict = {}
 
     def step(i):
@@ -168,8 +221,18 @@ def _megatron_step(model, optimizer, scheduler, batches, args, train_step, train
         loss_dict, skipped, grad_norm, num_zeros = train_step(
             forward_step, iter([prepared[i % len(prepared)]]), model, optimizer, scheduler, config
         )
-        training_log(loss_dict, total_loss_dict, optimizer.param_groups[0]['lr'], i + 1,
-                     optimizer.get_loss_scale().item(), False, skipped, grad_norm, None, num_zeros)
+        training_log(
+            loss_dict,
+            total_loss_dict,
+            optimizer.param_groups[0]['lr'],
+            i + 1,
+            optimizer.get_loss_scale().item(),
+            False,
+            skipped,
+            grad_norm,
+            None,
+            num_zeros,
+        )
 
     return step
 
@@ -182,15 +245,26 @@ def main():
     parser.add_argument('--layers', type=int, default=12)
     parser.add_argument('--hidden', type=int, default=768)
     parser.add_argument('--heads', type=int, default=12)
-    parser.add_argument('--vocab', type=int, default=50304, help='padded vocabulary (multiple of 128)')
+    parser.add_argument(
+        '--vocab', type=int, default=50304, help='padded vocabulary (multiple of 128)'
+    )
     parser.add_argument('--threads', type=int, default=0, help='torch threads (0: default)')
-    parser.add_argument('--torch-compile', action='store_true',
-                        help='also time the --torch-compile path (compilation in the warm-up step)')
+    parser.add_argument(
+        '--torch-compile',
+        action='store_true',
+        help='also time the --torch-compile path (compilation in the warm-up step)',
+    )
     cli = parser.parse_args()
     if cli.threads:
         torch.set_num_threads(cli.threads)
-    cfg = dict(layers=cli.layers, hidden=cli.hidden, heads=cli.heads, seq=cli.seq_length,
-               mbs=cli.micro_batch_size, vocab=cli.vocab)
+    cfg = dict(
+        layers=cli.layers,
+        hidden=cli.hidden,
+        heads=cli.heads,
+        seq=cli.seq_length,
+        mbs=cli.micro_batch_size,
+        vocab=cli.vocab,
+    )
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(2):
@@ -214,15 +288,23 @@ def main():
     med = {name: statistics.median(t) for name, t in times.items()}
     peak = max(peak, matmul_peak_flops())
 
-    print(f'device: {"cuda" if torch.cuda.is_available() else "cpu"}, torch threads: {torch.get_num_threads()}')
-    print(f'model: {cfg["layers"]} layers, hidden {cfg["hidden"]}, {cfg["heads"]} heads, seq {cfg["seq"]}, '
-          f'vocab {cfg["vocab"]}, micro batch {cfg["mbs"]}; params megatron {n_meg / 1e6:.1f}M, plain {n_plain / 1e6:.1f}M')
-    print(f'model FLOPs per step (Megatron formula): {flops / 1e9:.1f} GFLOP; '
-          f'fp32 matmul peak measured: {peak / 1e9:.1f} GFLOP/s')
+    print(
+        f'device: {"cuda" if torch.cuda.is_available() else "cpu"}, torch threads: {torch.get_num_threads()}'
+    )
+    print(
+        f'model: {cfg["layers"]} layers, hidden {cfg["hidden"]}, {cfg["heads"]} heads, seq {cfg["seq"]}, '
+        f'vocab {cfg["vocab"]}, micro batch {cfg["mbs"]}; params megatron {n_meg / 1e6:.1f}M, plain {n_plain / 1e6:.1f}M'
+    )
+    print(
+        f'model FLOPs per step (Megatron formula): {flops / 1e9:.1f} GFLOP; '
+        f'fp32 matmul peak measured: {peak / 1e9:.1f} GFLOP/s'
+    )
     for name, t in med.items():
         achieved = flops / t
-        print(f'{name:>24}: {t * 1000:8.1f} ms/step | {tokens_per_step / t:8.1f} tokens/s | '
-              f'{achieved / 1e12:.4f} TFLOP/s | MFU {100 * achieved / peak:.1f}%')
+        print(
+            f'{name:>24}: {t * 1000:8.1f} ms/step | {tokens_per_step / t:8.1f} tokens/s | '
+            f'{achieved / 1e12:.4f} TFLOP/s | MFU {100 * achieved / peak:.1f}%'
+        )
     for name, t in med.items():
         if name != 'plain pytorch':
             print(f'ratio {name} / plain (tokens/s): {med["plain pytorch"] / t:.3f}')

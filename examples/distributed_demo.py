@@ -37,16 +37,30 @@ def run(sequence_parallel: bool) -> bool:
     """Build the TP model, run forward/backward, compare with the serial model; True if equal."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     config = ModelParallelConfig(
-        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel, use_cpu_initialization=True
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=True,
     )
     init = init_method_normal(0.05)
     torch.manual_seed(42)  # the same master weights on every rank
-    embedding = tensor_parallel.VocabParallelEmbedding(VOCAB, HIDDEN, init_method=init, config=config,
-                                                       reduce_scatter_embeddings=sequence_parallel)
-    fc1 = tensor_parallel.ColumnParallelLinear(HIDDEN, FFN, config=config, init_method=init, bias=True)
-    fc2 = tensor_parallel.RowParallelLinear(FFN, HIDDEN, config=config, init_method=init, bias=True,
-                                            input_is_parallel=True, skip_bias_add=False)
-    head = tensor_parallel.ColumnParallelLinear(HIDDEN, VOCAB, config=config, init_method=init, bias=False)
+    embedding = tensor_parallel.VocabParallelEmbedding(
+        VOCAB, HIDDEN, init_method=init, config=config, reduce_scatter_embeddings=sequence_parallel
+    )
+    fc1 = tensor_parallel.ColumnParallelLinear(
+        HIDDEN, FFN, config=config, init_method=init, bias=True
+    )
+    fc2 = tensor_parallel.RowParallelLinear(
+        FFN,
+        HIDDEN,
+        config=config,
+        init_method=init,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+    )
+    head = tensor_parallel.ColumnParallelLinear(
+        HIDDEN, VOCAB, config=config, init_method=init, bias=False
+    )
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)  # [b, s]
@@ -78,7 +92,9 @@ def run(sequence_parallel: bool) -> bool:
 
     bias2_grad = fc2.bias.grad.clone()
     if sequence_parallel:  # each rank holds its sequence chunk's share (finalize_model_grads sums)
-        torch.distributed.all_reduce(bias2_grad, group=parallel_state.get_tensor_model_parallel_group())
+        torch.distributed.all_reduce(
+            bias2_grad, group=parallel_state.get_tensor_model_parallel_group()
+        )
     grads = {
         'emb': _gather(embedding.weight.grad, 0),
         'w1': _gather(fc1.weight.grad, 0),
@@ -117,16 +133,27 @@ def main_worker(tp: int) -> int:
 
 
 def _spawned(rank: int, world_size: int, port: int, tp: int, codes):
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     codes[rank] = main_worker(tp)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--nproc', type=int, default=2, help='processes to spawn (without torchrun)')
-    parser.add_argument('--tensor-model-parallel-size', type=int, default=None,
-                        help='TP size (default: all processes)')
+    parser.add_argument(
+        '--nproc', type=int, default=2, help='processes to spawn (without torchrun)'
+    )
+    parser.add_argument(
+        '--tensor-model-parallel-size',
+        type=int,
+        default=None,
+        help='TP size (default: all processes)',
+    )
     args = parser.parse_args()
     if 'RANK' in os.environ and 'WORLD_SIZE' in os.environ:  # launched by torchrun
         world_size = int(os.environ['WORLD_SIZE'])
@@ -137,7 +164,10 @@ def main() -> int:
         port = sock.getsockname()[1]
     ctx = torch.multiprocessing.get_context('spawn')
     codes = ctx.Manager().list([1] * args.nproc)
-    procs = [ctx.Process(target=_spawned, args=(r, args.nproc, port, tp, codes)) for r in range(args.nproc)]
+    procs = [
+        ctx.Process(target=_spawned, args=(r, args.nproc, port, tp, codes))
+        for r in range(args.nproc)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -33,13 +33,27 @@ class BertWithHead(BertModel):
         head_name (str): CLASSIFICATION_HEAD or MULTICHOICE_HEAD.
     """
 
-    def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length,
-                 num_outputs, head_name, pre_process=True, post_process=True):
+    def __init__(
+        self,
+        config,
+        transformer_layer_spec,
+        vocab_size,
+        max_sequence_length,
+        num_outputs,
+        head_name,
+        pre_process=True,
+        post_process=True,
+    ):
         super().__init__(
-            config=config, num_tokentypes=2, transformer_layer_spec=transformer_layer_spec,
-            vocab_size=vocab_size, max_sequence_length=max_sequence_length,
-            pre_process=pre_process, post_process=post_process,
-            share_embeddings_and_output_weights=False, add_binary_head=True,
+            config=config,
+            num_tokentypes=2,
+            transformer_layer_spec=transformer_layer_spec,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=False,
+            add_binary_head=True,
         )
         self.num_outputs = num_outputs
         self.head_name = head_name
@@ -48,9 +62,16 @@ class BertWithHead(BertModel):
             del self.output_layer
             self.binary_head = None
             self.head_dropout = torch.nn.Dropout(config.hidden_dropout)
-            setattr(self, head_name, get_linear_layer(
-                config.hidden_size, num_outputs, config.init_method, config.perform_initialization
-            ))
+            setattr(
+                self,
+                head_name,
+                get_linear_layer(
+                    config.hidden_size,
+                    num_outputs,
+                    config.init_method,
+                    config.perform_initialization,
+                ),
+            )
 
     def forward(self, input_ids, attention_mask, tokentype_ids=None):
         """input_ids/attention_mask/tokentype_ids [b, s] -> logits [b, num_outputs] (last stage),
@@ -59,7 +80,8 @@ class BertWithHead(BertModel):
         encoder_input = None
         if self.pre_process:
             encoder_input = self.embedding(
-                input_ids=input_ids, position_ids=bert_position_ids(input_ids),
+                input_ids=input_ids,
+                position_ids=bert_position_ids(input_ids),
                 tokentype_ids=tokentype_ids,
             )
         hidden_states = self.encoder(
@@ -75,19 +97,50 @@ class BertWithHead(BertModel):
 class Classification(BertWithHead):
     """BERT + pooler + Linear(h, num_classes): logits [b, num_classes]."""
 
-    def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length,
-                 num_classes, pre_process=True, post_process=True):
-        super().__init__(config, transformer_layer_spec, vocab_size, max_sequence_length,
-                         num_classes, CLASSIFICATION_HEAD, pre_process, post_process)
+    def __init__(
+        self,
+        config,
+        transformer_layer_spec,
+        vocab_size,
+        max_sequence_length,
+        num_classes,
+        pre_process=True,
+        post_process=True,
+    ):
+        super().__init__(
+            config,
+            transformer_layer_spec,
+            vocab_size,
+            max_sequence_length,
+            num_classes,
+            CLASSIFICATION_HEAD,
+            pre_process,
+            post_process,
+        )
 
 
 class MultipleChoice(BertWithHead):
     """BERT + pooler + Linear(h, 1) over each choice: [b, k, s] inputs -> logits [b, k]."""
 
-    def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length,
-                 pre_process=True, post_process=True):
-        super().__init__(config, transformer_layer_spec, vocab_size, max_sequence_length,
-                         1, MULTICHOICE_HEAD, pre_process, post_process)
+    def __init__(
+        self,
+        config,
+        transformer_layer_spec,
+        vocab_size,
+        max_sequence_length,
+        pre_process=True,
+        post_process=True,
+    ):
+        super().__init__(
+            config,
+            transformer_layer_spec,
+            vocab_size,
+            max_sequence_length,
+            1,
+            MULTICHOICE_HEAD,
+            pre_process,
+            post_process,
+        )
 
     def forward(self, input_ids, attention_mask, tokentype_ids=None):
         num_choices = attention_mask.shape[1]
@@ -101,5 +154,3 @@ class MultipleChoice(BertWithHead):
         if not self.post_process:
             return output
         return output.view(-1, num_choices)  # [b * k, 1] -> [b, k]
-
-

@@ -36,8 +36,9 @@ def build_tokens_types_paddings_from_text(text_a, text_b, tokenizer, max_seq_len
     )
 
 
-def build_tokens_types_paddings_from_ids(text_a_ids, text_b_ids, max_seq_length, cls_id, sep_id,
-                                         pad_id):
+def build_tokens_types_paddings_from_ids(
+    text_a_ids, text_b_ids, max_seq_length, cls_id, sep_id, pad_id
+):
     """Megatron's pair layout: cut from the END (B first, then A) to max_seq_length - 1 when the
     length reaches max_seq_length, a final [SEP] (type 1 when B was given), pads whose TYPE ids
     are also pad_id.

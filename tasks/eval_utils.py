@@ -22,8 +22,12 @@ def accuracy_func_provider(single_dataset_provider):
     dataloaders = []
     for datapath in args.valid_data:
         dataset = single_dataset_provider(datapath)
-        dataloader = build_data_loader(dataset, args.orig_micro_batch_size, args.num_workers,
-                                       drop_last=(mpu.get_data_parallel_world_size() > 1))
+        dataloader = build_data_loader(
+            dataset,
+            args.orig_micro_batch_size,
+            args.num_workers,
+            drop_last=(mpu.get_data_parallel_world_size() > 1),
+        )
         dataloaders.append((dataset.dataset_name, dataloader))
 
     def metrics_func(model, epoch):
@@ -39,14 +43,19 @@ def accuracy_func_provider(single_dataset_provider):
             results[name] = (correct_ans, total_count)
             if total_count:
                 percent = float(correct_ans) * 100.0 / float(total_count)
-                print_rank_last(' > |epoch: {}| metrics for {}: correct / total = {} / {} = '
-                                '{:.4f} %, elapsed time (sec): {:.3f}'.format(
-                                    epoch, name, correct_ans, total_count, percent,
-                                    time.time() - start_time))
+                print_rank_last(
+                    ' > |epoch: {}| metrics for {}: correct / total = {} / {} = '
+                    '{:.4f} %, elapsed time (sec): {:.3f}'.format(
+                        epoch, name, correct_ans, total_count, percent, time.time() - start_time
+                    )
+                )
         if total:
             percent = float(correct) * 100.0 / float(total)
-            print_rank_last(' >> |epoch: {}| overall: correct / total = {} / {} = {:.4f} %'.format(
-                epoch, correct, total, percent))
+            print_rank_last(
+                ' >> |epoch: {}| overall: correct / total = {} / {} = {:.4f} %'.format(
+                    epoch, correct, total, percent
+                )
+            )
         results['overall'] = (correct, total)
         return results
 
@@ -81,9 +90,13 @@ def calculate_correct_answers(model, dataloader, epoch):
             args.micro_batch_size = actual * multiplier
             args.global_batch_size = args.micro_batch_size * mpu.get_data_parallel_world_size()
             losses = get_forward_backward_func()(
-                forward_step_func=partial(forward_step, batch), data_iterator=None, model=model,
-                num_microbatches=1, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, forward_only=True,
+                forward_step_func=partial(forward_step, batch),
+                data_iterator=None,
+                model=model,
+                num_microbatches=1,
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                forward_only=True,
             )
             if mpu.is_pipeline_last_stage():
                 counts[0] += losses[0]['correct']

@@ -79,16 +79,20 @@ def _build_train_valid_dataloaders(train_dataset, valid_dataset):
 
     args = get_args()
     print_rank_0('building train and validation dataloaders ...')
-    train_dataloader = build_data_loader(train_dataset, args.micro_batch_size, args.num_workers,
-                                         not args.keep_last)
+    train_dataloader = build_data_loader(
+        train_dataset, args.micro_batch_size, args.num_workers, not args.keep_last
+    )
     args.train_iters_per_epoch = len(train_dataloader)
     args.train_iters = args.epochs * args.train_iters_per_epoch
     if args.train_iters_per_epoch == 0:
-        raise ValueError(f'--train-data: {len(train_dataset)} samples make no batch of '
-                         f'--micro-batch-size {args.micro_batch_size} per data-parallel rank '
-                         f'(use --keep-last or a smaller batch)')
-    valid_dataloader_ = build_data_loader(valid_dataset, args.micro_batch_size, args.num_workers,
-                                          not args.keep_last)
+        raise ValueError(
+            f'--train-data: {len(train_dataset)} samples make no batch of '
+            f'--micro-batch-size {args.micro_batch_size} per data-parallel rank '
+            f'(use --keep-last or a smaller batch)'
+        )
+    valid_dataloader_ = build_data_loader(
+        valid_dataset, args.micro_batch_size, args.num_workers, not args.keep_last
+    )
     valid_dataloader = _cyclic(valid_dataloader_)
     if hasattr(train_dataset, 'sample_multiplier'):
         m = train_dataset.sample_multiplier
@@ -102,8 +106,15 @@ def _cyclic(dataloader):
             yield x
 
 
-def _train(model, optimizer, opt_param_scheduler, forward_step, train_dataloader,
-           valid_dataloader, end_of_epoch_callback):
+def _train(
+    model,
+    optimizer,
+    opt_param_scheduler,
+    forward_step,
+    train_dataloader,
+    valid_dataloader,
+    end_of_epoch_callback,
+):
     """Epoch loop on the core train_step; per epoch: save (with --save), then the callback."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -134,23 +145,38 @@ def _train(model, optimizer, opt_param_scheduler, forward_step, train_dataloader
                 continue
             start_iteration = 0
             args.curr_iteration = iteration
-            out = train_step(forward_step, iter([batch]), model, optimizer, opt_param_scheduler,
-                             config)
+            out = train_step(
+                forward_step, iter([batch]), model, optimizer, opt_param_scheduler, config
+            )
             losses_dict, skipped_iter, grad_norm, num_zeros_in_grad = out
             iteration += 1
             args.consumed_train_samples += args.global_batch_size
             params_norm = calc_params_l2_norm(model) if args.log_params_norm else None
             report_memory_flag = training_log(
-                losses_dict, losses_dict_sum, optimizer.param_groups[0]['lr'], iteration,
-                optimizer.get_loss_scale().item(), report_memory_flag, skipped_iter, grad_norm,
-                params_norm, num_zeros_in_grad,
+                losses_dict,
+                losses_dict_sum,
+                optimizer.param_groups[0]['lr'],
+                iteration,
+                optimizer.get_loss_scale().item(),
+                report_memory_flag,
+                skipped_iter,
+                grad_norm,
+                params_norm,
+                num_zeros_in_grad,
             )
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 save_checkpoint(iteration, model, optimizer, opt_param_scheduler, 0)
             if args.eval_interval and iteration % args.eval_interval == 0:
-                evaluate_and_print_results('iteration {}'.format(iteration), forward_step,
-                                           valid_dataloader, model, iteration, None, config,
-                                           False)
+                evaluate_and_print_results(
+                    'iteration {}'.format(iteration),
+                    forward_step,
+                    valid_dataloader,
+                    model,
+                    iteration,
+                    None,
+                    config,
+                    False,
+                )
         if args.save:
             save_checkpoint(iteration, model, optimizer, opt_param_scheduler, 0)
         if end_of_epoch_callback is not None:
@@ -178,13 +204,20 @@ def _load_pretrained(model, optimizer):
     finally:
         args.finetune, args.no_load_rng = saved
     if head is not None and torch.equal(before, head.weight.detach()):
-        print_rank_0(f'***WARNING*** could not find "{head_name}" in the pretrained checkpoint, '
-                     'initializing it randomly')
+        print_rank_0(
+            f'***WARNING*** could not find "{head_name}" in the pretrained checkpoint, '
+            'initializing it randomly'
+        )
     optimizer.reload_model_params()
 
 
-def finetune(train_valid_datasets_provider, model_provider, model_type, forward_step=_forward_step,
-             end_of_epoch_callback_provider=None):
+def finetune(
+    train_valid_datasets_provider,
+    model_provider,
+    model_type,
+    forward_step=_forward_step,
+    end_of_epoch_callback_provider=None,
+):
     """Fine-tune (epochs > 0) or only evaluate (--epochs 0) as Megatron's tasks do."""
     from megatron.training.global_vars import get_args, get_timers
     from megatron.training.training import setup_model_and_optimizer
@@ -195,8 +228,9 @@ def finetune(train_valid_datasets_provider, model_provider, model_type, forward_
     if args.rampup_batch_size is not None:
         raise ValueError('--rampup-batch-size is not supported for fine-tuning')
     if args.epochs is None or args.epochs < 0:
-        raise ValueError(f'--epochs must be given for fine-tuning (>= 0; 0 = evaluation only), '
-                         f'got {args.epochs}')
+        raise ValueError(
+            f'--epochs must be given for fine-tuning (>= 0; 0 = evaluation only), got {args.epochs}'
+        )
     args.orig_micro_batch_size = args.micro_batch_size
     args.orig_global_batch_size = args.global_batch_size
 
@@ -204,7 +238,8 @@ def finetune(train_valid_datasets_provider, model_provider, model_type, forward_
     if args.epochs > 0:
         train_dataset, valid_dataset = train_valid_datasets_provider()
         train_dataloader, valid_dataloader = _build_train_valid_dataloaders(
-            train_dataset, valid_dataset)
+            train_dataset, valid_dataset
+        )
     else:
         args.train_iters = 0
     timers('train/valid/test dataset/dataloder').stop()
@@ -218,8 +253,9 @@ def finetune(train_valid_datasets_provider, model_provider, model_type, forward_
     pretrained = args.pretrained_checkpoint
     args.pretrained_checkpoint = None  # loaded below, model weights only
     try:
-        model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider,
-                                                                          model_type)
+        model, optimizer, opt_param_scheduler = setup_model_and_optimizer(
+            model_provider, model_type
+        )
     finally:
         args.pretrained_checkpoint = pretrained
     if args.iteration == 0 and pretrained is not None:
@@ -227,9 +263,17 @@ def finetune(train_valid_datasets_provider, model_provider, model_type, forward_
 
     result = {}
     if args.train_iters > 0:
-        _train(model, optimizer, opt_param_scheduler, forward_step, train_dataloader,
-               valid_dataloader, lambda m, e: result.update({e: end_of_epoch_callback(m, e)})
-               if end_of_epoch_callback else None)
+        _train(
+            model,
+            optimizer,
+            opt_param_scheduler,
+            forward_step,
+            train_dataloader,
+            valid_dataloader,
+            lambda m, e: (
+                result.update({e: end_of_epoch_callback(m, e)}) if end_of_epoch_callback else None
+            ),
+        )
     elif end_of_epoch_callback is not None:
         print_rank_0('evaluation only mode, setting epoch to -1')
         result[-1] = end_of_epoch_callback(model, epoch=-1)

@@ -31,41 +31,87 @@ def get_tasks_args(parser):
     """The "tasks" argument group (--pretrained-checkpoint is a core checkpointing flag)."""
     group = parser.add_argument_group(title='tasks')
     group.add_argument('--task', type=str, required=True, help='Task name.')
-    group.add_argument('--epochs', type=int, default=None,
-                       help='Number of finetunning epochs. Zero results in evaluation only.')
-    group.add_argument('--keep-last', action='store_true',
-                       help='Keep the last batch (maybe incomplete) in the data loader')
-    group.add_argument('--train-data', nargs='+', default=None,
-                       help='Whitespace separated paths or corpora names for training.')
-    group.add_argument('--valid-data', nargs='*', default=None,
-                       help='path(s) to the validation data.')
-    group.add_argument('--overlapping-eval', type=int, default=32,
-                       help='Sliding window for overlapping evaluation.')
-    group.add_argument('--strict-lambada', action='store_true',
-                       help='Use more difficult formulation of lambada.')
+    group.add_argument(
+        '--epochs',
+        type=int,
+        default=None,
+        help='Number of finetunning epochs. Zero results in evaluation only.',
+    )
+    group.add_argument(
+        '--keep-last',
+        action='store_true',
+        help='Keep the last batch (maybe incomplete) in the data loader',
+    )
+    group.add_argument(
+        '--train-data',
+        nargs='+',
+        default=None,
+        help='Whitespace separated paths or corpora names for training.',
+    )
+    group.add_argument(
+        '--valid-data', nargs='*', default=None, help='path(s) to the validation data.'
+    )
+    group.add_argument(
+        '--overlapping-eval',
+        type=int,
+        default=32,
+        help='Sliding window for overlapping evaluation.',
+    )
+    group.add_argument(
+        '--strict-lambada', action='store_true', help='Use more difficult formulation of lambada.'
+    )
     # Retriever args (parsed for command-line compatibility; the retrieval tasks are not built).
-    group.add_argument('--qa-data-dev', type=str, default=None,
-                       help='Path to the QA dataset dev file.')
-    group.add_argument('--qa-data-test', type=str, default=None,
-                       help='Path to the QA dataset test file.')
-    group.add_argument('--faiss-use-gpu', action='store_true',
-                       help='Whether create the FaissMIPSIndex on GPU')
-    group.add_argument('--faiss-match', type=str, default='string', choices=['regex', 'string'],
-                       help='Answer matching logic type')
-    group.add_argument('--faiss-topk-retrievals', type=int, default=100,
-                       help='Number of blocks to use as top-k during retrieval')
-    group.add_argument('--eval-micro-batch-size', type=int, default=None,
-                       help='Eval Batch size per model instance (local batch size).')
-    group.add_argument('--train-with-neg', action='store_true',
-                       help='Whether to use negative examples during model training')
-    group.add_argument('--train-hard-neg', type=int, default=0,
-                       help='Number of hard negative exmaples to use during training')
-    group.add_argument('--val-av-rank-hard-neg', type=int, default=30,
-                       help='Av.rank validation: how many hard negatives to take from each '
-                       'question pool')
-    group.add_argument('--val-av-rank-other-neg', type=int, default=30,
-                       help='Av.rank validation: how many other negatives to take from each '
-                       'question pool')
+    group.add_argument(
+        '--qa-data-dev', type=str, default=None, help='Path to the QA dataset dev file.'
+    )
+    group.add_argument(
+        '--qa-data-test', type=str, default=None, help='Path to the QA dataset test file.'
+    )
+    group.add_argument(
+        '--faiss-use-gpu', action='store_true', help='Whether create the FaissMIPSIndex on GPU'
+    )
+    group.add_argument(
+        '--faiss-match',
+        type=str,
+        default='string',
+        choices=['regex', 'string'],
+        help='Answer matching logic type',
+    )
+    group.add_argument(
+        '--faiss-topk-retrievals',
+        type=int,
+        default=100,
+        help='Number of blocks to use as top-k during retrieval',
+    )
+    group.add_argument(
+        '--eval-micro-batch-size',
+        type=int,
+        default=None,
+        help='Eval Batch size per model instance (local batch size).',
+    )
+    group.add_argument(
+        '--train-with-neg',
+        action='store_true',
+        help='Whether to use negative examples during model training',
+    )
+    group.add_argument(
+        '--train-hard-neg',
+        type=int,
+        default=0,
+        help='Number of hard negative exmaples to use during training',
+    )
+    group.add_argument(
+        '--val-av-rank-hard-neg',
+        type=int,
+        default=30,
+        help='Av.rank validation: how many hard negatives to take from each question pool',
+    )
+    group.add_argument(
+        '--val-av-rank-other-neg',
+        type=int,
+        default=30,
+        help='Av.rank validation: how many other negatives to take from each question pool',
+    )
     return parser
 
 
@@ -78,10 +124,12 @@ def task_name(args_list=None):
         raise ValueError('--task is required (one of ' + ', '.join(TASKS) + ')')
     if known.task in NOT_IMPLEMENTED:
         raise ValueError(
-            f'--task {known.task}: retrieval tasks are not implemented in this package')
+            f'--task {known.task}: retrieval tasks are not implemented in this package'
+        )
     if known.task not in TASKS:
-        raise ValueError(f'--task {known.task}: Task {known.task} is not implemented '
-                         f'(known: {", ".join(TASKS)})')
+        raise ValueError(
+            f'--task {known.task}: Task {known.task} is not implemented (known: {", ".join(TASKS)})'
+        )
     return known.task
 
 
@@ -91,12 +139,17 @@ def main(args_list=None):
 
     task = task_name(args_list)
     module_name, tokenizer_type = TASKS[task]
-    initialize_megatron(extra_args_provider=get_tasks_args,
-                        args_defaults={'tokenizer_type': tokenizer_type}, args_list=args_list)
+    initialize_megatron(
+        extra_args_provider=get_tasks_args,
+        args_defaults={'tokenizer_type': tokenizer_type},
+        args_list=args_list,
+    )
     args = get_args()
     if args.num_layers_per_virtual_pipeline_stage is not None:
-        raise ValueError('--num-layers-per-virtual-pipeline-stage: the interleaved schedule is not '
-                         'supported for downstream tasks')
+        raise ValueError(
+            '--num-layers-per-virtual-pipeline-stage: the interleaved schedule is not '
+            'supported for downstream tasks'
+        )
     return importlib.import_module(module_name).main()
 
 

@@ -28,9 +28,20 @@ import re
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOOKS = ('mobydick', 'fortunes', 'austen_emma_excerpt')
 MNLI_LABELS = ('contradiction', 'entailment', 'neutral')  # book 0, 1, 2
-MNLI_TRAIN_HEADER = ['index', 'promptID', 'pairID', 'genre', 'sentence1_binary_parse',
-                     'sentence2_binary_parse', 'sentence1_parse', 'sentence2_parse', 'sentence1',
-                     'sentence2', 'label1', 'gold_label']
+MNLI_TRAIN_HEADER = [
+    'index',
+    'promptID',
+    'pairID',
+    'genre',
+    'sentence1_binary_parse',
+    'sentence2_binary_parse',
+    'sentence1_parse',
+    'sentence2_parse',
+    'sentence1',
+    'sentence2',
+    'label1',
+    'gold_label',
+]
 MNLI_DEV_HEADER = MNLI_TRAIN_HEADER[:11] + ['label2', 'label3', 'label4', 'label5', 'gold_label']
 MNLI_TEST_HEADER = MNLI_TRAIN_HEADER[:10]
 QQP_HEADER = ['id', 'qid1', 'qid2', 'question1', 'question2', 'is_duplicate']
@@ -44,7 +55,7 @@ def read_passages(name, words=24):
         for line in f:
             tokens = json.loads(line)['text'].replace('\ufeff', '').replace('\t', ' ').split()
             for i in range(0, len(tokens) - words + 1, words):
-                passages.append(' '.join(tokens[i:i + words]))
+                passages.append(' '.join(tokens[i : i + words]))
     return passages
 
 
@@ -61,7 +72,7 @@ def _pairs(rng, books, count, offset):
     out = []
     for i in range(count):
         b = i % len(BOOKS)
-        pool = books[b][offset:offset + 400]
+        pool = books[b][offset : offset + 400]
         out.append((b, rng.choice(pool), rng.choice(pool)))
     return out
 
@@ -76,8 +87,10 @@ def write_mnli(out_dir, books, rng, n_train, n_dev):
     for i, (b, a, c) in enumerate(_pairs(rng, books, n_dev, 400)):
         label = MNLI_LABELS[b]
         dev.append([i, i, f'{i}e', BOOKS[b], '', '', '', '', a, c] + [label] * 5 + [label])
-    test = [[i, i, f'{i}e', BOOKS[b], '', '', '', '', a, c]
-            for i, (b, a, c) in enumerate(_pairs(rng, books, 6, 400))]
+    test = [
+        [i, i, f'{i}e', BOOKS[b], '', '', '', '', a, c]
+        for i, (b, a, c) in enumerate(_pairs(rng, books, 6, 400))
+    ]
     _write_tsv(os.path.join(out_dir, 'MNLI', 'train.tsv'), MNLI_TRAIN_HEADER, train)
     _write_tsv(os.path.join(out_dir, 'MNLI', 'dev_matched.tsv'), MNLI_DEV_HEADER, dev)
     _write_tsv(os.path.join(out_dir, 'MNLI', 'test_matched.tsv'), MNLI_TEST_HEADER, test)
@@ -85,15 +98,17 @@ def write_mnli(out_dir, books, rng, n_train, n_dev):
 
 def write_qqp(out_dir, books, rng, n_train, n_dev):
     """QQP-layout train/dev (6 cols; label 1 = same book) and test (3 cols) files."""
+
     def rows(count, offset):
         out = []
         for i in range(count):
             b1 = i % len(BOOKS)
             b2 = b1 if i % 2 == 0 else (b1 + 1) % len(BOOKS)
-            a = rng.choice(books[b1][offset:offset + 400])
-            c = rng.choice(books[b2][offset:offset + 400])
+            a = rng.choice(books[b1][offset : offset + 400])
+            c = rng.choice(books[b2][offset : offset + 400])
             out.append([i, 2 * i, 2 * i + 1, a, c, int(b1 == b2)])
         return out
+
     _write_tsv(os.path.join(out_dir, 'QQP', 'train.tsv'), QQP_HEADER, rows(n_train, 0))
     _write_tsv(os.path.join(out_dir, 'QQP', 'dev.tsv'), QQP_HEADER, rows(n_dev, 400))
     test = [[r[0], r[3], r[4]] for r in rows(6, 400)]
@@ -110,12 +125,20 @@ def _race_document(books, rng, b, start, num_questions):
         answer = rng.randrange(4)
         choice = list(distractors)
         choice.insert(answer, books[b][start + 1])
-        questions.append('Which passage follows the article?' if q % 2 == 0
-                         else 'The passage after the article is _ .')
+        questions.append(
+            'Which passage follows the article?'
+            if q % 2 == 0
+            else 'The passage after the article is _ .'
+        )
         options.append(choice)
         answers.append('ABCD'[answer])
-    return {'article': article, 'questions': questions, 'options': options, 'answers': answers,
-            'id': f'{BOOKS[b]}{start}.txt'}
+    return {
+        'article': article,
+        'questions': questions,
+        'options': options,
+        'answers': answers,
+        'id': f'{BOOKS[b]}{start}.txt',
+    }
 
 
 def write_race(out_dir, books, rng, n_train_docs, n_dev_docs):
@@ -162,8 +185,16 @@ def write_wikitext(out_dir, num_paragraphs):
         f.write(''.join(lines))
 
 
-def build_all(output_dir, seed=1234, n_train=240, n_dev=60, race_train_docs=90, race_dev_docs=30,
-              lambada=40, wiki_paragraphs=12):
+def build_all(
+    output_dir,
+    seed=1234,
+    n_train=240,
+    n_dev=60,
+    race_train_docs=90,
+    race_dev_docs=30,
+    lambada=40,
+    wiki_paragraphs=12,
+):
     """Write every fixture under output_dir; returns output_dir."""
     rng = random.Random(seed)
     books = [read_passages(name) for name in BOOKS]

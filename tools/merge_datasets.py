@@ -1,6 +1,6 @@
 """Merge every `.bin`/`.idx` dataset of a directory (sorted by prefix) into one dataset.
 
-    python tools/merge_datasets.py --input DIR --output-prefix OUT
+python tools/merge_datasets.py --input DIR --output-prefix OUT
 """
 
 import argparse
@@ -20,11 +20,22 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
 def get_args(argv=None):
     parser = argparse.ArgumentParser()
     group = parser.add_argument_group(title="input data")
-    group.add_argument("--input", type=str, required=True, help="Path to directory containing all document files to merge")
+    group.add_argument(
+        "--input",
+        type=str,
+        required=True,
+        help="Path to directory containing all document files to merge",
+    )
     group = parser.add_argument_group(title="output data")
-    group.add_argument("--output-prefix", type=str, required=True, help="Path to binary output file without suffix")
+    group.add_argument(
+        "--output-prefix", type=str, required=True, help="Path to binary output file without suffix"
+    )
     group = parser.add_argument_group(title="miscellaneous")
-    group.add_argument("--multimodal", action="store_true", help="Whether the datasets are assumed to be multimodal")
+    group.add_argument(
+        "--multimodal",
+        action="store_true",
+        help="Whether the datasets are assumed to be multimodal",
+    )
     args = parser.parse_args(argv)
     if not os.path.isdir(args.input):
         parser.error(f"--input {args.input}: not a directory")
@@ -54,7 +65,9 @@ def merge(input_dir, output_prefix, multimodal=False):
         for prefix in sorted(prefixes):
             if builder is None:
                 dataset = IndexedDataset(os.path.join(input_dir, prefix), multimodal=multimodal)
-                builder = IndexedDatasetBuilder(get_bin_path(tmp_prefix), dtype=dataset.index.dtype, multimodal=multimodal)
+                builder = IndexedDatasetBuilder(
+                    get_bin_path(tmp_prefix), dtype=dataset.index.dtype, multimodal=multimodal
+                )
                 del dataset
             builder.add_index(os.path.join(input_dir, prefix))
         builder.finalize(get_idx_path(tmp_prefix))

@@ -82,7 +82,7 @@ def add_text_generate_args(parser):
         '--served-model-name',
         type=str,
         default=None,
-        help='Model name reported by GET /v1/models (default: the --load ' 'directory name).',
+        help='Model name reported by GET /v1/models (default: the --load directory name).',
     )
     return parser
 

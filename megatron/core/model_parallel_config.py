@@ -260,9 +260,7 @@ class ModelParallelConfig:
                 "defer_embedding_wgrad_compute needs gradient_accumulation_fusion=True"
             )
         if self.defer_embedding_wgrad_compute and self.wgrad_deferral_limit < 0:
-            raise ValueError(
-                f"wgrad_deferral_limit must be >= 0, got {self.wgrad_deferral_limit}"
-            )
+            raise ValueError(f"wgrad_deferral_limit must be >= 0, got {self.wgrad_deferral_limit}")
 
         if (
             self.expert_model_parallel_size > 1

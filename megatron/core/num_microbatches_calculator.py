@@ -38,7 +38,9 @@ def init_num_microbatches_calculator(
 ) -> None:
     """Create the process-wide calculator (it must not exist yet)."""
     global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
-    assert _GLOBAL_NUM_MICROBATCHES_CALCULATOR is None, 'num microbatches calculator is already initialized.'
+    assert _GLOBAL_NUM_MICROBATCHES_CALCULATOR is None, (
+        'num microbatches calculator is already initialized.'
+    )
     _GLOBAL_NUM_MICROBATCHES_CALCULATOR = build_num_microbatches_calculator(
         rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size
     )
@@ -94,7 +96,8 @@ def build_num_microbatches_calculator(
         )
         if rank == 0:
             print(
-                'setting number of micro-batches to constant {}'.format(calculator.get()), flush=True
+                'setting number of micro-batches to constant {}'.format(calculator.get()),
+                flush=True,
             )
         return calculator
     if len(rampup_batch_size) != 3:
@@ -146,7 +149,9 @@ class NumMicroBatchesCalculator(ABC):
 class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
     """num_microbatches = global_batch_size / (micro_batch_size * data_parallel_size), fixed."""
 
-    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> None:
+    def __init__(
+        self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int
+    ) -> None:
         super().__init__()
         micro_batch_times_data_parallel = micro_batch_size * data_parallel_size
         if global_batch_size % micro_batch_times_data_parallel != 0:
@@ -156,7 +161,9 @@ class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
             )
         self.num_micro_batches = global_batch_size // micro_batch_times_data_parallel
         if self.num_micro_batches < 1:
-            raise ValueError(f'number of micro-batches should be at least 1, got {self.num_micro_batches}')
+            raise ValueError(
+                f'number of micro-batches should be at least 1, got {self.num_micro_batches}'
+            )
         self.current_global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
 
@@ -190,9 +197,13 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         self.ramup_samples = ramup_samples
         self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
         if start_global_batch_size <= 0:
-            raise ValueError(f'--rampup-batch-size start batch size ({start_global_batch_size}) must be positive')
+            raise ValueError(
+                f'--rampup-batch-size start batch size ({start_global_batch_size}) must be positive'
+            )
         if batch_size_increment <= 0:
-            raise ValueError(f'--rampup-batch-size increment ({batch_size_increment}) must be positive')
+            raise ValueError(
+                f'--rampup-batch-size increment ({batch_size_increment}) must be positive'
+            )
         if ramup_samples < 0:
             raise ValueError(f'--rampup-batch-size ramp-up samples ({ramup_samples}) must be >= 0')
         diff_batch_size = global_batch_size - start_global_batch_size

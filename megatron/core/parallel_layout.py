@@ -73,7 +73,9 @@ class RankGenerator:
         tokens = order.lower().split("-")
         for token in tokens:
             if token not in sizes:
-                raise ValueError(f"order {order!r}: unknown dimension {token!r} (expected tp/cp/ep/dp/pp)")
+                raise ValueError(
+                    f"order {order!r}: unknown dimension {token!r} (expected tp/cp/ep/dp/pp)"
+                )
         if len(set(tokens)) != len(tokens):
             raise ValueError(f"order {order!r} repeats a dimension")
         if "ep" in tokens and "ep-dp" not in order and "dp-ep" not in order:
@@ -81,7 +83,9 @@ class RankGenerator:
         for name, size in sizes.items():
             if name not in tokens:
                 if size != 1:
-                    raise ValueError(f"order {order!r} lacks {name!r} but its size is {size}, not 1")
+                    raise ValueError(
+                        f"order {order!r} lacks {name!r} but its size is {size}, not 1"
+                    )
                 tokens.append(name)
         self.order_w_ep = "-".join(tokens)
         self.order_wo_ep = "-".join(t for t in tokens if t != "ep")
@@ -117,7 +121,9 @@ class RankGenerator:
             order, sizes = self.order_w_ep, self.ordered_size_w_ep
         else:
             order, sizes = self.order_wo_ep, self.ordered_size_wo_ep
-        return generate_masked_orthogonal_rank_groups(self.world_size, sizes, self.get_mask(order, token))
+        return generate_masked_orthogonal_rank_groups(
+            self.world_size, sizes, self.get_mask(order, token)
+        )
 
 
 def _check_sizes(

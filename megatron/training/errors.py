@@ -26,8 +26,14 @@ EXIT_USER_ERROR = 1
 EXIT_WATCHDOG = 3
 
 #: Exception types that mean "the input is wrong", not "the program is wrong".
-USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, NotADirectoryError,
-               IsADirectoryError, FileExistsError)
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    PermissionError,
+    NotADirectoryError,
+    IsADirectoryError,
+    FileExistsError,
+)
 
 # With torchrun's restart count: a restarted job must not see the last attempt's key.
 _STORE_KEY = f"megatron_errors/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/printed"

@@ -111,7 +111,9 @@ def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ran
     device_count = torch.cuda.device_count() if uses_cuda(args.distributed_backend) else 0
     if torch.distributed.is_initialized():
         if args.rank == 0:
-            print('torch distributed is already initialized, skipping initialization ...', flush=True)
+            print(
+                'torch distributed is already initialized, skipping initialization ...', flush=True
+            )
         args.rank = torch.distributed.get_rank()
         args.world_size = torch.distributed.get_world_size()
     else:
@@ -183,8 +185,11 @@ def _per_attempt_store(world_size, timeout):
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
         return None
     store = torch.distributed.TCPStore(
-        os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
-        is_master=False, timeout=timeout,
+        os.environ['MASTER_ADDR'],
+        int(os.environ['MASTER_PORT']),
+        world_size,
+        is_master=False,
+        timeout=timeout,
     )
     attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
     return torch.distributed.PrefixStore(f'megatron/attempt_{attempt}', store)

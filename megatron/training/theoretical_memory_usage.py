@@ -23,7 +23,10 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     gated_linear_multiplier = 3 / 2 if args.swiglu else 1
     h, layers = args.hidden_size, args.num_layers
     num_parameters_in_transformer_layers = (
-        2 * layers * h * h
+        2
+        * layers
+        * h
+        * h
         * (
             # Attention: Q and O projections plus K and V of the query groups.
             (1 + (args.num_query_groups / args.num_attention_heads))
@@ -100,8 +103,10 @@ def compute_activation_memory(args, num_microbatches, verbose=False):
         interleaved_schedule_memory_penalty = 1 + ((pp - 1) / (pp * vp))
         in_flight_microbatches = math.ceil(interleaved_schedule_memory_penalty * pp)
         if verbose:
-            print(f"Memory penalty from interleaved schedule: "
-                  f"{interleaved_schedule_memory_penalty:.2f}")
+            print(
+                f"Memory penalty from interleaved schedule: "
+                f"{interleaved_schedule_memory_penalty:.2f}"
+            )
             print(f"Number of in-flight microbatches: {in_flight_microbatches}")
         activation_memory *= interleaved_schedule_memory_penalty
     if vp is None and pp > 1:

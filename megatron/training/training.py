@@ -25,13 +25,13 @@ from megatron.core.num_microbatches_calculator import (
     update_num_microbatches,
 )
 from megatron.core.utils import StragglerDetector, get_current_device, get_model_config, uses_cuda
+from megatron.training.argument_validation import validate_encoder_decoder_args
 from megatron.training.global_vars import (
     get_args,
     get_signal_handler,
     get_tensorboard_writer,
     get_timers,
 )
-from megatron.training.argument_validation import validate_encoder_decoder_args
 from megatron.training.initialize import (
     initialize_megatron,
     set_jit_fusion_options,
@@ -59,9 +59,17 @@ _TRAIN_START_TIME = time.time()
 stimer = StragglerDetector()
 
 __all__ = [
-    'pretrain', 'get_model', 'setup_model_and_optimizer', 'train_step', 'train', 'evaluate',
-    'evaluate_and_print_results', 'training_log', 'build_train_valid_test_data_iterators',
-    'get_optimizer_param_scheduler', 'num_floating_point_operations',
+    'pretrain',
+    'get_model',
+    'setup_model_and_optimizer',
+    'train_step',
+    'train',
+    'evaluate',
+    'evaluate_and_print_results',
+    'training_log',
+    'build_train_valid_test_data_iterators',
+    'get_optimizer_param_scheduler',
+    'num_floating_point_operations',
 ]
 
 
@@ -71,7 +79,8 @@ def _checkpointing():
         from megatron.training import checkpointing
     except ImportError as exc:
         raise RuntimeError(
-            '--save/--load need megatron/training/checkpointing.py, which failed to import: ' + str(exc)
+            '--save/--load need megatron/training/checkpointing.py, which failed to import: '
+            + str(exc)
         ) from exc
     return checkpointing
 
@@ -106,9 +115,16 @@ def pretrain(
     """
     try:
         return _pretrain(
-            train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-            process_non_loss_data_func, extra_args_provider, args_defaults,
-            get_embedding_ranks, get_position_embedding_ranks, args_list,
+            train_valid_test_dataset_provider,
+            model_provider,
+            model_type,
+            forward_step_func,
+            process_non_loss_data_func,
+            extra_args_provider,
+            args_defaults,
+            get_embedding_ranks,
+            get_position_embedding_ranks,
+            args_list,
         )
     finally:
         # Also when training raised: a watchdog left running would later stop this process.
@@ -145,10 +161,14 @@ def _pretrain(
     # Adjust the startup time so it reflects the largest value across ranks.
     global _TRAIN_START_TIME, _LAST_SAVED_ITERATION
     _LAST_SAVED_ITERATION = None  # a process may run pretrain() more than once (tests)
-    start_time_tensor = torch.tensor([_TRAIN_START_TIME], dtype=torch.double, device=get_current_device())
+    start_time_tensor = torch.tensor(
+        [_TRAIN_START_TIME], dtype=torch.double, device=get_current_device()
+    )
     torch.distributed.all_reduce(start_time_tensor, op=torch.distributed.ReduceOp.MIN)
     _TRAIN_START_TIME = start_time_tensor.item()
-    print_rank_0('time to initialize megatron (seconds): {:.3f}'.format(time.time() - _TRAIN_START_TIME))
+    print_rank_0(
+        'time to initialize megatron (seconds): {:.3f}'.format(time.time() - _TRAIN_START_TIME)
+    )
     print_datetime('after megatron is initialized')
 
     # Model, optimizer, and learning rate.
@@ -180,7 +200,12 @@ def _pretrain(
     print_rank_0('done with setup ...')
     timers.log(['model-and-optimizer-setup', 'train/valid/test-data-iterators-setup'], barrier=True)
 
-    result = {'iteration': args.iteration, 'train_losses': {}, 'valid_losses': None, 'test_losses': None}
+    result = {
+        'iteration': args.iteration,
+        'train_losses': {},
+        'valid_losses': None,
+        'test_losses': None,
+    }
     if not args.skip_train:
         print_rank_0('training ...')
         iteration = 0
@@ -203,9 +228,18 @@ def _pretrain(
         # An exit by signal, --exit-interval or --exit-duration-in-mins has just saved this
         # iteration; saving it again would only double the cost.
         already_saved = _LAST_SAVED_ITERATION == iteration
-        if args.save and iteration != 0 and iteration % args.save_interval != 0 and not already_saved:
+        if (
+            args.save
+            and iteration != 0
+            and iteration % args.save_interval != 0
+            and not already_saved
+        ):
             save_checkpoint_and_time(
-                iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
+                iteration,
+                model,
+                optimizer,
+                opt_param_scheduler,
+                num_floating_point_operations_so_far,
             )
     else:
         print_rank_0('skipping training (--skip-train is on) ...')
@@ -215,14 +249,28 @@ def _pretrain(
     if args.do_valid:
         prefix = f'iteration {iteration} on {args.eval_iters * args.global_batch_size}-sample draw from validation set'
         result['valid_losses'] = evaluate_and_print_results(
-            prefix, forward_step_func, valid_data_iterator, model, iteration,
-            process_non_loss_data_func, config, verbose=True, write_to_tensorboard=not args.skip_train,
+            prefix,
+            forward_step_func,
+            valid_data_iterator,
+            model,
+            iteration,
+            process_non_loss_data_func,
+            config,
+            verbose=True,
+            write_to_tensorboard=not args.skip_train,
         )
     if args.do_test:
         prefix = f'iteration {iteration} on {args.eval_iters * args.global_batch_size}-sample draw from test set'
         result['test_losses'] = evaluate_and_print_results(
-            prefix, forward_step_func, test_data_iterator, model, iteration,
-            process_non_loss_data_func, config, verbose=True, write_to_tensorboard=not args.skip_train,
+            prefix,
+            forward_step_func,
+            test_data_iterator,
+            model,
+            iteration,
+            process_non_loss_data_func,
+            config,
+            verbose=True,
+            write_to_tensorboard=not args.skip_train,
         )
 
     writer = get_tensorboard_writer()
@@ -242,7 +290,10 @@ def update_train_iters(args):
         # Count the iterations of the ramp-up, then the constant-batch iterations.
         iterations = 0
         consumed_samples = 0
-        while consumed_samples <= int(args.rampup_batch_size[2]) and consumed_samples <= args.train_samples:
+        while (
+            consumed_samples <= int(args.rampup_batch_size[2])
+            and consumed_samples <= args.train_samples
+        ):
             update_num_microbatches(consumed_samples, consistency_check=False)
             consumed_samples += get_current_global_batch_size()
             iterations += 1
@@ -266,8 +317,10 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
         and args.virtual_pipeline_model_parallel_size is not None
     ):
         if model_type == ModelType.encoder_and_decoder:
-            raise ValueError('interleaved schedule (--num-layers-per-virtual-pipeline-stage) '
-                             'is not supported for encoder-decoder models')
+            raise ValueError(
+                'interleaved schedule (--num-layers-per-virtual-pipeline-stage) '
+                'is not supported for encoder-decoder models'
+            )
         model = []
         for i in range(args.virtual_pipeline_model_parallel_size):
             mpu.set_virtual_pipeline_model_parallel_rank(i)
@@ -280,7 +333,10 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     else:
         pre_process = mpu.is_pipeline_first_stage()
         post_process = mpu.is_pipeline_last_stage()
-        if model_type == ModelType.encoder_and_decoder and mpu.get_pipeline_model_parallel_world_size() > 1:
+        if (
+            model_type == ModelType.encoder_and_decoder
+            and mpu.get_pipeline_model_parallel_world_size() > 1
+        ):
             rank = mpu.get_pipeline_model_parallel_rank()
             split_rank = args.pipeline_model_parallel_split_rank
             world_size = mpu.get_pipeline_model_parallel_world_size()
@@ -289,8 +345,10 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
             add_encoder = mpu.is_pipeline_stage_before_split()
             add_decoder = mpu.is_pipeline_stage_after_split()
             model = model_provider_func(
-                pre_process=pre_process, post_process=post_process,
-                add_encoder=add_encoder, add_decoder=add_decoder,
+                pre_process=pre_process,
+                post_process=post_process,
+                add_encoder=add_encoder,
+                add_decoder=add_decoder,
             )
         else:
             model = model_provider_func(pre_process=pre_process, post_process=post_process)
@@ -308,7 +366,12 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
             ' > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}'.format(
                 mpu.get_tensor_model_parallel_rank(),
                 mpu.get_pipeline_model_parallel_rank(),
-                sum([sum([p.nelement() for p in model_module.parameters()]) for model_module in model]),
+                sum(
+                    [
+                        sum([p.nelement() for p in model_module.parameters()])
+                        for model_module in model
+                    ]
+                ),
             ),
             flush=True,
         )
@@ -322,7 +385,9 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     if args.fp16 or args.bf16:
         from megatron.core.transformer.module import Float16Module
 
-        model = [Float16Module(get_model_config(model_module), model_module) for model_module in model]
+        model = [
+            Float16Module(get_model_config(model_module), model_module) for model_module in model
+        ]
 
     if wrap_with_ddp:
         from megatron.core.distributed import DistributedDataParallel as DDP
@@ -423,8 +488,9 @@ def get_optimizer_param_scheduler(optimizer):
     )
 
 
-def setup_model_and_optimizer(model_provider_func, model_type, no_wd_decay_cond=None,
-                              scale_lr_cond=None, lr_mult=1.0):
+def setup_model_and_optimizer(
+    model_provider_func, model_type, no_wd_decay_cond=None, scale_lr_cond=None, lr_mult=1.0
+):
     """Model chunks, the Megatron optimizer and the scheduler; loads a checkpoint with --load."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -447,8 +513,8 @@ def setup_model_and_optimizer(model_provider_func, model_type, no_wd_decay_cond=
 
     if args.load is not None or getattr(args, 'pretrained_checkpoint', None) is not None:
         timers('load-checkpoint', log_level=0).start(barrier=True)
-        args.iteration, args.num_floating_point_operations_so_far = _checkpointing().load_checkpoint(
-            model, optimizer, opt_param_scheduler
+        args.iteration, args.num_floating_point_operations_so_far = (
+            _checkpointing().load_checkpoint(model, optimizer, opt_param_scheduler)
         )
         timers('load-checkpoint').stop(barrier=True)
         timers.log(['load-checkpoint'])
@@ -522,13 +588,30 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
 
 
 _TIMERS_TO_LOG = [
-    'forward-backward', 'forward-compute', 'backward-compute', 'batch-generator', 'forward-recv',
-    'forward-send', 'backward-recv', 'backward-send', 'forward-send-forward-recv',
-    'forward-send-backward-recv', 'backward-send-forward-recv', 'backward-send-backward-recv',
-    'forward-backward-send-forward-backward-recv', 'layernorm-grads-all-reduce',
-    'embedding-grads-all-reduce', 'all-grads-sync', 'params-all-gather', 'optimizer-copy-to-main-grad',
-    'optimizer-unscale-and-check-inf', 'optimizer-clip-main-grad', 'optimizer-count-zeros',
-    'optimizer-inner-step', 'optimizer-copy-main-to-model-params', 'optimizer',
+    'forward-backward',
+    'forward-compute',
+    'backward-compute',
+    'batch-generator',
+    'forward-recv',
+    'forward-send',
+    'backward-recv',
+    'backward-send',
+    'forward-send-forward-recv',
+    'forward-send-backward-recv',
+    'backward-send-forward-recv',
+    'backward-send-backward-recv',
+    'forward-backward-send-forward-backward-recv',
+    'layernorm-grads-all-reduce',
+    'embedding-grads-all-reduce',
+    'all-grads-sync',
+    'params-all-gather',
+    'optimizer-copy-to-main-grad',
+    'optimizer-unscale-and-check-inf',
+    'optimizer-clip-main-grad',
+    'optimizer-count-zeros',
+    'optimizer-inner-step',
+    'optimizer-copy-main-to-model-params',
+    'optimizer',
 ]
 
 
@@ -541,9 +624,23 @@ def _format_tflops(tflops: float) -> str:
     return f'{tflops:.{decimals}f}'
 
 
-def format_log_line(iteration, train_iters, consumed_samples, elapsed_ms, learning_rate,
-                    batch_size, losses, loss_scale, grad_norm=None, num_zeros_in_grad=None,
-                    params_norm=None, skipped=0, nan=0, throughput=None, timestamp=None):
+def format_log_line(
+    iteration,
+    train_iters,
+    consumed_samples,
+    elapsed_ms,
+    learning_rate,
+    batch_size,
+    losses,
+    loss_scale,
+    grad_norm=None,
+    num_zeros_in_grad=None,
+    params_norm=None,
+    skipped=0,
+    nan=0,
+    throughput=None,
+    timestamp=None,
+):
     """Megatron's per-interval training log line (core_v0.8.0 format).
 
     Args:
@@ -575,8 +672,18 @@ def format_log_line(iteration, train_iters, consumed_samples, elapsed_ms, learni
     return log_string
 
 
-def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                 report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad):
+def training_log(
+    loss_dict,
+    total_loss_dict,
+    learning_rate,
+    iteration,
+    loss_scale,
+    report_memory_flag,
+    skipped_iter,
+    grad_norm,
+    params_norm,
+    num_zeros_in_grad,
+):
     """Accumulate losses and, every --log-interval iterations, print the log line and TB scalars."""
     args = get_args()
     timers = get_timers()
@@ -609,13 +716,17 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
     if writer and (iteration % args.tensorboard_log_interval == 0):
         if args.log_learning_rate_to_tensorboard:
             writer.add_scalar('learning-rate', learning_rate, iteration)
-            writer.add_scalar('learning-rate vs samples', learning_rate, args.consumed_train_samples)
+            writer.add_scalar(
+                'learning-rate vs samples', learning_rate, args.consumed_train_samples
+            )
         if args.log_batch_size_to_tensorboard:
             writer.add_scalar('batch-size', batch_size, iteration)
             writer.add_scalar('batch-size vs samples', batch_size, args.consumed_train_samples)
         for key in loss_dict:
             writer.add_scalar(key, float(loss_dict[key]), iteration)
-            writer.add_scalar(key + ' vs samples', float(loss_dict[key]), args.consumed_train_samples)
+            writer.add_scalar(
+                key + ' vs samples', float(loss_dict[key]), args.consumed_train_samples
+            )
         if args.log_loss_scale_to_tensorboard:
             writer.add_scalar('loss-scale', loss_scale, iteration)
             writer.add_scalar('loss-scale vs samples', loss_scale, args.consumed_train_samples)
@@ -627,14 +738,20 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
             writer.add_scalar('grad-norm vs samples', grad_norm, args.consumed_train_samples)
         if num_zeros_in_grad is not None:
             writer.add_scalar('num-zeros', num_zeros_in_grad, iteration)
-            writer.add_scalar('num-zeros vs samples', num_zeros_in_grad, args.consumed_train_samples)
+            writer.add_scalar(
+                'num-zeros vs samples', num_zeros_in_grad, args.consumed_train_samples
+            )
         if params_norm is not None:
             writer.add_scalar('params-norm', params_norm, iteration)
             writer.add_scalar('params-norm vs samples', params_norm, args.consumed_train_samples)
         if args.log_memory_to_tensorboard and uses_cuda():
             mem_stats = torch.cuda.memory_stats()
-            writer.add_scalar('mem-reserved-bytes', mem_stats['reserved_bytes.all.current'], iteration)
-            writer.add_scalar('mem-allocated-bytes', mem_stats['allocated_bytes.all.current'], iteration)
+            writer.add_scalar(
+                'mem-reserved-bytes', mem_stats['reserved_bytes.all.current'], iteration
+            )
+            writer.add_scalar(
+                'mem-allocated-bytes', mem_stats['allocated_bytes.all.current'], iteration
+            )
             writer.add_scalar('mem-allocated-count', mem_stats['allocation.all.current'], iteration)
     if args.log_timers_to_tensorboard and (iteration % args.tensorboard_log_interval == 0):
         # reset=False: the log line below still reports these timers (Megatron resets here, so
@@ -654,13 +771,24 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         losses = {}
         for key in list(total_loss_dict.keys()):
             if key not in (advanced_iters_key, skipped_iters_key, nan_iters_key):
-                losses[key] = total_loss_dict[key] / float(max(1, total_loss_dict[advanced_iters_key]))
+                losses[key] = total_loss_dict[key] / float(
+                    max(1, total_loss_dict[advanced_iters_key])
+                )
                 total_loss_dict[key] = 0.0
         log_string = format_log_line(
-            iteration, args.train_iters, args.consumed_train_samples,
-            elapsed_time_per_iteration * 1000.0, learning_rate, batch_size, losses, loss_scale,
-            grad_norm=grad_norm, num_zeros_in_grad=num_zeros_in_grad, params_norm=params_norm,
-            skipped=total_loss_dict[skipped_iters_key], nan=total_loss_dict[nan_iters_key],
+            iteration,
+            args.train_iters,
+            args.consumed_train_samples,
+            elapsed_time_per_iteration * 1000.0,
+            learning_rate,
+            batch_size,
+            losses,
+            loss_scale,
+            grad_norm=grad_norm,
+            num_zeros_in_grad=num_zeros_in_grad,
+            params_norm=params_norm,
+            skipped=total_loss_dict[skipped_iters_key],
+            nan=total_loss_dict[nan_iters_key],
             throughput=throughput if args.log_throughput else None,
         )
         total_loss_dict[advanced_iters_key] = 0
@@ -683,8 +811,9 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
 _LAST_SAVED_ITERATION = None
 
 
-def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
-                             num_floating_point_operations_so_far):
+def save_checkpoint_and_time(
+    iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
+):
     """save_checkpoint with a 'save-checkpoint' timer."""
     args = get_args()
     timers = get_timers()
@@ -723,8 +852,17 @@ def _check_overflow_is_not_a_real_nan(args, iteration, skipped_iter, scale_befor
         )
 
 
-def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
-          valid_data_iterator, process_non_loss_data_func, config, train_losses=None):
+def train(
+    forward_step_func,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    train_data_iterator,
+    valid_data_iterator,
+    process_non_loss_data_func,
+    config,
+    train_losses=None,
+):
     """The training loop. Returns (iteration, num_floating_point_operations_so_far).
 
     Args:
@@ -755,7 +893,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             config.grad_sync_func = [model_chunk.start_grad_sync for model_chunk in model]
             if len(model) == 1:
                 config.grad_sync_func = config.grad_sync_func[0]
-    if args.overlap_param_gather and args.delay_param_gather and hasattr(optimizer, 'finish_param_sync'):
+    if (
+        args.overlap_param_gather
+        and args.delay_param_gather
+        and hasattr(optimizer, 'finish_param_sync')
+    ):
         config.param_sync_func = [
             (lambda x, model_index=model_index: optimizer.finish_param_sync(model_index, x))
             for model_index in range(len(model))
@@ -788,7 +930,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         )
         _check_overflow_is_not_a_real_nan(args, iteration + 1, skipped_iter, scale_before_step)
         iteration += 1
-        batch_size = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
+        batch_size = (
+            mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
+        )
         args.consumed_train_samples += batch_size
         num_fp_ops = num_floating_point_operations(args, batch_size)
         num_floating_point_operations_so_far += num_fp_ops
@@ -806,8 +950,16 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             if not param_group.get('is_decoupled_lr', False):
                 learning_rate = param_group['lr']
         report_memory_flag = training_log(
-            loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
-            skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
+            loss_dict,
+            total_loss_dict,
+            learning_rate,
+            iteration,
+            loss_scale,
+            report_memory_flag,
+            skipped_iter,
+            grad_norm,
+            params_norm,
+            num_zeros_in_grad,
         )
         if args.log_straggler and iteration % args.log_interval == 0:
             stimer.report(total_flops, args.log_interval)
@@ -818,8 +970,14 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 gc.collect()  # everything, before evaluation
             prefix = 'iteration {}'.format(iteration)
             evaluate_and_print_results(
-                prefix, forward_step_func, valid_data_iterator, model, iteration,
-                process_non_loss_data_func, config, False,
+                prefix,
+                forward_step_func,
+                valid_data_iterator,
+                model,
+                iteration,
+                process_non_loss_data_func,
+                config,
+                False,
             )
             if args.manual_gc and args.manual_gc_eval:
                 gc.collect(generation=0)  # only the objects evaluation created
@@ -830,14 +988,22 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             signal_handler = get_signal_handler()
             if any(signal_handler.signals_received()):
                 save_checkpoint_and_time(
-                    iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
+                    iteration,
+                    model,
+                    optimizer,
+                    opt_param_scheduler,
+                    num_floating_point_operations_so_far,
                 )
                 print_datetime('exiting program after receiving SIGTERM.')
                 exit = True
                 break
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save_checkpoint_and_time(
-                iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
+                iteration,
+                model,
+                optimizer,
+                opt_param_scheduler,
+                num_floating_point_operations_so_far,
             )
             saved_checkpoint = True
         if args.exit_duration_in_mins:
@@ -845,7 +1011,10 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             if _exit_flag(train_time > args.exit_duration_in_mins):
                 if args.save and not saved_checkpoint:
                     save_checkpoint_and_time(
-                        iteration, model, optimizer, opt_param_scheduler,
+                        iteration,
+                        model,
+                        optimizer,
+                        opt_param_scheduler,
                         num_floating_point_operations_so_far,
                     )
                 print_datetime('exiting program after {} minutes'.format(train_time))
@@ -854,13 +1023,21 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         if args.exit_interval and iteration % args.exit_interval == 0:
             if args.save and not saved_checkpoint:
                 save_checkpoint_and_time(
-                    iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
+                    iteration,
+                    model,
+                    optimizer,
+                    opt_param_scheduler,
+                    num_floating_point_operations_so_far,
                 )
             torch.distributed.barrier()
             print_datetime('exiting program at iteration {}'.format(iteration))
             exit = True
             break
-        if args.manual_gc and args.manual_gc_interval != 0 and iteration % args.manual_gc_interval == 0:
+        if (
+            args.manual_gc
+            and args.manual_gc_interval != 0
+            and iteration % args.manual_gc_interval == 0
+        ):
             gc.collect()
 
     progress('after training', iteration, deadline=False)
@@ -873,7 +1050,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     return iteration, num_floating_point_operations_so_far
 
 
-def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose=False):
+def evaluate(
+    forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose=False
+):
     """Average each loss over --eval-iters global batches (forward only).
 
     Returns:
@@ -921,7 +1100,9 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
                 for loss_dict in loss_dicts:
                     for key in loss_dict:
                         if key not in total_loss_dict:
-                            total_loss_dict[key] = torch.tensor([0.0, 0.0], dtype=torch.float, device=device)
+                            total_loss_dict[key] = torch.tensor(
+                                [0.0, 0.0], dtype=torch.float, device=device
+                            )
                         val = loss_dict[key]
                         if isinstance(val, (tuple, list)):
                             total_loss_dict[key][0] += val[0]
@@ -938,7 +1119,9 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
                     return None, None, True
 
         collected_non_loss_data = None
-        if process_non_loss_data_func is not None and mpu.is_pipeline_last_stage(ignore_virtual=True):
+        if process_non_loss_data_func is not None and mpu.is_pipeline_last_stage(
+            ignore_virtual=True
+        ):
             collected_non_loss_data = forward_backward_func(
                 forward_step_func=forward_step_func,
                 data_iterator=data_iterator,
@@ -972,9 +1155,17 @@ def format_validation_line(prefix, losses):
     return string
 
 
-def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration,
-                               process_non_loss_data_func, config, verbose=False,
-                               write_to_tensorboard=True):
+def evaluate_and_print_results(
+    prefix,
+    forward_step_func,
+    data_iterator,
+    model,
+    iteration,
+    process_non_loss_data_func,
+    config,
+    verbose=False,
+    write_to_tensorboard=True,
+):
     """Evaluate, print Megatron's validation block and write TensorBoard scalars.
 
     Returns:
@@ -995,10 +1186,14 @@ def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, 
         ppl = math.exp(min(20, value))
         if writer:
             writer.add_scalar('{} validation'.format(key), value, iteration)
-            writer.add_scalar('{} validation vs samples'.format(key), value, args.consumed_train_samples)
+            writer.add_scalar(
+                '{} validation vs samples'.format(key), value, args.consumed_train_samples
+            )
             if args.log_validation_ppl_to_tensorboard:
                 writer.add_scalar('{} validation ppl'.format(key), ppl, iteration)
-                writer.add_scalar('{} validation ppl vs samples'.format(key), ppl, args.consumed_train_samples)
+                writer.add_scalar(
+                    '{} validation ppl vs samples'.format(key), ppl, args.consumed_train_samples
+                )
     if process_non_loss_data_func is not None and writer and collected_non_loss_data is not None:
         process_non_loss_data_func(collected_non_loss_data, iteration, writer)
 
@@ -1053,7 +1248,9 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
     # Backward compatibility: assume fixed batch size.
     if args.iteration > 0 and args.consumed_train_samples == 0:
         if args.train_samples is not None:
-            raise ValueError('checkpoint without consumed_train_samples cannot resume --train-samples runs')
+            raise ValueError(
+                'checkpoint without consumed_train_samples cannot resume --train-samples runs'
+            )
         args.consumed_train_samples = args.iteration * args.global_batch_size
     if args.iteration > 0 and args.consumed_valid_samples == 0:
         if args.train_samples is None:
@@ -1064,7 +1261,9 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
     is_distributed = getattr(build_train_valid_test_datasets_provider, 'is_distributed', False)
     device = get_current_device()
     if is_distributed or mpu.get_tensor_model_parallel_rank() == 0:
-        train_ds, valid_ds, test_ds = build_train_valid_test_datasets(build_train_valid_test_datasets_provider)
+        train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
+            build_train_valid_test_datasets_provider
+        )
         train_dataloader = build_pretraining_data_loader(train_ds, args.consumed_train_samples)
         if args.eval_iters == 0:
             # No evaluation: validation/test sets were asked for 0 samples (a mock set then has
@@ -1081,7 +1280,9 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
         do_train = train_dataloader is not None and args.train_iters > 0
         do_valid = valid_dataloader is not None and args.eval_iters > 0
         do_test = test_dataloader is not None and args.eval_iters > 0
-        flags = torch.tensor([int(do_train), int(do_valid), int(do_test)], dtype=torch.long, device=device)
+        flags = torch.tensor(
+            [int(do_train), int(do_valid), int(do_test)], dtype=torch.long, device=device
+        )
     else:
         flags = torch.tensor([0, 0, 0], dtype=torch.long, device=device)
 
@@ -1128,7 +1329,13 @@ def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provid
         # External dataloader is passed through. User is expected to define how to iterate.
         return dataloader
 
-    train_data_iterator = _get_iterator(dl_type, train_dataloader) if train_dataloader is not None else None
-    valid_data_iterator = _get_iterator(dl_type, valid_dataloader) if valid_dataloader is not None else None
-    test_data_iterator = _get_iterator(dl_type, test_dataloader) if test_dataloader is not None else None
+    train_data_iterator = (
+        _get_iterator(dl_type, train_dataloader) if train_dataloader is not None else None
+    )
+    valid_data_iterator = (
+        _get_iterator(dl_type, valid_dataloader) if valid_dataloader is not None else None
+    )
+    test_data_iterator = (
+        _get_iterator(dl_type, test_dataloader) if test_dataloader is not None else None
+    )
     return train_data_iterator, valid_data_iterator, test_data_iterator

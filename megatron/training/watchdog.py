@@ -52,8 +52,15 @@ class Watchdog:
         exit_fn: called with the exit code after the report (default os._exit).
     """
 
-    def __init__(self, store, rank: int, world_size: int, timeout: float,
-                 poll_interval: Optional[float] = None, exit_fn=None):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        poll_interval: Optional[float] = None,
+        exit_fn=None,
+    ):
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -149,7 +156,10 @@ class Watchdog:
         dead = [s for s in silent if s[1] > self.timeout]
         with self._lock:
             op, deadline, op_age, iteration = (
-                self._op, self._op_deadline, now - self._op_start, self._iteration
+                self._op,
+                self._op_deadline,
+                now - self._op_start,
+                self._iteration,
             )
         stuck = deadline and op_age > self.timeout
         if not dead and not stuck:
@@ -238,7 +248,9 @@ def exit_when_launcher_dies(poll_interval: float = 1.0) -> None:
             if os.getppid() != launcher:
                 print(
                     f'rank {os.environ.get("RANK", "?")}: the launcher (pid {launcher}) is gone; '
-                    f'exiting', file=sys.stderr, flush=True,
+                    f'exiting',
+                    file=sys.stderr,
+                    flush=True,
                 )
                 os._exit(1)
 

@@ -26,8 +26,11 @@ def glue_classification(num_classes, Dataset, name_from_datapath_func):
         return Classification(
             config=core_transformer_config_from_args(args),
             transformer_layer_spec=bert_layer_specs.bert_layer_local_spec,
-            vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-            num_classes=num_classes, pre_process=pre_process, post_process=post_process,
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            num_classes=num_classes,
+            pre_process=pre_process,
+            post_process=post_process,
         )
 
     def metrics_func_provider():
@@ -36,10 +39,15 @@ def glue_classification(num_classes, Dataset, name_from_datapath_func):
             tokenizer = get_tokenizer()
             name = name_from_datapath_func(datapath)
             return Dataset(name, [datapath], tokenizer, args.seq_length)
+
         return accuracy_func_provider(single_dataset_provider)
 
-    return finetune(train_valid_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                    end_of_epoch_callback_provider=metrics_func_provider)
+    return finetune(
+        train_valid_datasets_provider,
+        model_provider,
+        ModelType.encoder_or_decoder,
+        end_of_epoch_callback_provider=metrics_func_provider,
+    )
 
 
 def display_name(datapath, task):

@@ -29,15 +29,22 @@ class MNLIDataset(GLUEAbstractDataset):
                 num_columns = len(cols)
                 if num_columns == 10:
                     is_test = True
-                    print_rank_0('   reading {}, {} and {} columns and setting labels to {}'.format(
-                        cols[0].strip(), cols[8].strip(), cols[9].strip(), self.test_label))
+                    print_rank_0(
+                        '   reading {}, {} and {} columns and setting labels to {}'.format(
+                            cols[0].strip(), cols[8].strip(), cols[9].strip(), self.test_label
+                        )
+                    )
                 else:
-                    print_rank_0('    reading {} , {}, {}, and {} columns ...'.format(
-                        cols[0].strip(), cols[8].strip(), cols[9].strip(), cols[-1].strip()))
+                    print_rank_0(
+                        '    reading {} , {}, {}, and {} columns ...'.format(
+                            cols[0].strip(), cols[8].strip(), cols[9].strip(), cols[-1].strip()
+                        )
+                    )
                 continue
             if len(cols) != num_columns:
-                raise ValueError(f'{filename}: row {row}: {len(cols)} columns, the header has '
-                                 f'{num_columns}')
+                raise ValueError(
+                    f'{filename}: row {row}: {len(cols)} columns, the header has {num_columns}'
+                )
             text_a = clean_text(cols[8].strip())
             text_b = clean_text(cols[9].strip())
             label = self.test_label if is_test else cols[-1].strip()
@@ -45,14 +52,18 @@ class MNLIDataset(GLUEAbstractDataset):
                 unique_id = int(cols[0].strip())
             except ValueError:
                 raise ValueError(
-                    f'{filename}: row {row}: uid {cols[0]!r} is not an integer') from None
+                    f'{filename}: row {row}: uid {cols[0]!r} is not an integer'
+                ) from None
             if unique_id < 0 or not text_a or not text_b:
                 raise ValueError(f'{filename}: row {row}: negative uid or empty sentence')
             if label not in LABELS:
-                raise ValueError(f'{filename}: row {row}: unknown label {label!r} '
-                                 f'(expected one of {sorted(LABELS)})')
-            samples.append({'text_a': text_a, 'text_b': text_b, 'label': LABELS[label],
-                            'uid': unique_id})
+                raise ValueError(
+                    f'{filename}: row {row}: unknown label {label!r} '
+                    f'(expected one of {sorted(LABELS)})'
+                )
+            samples.append(
+                {'text_a': text_a, 'text_b': text_b, 'label': LABELS[label], 'uid': unique_id}
+            )
             total += 1
             if total % 50000 == 0:
                 print_rank_0('  > processed {} so far ...'.format(total))

@@ -26,8 +26,10 @@ class QQPDataset(GLUEAbstractDataset):
                 if len(cols) == 3:
                     is_test = True
                 elif len(cols) != 6:
-                    raise ValueError(f'{filename}: row {row}: header has {len(cols)} columns, '
-                                     f'expected 6 (train/dev) or 3 (test)')
+                    raise ValueError(
+                        f'{filename}: row {row}: header has {len(cols)} columns, '
+                        f'expected 6 (train/dev) or 3 (test)'
+                    )
                 continue
             if is_test:
                 if len(cols) != 3:
@@ -35,23 +37,29 @@ class QQPDataset(GLUEAbstractDataset):
                 uid, text_a, text_b, label = int(cols[0]), cols[1], cols[2], self.test_label
             else:
                 if len(cols) != 6:
-                    print_rank_0('***WARNING*** {}: row {}: {} columns, skipping'.format(
-                        filename, row, len(cols)))
+                    print_rank_0(
+                        '***WARNING*** {}: row {}: {} columns, skipping'.format(
+                            filename, row, len(cols)
+                        )
+                    )
                     continue
                 uid, text_a, text_b = int(cols[0]), cols[3], cols[4]
                 try:
                     label = int(cols[5])
                 except ValueError:
                     raise ValueError(
-                        f'{filename}: row {row}: label {cols[5]!r} is not 0 or 1') from None
+                        f'{filename}: row {row}: label {cols[5]!r} is not 0 or 1'
+                    ) from None
             text_a, text_b = clean_text(text_a.strip()), clean_text(text_b.strip())
             if not text_a or not text_b:
-                print_rank_0('***WARNING*** {}: row {}: empty question, skipping'.format(
-                    filename, row))
+                print_rank_0(
+                    '***WARNING*** {}: row {}: empty question, skipping'.format(filename, row)
+                )
                 continue
             if label not in LABELS:
                 raise ValueError(
-                    f'{filename}: row {row}: unknown label {label!r} (expected 0 or 1)')
+                    f'{filename}: row {row}: unknown label {label!r} (expected 0 or 1)'
+                )
             samples.append({'text_a': text_a, 'text_b': text_b, 'label': label, 'uid': uid})
         print_rank_0(' >> processed {} samples.'.format(len(samples)))
         return samples

@@ -16,8 +16,9 @@ class RaceDataset:
     """Items hold [4, seq] text/types/padding_mask (one row per option), label 0..3 and a uid
     that restarts at 0 for every data directory; sample_multiplier = 4."""
 
-    def __init__(self, dataset_name, datapaths, tokenizer, max_seq_length,
-                 max_qa_length=MAX_QA_LENGTH):
+    def __init__(
+        self, dataset_name, datapaths, tokenizer, max_seq_length, max_qa_length=MAX_QA_LENGTH
+    ):
         self.dataset_name = dataset_name
         print_rank_0(' > building RACE dataset for {}:'.format(self.dataset_name))
         string = '  > paths:'
@@ -26,8 +27,9 @@ class RaceDataset:
         print_rank_0(string)
         self.samples = []
         for datapath in datapaths:
-            self.samples.extend(process_single_datapath(datapath, tokenizer, max_qa_length,
-                                                        max_seq_length))
+            self.samples.extend(
+                process_single_datapath(datapath, tokenizer, max_qa_length, max_seq_length)
+            )
         print_rank_0('  >> total number of samples: {}'.format(len(self.samples)))
         self.sample_multiplier = NUM_CHOICES
 
@@ -45,8 +47,10 @@ def _check_document(filename, row, data):
         raise ValueError(f'{filename}: row {row}: needs keys {list(keys)}')
     n = len(data['questions'])
     if len(data['options']) != n or len(data['answers']) != n:
-        raise ValueError(f'{filename}: row {row}: {n} questions but {len(data["options"])} option '
-                         f'lists and {len(data["answers"])} answers')
+        raise ValueError(
+            f'{filename}: row {row}: {n} questions but {len(data["options"])} option '
+            f'lists and {len(data["answers"])} answers'
+        )
     for options, answer in zip(data['options'], data['answers']):
         if len(options) != NUM_CHOICES:
             raise ValueError(f'{filename}: row {row}: {len(options)} options, expected 4')
@@ -86,14 +90,23 @@ def process_single_datapath(datapath, tokenizer, max_qa_length, max_seq_length):
                             qa = ' '.join([question, option])
                         qa_ids = tokenizer.tokenize(clean_text(qa))[:max_qa_length]
                         ids, types, paddings = build_tokens_types_paddings_from_ids(
-                            qa_ids, context_ids, max_seq_length, tokenizer.cls, tokenizer.sep,
-                            tokenizer.pad)
+                            qa_ids,
+                            context_ids,
+                            max_seq_length,
+                            tokenizer.cls,
+                            tokenizer.sep,
+                            tokenizer.pad,
+                        )
                         ids_list.append(ids)
                         types_list.append(types)
                         paddings_list.append(paddings)
-                    samples.append(build_sample(ids_list, types_list, paddings_list, label,
-                                                num_samples))
+                    samples.append(
+                        build_sample(ids_list, types_list, paddings_list, label, num_samples)
+                    )
                     num_samples += 1
-    print_rank_0('    > processed {} document, {} questions, and {} samples'.format(
-        num_docs, num_questions, num_samples))
+    print_rank_0(
+        '    > processed {} document, {} questions, and {} samples'.format(
+            num_docs, num_questions, num_samples
+        )
+    )
     return samples

@@ -25,8 +25,10 @@ def model_provider(pre_process=True, post_process=True):
     return MultipleChoice(
         config=core_transformer_config_from_args(args),
         transformer_layer_spec=bert_layer_specs.bert_layer_local_spec,
-        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process, post_process=post_process,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
     )
 
 
@@ -39,6 +41,7 @@ def metrics_func_provider():
     def single_dataset_provider(datapath):
         args = get_args()
         return RaceDataset(display_name(datapath), [datapath], get_tokenizer(), args.seq_length)
+
     return accuracy_func_provider(single_dataset_provider)
 
 
@@ -48,5 +51,9 @@ def main():
         raise ValueError(f'--task RACE with --epochs {args.epochs} needs --train-data')
     if not args.valid_data:
         raise ValueError('--task RACE needs --valid-data')
-    return finetune(train_valid_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                    end_of_epoch_callback_provider=metrics_func_provider)
+    return finetune(
+        train_valid_datasets_provider,
+        model_provider,
+        ModelType.encoder_or_decoder,
+        end_of_epoch_callback_provider=metrics_func_provider,
+    )

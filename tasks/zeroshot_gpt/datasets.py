@@ -36,8 +36,15 @@ class LMDataset(torch.utils.data.Dataset):
         overlapping_eval: the stride S (None: S = L; 0 becomes 1).
     """
 
-    def __init__(self, tokens, seq_len, pad_idx, num_original_tokens, num_tokenized_tokens,
-                 overlapping_eval=None):
+    def __init__(
+        self,
+        tokens,
+        seq_len,
+        pad_idx,
+        num_original_tokens,
+        num_tokenized_tokens,
+        overlapping_eval=None,
+    ):
         self.tokens = tokens
         self.seq_len = seq_len
         self.pad_idx = pad_idx
@@ -55,7 +62,7 @@ class LMDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx):
         start_idx = idx * self.overlapping_eval
         end_idx = start_idx + self.seq_len
-        tokens = self.tokens[start_idx:end_idx + 1]
+        tokens = self.tokens[start_idx : end_idx + 1]
         num_tokens = len(tokens)
         pad_mask = [1] * num_tokens
         if num_tokens < self.seq_len + 1:
@@ -65,7 +72,7 @@ class LMDataset(torch.utils.data.Dataset):
         pad_mask = np.array(pad_mask[1:])  # aligned with the targets
         if self.overlapping_eval != self.seq_len and idx != 0:
             # Earlier windows already scored all but the last `stride` targets.
-            pad_mask[:-self.overlapping_eval] *= 0
+            pad_mask[: -self.overlapping_eval] *= 0
         return {'text': np.array(tokens), 'pad_mask': pad_mask}
 
 
@@ -164,10 +171,19 @@ def _build_wikitext103_dataset(args, tokenizer):
     entire_data = detokenizer(entire_data)
     tokenized_data = tokenizer.tokenize(entire_data)
     num_tokenized_tokens = len(tokenized_data)
-    val_dataset = LMDataset(tokenized_data, args.seq_length, tokenizer.eod,
-                            num_original_tokens, num_tokenized_tokens, args.overlapping_eval)
-    print_rank_0(' > number of original tokens: {}, number of detokenized tokens: {}'.format(
-        num_original_tokens, num_tokenized_tokens))
+    val_dataset = LMDataset(
+        tokenized_data,
+        args.seq_length,
+        tokenizer.eod,
+        num_original_tokens,
+        num_tokenized_tokens,
+        args.overlapping_eval,
+    )
+    print_rank_0(
+        ' > number of original tokens: {}, number of detokenized tokens: {}'.format(
+            num_original_tokens, num_tokenized_tokens
+        )
+    )
     return val_dataset
 
 
@@ -175,7 +191,8 @@ def build_dataset(task, args, tokenizer):
     """The evaluation dataset of a zero-shot task ('LAMBADA' or 'WIKITEXT103')."""
     if not args.valid_data or len(args.valid_data) != 1:
         raise ValueError(
-            f'--task {task} needs exactly one --valid-data file, got {args.valid_data}')
+            f'--task {task} needs exactly one --valid-data file, got {args.valid_data}'
+        )
     if not os.path.isfile(args.valid_data[0]):
         raise ValueError(f'--valid-data {args.valid_data[0]}: no such file')
     if task == 'LAMBADA':

@@ -45,7 +45,10 @@ def process_batch(batch):
     tokens = tokens_[:, :-1].contiguous()
     loss_mask = batch['pad_mask'].long().to(device)
     attention_mask, _, position_ids = get_ltor_masks_and_position_ids(
-        tokens, tokenizer.eod, args.reset_position_ids, args.reset_attention_mask,
+        tokens,
+        tokenizer.eod,
+        args.reset_position_ids,
+        args.reset_attention_mask,
         args.eod_mask_loss,
     )
     return tokens, labels, attention_mask, position_ids, loss_mask
@@ -122,11 +125,17 @@ def compute_results(eval_metric, total_output, dataset):
         num_tokenized_tokens = dataset.num_tokenized_tokens
         val_loss = total_output / (num_tokenized_tokens - 1)
         token_ratio = (num_tokenized_tokens - 1) / (dataset.num_original_tokens - 1)
-        return {'avg loss': val_loss, 'ppl': math.exp(min(20, val_loss)),
-                'adjusted ppl': math.exp(min(20, val_loss * token_ratio)),
-                'token ratio': token_ratio}
-    return {'number correct': total_output, 'total examples': len(dataset),
-            'avg accuracy': total_output / len(dataset)}
+        return {
+            'avg loss': val_loss,
+            'ppl': math.exp(min(20, val_loss)),
+            'adjusted ppl': math.exp(min(20, val_loss * token_ratio)),
+            'token ratio': token_ratio,
+        }
+    return {
+        'number correct': total_output,
+        'total examples': len(dataset),
+        'avg accuracy': total_output / len(dataset),
+    }
 
 
 def format_results(task, eval_metric, total_output, dataset):
@@ -177,8 +186,10 @@ def main():
         raise ValueError(f'--task {task}: not a zero-shot task ({sorted(TASK_METRIC)})')
     eval_metric = TASK_METRIC[task]
     if args.num_layers_per_virtual_pipeline_stage is not None:
-        raise ValueError('--num-layers-per-virtual-pipeline-stage: the interleaved schedule is '
-                         'not supported for zero-shot evaluation')
+        raise ValueError(
+            '--num-layers-per-virtual-pipeline-stage: the interleaved schedule is '
+            'not supported for zero-shot evaluation'
+        )
     dataset = build_dataset(task, args, get_tokenizer())
 
     model = get_model(get_model_provider(), ModelType.encoder_or_decoder, wrap_with_ddp=False)
@@ -186,8 +197,9 @@ def main():
         load_checkpoint(model, None, None)
     assert len(model) == 1, 'the interleaved schedule is not supported'
 
-    dataloader = build_data_loader(dataset, args.micro_batch_size, args.num_workers,
-                                   drop_last=False)
+    dataloader = build_data_loader(
+        dataset, args.micro_batch_size, args.num_workers, drop_last=False
+    )
     start = time.time()
     result = evaluate_and_print_results(task, dataloader, model, eval_metric)
     print_rank_0('evaluation time (sec): {:.3f}'.format(time.time() - start))

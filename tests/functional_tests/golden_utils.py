@@ -58,12 +58,20 @@ def run_case(case, data_prefix, cache_dir):
     split = args.get('--pipeline-model-parallel-split-rank')
     extra = flags_from_config(config) + ['--data-path', data_prefix, '--data-cache-path', cache_dir]
     runner = MODELS[model_of(case)][0]
-    result = run_distributed(runner, world_size=config['WORLD_SIZE'], tp=tp, pp=pp,
-                             split_rank=None if split is None else int(split),
-                             args=(extra,), timeout=600)[-1]
+    result = run_distributed(
+        runner,
+        world_size=config['WORLD_SIZE'],
+        tp=tp,
+        pp=pp,
+        split_rank=None if split is None else int(split),
+        args=(extra,),
+        timeout=600,
+    )[-1]
     metrics = {}
     for metric in config['METRICS']:
-        metrics[metric] = {step: losses[metric] for step, losses in sorted(result['train_losses'].items())}
+        metrics[metric] = {
+            step: losses[metric] for step, losses in sorted(result['train_losses'].items())
+        }
     return metrics
 
 
@@ -72,7 +80,9 @@ def to_golden_json(metrics):
     for metric, values in metrics.items():
         steps = sorted(values)
         out[metric] = {
-            'start_step': steps[0], 'end_step': steps[-1], 'step_interval': 1,
+            'start_step': steps[0],
+            'end_step': steps[-1],
+            'step_interval': 1,
             'values': {str(s): round(float(values[s]), 5) for s in steps},
         }
     return out

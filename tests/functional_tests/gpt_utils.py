@@ -19,14 +19,48 @@ MERGES = os.path.join(REPO, 'data', 'gpt2', 'gpt2-merges.txt')
 #: A tiny GPT on GPT-2 BPE: 2 layers, hidden 64, seq 32. make-vocab-size-divisible-by 64 gives
 #: the same padded vocabulary (50304) at TP=1 and TP=2, so layouts are comparable.
 TINY_GPT_ARGS = [
-    '--num-layers', '2', '--hidden-size', '64', '--num-attention-heads', '4',
-    '--seq-length', '32', '--max-position-embeddings', '32',
-    '--attention-dropout', '0.0', '--hidden-dropout', '0.0',
-    '--make-vocab-size-divisible-by', '64',
-    '--lr', '3e-3', '--min-lr', '3e-4', '--lr-decay-style', 'cosine', '--lr-warmup-iters', '2',
-    '--weight-decay', '0.01', '--clip-grad', '1.0', '--seed', '1234',
-    '--vocab-file', VOCAB, '--merge-file', MERGES, '--split', '98,2,0',
-    '--num-workers', '0', '--log-interval', '1', '--eval-interval', '1000',
+    '--num-layers',
+    '2',
+    '--hidden-size',
+    '64',
+    '--num-attention-heads',
+    '4',
+    '--seq-length',
+    '32',
+    '--max-position-embeddings',
+    '32',
+    '--attention-dropout',
+    '0.0',
+    '--hidden-dropout',
+    '0.0',
+    '--make-vocab-size-divisible-by',
+    '64',
+    '--lr',
+    '3e-3',
+    '--min-lr',
+    '3e-4',
+    '--lr-decay-style',
+    'cosine',
+    '--lr-warmup-iters',
+    '2',
+    '--weight-decay',
+    '0.01',
+    '--clip-grad',
+    '1.0',
+    '--seed',
+    '1234',
+    '--vocab-file',
+    VOCAB,
+    '--merge-file',
+    MERGES,
+    '--split',
+    '98,2,0',
+    '--num-workers',
+    '0',
+    '--log-interval',
+    '1',
+    '--eval-interval',
+    '1000',
 ]
 
 
@@ -50,11 +84,20 @@ def preprocess_once(work_dir, output_name, level, preprocess_args):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(prefix + '.idx'):
             subprocess.run(
-                [sys.executable, os.path.join(REPO, 'tools', 'preprocess_data.py'),
-                 '--input', os.path.join(REPO, 'data', 'corpus', 'mobydick.jsonl'),
-                 '--output-prefix', os.path.join(work_dir, output_name), '--workers', '1']
+                [
+                    sys.executable,
+                    os.path.join(REPO, 'tools', 'preprocess_data.py'),
+                    '--input',
+                    os.path.join(REPO, 'data', 'corpus', 'mobydick.jsonl'),
+                    '--output-prefix',
+                    os.path.join(work_dir, output_name),
+                    '--workers',
+                    '1',
+                ]
                 + list(preprocess_args),
-                check=True, capture_output=True, text=True,
+                check=True,
+                capture_output=True,
+                text=True,
             )
         fcntl.flock(lock, fcntl.LOCK_UN)
     return prefix
@@ -64,9 +107,18 @@ def prepare_data(work_dir):
     """Preprocess data/corpus/mobydick.jsonl with GPT-2 BPE once into work_dir; returns the
     prefix."""
     return preprocess_once(
-        work_dir, 'mobydick', 'document',
-        ['--tokenizer-type', 'GPT2BPETokenizer', '--vocab-file', VOCAB, '--merge-file', MERGES,
-         '--append-eod'],
+        work_dir,
+        'mobydick',
+        'document',
+        [
+            '--tokenizer-type',
+            'GPT2BPETokenizer',
+            '--vocab-file',
+            VOCAB,
+            '--merge-file',
+            MERGES,
+            '--append-eod',
+        ],
     )
 
 
@@ -145,8 +197,15 @@ def _forward_step_with_overflow(data_iterator, model):
     return output_tensor, overflowing_loss_func
 
 
-def run_pretrain(extra_args, reference_weights=False, inject_overflow_at=None, capture_stdout=False,
-                 script='pretrain_gpt', base_args=None, args_defaults=None):
+def run_pretrain(
+    extra_args,
+    reference_weights=False,
+    inject_overflow_at=None,
+    capture_stdout=False,
+    script='pretrain_gpt',
+    base_args=None,
+    args_defaults=None,
+):
     """Run a pretrain script's pretrain() on this rank (called inside a run_distributed worker).
 
     Args:

@@ -14,8 +14,18 @@ from tests.functional_tests.bert_utils import BERT_VOCAB, run_bert_pretrain
 from tests.functional_tests.gpt_utils import MERGES, REPO, VOCAB
 from tests.unit_tests.dist_utils import run_distributed
 
-_RUN = ['--micro-batch-size', '2', '--global-batch-size', '2', '--train-iters', '3',
-        '--eval-iters', '1', '--split', '4,1,1']
+_RUN = [
+    '--micro-batch-size',
+    '2',
+    '--global-batch-size',
+    '2',
+    '--train-iters',
+    '3',
+    '--eval-iters',
+    '1',
+    '--split',
+    '4,1,1',
+]
 
 
 @pytest.fixture(scope='module')
@@ -29,11 +39,23 @@ def document_level_prefix(tmp_path_factory):
             )
             f.write(json.dumps({'text': text}) + '\n')
     subprocess.run(
-        [sys.executable, os.path.join(REPO, 'tools', 'preprocess_data.py'),
-         '--input', str(work / 'docs.jsonl'), '--output-prefix', str(work / 'docs'),
-         '--tokenizer-type', 'BertWordPieceLowerCase', '--vocab-file', BERT_VOCAB,
-         '--workers', '1'],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            os.path.join(REPO, 'tools', 'preprocess_data.py'),
+            '--input',
+            str(work / 'docs.jsonl'),
+            '--output-prefix',
+            str(work / 'docs'),
+            '--tokenizer-type',
+            'BertWordPieceLowerCase',
+            '--vocab-file',
+            BERT_VOCAB,
+            '--workers',
+            '1',
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return str(work / 'docs_text_document')
 
@@ -45,18 +67,30 @@ def _error_of(extra):
 
 
 def test_binary_head_needs_sentence_split_data(document_level_prefix, tmp_path):
-    message = _error_of(_RUN + ['--data-path', document_level_prefix,
-                                '--data-cache-path', str(tmp_path)])
-    assert (f'ValueError: --data-path {document_level_prefix}: every one of its 6 documents is a '
-            'single sequence') in message
+    message = _error_of(
+        _RUN + ['--data-path', document_level_prefix, '--data-cache-path', str(tmp_path)]
+    )
+    assert (
+        f'ValueError: --data-path {document_level_prefix}: every one of its 6 documents is a '
+        'single sequence'
+    ) in message
     assert '--split-sentences' in message and '--bert-no-binary-head' in message
 
 
 def test_document_level_data_trains_without_binary_head(document_level_prefix, tmp_path):
     (result,) = run_distributed(
-        run_bert_pretrain, world_size=1,
-        args=(_RUN + ['--bert-no-binary-head', '--data-path', document_level_prefix,
-                      '--data-cache-path', str(tmp_path)],),
+        run_bert_pretrain,
+        world_size=1,
+        args=(
+            _RUN
+            + [
+                '--bert-no-binary-head',
+                '--data-path',
+                document_level_prefix,
+                '--data-cache-path',
+                str(tmp_path),
+            ],
+        ),
         timeout=300,
     )
     assert result['iteration'] == 3
@@ -64,11 +98,25 @@ def test_document_level_data_trains_without_binary_head(document_level_prefix, t
 
 
 def test_tokenizer_without_mask_token(document_level_prefix, tmp_path):
-    message = _error_of(_RUN + ['--tokenizer-type', 'GPT2BPETokenizer', '--vocab-file', VOCAB,
-                                '--merge-file', MERGES, '--data-path', document_level_prefix,
-                                '--data-cache-path', str(tmp_path)])
-    assert f'ValueError: --tokenizer-type GPT2BPETokenizer (--vocab-file {VOCAB}): the ' \
-           'vocabulary has no [MASK] token' in message
+    message = _error_of(
+        _RUN
+        + [
+            '--tokenizer-type',
+            'GPT2BPETokenizer',
+            '--vocab-file',
+            VOCAB,
+            '--merge-file',
+            MERGES,
+            '--data-path',
+            document_level_prefix,
+            '--data-cache-path',
+            str(tmp_path),
+        ]
+    )
+    assert (
+        f'ValueError: --tokenizer-type GPT2BPETokenizer (--vocab-file {VOCAB}): the '
+        'vocabulary has no [MASK] token' in message
+    )
 
 
 def test_vocab_file_without_mask_token(document_level_prefix, tmp_path):

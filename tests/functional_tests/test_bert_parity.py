@@ -30,13 +30,32 @@ METRICS = ('lm loss', 'sop loss')
 def _run(layout, data_prefix, cache):
     world, tp, pp = LAYOUTS[layout]
     extra = [
-        '--tensor-model-parallel-size', str(tp), '--pipeline-model-parallel-size', str(pp),
-        '--micro-batch-size', '2', '--global-batch-size', '8',
-        '--train-iters', str(TRAIN_ITERS), '--eval-iters', '1',
-        '--data-path', data_prefix, '--data-cache-path', cache,
+        '--tensor-model-parallel-size',
+        str(tp),
+        '--pipeline-model-parallel-size',
+        str(pp),
+        '--micro-batch-size',
+        '2',
+        '--global-batch-size',
+        '8',
+        '--train-iters',
+        str(TRAIN_ITERS),
+        '--eval-iters',
+        '1',
+        '--data-path',
+        data_prefix,
+        '--data-cache-path',
+        cache,
     ]
-    results = run_distributed(run_bert_pretrain, world_size=world, tp=tp, pp=pp, args=(extra,),
-                              kwargs={'reference_weights': True}, timeout=600)
+    results = run_distributed(
+        run_bert_pretrain,
+        world_size=world,
+        tp=tp,
+        pp=pp,
+        args=(extra,),
+        kwargs={'reference_weights': True},
+        timeout=600,
+    )
     return results[-1]  # the last rank is on the last pipeline stage and holds the losses
 
 

@@ -19,12 +19,42 @@ from tests.unit_tests.dist_utils import run_distributed
 
 DOC = os.path.join(REPO, 'docs', 'errors.md')
 TINY = [
-    '--num-layers', '2', '--hidden-size', '32', '--num-attention-heads', '4',
-    '--seq-length', '16', '--max-position-embeddings', '16', '--micro-batch-size', '2',
-    '--global-batch-size', '2', '--lr', '1e-3', '--vocab-file', VOCAB, '--merge-file', MERGES,
-    '--make-vocab-size-divisible-by', '64', '--log-interval', '1', '--eval-iters', '1',
-    '--eval-interval', '1000', '--train-iters', '2', '--distributed-backend', 'gloo',
-    '--num-workers', '0', '--save-interval', '1000',
+    '--num-layers',
+    '2',
+    '--hidden-size',
+    '32',
+    '--num-attention-heads',
+    '4',
+    '--seq-length',
+    '16',
+    '--max-position-embeddings',
+    '16',
+    '--micro-batch-size',
+    '2',
+    '--global-batch-size',
+    '2',
+    '--lr',
+    '1e-3',
+    '--vocab-file',
+    VOCAB,
+    '--merge-file',
+    MERGES,
+    '--make-vocab-size-divisible-by',
+    '64',
+    '--log-interval',
+    '1',
+    '--eval-iters',
+    '1',
+    '--eval-interval',
+    '1000',
+    '--train-iters',
+    '2',
+    '--distributed-backend',
+    'gloo',
+    '--num-workers',
+    '0',
+    '--save-interval',
+    '1000',
 ]
 #: Rows exercised by other test files (the row names the file).
 ELSEWHERE = {
@@ -49,11 +79,15 @@ def _main(argv):
     code = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            run_main(pretrain, pretrain_gpt.train_valid_test_datasets_provider,
-                     pretrain_gpt.model_provider, ModelType.encoder_or_decoder,
-                     pretrain_gpt.forward_step,
-                     args_defaults={'tokenizer_type': 'GPT2BPETokenizer'},
-                     args_list=argv)
+            run_main(
+                pretrain,
+                pretrain_gpt.train_valid_test_datasets_provider,
+                pretrain_gpt.model_provider,
+                ModelType.encoder_or_decoder,
+                pretrain_gpt.forward_step,
+                args_defaults={'tokenizer_type': 'GPT2BPETokenizer'},
+                args_list=argv,
+            )
     except SystemExit as exc:
         code = exc.code
     finally:
@@ -109,38 +143,66 @@ def _pre_init_cases(tmp_path):
     mock = ['--mock-data']
     return {
         'unknown-flag': (mock + ['--foo'], 2, r'^\S+: error: unrecognized arguments: --foo$'),
-        'world-size': (mock + ['--tensor-model-parallel-size', '2'], 1,
-                       r'^error: world size \(1\) is not divisible by --tensor-model-parallel-size '
-                       r'\(2\) x --pipeline-model-parallel-size \(1\) x --context-parallel-size '
-                       r'\(1\) = 2$'),
-        'save-foreign': (mock + ['--save', foreign], 1,
-                         rf'^error: --save {foreign} already holds a checkpoint \(iteration 4\) '
-                         rf'that this run does not load \(--load None\); resume it with --load '
-                         rf'{foreign}, or choose another --save directory$'),
-        'save-backwards': (mock + ['--save', behind, '--load', behind, '--ckpt-step', '2'], 1,
-                           rf'^error: --save {behind} holds checkpoints up to iteration 4 but this '
-                           rf'run starts at iteration 2 \(--ckpt-step 2\): its saves would replace '
-                           rf'newer checkpoints and move latest_checkpointed_iteration.txt '
-                           rf'backwards; choose another --save directory$'),
-        'save-not-writable': (mock + ['--save', f'{a_file}/ckpt'], 1,
-                              rf'^error: --save {a_file}/ckpt is not a writable directory '
-                              rf'\(Not a directory\)$'),
-        'cache-not-writable': (['--data-path', str(tmp_path / 'x'), '--data-cache-path',
-                                f'{a_file}/cache'], 1,
-                               rf'^error: --data-cache-path {a_file}/cache is not a writable '
-                               rf'directory \(Not a directory\)$'),
-        'merge-is-json': (mock + ['--merge-file', VOCAB], 1,
-                          rf'^error: --merge-file {VOCAB} is a JSON file, not a BPE merges file '
-                          rf'\(swapped --vocab-file and --merge-file\?\)$'),
-        'vocab-not-json': (mock + ['--vocab-file', MERGES], 1,
-                           rf'^error: --vocab-file {MERGES} is not a JSON vocabulary: .* '
-                           rf'\(it looks like a BPE merges file: swapped --vocab-file and '
-                           rf'--merge-file\?\)$'),
+        'world-size': (
+            mock + ['--tensor-model-parallel-size', '2'],
+            1,
+            r'^error: world size \(1\) is not divisible by --tensor-model-parallel-size '
+            r'\(2\) x --pipeline-model-parallel-size \(1\) x --context-parallel-size '
+            r'\(1\) = 2$',
+        ),
+        'save-foreign': (
+            mock + ['--save', foreign],
+            1,
+            rf'^error: --save {foreign} already holds a checkpoint \(iteration 4\) '
+            rf'that this run does not load \(--load None\); resume it with --load '
+            rf'{foreign}, or choose another --save directory$',
+        ),
+        'save-backwards': (
+            mock + ['--save', behind, '--load', behind, '--ckpt-step', '2'],
+            1,
+            rf'^error: --save {behind} holds checkpoints up to iteration 4 but this '
+            rf'run starts at iteration 2 \(--ckpt-step 2\): its saves would replace '
+            rf'newer checkpoints and move latest_checkpointed_iteration.txt '
+            rf'backwards; choose another --save directory$',
+        ),
+        'save-not-writable': (
+            mock + ['--save', f'{a_file}/ckpt'],
+            1,
+            rf'^error: --save {a_file}/ckpt is not a writable directory '
+            rf'\(Not a directory\)$',
+        ),
+        'cache-not-writable': (
+            ['--data-path', str(tmp_path / 'x'), '--data-cache-path', f'{a_file}/cache'],
+            1,
+            rf'^error: --data-cache-path {a_file}/cache is not a writable '
+            rf'directory \(Not a directory\)$',
+        ),
+        'merge-is-json': (
+            mock + ['--merge-file', VOCAB],
+            1,
+            rf'^error: --merge-file {VOCAB} is a JSON file, not a BPE merges file '
+            rf'\(swapped --vocab-file and --merge-file\?\)$',
+        ),
+        'vocab-not-json': (
+            mock + ['--vocab-file', MERGES],
+            1,
+            rf'^error: --vocab-file {MERGES} is not a JSON vocabulary: .* '
+            rf'\(it looks like a BPE merges file: swapped --vocab-file and '
+            rf'--merge-file\?\)$',
+        ),
     }
 
 
-PRE_INIT = ['unknown-flag', 'world-size', 'save-foreign', 'save-backwards', 'save-not-writable',
-            'cache-not-writable', 'merge-is-json', 'vocab-not-json']
+PRE_INIT = [
+    'unknown-flag',
+    'world-size',
+    'save-foreign',
+    'save-backwards',
+    'save-not-writable',
+    'cache-not-writable',
+    'merge-is-json',
+    'vocab-not-json',
+]
 
 
 @pytest.mark.parametrize('case', PRE_INIT)
@@ -163,9 +225,22 @@ def test_preprocess_refuses_vocab_json_as_merge_file(tmp_path):
     src = tmp_path / 'in.jsonl'
     src.write_text('{"text": "hello world"}\n')
     with pytest.raises(SystemExit) as info:
-        preprocess.main(['--input', str(src), '--output-prefix', str(tmp_path / 'out'),
-                         '--tokenizer-type', 'GPT2BPETokenizer', '--vocab-file', VOCAB,
-                         '--merge-file', VOCAB, '--workers', '1'])
+        preprocess.main(
+            [
+                '--input',
+                str(src),
+                '--output-prefix',
+                str(tmp_path / 'out'),
+                '--tokenizer-type',
+                'GPT2BPETokenizer',
+                '--vocab-file',
+                VOCAB,
+                '--merge-file',
+                VOCAB,
+                '--workers',
+                '1',
+            ]
+        )
     assert str(info.value.code) == (
         f'error: --merge-file {VOCAB} is a JSON file, not a BPE merges file (swapped --vocab-file '
         f'and --merge-file?)'
@@ -187,8 +262,14 @@ def _run(argv):
 
 def test_data_and_checkpoint_errors(data, tmp_path):
     cache = str(tmp_path / 'cache')
-    base = ['--data-path', str(data / 'docs_text_document'), '--data-cache-path', cache,
-            '--split', '90,5,5']
+    base = [
+        '--data-path',
+        str(data / 'docs_text_document'),
+        '--data-cache-path',
+        cache,
+        '--split',
+        '90,5,5',
+    ]
 
     # train-iters-0: evaluation only, exit 0.
     code, out, err = _run(base + ['--train-iters', '0'])
@@ -202,13 +283,24 @@ def test_data_and_checkpoint_errors(data, tmp_path):
     numpy.save(target, numpy.array([{'x': 1}], dtype=object), allow_pickle=True)
     code, out, err = _run(base + ['--train-iters', '0'])
     assert code == 1
-    assert re.search(rf'^error: dataset cache file {target} is corrupt or was not written by '
-                     rf'Megatron \(not a plain numpy array: .*\); delete it \(or its cache '
-                     rf'directory {cache}\) so the indices are rebuilt$', _one_error_line(err)), err
+    assert re.search(
+        rf'^error: dataset cache file {target} is corrupt or was not written by '
+        rf'Megatron \(not a plain numpy array: .*\); delete it \(or its cache '
+        rf'directory {cache}\) so the indices are rebuilt$',
+        _one_error_line(err),
+    ), err
 
     # empty-train-split.
-    code, out, err = _run(['--data-path', str(data / 'docs_text_document'), '--data-cache-path',
-                           cache, '--split', '0,100,0'])
+    code, out, err = _run(
+        [
+            '--data-path',
+            str(data / 'docs_text_document'),
+            '--data-cache-path',
+            cache,
+            '--split',
+            '0,100,0',
+        ]
+    )
     assert code == 1
     assert _one_error_line(err) == (
         'error: the training data yields no samples (--split 0,100,0), but --train-iters 2 asks '
@@ -218,8 +310,11 @@ def test_data_and_checkpoint_errors(data, tmp_path):
 
     # bin-larger / bin-truncated.
     for name, pattern in (
-        ('larger', r'^error: {p}\.bin has \d+ bytes but its index {p}\.idx describes \d+: the '
-                   r'\.bin and \.idx come from different preprocessing runs$'),
+        (
+            'larger',
+            r'^error: {p}\.bin has \d+ bytes but its index {p}\.idx describes \d+: the '
+            r'\.bin and \.idx come from different preprocessing runs$',
+        ),
         ('truncated', r'^error: {p}\.bin: truncated data file \(\d+ bytes, the index needs \d+\)$'),
     ):
         prefix = str(data / f'{name}_text_document')
@@ -235,8 +330,11 @@ def test_data_and_checkpoint_errors(data, tmp_path):
     _tracker(ckpt, 2)
     code, out, err = _run(['--mock-data', '--load', ckpt])
     assert code == 1
-    assert re.search(rf'^error: checkpoint file {name} cannot be loaded as weights only \(tensors '
-                     rf'and plain data\): .*GLOBAL', _one_error_line(err)), err
+    assert re.search(
+        rf'^error: checkpoint file {name} cannot be loaded as weights only \(tensors '
+        rf'and plain data\): .*GLOBAL',
+        _one_error_line(err),
+    ), err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,8 +343,14 @@ def test_data_and_checkpoint_errors(data, tmp_path):
 
 def test_every_documented_row_is_exercised():
     ids = set(re.findall(r'^\| ([a-z0-9-]+) \|', open(DOC).read(), flags=re.M)) - {'id'}
-    here = set(PRE_INIT) | {'bin-larger', 'bin-truncated', 'cache-corrupt', 'checkpoint-planted',
-                            'empty-train-split', 'train-iters-0'}
+    here = set(PRE_INIT) | {
+        'bin-larger',
+        'bin-truncated',
+        'cache-corrupt',
+        'checkpoint-planted',
+        'empty-train-split',
+        'train-iters-0',
+    }
     assert set(ids) == here | set(ELSEWHERE), sorted(set(ids) ^ (here | set(ELSEWHERE)))
     for case, path in ELSEWHERE.items():
         assert os.path.isfile(os.path.join(REPO, path)), path

@@ -11,30 +11,43 @@ from tests.functional_tests.torchrun_utils import Launcher, free_port, losses
 
 
 def _standalone(nproc, port, *extra):
-    return ['--nproc-per-node', str(nproc), '--master-addr', '127.0.0.1',
-            '--master-port', str(port), *extra]
+    return [
+        '--nproc-per-node',
+        str(nproc),
+        '--master-addr',
+        '127.0.0.1',
+        '--master-port',
+        str(port),
+        *extra,
+    ]
 
 
 def test_argument_error_is_one_line_once_under_torchrun(tmp_path):
-    run = Launcher(_standalone(2, free_port()),
-                   ['--global-batch-size', '4', '--train-iters', '2',
-                    '--tensor-model-parallel-size', '3'], str(tmp_path / 'log'))
+    run = Launcher(
+        _standalone(2, free_port()),
+        ['--global-batch-size', '4', '--train-iters', '2', '--tensor-model-parallel-size', '3'],
+        str(tmp_path / 'log'),
+    )
     try:
         assert run.wait(300) == 1
     finally:
         run.kill()
     text = run.output()
-    expected = ('error: world size (2) is not divisible by --tensor-model-parallel-size (3) x '
-                '--pipeline-model-parallel-size (1) x --context-parallel-size (1) = 3')
+    expected = (
+        'error: world size (2) is not divisible by --tensor-model-parallel-size (3) x '
+        '--pipeline-model-parallel-size (1) x --context-parallel-size (1) = 3'
+    )
     assert [line for line in text.splitlines() if 'error:' in line] == [expected], text
     # No worker traceback (torchrun's own failure summary follows, from the launcher).
     assert 'pretrain_gpt.py", line' not in text and '[rank' not in text, text
 
 
 def test_frozen_rank_is_reported_by_the_watchdog(tmp_path):
-    run = Launcher(_standalone(2, free_port()),
-                   ['--global-batch-size', '4', '--train-iters', '100000',
-                    '--watchdog-timeout', '6'], str(tmp_path / 'log'))
+    run = Launcher(
+        _standalone(2, free_port()),
+        ['--global-batch-size', '4', '--train-iters', '100000', '--watchdog-timeout', '6'],
+        str(tmp_path / 'log'),
+    )
     try:
         run.wait_for(r'iteration +3/', 120)
         frozen = run.worker_pid(1)
@@ -44,10 +57,14 @@ def test_frozen_rank_is_reported_by_the_watchdog(tmp_path):
         # Found after the timeout, long before --distributed-timeout-minutes (10 min).
         assert time.time() - stopped_at < 30
         line = re.search(r'watchdog: .*', text).group(0)
-        assert re.search(r"rank 1 stopped making progress: no heartbeat for \d+ s \(last "
-                         r"heartbeat in 'training iteration' at iteration \d+\)", line), line
-        assert re.search(r"rank 0 has waited \d+ s in 'training iteration' at iteration \d+",
-                         line), line
+        assert re.search(
+            r"rank 1 stopped making progress: no heartbeat for \d+ s \(last "
+            r"heartbeat in 'training iteration' at iteration \d+\)",
+            line,
+        ), line
+        assert re.search(
+            r"rank 0 has waited \d+ s in 'training iteration' at iteration \d+", line
+        ), line
         assert text.count('watchdog:') == 1
         # torchrun saw rank 0 exit and stops the job; the stopped rank cannot act on the
         # launcher's SIGTERM, so spare the test torchrun's 30 s grace period.
@@ -60,9 +77,11 @@ def test_frozen_rank_is_reported_by_the_watchdog(tmp_path):
 
 
 def test_workers_exit_when_the_launcher_dies(tmp_path):
-    run = Launcher(_standalone(2, free_port()),
-                   ['--global-batch-size', '4', '--train-iters', '100000'],
-                   str(tmp_path / 'log'))
+    run = Launcher(
+        _standalone(2, free_port()),
+        ['--global-batch-size', '4', '--train-iters', '100000'],
+        str(tmp_path / 'log'),
+    )
     try:
         run.wait_for(r'iteration +2/', 120)
         workers = [run.worker_pid(0), run.worker_pid(1)]
@@ -71,8 +90,12 @@ def test_workers_exit_when_the_launcher_dies(tmp_path):
         deadline = time.time() + 15
         while time.time() < deadline and any(os.path.exists(f'/proc/{w}') for w in workers):
             time.sleep(0.2)
-        alive = [w for w in workers if os.path.exists(f'/proc/{w}')
-                 and open(f'/proc/{w}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z']
+        alive = [
+            w
+            for w in workers
+            if os.path.exists(f'/proc/{w}')
+            and open(f'/proc/{w}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z'
+        ]
         assert alive == [], 'orphaned workers still running'
         assert 'the launcher (pid %d) is gone; exiting' % run.proc.pid in run.output()
     finally:
@@ -92,8 +115,11 @@ def test_max_restarts_resumes_with_uninterrupted_losses(tmp_path):
     assert sorted(reference) == list(range(1, 13))
 
     ckpt = str(tmp_path / 'ckpt')
-    run = Launcher(_standalone(2, free_port(), '--max-restarts', '1'),
-                   TRAIN + ['--save', ckpt, '--load', ckpt], str(tmp_path / 'run.log'))
+    run = Launcher(
+        _standalone(2, free_port(), '--max-restarts', '1'),
+        TRAIN + ['--save', ckpt, '--load', ckpt],
+        str(tmp_path / 'run.log'),
+    )
     try:
         run.wait_for(r'successfully saved checkpoint from iteration +6 ', 300)
         os.kill(run.worker_pid(1), signal.SIGKILL)
@@ -101,10 +127,16 @@ def test_max_restarts_resumes_with_uninterrupted_losses(tmp_path):
     finally:
         run.kill()
     text = run.output()
-    resumed = [int(i) for i in re.findall(r'successfully loaded checkpoint from .* at iteration '
-                                          r'(\d+)', text)]
+    resumed = [
+        int(i)
+        for i in re.findall(
+            r'successfully loaded checkpoint from .* at iteration '
+            r'(\d+)',
+            text,
+        )
+    ]
     assert resumed and resumed[0] >= 6 and resumed[0] % 3 == 0, text[-3000:]
-    after = text[text.index('successfully loaded checkpoint'):]
+    after = text[text.index('successfully loaded checkpoint') :]
     got = losses(after)
     assert sorted(got) == list(range(resumed[0] + 1, 13))
     for it, loss in got.items():
@@ -114,8 +146,18 @@ def test_max_restarts_resumes_with_uninterrupted_losses(tmp_path):
 
 def _two_nodes(tmp_path, name, train_args):
     port = free_port()
-    rdzv = ['--nnodes', '2', '--nproc-per-node', '2', '--rdzv-backend', 'c10d',
-            '--rdzv-endpoint', f'127.0.0.1:{port}', '--rdzv-id', f'reliab-{name}']
+    rdzv = [
+        '--nnodes',
+        '2',
+        '--nproc-per-node',
+        '2',
+        '--rdzv-backend',
+        'c10d',
+        '--rdzv-endpoint',
+        f'127.0.0.1:{port}',
+        '--rdzv-id',
+        f'reliab-{name}',
+    ]
     nodes = [Launcher(rdzv, train_args, str(tmp_path / f'{name}-node{i}.log')) for i in range(2)]
     try:
         codes = [node.wait(300) for node in nodes]
@@ -129,8 +171,18 @@ def _two_nodes(tmp_path, name, train_args):
 
 def test_two_nodes_on_one_machine_train_and_resume(tmp_path):
     ckpt = str(tmp_path / 'ckpt')
-    common = ['--global-batch-size', '8', '--train-iters', '8', '--save', ckpt, '--load', ckpt,
-              '--save-interval', '4']
+    common = [
+        '--global-batch-size',
+        '8',
+        '--train-iters',
+        '8',
+        '--save',
+        ckpt,
+        '--load',
+        ckpt,
+        '--save-interval',
+        '4',
+    ]
     first = _two_nodes(tmp_path, 'first', common + ['--exit-interval', '4'])
     assert 'number of skipped iterations' in first
     assert re.search(r'iteration +4/ +8 \|', first) and not re.search(r'iteration +5/', first)

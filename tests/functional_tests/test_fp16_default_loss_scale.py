@@ -11,8 +11,19 @@ from tests.functional_tests.gpt_utils import run_pretrain
 from tests.unit_tests.dist_utils import run_distributed
 
 TRAIN_ITERS = 20
-SMALL = ['--hidden-size', '32', '--micro-batch-size', '2', '--global-batch-size', '4',
-         '--mock-data', '--eval-iters', '1', '--lr', '1e-3']
+SMALL = [
+    '--hidden-size',
+    '32',
+    '--micro-batch-size',
+    '2',
+    '--global-batch-size',
+    '4',
+    '--mock-data',
+    '--eval-iters',
+    '1',
+    '--lr',
+    '1e-3',
+]
 
 
 def _log(stdout):
@@ -31,12 +42,13 @@ def _log(stdout):
 
 def test_fp16_default_loss_scale_skips_overflow_then_trains():
     extra = SMALL + ['--fp16', '--train-iters', str(TRAIN_ITERS)]
-    result = run_distributed(run_pretrain, world_size=1, args=(extra,),
-                             kwargs={'capture_stdout': True}, timeout=600)[0]
+    result = run_distributed(
+        run_pretrain, world_size=1, args=(extra,), kwargs={'capture_stdout': True}, timeout=600
+    )[0]
     log = _log(result['stdout'])
     assert sorted(log) == list(range(1, TRAIN_ITERS + 1))
     # Hysteresis 2: the first overflow only spends the hysteresis, every further one halves.
-    assert log[1] == (2.0 ** 32, 1, None)
+    assert log[1] == (2.0**32, 1, None)
     first_trained = min(it for it, (_, skipped, _) in log.items() if skipped == 0)
     assert 2 < first_trained < TRAIN_ITERS
     for it in range(2, first_trained):
@@ -48,7 +60,10 @@ def test_fp16_default_loss_scale_skips_overflow_then_trains():
 
 
 def test_fp16_overflow_at_minimum_scale_is_a_real_nan():
-    extra = SMALL + ['--fp16', '--train-iters', '6', '--min-loss-scale', str(2.0 ** 30)]
-    with pytest.raises(RuntimeError, match=r'iteration 4: inf/NaN gradients at the minimum loss '
-                                           r'scale \(1073741824.0, --min-loss-scale\)'):
+    extra = SMALL + ['--fp16', '--train-iters', '6', '--min-loss-scale', str(2.0**30)]
+    with pytest.raises(
+        RuntimeError,
+        match=r'iteration 4: inf/NaN gradients at the minimum loss '
+        r'scale \(1073741824.0, --min-loss-scale\)',
+    ):
         run_distributed(run_pretrain, world_size=1, args=(extra,), timeout=600)

@@ -20,14 +20,34 @@ def _scalars(acc, tag):
 def test_fp16_overflow_is_skipped_and_loss_falls(gpt_data_prefix, tmp_path):
     tb_dir = tmp_path / 'tb'
     extra = [
-        '--fp16', '--initial-loss-scale', '4096', '--hysteresis', '1',
-        '--micro-batch-size', '4', '--global-batch-size', '8', '--train-iters', str(TRAIN_ITERS),
-        '--eval-iters', '1', '--no-check-for-nan-in-loss-and-grad',
-        '--data-path', gpt_data_prefix, '--data-cache-path', str(tmp_path / 'cache'),
-        '--tensorboard-dir', str(tb_dir),
+        '--fp16',
+        '--initial-loss-scale',
+        '4096',
+        '--hysteresis',
+        '1',
+        '--micro-batch-size',
+        '4',
+        '--global-batch-size',
+        '8',
+        '--train-iters',
+        str(TRAIN_ITERS),
+        '--eval-iters',
+        '1',
+        '--no-check-for-nan-in-loss-and-grad',
+        '--data-path',
+        gpt_data_prefix,
+        '--data-cache-path',
+        str(tmp_path / 'cache'),
+        '--tensorboard-dir',
+        str(tb_dir),
     ]
-    result = run_distributed(run_pretrain, world_size=1, args=(extra,),
-                             kwargs={'inject_overflow_at': INJECT_AT, 'capture_stdout': True}, timeout=600)[0]
+    result = run_distributed(
+        run_pretrain,
+        world_size=1,
+        args=(extra,),
+        kwargs={'inject_overflow_at': INJECT_AT, 'capture_stdout': True},
+        timeout=600,
+    )[0]
     acc = EventAccumulator(str(tb_dir))
     acc.Reload()
     scale = _scalars(acc, 'loss-scale')
@@ -45,9 +65,14 @@ def test_fp16_overflow_is_skipped_and_loss_falls(gpt_data_prefix, tmp_path):
     assert all(lr[it] != lr[it - 1] for it in range(2, TRAIN_ITERS + 1) if it != INJECT_AT)
 
     lines = [l for l in result['stdout'].splitlines() if 'consumed samples:' in l]
-    skipped = [int(re.search(r'number of skipped iterations: +(\d+) \|', l).group(1)) for l in lines]
+    skipped = [
+        int(re.search(r'number of skipped iterations: +(\d+) \|', l).group(1)) for l in lines
+    ]
     assert skipped == [1 if it == INJECT_AT else 0 for it in range(1, TRAIN_ITERS + 1)]
-    assert ' validation loss at iteration 12 on 8-sample draw from validation set |' in result['stdout']
+    assert (
+        ' validation loss at iteration 12 on 8-sample draw from validation set |'
+        in result['stdout']
+    )
 
     # fp16 training still learns on real text.
     assert losses[TRAIN_ITERS] < losses[1] - 0.5

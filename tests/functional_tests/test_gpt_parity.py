@@ -28,13 +28,32 @@ LAYOUTS = {
 def _run(layout, data_prefix, cache):
     world, tp, pp, mbs = LAYOUTS[layout]
     extra = [
-        '--tensor-model-parallel-size', str(tp), '--pipeline-model-parallel-size', str(pp),
-        '--micro-batch-size', str(mbs), '--global-batch-size', '8',
-        '--train-iters', str(TRAIN_ITERS), '--eval-iters', '2',
-        '--data-path', data_prefix, '--data-cache-path', cache,
+        '--tensor-model-parallel-size',
+        str(tp),
+        '--pipeline-model-parallel-size',
+        str(pp),
+        '--micro-batch-size',
+        str(mbs),
+        '--global-batch-size',
+        '8',
+        '--train-iters',
+        str(TRAIN_ITERS),
+        '--eval-iters',
+        '2',
+        '--data-path',
+        data_prefix,
+        '--data-cache-path',
+        cache,
     ]
-    results = run_distributed(run_pretrain, world_size=world, tp=tp, pp=pp, args=(extra,),
-                              kwargs={'reference_weights': True}, timeout=600)
+    results = run_distributed(
+        run_pretrain,
+        world_size=world,
+        tp=tp,
+        pp=pp,
+        args=(extra,),
+        kwargs={'reference_weights': True},
+        timeout=600,
+    )
     return results[-1]  # the last rank is on the last pipeline stage and holds the losses
 
 
@@ -59,20 +78,53 @@ def test_layout_matches_reference(layout, reference, gpt_data_prefix, tmp_path_f
     result = _run(layout, gpt_data_prefix, str(tmp_path_factory.mktemp('cache')))
     assert result['iteration'] == TRAIN_ITERS
     assert _losses(result) == pytest.approx(_losses(reference), rel=RTOL)
-    assert result['valid_losses']['lm loss'] == pytest.approx(reference['valid_losses']['lm loss'], rel=RTOL)
+    assert result['valid_losses']['lm loss'] == pytest.approx(
+        reference['valid_losses']['lm loss'], rel=RTOL
+    )
 
 
 def test_interleaved_pipeline_matches_reference(gpt_data_prefix, tmp_path_factory):
     """4 layers: TP1/PP2 with 2 virtual stages per rank (interleaved schedule) vs one process."""
-    base = ['--num-layers', '4', '--micro-batch-size', '2', '--global-batch-size', '8',
-            '--train-iters', '10', '--eval-iters', '1', '--data-path', gpt_data_prefix]
-    ref = run_distributed(run_pretrain, world_size=1, args=(base + ['--data-cache-path', str(tmp_path_factory.mktemp('c'))],),
-                          kwargs={'reference_weights': True}, timeout=600)[-1]
+    base = [
+        '--num-layers',
+        '4',
+        '--micro-batch-size',
+        '2',
+        '--global-batch-size',
+        '8',
+        '--train-iters',
+        '10',
+        '--eval-iters',
+        '1',
+        '--data-path',
+        gpt_data_prefix,
+    ]
+    ref = run_distributed(
+        run_pretrain,
+        world_size=1,
+        args=(base + ['--data-cache-path', str(tmp_path_factory.mktemp('c'))],),
+        kwargs={'reference_weights': True},
+        timeout=600,
+    )[-1]
     vpp = run_distributed(
-        run_pretrain, world_size=2, pp=2, vpp=2,
-        args=(base + ['--pipeline-model-parallel-size', '2', '--num-layers-per-virtual-pipeline-stage', '1',
-                      '--data-cache-path', str(tmp_path_factory.mktemp('c'))],),
-        kwargs={'reference_weights': True}, timeout=600)[-1]
+        run_pretrain,
+        world_size=2,
+        pp=2,
+        vpp=2,
+        args=(
+            base
+            + [
+                '--pipeline-model-parallel-size',
+                '2',
+                '--num-layers-per-virtual-pipeline-stage',
+                '1',
+                '--data-cache-path',
+                str(tmp_path_factory.mktemp('c')),
+            ],
+        ),
+        kwargs={'reference_weights': True},
+        timeout=600,
+    )[-1]
     ref_losses = [ref['train_losses'][i]['lm loss'] for i in range(1, 11)]
     vpp_losses = [vpp['train_losses'][i]['lm loss'] for i in range(1, 11)]
     assert vpp_losses == pytest.approx(ref_losses, rel=RTOL)

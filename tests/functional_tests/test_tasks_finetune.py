@@ -19,11 +19,32 @@ from tests.unit_tests.dist_utils import run_distributed
 
 BERT_VOCAB = os.path.join(REPO, 'data', 'bert', 'bert-vocab.txt')
 TINY_BERT = [
-    '--num-layers', '2', '--hidden-size', '64', '--num-attention-heads', '4',
-    '--seq-length', '64', '--max-position-embeddings', '64', '--micro-batch-size', '8',
-    '--vocab-file', BERT_VOCAB, '--num-workers', '0', '--log-interval', '10',
-    '--hidden-dropout', '0.0', '--attention-dropout', '0.0', '--make-vocab-size-divisible-by', '32',
-    '--seed', '1234',
+    '--num-layers',
+    '2',
+    '--hidden-size',
+    '64',
+    '--num-attention-heads',
+    '4',
+    '--seq-length',
+    '64',
+    '--max-position-embeddings',
+    '64',
+    '--micro-batch-size',
+    '8',
+    '--vocab-file',
+    BERT_VOCAB,
+    '--num-workers',
+    '0',
+    '--log-interval',
+    '10',
+    '--hidden-dropout',
+    '0.0',
+    '--attention-dropout',
+    '0.0',
+    '--make-vocab-size-divisible-by',
+    '32',
+    '--seed',
+    '1234',
 ]
 
 
@@ -32,22 +53,44 @@ def data(tmp_path_factory):
     sys.path.insert(0, REPO)
     from tasks.make_fixture_data import build_all
 
-    return build_all(str(tmp_path_factory.mktemp('task_data')), race_train_docs=3,
-                     race_dev_docs=3, lambada=2, wiki_paragraphs=2)
+    return build_all(
+        str(tmp_path_factory.mktemp('task_data')),
+        race_train_docs=3,
+        race_dev_docs=3,
+        lambada=2,
+        wiki_paragraphs=2,
+    )
 
 
 def _run(args):
-    (result, stdout), = run_distributed(run_task, world_size=1, args=(args,), timeout=600)
+    ((result, stdout),) = run_distributed(run_task, world_size=1, args=(args,), timeout=600)
     return result, stdout
 
 
 def test_mnli_finetune_then_evaluate_only(data, tmp_path):
     save = str(tmp_path / 'mnli')
     dev = os.path.join(data, 'MNLI', 'dev_matched.tsv')
-    result, stdout = _run(['--task', 'MNLI', '--epochs', '4', '--lr', '1e-3',
-                           '--train-data', os.path.join(data, 'MNLI', 'train.tsv'),
-                           '--valid-data', dev, '--save', save, '--save-interval', '10000',
-                           '--eval-interval', '1000'] + TINY_BERT)
+    result, stdout = _run(
+        [
+            '--task',
+            'MNLI',
+            '--epochs',
+            '4',
+            '--lr',
+            '1e-3',
+            '--train-data',
+            os.path.join(data, 'MNLI', 'train.tsv'),
+            '--valid-data',
+            dev,
+            '--save',
+            save,
+            '--save-interval',
+            '10000',
+            '--eval-interval',
+            '1000',
+        ]
+        + TINY_BERT
+    )
     lines = accuracy_lines(stdout)
     assert [(e, n) for e, n, _, _ in lines] == [(e, 'dev-matched') for e in range(4)]
     assert stdout.count('working on epoch ') == 4 and 'working on epoch 4 ...' in stdout
@@ -56,8 +99,21 @@ def test_mnli_finetune_then_evaluate_only(data, tmp_path):
     assert result[3]['overall'] == (correct, total)
     assert ' >> |epoch: 3| overall: correct / total = ' in stdout
 
-    result, stdout = _run(['--task', 'MNLI', '--epochs', '0', '--valid-data', dev,
-                           '--load', save, '--no-load-optim', '--no-load-rng'] + TINY_BERT)
+    result, stdout = _run(
+        [
+            '--task',
+            'MNLI',
+            '--epochs',
+            '0',
+            '--valid-data',
+            dev,
+            '--load',
+            save,
+            '--no-load-optim',
+            '--no-load-rng',
+        ]
+        + TINY_BERT
+    )
     assert accuracy_lines(stdout) == [(-1, 'dev-matched', correct, total)]
     assert result[-1]['overall'] == (correct, total)
 
@@ -71,10 +127,22 @@ def _free_port():
 
 
 def _one_line_error(args):
-    env = dict(os.environ, PYTHONPATH=REPO, MASTER_ADDR='127.0.0.1', MASTER_PORT=str(_free_port()),
-               RANK='0', WORLD_SIZE='1', LOCAL_RANK='0')
-    proc = subprocess.run([sys.executable, os.path.join(REPO, 'tasks', 'main.py'), *args,
-                           *TINY_BERT], capture_output=True, text=True, timeout=300, env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=REPO,
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=str(_free_port()),
+        RANK='0',
+        WORLD_SIZE='1',
+        LOCAL_RANK='0',
+    )
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, 'tasks', 'main.py'), *args, *TINY_BERT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith('error: '), proc.stderr
@@ -104,10 +172,25 @@ def test_bad_inputs_fail_before_training(data, tmp_path):
 def _pretrain_bert(save, data_prefix):
     from tests.functional_tests.bert_utils import run_bert_pretrain
 
-    return run_bert_pretrain(['--micro-batch-size', '2', '--global-batch-size', '2',
-                              '--train-iters', '4', '--eval-iters', '1', '--data-path',
-                              data_prefix, '--save', save, '--save-interval', '4',
-                              '--bert-no-binary-head'])
+    return run_bert_pretrain(
+        [
+            '--micro-batch-size',
+            '2',
+            '--global-batch-size',
+            '2',
+            '--train-iters',
+            '4',
+            '--eval-iters',
+            '1',
+            '--data-path',
+            data_prefix,
+            '--save',
+            save,
+            '--save-interval',
+            '4',
+            '--bert-no-binary-head',
+        ]
+    )
 
 
 @pytest.fixture(scope='module')
@@ -116,9 +199,12 @@ def bert_document_prefix(tmp_path_factory):
     NLTK model needed)."""
     from tests.functional_tests.gpt_utils import preprocess_once
 
-    return preprocess_once(str(tmp_path_factory.mktemp('bert_doc')), 'mobydick', 'document',
-                           ['--tokenizer-type', 'BertWordPieceLowerCase', '--vocab-file',
-                            BERT_VOCAB])
+    return preprocess_once(
+        str(tmp_path_factory.mktemp('bert_doc')),
+        'mobydick',
+        'document',
+        ['--tokenizer-type', 'BertWordPieceLowerCase', '--vocab-file', BERT_VOCAB],
+    )
 
 
 def test_finetune_from_pretrained_bert(data, tmp_path, bert_document_prefix):
@@ -128,15 +214,37 @@ def test_finetune_from_pretrained_bert(data, tmp_path, bert_document_prefix):
     from tests.functional_tests.bert_utils import TINY_BERT_ARGS
 
     pretrained = str(tmp_path / 'bert')
-    run_distributed(_pretrain_bert, world_size=1, args=(pretrained, bert_document_prefix),
-                    timeout=600)
-    size = TINY_BERT_ARGS[:TINY_BERT_ARGS.index('--lr')]  # the architecture flags, seq 32
-    result, stdout = _run(['--task', 'MNLI', '--epochs', '1', '--lr', '1e-3',
-                           '--train-data', os.path.join(data, 'MNLI', 'train.tsv'),
-                           '--valid-data', os.path.join(data, 'MNLI', 'dev_matched.tsv'),
-                           '--pretrained-checkpoint', pretrained, '--micro-batch-size', '8',
-                           '--vocab-file', BERT_VOCAB, '--num-workers', '0',
-                           '--log-interval', '10', '--eval-interval', '1000'] + size)
+    run_distributed(
+        _pretrain_bert, world_size=1, args=(pretrained, bert_document_prefix), timeout=600
+    )
+    size = TINY_BERT_ARGS[: TINY_BERT_ARGS.index('--lr')]  # the architecture flags, seq 32
+    result, stdout = _run(
+        [
+            '--task',
+            'MNLI',
+            '--epochs',
+            '1',
+            '--lr',
+            '1e-3',
+            '--train-data',
+            os.path.join(data, 'MNLI', 'train.tsv'),
+            '--valid-data',
+            os.path.join(data, 'MNLI', 'dev_matched.tsv'),
+            '--pretrained-checkpoint',
+            pretrained,
+            '--micro-batch-size',
+            '8',
+            '--vocab-file',
+            BERT_VOCAB,
+            '--num-workers',
+            '0',
+            '--log-interval',
+            '10',
+            '--eval-interval',
+            '1000',
+        ]
+        + size
+    )
     assert f'successfully loaded checkpoint from {pretrained}' in stdout
     assert 'at iteration 0' in stdout
     assert 'could not find "classification_head" in the pretrained checkpoint' in stdout
@@ -150,19 +258,57 @@ def test_race_finetune_then_evaluate_only(tmp_path):
     sys.path.insert(0, REPO)
     from tasks.make_fixture_data import build_all
 
-    data = build_all(str(tmp_path / 'data'), n_train=3, n_dev=3, race_train_docs=30,
-                     race_dev_docs=12, lambada=2, wiki_paragraphs=2)
+    data = build_all(
+        str(tmp_path / 'data'),
+        n_train=3,
+        n_dev=3,
+        race_train_docs=30,
+        race_dev_docs=12,
+        lambada=2,
+        wiki_paragraphs=2,
+    )
     save = str(tmp_path / 'race')
     dev = os.path.join(data, 'RACE', 'dev', 'middle')
-    result, stdout = _run(['--task', 'RACE', '--epochs', '1', '--lr', '1e-3',
-                           '--train-data', os.path.join(data, 'RACE', 'train', 'middle'),
-                           '--valid-data', dev, '--save', save, '--save-interval', '10000',
-                           '--eval-interval', '1000', '--micro-batch-size', '4']
-                          + TINY_BERT[:TINY_BERT.index('--micro-batch-size')]
-                          + TINY_BERT[TINY_BERT.index('--micro-batch-size') + 2:])
-    (epoch, name, correct, total), = accuracy_lines(stdout)
+    result, stdout = _run(
+        [
+            '--task',
+            'RACE',
+            '--epochs',
+            '1',
+            '--lr',
+            '1e-3',
+            '--train-data',
+            os.path.join(data, 'RACE', 'train', 'middle'),
+            '--valid-data',
+            dev,
+            '--save',
+            save,
+            '--save-interval',
+            '10000',
+            '--eval-interval',
+            '1000',
+            '--micro-batch-size',
+            '4',
+        ]
+        + TINY_BERT[: TINY_BERT.index('--micro-batch-size')]
+        + TINY_BERT[TINY_BERT.index('--micro-batch-size') + 2 :]
+    )
+    ((epoch, name, correct, total),) = accuracy_lines(stdout)
     assert (epoch, name, total) == (0, 'dev-middle', 24)  # 12 documents x 2 questions
     assert 'global batch size:    16 |' in stdout  # 4 questions x 4 options
-    result, stdout = _run(['--task', 'RACE', '--epochs', '0', '--valid-data', dev,
-                           '--load', save, '--no-load-optim', '--no-load-rng'] + TINY_BERT)
+    result, stdout = _run(
+        [
+            '--task',
+            'RACE',
+            '--epochs',
+            '0',
+            '--valid-data',
+            dev,
+            '--load',
+            save,
+            '--no-load-optim',
+            '--no-load-rng',
+        ]
+        + TINY_BERT
+    )
     assert accuracy_lines(stdout) == [(-1, 'dev-middle', correct, total)]

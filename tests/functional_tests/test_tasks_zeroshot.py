@@ -36,8 +36,14 @@ def _tokenizer():
 def make_hf_model():
     """A random tiny GPT-2 on the GPT-2 vocabulary."""
     config = transformers.GPT2Config(
-        vocab_size=50257, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=50257,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).eval()
@@ -56,16 +62,36 @@ def setup(tmp_path_factory):
     hf_dir = str(tmp / 'hf')
     hf.save_pretrained(hf_dir, safe_serialization=True)
     dirs = {'tp1': str(tmp / 'tp1'), 'tp2pp2': str(tmp / 'tp2pp2')}
-    cu.convert('--loader', 'hf', '--saver', 'mcore', '--load-dir', hf_dir,
-               '--save-dir', dirs['tp1'])
-    cu.convert('--loader', 'hf', '--saver', 'mcore', '--load-dir', hf_dir,
-               '--save-dir', dirs['tp2pp2'], '--target-tensor-parallel-size', '2',
-               '--target-pipeline-parallel-size', '2')
+    cu.convert(
+        '--loader', 'hf', '--saver', 'mcore', '--load-dir', hf_dir, '--save-dir', dirs['tp1']
+    )
+    cu.convert(
+        '--loader',
+        'hf',
+        '--saver',
+        'mcore',
+        '--load-dir',
+        hf_dir,
+        '--save-dir',
+        dirs['tp2pp2'],
+        '--target-tensor-parallel-size',
+        '2',
+        '--target-pipeline-parallel-size',
+        '2',
+    )
     # The embedding rows that pad the vocabulary (to a multiple of 128 x TP) at each layout.
-    pad_rows = {k: cu.full_model(d)[0]['embedding.word_embeddings.weight'][50257:]
-                for k, d in dirs.items()}
-    data = build_all(str(tmp / 'data'), n_train=3, n_dev=3, race_train_docs=3, race_dev_docs=3,
-                     lambada=0, wiki_paragraphs=12)
+    pad_rows = {
+        k: cu.full_model(d)[0]['embedding.word_embeddings.weight'][50257:] for k, d in dirs.items()
+    }
+    data = build_all(
+        str(tmp / 'data'),
+        n_train=3,
+        n_dev=3,
+        race_train_docs=3,
+        race_dev_docs=3,
+        lambada=0,
+        wiki_paragraphs=12,
+    )
     _write_lambada(hf, os.path.join(data, 'lambada_test.jsonl'))
     return hf, dirs, data, pad_rows
 
@@ -79,7 +105,7 @@ def _write_lambada(hf, path):
         words = json.loads(f.readline())['text'].split()
     lines, made = [], 0
     for i in range(24):
-        text = ' '.join(words[i * 12:(i + 1) * 12])
+        text = ' '.join(words[i * 12 : (i + 1) * 12])
         if i % 2 == 0:
             ids = tok.tokenize(text)
             with torch.no_grad():
@@ -120,12 +146,16 @@ def expected_wikitext(hf, path, pad_rows):
     for t in range(1, len(ids)):
         start = 0 if t <= SEQ else STRIDE * math.ceil((t - SEQ) / STRIDE)
         if start not in cache:
-            cache[start] = _log_probs(hf, ids[start:start + SEQ], pad_rows)
+            cache[start] = _log_probs(hf, ids[start : start + SEQ], pad_rows)
         nll -= float(cache[start][t - 1 - start, ids[t]])
     avg = nll / (len(ids) - 1)
     ratio = (len(ids) - 1) / (num_words - 1)
-    return {'avg loss': avg, 'ppl': math.exp(min(20, avg)),
-            'adjusted ppl': math.exp(min(20, avg * ratio)), 'token ratio': ratio}
+    return {
+        'avg loss': avg,
+        'ppl': math.exp(min(20, avg)),
+        'adjusted ppl': math.exp(min(20, avg * ratio)),
+        'token ratio': ratio,
+    }
 
 
 def expected_lambada(hf, path, strict, pad_rows):
@@ -136,23 +166,43 @@ def expected_lambada(hf, path, strict, pad_rows):
         text = json.loads(line)['text']
         if strict:
             word = text.split()[-1]
-            context = tok.tokenize(text[:text.rfind(word)].strip())
+            context = tok.tokenize(text[: text.rfind(word)].strip())
             target = tok.tokenize(' ' + word)
         else:
             ids = tok.tokenize(text)
             context, target = ids[:-1], ids[-1:]
         lp = _log_probs(hf, context + target, pad_rows)
-        preds = lp.argmax(-1)[len(context) - 1:len(context) - 1 + len(target)].tolist()
+        preds = lp.argmax(-1)[len(context) - 1 : len(context) - 1 + len(target)].tolist()
         correct += int(preds == target)
         total += 1
     return correct, total
 
 
 def _args(load, task, path, extra=()):
-    return ['--task', task, '--valid-data', path, '--load', load, '--use-checkpoint-args',
-            '--micro-batch-size', '3', '--tokenizer-type', 'GPT2BPETokenizer',
-            '--vocab-file', VOCAB_FILE, '--merge-file', MERGE_FILE, '--num-workers', '0',
-            '--no-load-rng', '--no-load-optim', '--log-interval', '100', *extra]
+    return [
+        '--task',
+        task,
+        '--valid-data',
+        path,
+        '--load',
+        load,
+        '--use-checkpoint-args',
+        '--micro-batch-size',
+        '3',
+        '--tokenizer-type',
+        'GPT2BPETokenizer',
+        '--vocab-file',
+        VOCAB_FILE,
+        '--merge-file',
+        MERGE_FILE,
+        '--num-workers',
+        '0',
+        '--no-load-rng',
+        '--no-load-optim',
+        '--log-interval',
+        '100',
+        *extra,
+    ]
 
 
 def _result(load, layout, args):
@@ -170,8 +220,11 @@ def _result(load, layout, args):
 def test_wikitext_perplexity(setup, layout):
     hf, dirs, data, pad_rows = setup
     path = os.path.join(data, 'wiki.test.tokens')
-    result, fields, line = _result(dirs[layout], layout, _args(
-        dirs[layout], 'WIKITEXT103', path, ['--overlapping-eval', str(STRIDE)]))
+    result, fields, line = _result(
+        dirs[layout],
+        layout,
+        _args(dirs[layout], 'WIKITEXT103', path, ['--overlapping-eval', str(STRIDE)]),
+    )
     expected = expected_wikitext(hf, path, pad_rows[layout])
     assert line.startswith(' validation results on WIKITEXT103 | avg loss: ')
     assert result['avg loss'] == pytest.approx(expected['avg loss'], rel=1e-5)

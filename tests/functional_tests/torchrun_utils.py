@@ -13,11 +13,37 @@ from tests.functional_tests.gpt_utils import MERGES, REPO, VOCAB
 
 #: A tiny GPT on mock data: start-up dominates, each iteration takes milliseconds.
 TINY = [
-    '--num-layers', '2', '--hidden-size', '32', '--num-attention-heads', '4',
-    '--seq-length', '16', '--max-position-embeddings', '16', '--micro-batch-size', '2',
-    '--lr', '1e-3', '--vocab-file', VOCAB, '--merge-file', MERGES, '--mock-data',
-    '--make-vocab-size-divisible-by', '64', '--log-interval', '1', '--eval-iters', '1',
-    '--eval-interval', '100000', '--seed', '1234', '--distributed-backend', 'gloo',
+    '--num-layers',
+    '2',
+    '--hidden-size',
+    '32',
+    '--num-attention-heads',
+    '4',
+    '--seq-length',
+    '16',
+    '--max-position-embeddings',
+    '16',
+    '--micro-batch-size',
+    '2',
+    '--lr',
+    '1e-3',
+    '--vocab-file',
+    VOCAB,
+    '--merge-file',
+    MERGES,
+    '--mock-data',
+    '--make-vocab-size-divisible-by',
+    '64',
+    '--log-interval',
+    '1',
+    '--eval-iters',
+    '1',
+    '--eval-interval',
+    '100000',
+    '--seed',
+    '1234',
+    '--distributed-backend',
+    'gloo',
 ]
 
 
@@ -32,12 +58,25 @@ class Launcher:
 
     def __init__(self, torchrun_args, train_args, log_path, env=None):
         self.log_path = log_path
-        cmd = [sys.executable, '-m', 'torch.distributed.run', *torchrun_args,
-               os.path.join(REPO, 'pretrain_gpt.py'), *TINY, *train_args]
+        cmd = [
+            sys.executable,
+            '-m',
+            'torch.distributed.run',
+            *torchrun_args,
+            os.path.join(REPO, 'pretrain_gpt.py'),
+            *TINY,
+            *train_args,
+        ]
         full_env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS='1', **(env or {}))
         self.log = open(log_path, 'w')
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=full_env, cwd=REPO, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=REPO,
+            start_new_session=True,
+        )
 
     def output(self) -> str:
         with open(self.log_path) as f:
@@ -54,8 +93,9 @@ class Launcher:
                 text = self.output()
                 if re.search(pattern, text):
                     return text
-                raise AssertionError(f'launcher exited ({self.proc.returncode}) before '
-                                     f'{pattern!r}:\n{text[-3000:]}')
+                raise AssertionError(
+                    f'launcher exited ({self.proc.returncode}) before {pattern!r}:\n{text[-3000:]}'
+                )
             time.sleep(0.2)
         raise AssertionError(f'no {pattern!r} within {timeout} s:\n{self.output()[-3000:]}')
 
@@ -63,8 +103,9 @@ class Launcher:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f'launcher still running after {timeout} s:\n'
-                                 f'{self.output()[-3000:]}') from None
+            raise AssertionError(
+                f'launcher still running after {timeout} s:\n{self.output()[-3000:]}'
+            ) from None
 
     def worker_pid(self, rank: int) -> int:
         """Pid of the worker with global rank `rank` among the launcher's children."""

@@ -38,7 +38,9 @@ def test_core_does_not_reach_into_training_layer():
                 name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
                 if name in TRAINING_GLOBALS:
                     offences.append(f"{path.relative_to(REPO)}:{node.lineno} calls {name}()")
-    assert not offences, "megatron/core must take configs, not the training layer:\n" + "\n".join(offences)
+    assert not offences, "megatron/core must take configs, not the training layer:\n" + "\n".join(
+        offences
+    )
 
 
 @pytest.mark.parametrize("top", ["tools", "tasks", "examples"])

@@ -57,8 +57,11 @@ def test_planted_gpt_cache_file_is_refused(corpus, tmp_path, kind):  # noqa: F81
         open(target, 'wb').write(data[: len(data) // 2])
     else:
         numpy.save(target, numpy.zeros((3, 2), dtype=numpy.int32))
-    with pytest.raises(CorruptCacheError, match=rf'dataset cache file {target} is corrupt or was '
-                                                rf'not written by Megatron .*delete it'):
+    with pytest.raises(
+        CorruptCacheError,
+        match=rf'dataset cache file {target} is corrupt or was '
+        rf'not written by Megatron .*delete it',
+    ):
         _build(cfg)
     assert not marker.exists(), 'the planted command ran'
 
@@ -88,10 +91,14 @@ def _plant_checkpoint(ckpt_dir, payload):
 
 def test_planted_checkpoint_is_refused(tmp_path):
     marker = tmp_path / 'marker'
-    name = _plant_checkpoint(str(tmp_path / 'ckpt'), {'model': {'w': torch.ones(2)},
-                                                       'rng_state': _Planted(marker)})
-    with pytest.raises(ValueError, match=rf'checkpoint file {name} cannot be loaded as weights '
-                                         rf'only .*unsupported GLOBAL posix.system'):
+    name = _plant_checkpoint(
+        str(tmp_path / 'ckpt'), {'model': {'w': torch.ones(2)}, 'rng_state': _Planted(marker)}
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf'checkpoint file {name} cannot be loaded as weights '
+        rf'only .*unsupported GLOBAL posix.system',
+    ):
         checkpointing._load_base_checkpoint(str(tmp_path / 'ckpt'), rank0=True)
     assert not marker.exists()
 
@@ -105,8 +112,10 @@ def test_planted_args_are_refused(tmp_path):
         checkpointing.load_args_from_checkpoint(args)
     assert not marker.exists()
     # The same file with plain args loads: the refusal is about the planted object only.
-    _plant_checkpoint(str(tmp_path / 'ok'), {'args': argparse.Namespace(num_layers=3),
-                                             'iteration': 2, 'checkpoint_version': 3.0})
+    _plant_checkpoint(
+        str(tmp_path / 'ok'),
+        {'args': argparse.Namespace(num_layers=3), 'iteration': 2, 'checkpoint_version': 3.0},
+    )
     args = argparse.Namespace(load=str(tmp_path / 'ok'), ckpt_step=None, num_layers=None)
     checkpointing.load_args_from_checkpoint(args)
     assert args.num_layers == 3

@@ -58,7 +58,9 @@ class MegatronDataset(ABC, torch.utils.data.Dataset):
         self.unique_description = json.dumps(
             self.unique_identifiers, indent=4, default=lambda obj: obj.unique_identifiers
         )
-        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+        self.unique_description_hash = hashlib.md5(
+            self.unique_description.encode("utf-8")
+        ).hexdigest()
         self.built_anew_on_cache_miss = False
 
     @staticmethod
@@ -67,7 +69,9 @@ class MegatronDataset(ABC, torch.utils.data.Dataset):
         raise NotImplementedError
 
     @staticmethod
-    def build_low_level_dataset(dataset_path: str, config: BlendedMegatronDatasetConfig) -> LowLevelDataset:
+    def build_low_level_dataset(
+        dataset_path: str, config: BlendedMegatronDatasetConfig
+    ) -> LowLevelDataset:
         """Open the low-level dataset of a path prefix."""
         raise NotImplementedError
 

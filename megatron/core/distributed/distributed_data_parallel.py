@@ -180,9 +180,9 @@ class DistributedDataParallel(torch.nn.Module):
         def param_hook(*unused):
             if param.requires_grad:
                 if overlap:
-                    assert (
-                        param.grad is not None
-                    ), "param.grad being None is not safe when overlap_grad_reduce is True"
+                    assert param.grad is not None, (
+                        "param.grad being None is not safe when overlap_grad_reduce is True"
+                    )
                 if param.grad is not None and (
                     not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False)
                 ):

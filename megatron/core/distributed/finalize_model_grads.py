@@ -104,9 +104,7 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, pgs=None) -
     gradient is a partial sum; one coalesced all-reduce completes it.
     """
     pgs = pgs if pgs is not None else resolve_process_groups(None, ("tp",))
-    if pgs.tp.size() > 1 and (
-        config.sequence_parallel or getattr(config, 'qk_layernorm', False)
-    ):
+    if pgs.tp.size() > 1 and (config.sequence_parallel or getattr(config, 'qk_layernorm', False)):
         grads = []
         for model_chunk in model:
             for name, param in get_attr_wrapped_model(model_chunk, 'named_parameters')():

@@ -125,9 +125,9 @@ class Bucket:
         All-reduce of the whole bucket, or, with the distributed optimizer, reduce-scatter into
         this rank's shard of the bucket.
         """
-        assert (
-            self.communication_handle is None and not self.communication_issued
-        ), "Should not have multiple communication calls outstanding at once"
+        assert self.communication_handle is None and not self.communication_issued, (
+            "Should not have multiple communication calls outstanding at once"
+        )
 
         if self.ddp_config.check_for_nan_in_grad:
             self._check_for_nan()
@@ -206,9 +206,9 @@ class Bucket:
         """Record that `param`'s gradient is accumulated; start the reduction once all are."""
         assert param in self.params, "Param is not in the bucket"
         assert param not in self.params_with_grad, "Cannot set grad twice"
-        assert (
-            self.ddp_config.overlap_grad_reduce
-        ), "register_grad_ready() should only be called with overlap"
+        assert self.ddp_config.overlap_grad_reduce, (
+            "register_grad_ready() should only be called with overlap"
+        )
         self.params_with_grad.add(param)
         if len(self.params_with_grad) == len(self.params):
             self.start_grad_sync()
@@ -420,8 +420,8 @@ class ParamAndGradBuffer:
 
     def register_grad_ready(self, param: torch.nn.Parameter):
         """Called by the backward hook when `param`'s gradient is in `main_grad` (overlap only)."""
-        assert (
-            self.ddp_config.overlap_grad_reduce
-        ), "register_grad_ready() should only be called with overlap"
+        assert self.ddp_config.overlap_grad_reduce, (
+            "register_grad_ready() should only be called with overlap"
+        )
         if self.is_last_microbatch:
             self.param_to_bucket[param].register_grad_ready(param)

@@ -294,7 +294,9 @@ def stop_timer(config, name):
         config.timers(name).stop()
 
 
-def finalize_model_grads_if_training(config, model: list, forward_only: bool, total_num_tokens: torch.Tensor) -> None:
+def finalize_model_grads_if_training(
+    config, model: list, forward_only: bool, total_num_tokens: torch.Tensor
+) -> None:
     if config.finalize_model_grads_func is not None and not forward_only:
         config.finalize_model_grads_func(
             model, total_num_tokens if _calculate_per_token_loss(config) else None

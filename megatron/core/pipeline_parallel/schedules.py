@@ -98,9 +98,9 @@ def forward_backward_no_pipelining(
         assert len(model) == 1, "non-pipeline-parallel schedule does not support model chunking"
         model = model[0]
     if isinstance(data_iterator, list):
-        assert (
-            len(data_iterator) == 1
-        ), "non-pipeline-parallel schedule does not support model chunking"
+        assert len(data_iterator) == 1, (
+            "non-pipeline-parallel schedule does not support model chunking"
+        )
         data_iterator = data_iterator[0]
 
     config = get_model_config(model)
@@ -300,14 +300,14 @@ def forward_backward_pipelining_without_interleaving(
         The list of loss-reduction dicts on the last stage, [] on the others.
     """
     if isinstance(model, list):
-        assert (
-            len(model) == 1
-        ), "non-interleaved pipeline parallelism does not support model chunking"
+        assert len(model) == 1, (
+            "non-interleaved pipeline parallelism does not support model chunking"
+        )
         model = model[0]
     if isinstance(data_iterator, list):
-        assert (
-            len(data_iterator) == 1
-        ), "non-interleaved pipeline parallelism does not support model chunking"
+        assert len(data_iterator) == 1, (
+            "non-interleaved pipeline parallelism does not support model chunking"
+        )
         data_iterator = data_iterator[0]
 
     config = get_model_config(model)
@@ -485,7 +485,6 @@ def forward_backward_pipelining_without_interleaving(
     # Run cooldown backward passes.
     if not forward_only:
         for i in range(num_warmup_microbatches):
-
             # Enable async grad reduction in the last backward pass
             # Note: If grad sync function is provided, only enable
             # async grad reduction in first pipeline stage. Other

@@ -37,7 +37,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # Stable softmax: subtract the global max (out of place: the caller keeps its logits).
         logits_max = torch.max(vocab_parallel_logits, dim=-1)[0]  # [s, b]
         torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX, group=group)
-        logits = vocab_parallel_logits.float() - logits_max.float().unsqueeze(dim=-1)  # [s, b, v/tp]
+        logits = vocab_parallel_logits.float() - logits_max.float().unsqueeze(
+            dim=-1
+        )  # [s, b, v/tp]
 
         partition_vocab_size = logits.size()[-1]
         vocab_start_index, vocab_end_index = VocabUtility.vocab_range_from_per_partition_vocab_size(
@@ -54,7 +56,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         predicted_logits_1d = logits_2d[arange_1d, masked_target_1d]
         predicted_logits = predicted_logits_1d.clone().contiguous().view_as(target)  # [s, b]
         predicted_logits[target_mask] = 0.0
-        torch.distributed.all_reduce(predicted_logits, op=torch.distributed.ReduceOp.SUM, group=group)
+        torch.distributed.all_reduce(
+            predicted_logits, op=torch.distributed.ReduceOp.SUM, group=group
+        )
 
         # Label smoothing needs sum_j z_j; take it before exp overwrites the logits in place (the
         # logits tensor is this function's own copy, and one vocab-sized buffer fewer matters).
@@ -76,7 +80,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             # log p_j = z_j - log(sum exp); sum over the whole vocabulary.
             sum_log_probs = sum_logits - partition_vocab_size * torch.log(sum_exp_logits)
             sum_log_probs = sum_log_probs.contiguous()
-            torch.distributed.all_reduce(sum_log_probs, op=torch.distributed.ReduceOp.SUM, group=group)
+            torch.distributed.all_reduce(
+                sum_log_probs, op=torch.distributed.ReduceOp.SUM, group=group
+            )
             mean_log_probs = sum_log_probs / vocab_size  # [s, b]
             loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
 

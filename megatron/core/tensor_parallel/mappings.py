@@ -91,13 +91,17 @@ def _reduce_scatter_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
     target_shape = list(input_.size())
     target_shape[-1] = target_shape[-1] // world_size
     input_ = input_.reshape(-1, input_.shape[-1])  # [n, h]
-    split_tensors = torch.split(input_, split_size_or_sections=input_.shape[-1] // world_size, dim=1)
+    split_tensors = torch.split(
+        input_, split_size_or_sections=input_.shape[-1] // world_size, dim=1
+    )
     concat_tensor = torch.cat(split_tensors, dim=0)  # [tp * n, h/tp]
     output = _reduce_scatter_along_first_dim(concat_tensor, group).reshape(target_shape)
     return output
 
 
-def _gather_along_first_dim(input_: torch.Tensor, group, output_split_sizes: Optional[List[int]] = None):
+def _gather_along_first_dim(
+    input_: torch.Tensor, group, output_split_sizes: Optional[List[int]] = None
+):
     """All-gather along the first dimension ([s/tp, ...] -> [s, ...]).
 
     Args:
@@ -116,7 +120,9 @@ def _gather_along_first_dim(input_: torch.Tensor, group, output_split_sizes: Opt
     max_size = max(output_split_sizes)
     padded = input_.new_zeros([max_size] + dim_size[1:])
     padded[: dim_size[0]] = input_
-    gathered = torch.empty([max_size * world_size] + dim_size[1:], dtype=input_.dtype, device=input_.device)
+    gathered = torch.empty(
+        [max_size * world_size] + dim_size[1:], dtype=input_.dtype, device=input_.device
+    )
     all_gather_into_tensor(gathered, padded, group=group)
     chunks = gathered.split(max_size, dim=0)
     return torch.cat([c[:n] for c, n in zip(chunks, output_split_sizes)], dim=0)
@@ -240,7 +246,9 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
             grad = _reduce_scatter_along_first_dim(grad_output, ctx.group, ctx.output_split_sizes)
         elif ctx.output_split_sizes is not None:
             offset = sum(ctx.output_split_sizes[: ctx.group.rank()])
-            grad = grad_output[offset : offset + ctx.output_split_sizes[ctx.group.rank()]].contiguous()
+            grad = grad_output[
+                offset : offset + ctx.output_split_sizes[ctx.group.rank()]
+            ].contiguous()
         else:
             grad = _split_along_first_dim(grad_output, ctx.group)
         return grad, None, None, None
@@ -402,7 +410,9 @@ def all_to_all_sp2hp(input_, group=None):
     group = _resolve(group)
     world_size = group.size()
     input_ = input_.reshape(-1, input_.shape[-1])  # [s/tp * b, h]
-    split_tensors = torch.split(input_, split_size_or_sections=divide(input_.shape[-1], world_size), dim=1)
+    split_tensors = torch.split(
+        input_, split_size_or_sections=divide(input_.shape[-1], world_size), dim=1
+    )
     concat_tensor = torch.cat(split_tensors, dim=0)  # [tp * s/tp * b, h/tp]
     return all_to_all(group, concat_tensor)  # [s * b, h/tp]
 
@@ -414,5 +424,7 @@ def all_to_all_hp2sp(input_, group=None):
     input_ = input_.reshape(-1, input_.shape[-1])  # [s * b, h/tp]
     input_exchanged = all_to_all(group, input_)  # [tp * s/tp * b, h/tp]
     input_reshaped = input_exchanged.reshape(-1, input_exchanged.shape[-1])
-    split_tensors = torch.split(input_reshaped, split_size_or_sections=divide(input_reshaped.shape[0], world_size), dim=0)
+    split_tensors = torch.split(
+        input_reshaped, split_size_or_sections=divide(input_reshaped.shape[0], world_size), dim=0
+    )
     return torch.cat(split_tensors, dim=-1)  # [s/tp * b, h]

@@ -17,7 +17,10 @@ import torch
 from torch.utils.checkpoint import detach_variable
 
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
+from megatron.core.tensor_parallel.utils import (
+    gather_split_1d_tensor,
+    split_tensor_into_1d_equal_chunks,
+)
 from megatron.core.utils import safely_set_viewless_tensor_data, uses_cuda
 
 # Default name for the model parallel rng tracker.
@@ -155,7 +158,9 @@ def initialize_rng_tracker(use_te_rng_tracker: bool = False) -> None:
     if _CUDA_RNG_STATE_TRACKER_INITIALIZED:
         return
     if use_te_rng_tracker:
-        raise ValueError('use_te_rng_tracker=True needs Transformer Engine, which is not supported here')
+        raise ValueError(
+            'use_te_rng_tracker=True needs Transformer Engine, which is not supported here'
+        )
     _CUDA_RNG_STATE_TRACKER = CudaRNGStatesTracker()
     _CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 

@@ -47,7 +47,9 @@ def split_tensor_along_last_dim(
     return tensor_list
 
 
-def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = False, tp_group=None):
+def split_tensor_into_1d_equal_chunks(
+    tensor: torch.Tensor, new_buffer: bool = False, tp_group=None
+):
     """This tensor-parallel rank's chunk of the flattened tensor.
 
     The flattened tensor is cut into tp-size equal chunks; rank r keeps chunk r.
@@ -76,7 +78,9 @@ def gather_split_1d_tensor(tensor: torch.Tensor, tp_group=None) -> torch.Tensor:
     # Fall back to the global tensor parallel group when none is given.
     tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
     numel_gathered = torch.numel(tensor) * tp_group.size()
-    gathered = torch.empty(numel_gathered, dtype=tensor.dtype, device=tensor.device, requires_grad=False)
+    gathered = torch.empty(
+        numel_gathered, dtype=tensor.dtype, device=tensor.device, requires_grad=False
+    )
     all_gather_into_tensor(gathered, tensor.contiguous().view(-1), group=tp_group)
     return gathered
 
@@ -97,7 +101,9 @@ class VocabUtility:
         return index_f, index_l
 
     @staticmethod
-    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> Sequence[int]:
+    def vocab_range_from_global_vocab_size(
+        global_vocab_size: int, rank: int, world_size: int
+    ) -> Sequence[int]:
         """[first, last) of `rank` for a vocabulary of global_vocab_size split world_size ways."""
         per_partition_vocab_size = divide(global_vocab_size, world_size)
         return VocabUtility.vocab_range_from_per_partition_vocab_size(

@@ -9,7 +9,6 @@ fields and values for impossible combinations.
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
-import torch
 import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig

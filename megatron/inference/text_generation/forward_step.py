@@ -35,9 +35,9 @@ class ForwardStep:
     """
 
     def __init__(self, model, max_batch_size, max_sequence_length):
-        assert not isinstance(
-            model, Iterable
-        ), 'interleaving schedule is not supported for inference'
+        assert not isinstance(model, Iterable), (
+            'interleaving schedule is not supported for inference'
+        )
         model.eval()
         self.model = model
         # A fresh cache per request.

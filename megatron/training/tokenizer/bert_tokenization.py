@@ -139,7 +139,9 @@ class BasicTokenizer(object):
 class WordpieceTokenizer(object):
     """Greedy longest-match-first WordPiece."""
 
-    def __init__(self, vocab: Dict[str, int], unk_token: str = "[UNK]", max_input_chars_per_word: int = 100):
+    def __init__(
+        self, vocab: Dict[str, int], unk_token: str = "[UNK]", max_input_chars_per_word: int = 100
+    ):
         self.vocab = vocab
         self.unk_token = unk_token
         self.max_input_chars_per_word = max_input_chars_per_word
@@ -202,12 +204,25 @@ class FullTokenizer(object):
         return [self.inv_vocab[i] for i in ids]
 
     @staticmethod
-    def convert_tokens_to_string(tokens: List[str], clean_up_tokenization_spaces: bool = True) -> str:
+    def convert_tokens_to_string(
+        tokens: List[str], clean_up_tokenization_spaces: bool = True
+    ) -> str:
         """Join WordPiece tokens into text (`##` pieces glued to the previous one)."""
         out_string = " ".join(tokens).replace(" ##", "").strip()
         if clean_up_tokenization_spaces:
-            for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                         (" 'm", "'m"), (" do not", " don't"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+            for a, b in (
+                (" .", "."),
+                (" ?", "?"),
+                (" !", "!"),
+                (" ,", ","),
+                (" ' ", "'"),
+                (" n't", "n't"),
+                (" 'm", "'m"),
+                (" do not", " don't"),
+                (" 's", "'s"),
+                (" 've", "'ve"),
+                (" 're", "'re"),
+            ):
                 out_string = out_string.replace(a, b)
         return out_string
 

@@ -13,7 +13,9 @@ import regex as re
 
 from .fast_encoders import build_fast_gpt2_encode
 
-GPT2_PRETOKENIZE_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_PRETOKENIZE_PATTERN = (
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
 
 
 @lru_cache()
@@ -22,7 +24,11 @@ def bytes_to_unicode() -> Dict[int, str]:
 
     Printable Latin-1 bytes map to themselves; the other 68 bytes map to code points 256.. in order.
     """
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(2**8):
@@ -56,11 +62,21 @@ def load_vocab_json(vocab_file: str) -> dict:
     try:
         encoder = json.loads(text)
     except json.JSONDecodeError as exc:
-        hint = " (it looks like a BPE merges file: swapped --vocab-file and --merge-file?)" if (
-            text.startswith("#version")) else ""
-        raise ValueError(f"--vocab-file {vocab_file} is not a JSON vocabulary: {exc}{hint}") from None
-    if not isinstance(encoder, dict) or not encoder or not all(
-        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in encoder.items()
+        hint = (
+            " (it looks like a BPE merges file: swapped --vocab-file and --merge-file?)"
+            if (text.startswith("#version"))
+            else ""
+        )
+        raise ValueError(
+            f"--vocab-file {vocab_file} is not a JSON vocabulary: {exc}{hint}"
+        ) from None
+    if (
+        not isinstance(encoder, dict)
+        or not encoder
+        or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+            for k, v in encoder.items()
+        )
     ):
         raise ValueError(
             f"--vocab-file {vocab_file} is not a GPT-2 vocabulary: expected a non-empty JSON object "
@@ -111,9 +127,15 @@ class GPT2Tokenizer(object):
         cache_size: entries of the LRU cache on `bpe()`.
     """
 
-    def __init__(self, vocab_file: str, merges_file: str, errors: str = "replace",
-                 special_tokens: Optional[List[str]] = None, max_len: Optional[int] = None,
-                 cache_size: int = 1 << 16):
+    def __init__(
+        self,
+        vocab_file: str,
+        merges_file: str,
+        errors: str = "replace",
+        special_tokens: Optional[List[str]] = None,
+        max_len: Optional[int] = None,
+        cache_size: int = 1 << 16,
+    ):
         self.max_len = max_len if max_len is not None else int(1e12)
         self.encoder = load_vocab_json(vocab_file)
         self.decoder = {v: k for k, v in self.encoder.items()}
@@ -141,7 +163,9 @@ class GPT2Tokenizer(object):
             self.special_tokens = {}
             self.special_tokens_decoder = {}
             return
-        self.special_tokens = dict((tok, len(self.encoder) + i) for i, tok in enumerate(special_tokens))
+        self.special_tokens = dict(
+            (tok, len(self.encoder) + i) for i, tok in enumerate(special_tokens)
+        )
         self.special_tokens_decoder = {v: k for k, v in self.special_tokens.items()}
 
     def _bpe(self, token: str) -> str:

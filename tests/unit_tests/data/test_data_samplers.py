@@ -65,19 +65,36 @@ def test_random_sampler_covers_epoch_once_and_resumes(sharding):
 
 @pytest.mark.parametrize(
     "kwargs,message",
-    [(dict(total_samples=0), "no sample to consume"), (dict(consumed_samples=10), "no samples left"),
-     (dict(micro_batch_size=0), "--micro-batch-size"), (dict(data_parallel_rank=2), "data_parallel_rank 2")],
+    [
+        (dict(total_samples=0), "no sample to consume"),
+        (dict(consumed_samples=10), "no samples left"),
+        (dict(micro_batch_size=0), "--micro-batch-size"),
+        (dict(data_parallel_rank=2), "data_parallel_rank 2"),
+    ],
 )
 def test_sampler_errors(kwargs, message):
-    args = dict(total_samples=10, consumed_samples=0, micro_batch_size=2, data_parallel_rank=0, data_parallel_size=2)
+    args = dict(
+        total_samples=10,
+        consumed_samples=0,
+        micro_batch_size=2,
+        data_parallel_rank=0,
+        data_parallel_size=2,
+    )
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         MegatronPretrainingSampler(**args)
 
 
 def test_build_data_loader_explicit():
-    loader = build_data_loader(_Range(12), 4, "single", micro_batch_size=2, data_parallel_rank=1,
-                               data_parallel_size=2, num_workers=0)
+    loader = build_data_loader(
+        _Range(12),
+        4,
+        "single",
+        micro_batch_size=2,
+        data_parallel_rank=1,
+        data_parallel_size=2,
+        num_workers=0,
+    )
     firsts = [batch["tokens"][:, 0].tolist() for batch in loader]
     assert firsts == [[6, 7], [10, 11]]
     assert build_data_loader(None, 0, "single", 1, 0, 1) is None
@@ -92,8 +109,11 @@ def test_build_pretraining_data_loader_reads_global_args():
 
     assert not parallel_state.model_parallel_is_initialized()
     previous = getattr(global_vars, "_GLOBAL_ARGS", None)
-    global_vars.set_args(types.SimpleNamespace(dataloader_type="single", micro_batch_size=3, num_workers=0,
-                                               data_sharding=True))
+    global_vars.set_args(
+        types.SimpleNamespace(
+            dataloader_type="single", micro_batch_size=3, num_workers=0, data_sharding=True
+        )
+    )
     try:
         loader = build_pretraining_data_loader(_Range(9), 3)
         assert [b["tokens"][:, 0].tolist() for b in loader] == [[3, 4, 5], [6, 7, 8]]

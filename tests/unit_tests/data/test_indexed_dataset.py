@@ -13,8 +13,16 @@ from megatron.core.datasets.indexed_dataset import (
     IndexedDatasetBuilder,
 )
 
-DTYPE_CODES = {numpy.uint8: 1, numpy.int8: 2, numpy.int16: 3, numpy.int32: 4, numpy.int64: 5,
-               numpy.float64: 6, numpy.float32: 7, numpy.uint16: 8}
+DTYPE_CODES = {
+    numpy.uint8: 1,
+    numpy.int8: 2,
+    numpy.int16: 3,
+    numpy.int32: 4,
+    numpy.int64: 5,
+    numpy.float64: 6,
+    numpy.float32: 7,
+    numpy.uint16: 8,
+}
 
 
 def hand_built_idx(dtype, sequence_lengths, document_indices, modes=None):
@@ -111,7 +119,9 @@ def test_multimodal_modes(tmp_path):
     builder.add_item(numpy.array([3]), mode=1)
     builder.end_document()
     builder.finalize(prefix + ".idx")
-    assert open(prefix + ".idx", "rb").read() == hand_built_idx(numpy.int32, [2, 1], [0, 2], modes=[0, 1])
+    assert open(prefix + ".idx", "rb").read() == hand_built_idx(
+        numpy.int32, [2, 1], [0, 2], modes=[0, 1]
+    )
     ds = IndexedDataset(prefix, multimodal=True)
     seq, mode = ds[1]
     assert seq.tolist() == [3] and mode == 1
@@ -131,7 +141,10 @@ def test_add_index_merges(tmp_path):
     exp_lengths = lengths + [2, 1]
     exp_docs = doc_idx + [doc_idx[-1] + 2]
     assert open(m + ".idx", "rb").read() == hand_built_idx(numpy.uint16, exp_lengths, exp_docs)
-    assert open(m + ".bin", "rb").read() == numpy.array(flat + [20, 21, 22], dtype=numpy.uint16).tobytes()
+    assert (
+        open(m + ".bin", "rb").read()
+        == numpy.array(flat + [20, 21, 22], dtype=numpy.uint16).tobytes()
+    )
     wrong = IndexedDatasetBuilder(str(tmp_path / "w.bin"), dtype=numpy.int32)
     with pytest.raises(ValueError, match="dtype"):
         wrong.add_index(a)

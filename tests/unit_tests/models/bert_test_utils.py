@@ -71,8 +71,14 @@ def batch(seed=5):
             labels[b, p] = int(torch.randint(0, VOCAB, (1,), generator=g))
             loss_mask[b, p] = 1.0
     is_random = torch.tensor([0, 1])
-    return dict(ids=ids, types=types, padding_mask=padding_mask, labels=labels,
-                loss_mask=loss_mask, is_random=is_random)
+    return dict(
+        ids=ids,
+        types=types,
+        padding_mask=padding_mask,
+        labels=labels,
+        loss_mask=loss_mask,
+        is_random=is_random,
+    )
 
 
 def bert_partition_dim(name):

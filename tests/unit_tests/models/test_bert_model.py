@@ -44,9 +44,16 @@ def _compare(binary_head):
     from tests.unit_tests.models import bert_test_utils as U
 
     hf_config = MegatronBertConfig(
-        vocab_size=U.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=U.MAX_POS, type_vocab_size=2,
-        hidden_act="gelu", layer_norm_eps=1e-5, hidden_dropout_prob=0.0,
+        vocab_size=U.VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=U.MAX_POS,
+        type_vocab_size=2,
+        hidden_act="gelu",
+        layer_norm_eps=1e-5,
+        hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
     hf = MegatronBertForPreTraining(hf_config)
@@ -63,19 +70,25 @@ def _compare(binary_head):
     if not binary_head:
         model_kw["num_tokentypes"] = 0
     model = BertModel(
-        config=config, transformer_layer_spec=bert_layer_local_spec,
-        add_binary_head=binary_head, **model_kw,
+        config=config,
+        transformer_layer_spec=bert_layer_local_spec,
+        add_binary_head=binary_head,
+        **model_kw,
     )
     model.eval()
 
     hf_sd = dict(hf.state_dict())
     mcore_sd = hfm.megatron_bert_hf_to_mcore_state_dict(hf_sd, config)
     if not binary_head:
-        mcore_sd = {k: v for k, v in mcore_sd.items()
-                    if not k.startswith(("binary_head.", "pooler.", "embedding.tokentype"))}
+        mcore_sd = {
+            k: v
+            for k, v in mcore_sd.items()
+            if not k.startswith(("binary_head.", "pooler.", "embedding.tokentype"))
+        }
     missing, unexpected = model.load_state_dict(mcore_sd, strict=False)
     assert not unexpected and all(k.endswith("._extra_state") for k in missing), (
-        missing, unexpected,
+        missing,
+        unexpected,
     )
     # The reverse mapping gives back the HF parameters exactly.
     back = hfm.mcore_to_megatron_bert_hf_state_dict(model.state_dict(), config)
@@ -87,16 +100,21 @@ def _compare(binary_head):
     real = b["padding_mask"].bool()
     types = b["types"] if binary_head else None
 
-    hf_out = hf(input_ids=b["ids"], attention_mask=b["padding_mask"],
-                token_type_ids=b["types"] if binary_head else None)
+    hf_out = hf(
+        input_ids=b["ids"],
+        attention_mask=b["padding_mask"],
+        token_type_ids=b["types"] if binary_head else None,
+    )
     hf_lm = torch.nn.functional.cross_entropy(
-        hf_out.prediction_logits.reshape(-1, U.VOCAB), b["labels"].clamp(min=0).reshape(-1),
+        hf_out.prediction_logits.reshape(-1, U.VOCAB),
+        b["labels"].clamp(min=0).reshape(-1),
         reduction="none",
     ).view(b["labels"].shape)
     hf_loss = (hf_lm * b["loss_mask"]).sum() / b["loss_mask"].sum()
     if binary_head:
         hf_loss = hf_loss + torch.nn.functional.cross_entropy(
-            hf_out.seq_relationship_logits, b["is_random"])
+            hf_out.seq_relationship_logits, b["is_random"]
+        )
     hf_loss.backward()
     hf_grads = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
     if not binary_head:
@@ -112,16 +130,23 @@ def _compare(binary_head):
     if binary_head:
         loss = loss + torch.nn.functional.cross_entropy(binary_logits_2, b["is_random"])
     loss.backward()
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-             for n, p in model.named_parameters()}
+    grads = {
+        n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+        for n, p in model.named_parameters()
+    }
     grads = hfm.mcore_to_megatron_bert_hf_state_dict(grads, config)
 
     return dict(
-        logits=logits[real], hf_logits=hf_out.prediction_logits.detach()[real],
+        logits=logits[real],
+        hf_logits=hf_out.prediction_logits.detach()[real],
         pad_logit_gap=(logits[~real] - hf_out.prediction_logits.detach()[~real]).abs().max(),
-        binary_logits=binary_logits, hf_binary_logits=hf_out.seq_relationship_logits.detach(),
-        loss=loss.detach(), hf_loss=hf_loss.detach(), lm_loss_dtype=str(lm_loss.dtype),
-        grads={n: grads[n] for n in hf_grads}, hf_grads=hf_grads,
+        binary_logits=binary_logits,
+        hf_binary_logits=hf_out.seq_relationship_logits.detach(),
+        loss=loss.detach(),
+        hf_loss=hf_loss.detach(),
+        lm_loss_dtype=str(lm_loss.dtype),
+        grads={n: grads[n] for n in hf_grads},
+        hf_grads=hf_grads,
     )
 
 
@@ -144,24 +169,44 @@ def test_bert_model_matches_megatron_bert_hf(binary_head):
 
 # megatron-core's flat state-dict keys of a 2-layer BERT, local spec, tied, binary head.
 _LAYER_KEYS = [
-    "input_layernorm.weight", "input_layernorm.bias",
-    "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+    "input_layernorm.weight",
+    "input_layernorm.bias",
+    "self_attention.linear_proj.weight",
+    "self_attention.linear_proj.bias",
     "self_attention.linear_proj._extra_state",
-    "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
     "self_attention.linear_qkv._extra_state",
-    "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
-    "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc1._extra_state",
-    "mlp.linear_fc2.weight", "mlp.linear_fc2.bias", "mlp.linear_fc2._extra_state",
+    "pre_mlp_layernorm.weight",
+    "pre_mlp_layernorm.bias",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc1.bias",
+    "mlp.linear_fc1._extra_state",
+    "mlp.linear_fc2.weight",
+    "mlp.linear_fc2.bias",
+    "mlp.linear_fc2._extra_state",
 ]
 MCORE_BERT_KEYS = (
-    ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
-     "embedding.tokentype_embeddings.weight"]
+    [
+        "embedding.word_embeddings.weight",
+        "embedding.position_embeddings.weight",
+        "embedding.tokentype_embeddings.weight",
+    ]
     + [f"encoder.layers.{i}.{k}" for i in range(2) for k in _LAYER_KEYS]
-    + ["encoder.final_layernorm.weight", "encoder.final_layernorm.bias",
-       "lm_head.dense.weight", "lm_head.dense.bias",
-       "lm_head.layer_norm.weight", "lm_head.layer_norm.bias",
-       "output_layer.bias", "output_layer._extra_state",
-       "binary_head.weight", "binary_head.bias", "pooler.dense.weight", "pooler.dense.bias"]
+    + [
+        "encoder.final_layernorm.weight",
+        "encoder.final_layernorm.bias",
+        "lm_head.dense.weight",
+        "lm_head.dense.bias",
+        "lm_head.layer_norm.weight",
+        "lm_head.layer_norm.bias",
+        "output_layer.bias",
+        "output_layer._extra_state",
+        "binary_head.weight",
+        "binary_head.bias",
+        "pooler.dense.weight",
+        "pooler.dense.bias",
+    ]
 )
 
 
@@ -183,12 +228,21 @@ def test_state_dict_keys_are_mcore_names():
     assert tied["encoder.layers.1.mlp.linear_fc2._extra_state"] is None
 
     (untied_plain,) = run_distributed(
-        _state_dict_shapes, world_size=1,
-        args=({"share_embeddings_and_output_weights": False, "add_binary_head": False,
-               "num_tokentypes": 0},),
+        _state_dict_shapes,
+        world_size=1,
+        args=(
+            {
+                "share_embeddings_and_output_weights": False,
+                "add_binary_head": False,
+                "num_tokentypes": 0,
+            },
+        ),
     )
-    expected = [k for k in MCORE_BERT_KEYS
-                if not k.startswith(("binary_head.", "pooler.", "embedding.tokentype"))]
+    expected = [
+        k
+        for k in MCORE_BERT_KEYS
+        if not k.startswith(("binary_head.", "pooler.", "embedding.tokentype"))
+    ]
     expected.insert(expected.index("output_layer.bias"), "output_layer.weight")
     assert list(untied_plain) == expected
 
@@ -216,10 +270,12 @@ def test_extended_attention_mask_masks_pad_queries_and_keys():
     mask = bert_extended_attention_mask(padding_mask)
     assert mask.dtype == torch.bool and mask.shape == (1, 1, 4, 4)
     expected = torch.tensor(
-        [[False, False, False, True],
-         [False, False, False, True],
-         [False, False, False, True],
-         [True, True, True, True]]
+        [
+            [False, False, False, True],
+            [False, False, False, True],
+            [False, False, False, True],
+            [True, True, True, True],
+        ]
     )
     assert torch.equal(mask[0, 0], expected)
 

@@ -16,8 +16,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.pipeline_parallel import get_forward_backward_func, p2p_communication
-from megatron.core.pipeline_parallel import schedules
+from megatron.core.pipeline_parallel import get_forward_backward_func, p2p_communication, schedules
 from tests.unit_tests.dist_utils import run_distributed
 
 SEQ, MBS, HIDDEN, IN_DIM = 4, 2, 8, 3
@@ -323,7 +322,11 @@ def _check_against_reference(outs, num_microbatches: int, forward_only: bool):
             2,
             NUM_MICROBATCHES,
             False,
-            {'overlap_p2p_comm': True, 'batch_p2p_comm': False, 'deallocate_pipeline_outputs': True},
+            {
+                'overlap_p2p_comm': True,
+                'batch_p2p_comm': False,
+                'deallocate_pipeline_outputs': True,
+            },
         ),
     ],
 )
@@ -430,9 +433,9 @@ def test_warmup_forward_counts(world_size, vpp, num_microbatches):
         warmup = _expected_warmup(world_size, rank, num_microbatches, vpp)
         # The steady state starts with one more forward unless everything ran as warm-up.
         expected = warmup if warmup == total else warmup + 1
-        assert (
-            leading == expected
-        ), f"rank {rank}: {leading} forwards before first backward, trace {trace}"
+        assert leading == expected, (
+            f"rank {rank}: {leading} forwards before first backward, trace {trace}"
+        )
         if warmup < total:
             # Steady state alternates one forward and one backward.
             steady = [kind for kind, _ in trace[leading : leading + 2 * (total - warmup) - 1]]
@@ -659,9 +662,9 @@ def _non_loss_data_body():
         output = model(batch['x'])
 
         def loss_func(out, non_loss_data=False):
-            assert (
-                non_loss_data
-            ), "collect_non_loss_data must call loss_func(out, non_loss_data=True)"
+            assert non_loss_data, (
+                "collect_non_loss_data must call loss_func(out, non_loss_data=True)"
+            )
             return out.detach().clone()
 
         return output, loss_func

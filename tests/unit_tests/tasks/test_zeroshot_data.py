@@ -81,8 +81,10 @@ def test_original_token_count_splits_on_single_spaces():
     assert count_original_tokens(' a b\n c  d \n') == 5  # a, b\n, c, '', d
 
 
-@pytest.mark.parametrize('n,seq,stride', [(10, 4, 1), (100, 16, 4), (101, 16, 16), (57, 8, 3),
-                                          (5, 16, 4), (200, 32, 32), (33, 32, 1)])
+@pytest.mark.parametrize(
+    'n,seq,stride',
+    [(10, 4, 1), (100, 16, 4), (101, 16, 16), (57, 8, 3), (5, 16, 4), (200, 32, 32), (33, 32, 1)],
+)
 def test_windows_score_every_target_once(n, seq, stride):
     tokens = list(range(1, n + 1))
     ds = LMDataset(tokens, seq, 0, n, n, stride)
@@ -121,8 +123,12 @@ def test_lambada_items_and_errors(tmp_path):
 
 
 def test_unknown_task_is_one_line():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, 'tasks', 'main.py'), '--task', 'FOO'],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, 'tasks', 'main.py'), '--task', 'FOO'],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         'error: --task FOO: Task FOO is not implemented '

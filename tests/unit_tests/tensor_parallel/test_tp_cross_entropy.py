@@ -16,7 +16,9 @@ def _reference(logits, target, label_smoothing):
     # torch's smoothing (spread over all V classes) with eps = label_smoothing * V / (V - 1).
     eps = label_smoothing * V / (V - 1)
     logits = logits.clone().requires_grad_(True)
-    loss = F.cross_entropy(logits.view(-1, V), target.view(-1), reduction="none", label_smoothing=eps)
+    loss = F.cross_entropy(
+        logits.view(-1, V), target.view(-1), reduction="none", label_smoothing=eps
+    )
     loss = loss.view(S, B)
     return loss, logits
 
@@ -38,13 +40,22 @@ def _check_cross_entropy():
         loss = vocab_parallel_cross_entropy(logits, target, label_smoothing)
         loss.backward(grad_loss)
         msg = f"label_smoothing={label_smoothing}"
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"loss {msg}: {m}")
-        torch.testing.assert_close(logits.grad, ref_logits.grad.chunk(n, dim=-1)[r], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"grad {msg}: {m}")
+        torch.testing.assert_close(
+            loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"loss {msg}: {m}"
+        )
+        torch.testing.assert_close(
+            logits.grad,
+            ref_logits.grad.chunk(n, dim=-1)[r],
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m: f"grad {msg}: {m}",
+        )
         assert torch.equal(logits.detach(), shard), "the caller's logits were modified"
     # Low precision logits are computed in fp32.
     loss16 = vocab_parallel_cross_entropy(logits_full.chunk(n, dim=-1)[r].bfloat16(), target)
-    ref = F.cross_entropy(logits_full.bfloat16().float().view(-1, V), target.view(-1), reduction="none")
+    ref = F.cross_entropy(
+        logits_full.bfloat16().float().view(-1, V), target.view(-1), reduction="none"
+    )
     assert loss16.dtype == torch.float32
     torch.testing.assert_close(loss16, ref.view(S, B), rtol=1e-4, atol=1e-4)
     return True

@@ -78,7 +78,9 @@ def test_split_tensor_along_last_dim():
     assert [p.shape for p in parts] == [(2, 3, 2)] * 2
     assert torch.equal(torch.cat(parts, dim=-1), t)
     assert not parts[1].is_contiguous()
-    assert all(p.is_contiguous() for p in split_tensor_along_last_dim(t, 2, contiguous_split_chunks=True))
+    assert all(
+        p.is_contiguous() for p in split_tensor_along_last_dim(t, 2, contiguous_split_chunks=True)
+    )
 
 
 def test_vocab_utility_ranges():

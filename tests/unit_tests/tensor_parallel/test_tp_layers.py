@@ -7,7 +7,11 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state as ps
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from megatron.core.utils import get_current_device, init_method_normal
 from tests.unit_tests.dist_utils import run_distributed
 
@@ -17,7 +21,9 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 def _randn(seed, *shape):
     # Drawn on CPU (same values everywhere), placed on the layers' device (CPU, or GPU with nccl).
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(get_current_device())
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(
+        get_current_device()
+    )
 
 
 def _gather(t, dim):
@@ -47,10 +53,18 @@ def _reference_linear(x, w, b, g):
 
 
 def _check_column(sp, gather_output, skip_bias_add):
-    config = ModelParallelConfig(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-                                 sequence_parallel=sp)
-    layer = ColumnParallelLinear(H, O, config=config, init_method=init_method_normal(0.2), bias=True,
-                                 gather_output=gather_output, skip_bias_add=skip_bias_add)
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(), sequence_parallel=sp
+    )
+    layer = ColumnParallelLinear(
+        H,
+        O,
+        config=config,
+        init_method=init_method_normal(0.2),
+        bias=True,
+        gather_output=gather_output,
+        skip_bias_add=skip_bias_add,
+    )
     with torch.no_grad():
         layer.bias.copy_(_shard(_randn(7, O), 0))
     w_full, b_full = _gather(layer.weight.detach(), 0), _gather(layer.bias.detach(), 0)
@@ -78,10 +92,18 @@ def _check_column(sp, gather_output, skip_bias_add):
 
 
 def _check_row(sp, input_is_parallel):
-    config = ModelParallelConfig(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-                                 sequence_parallel=sp)
-    layer = RowParallelLinear(H, O, config=config, init_method=init_method_normal(0.2), bias=True,
-                              input_is_parallel=input_is_parallel, skip_bias_add=False)
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(), sequence_parallel=sp
+    )
+    layer = RowParallelLinear(
+        H,
+        O,
+        config=config,
+        init_method=init_method_normal(0.2),
+        bias=True,
+        input_is_parallel=input_is_parallel,
+        skip_bias_add=False,
+    )
     with torch.no_grad():
         layer.bias.copy_(_randn(7, O))
     w_full = _gather(layer.weight.detach(), 1)
@@ -113,8 +135,15 @@ def _check_column_row_block(sp):
     tp = ps.get_tensor_model_parallel_world_size()
     config = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp)
     fc1 = ColumnParallelLinear(H, O, config=config, init_method=init_method_normal(0.2), bias=True)
-    fc2 = RowParallelLinear(O, H, config=config, init_method=init_method_normal(0.2), bias=True,
-                            input_is_parallel=True, skip_bias_add=False)
+    fc2 = RowParallelLinear(
+        O,
+        H,
+        config=config,
+        init_method=init_method_normal(0.2),
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+    )
     w1, b1 = _gather(fc1.weight.detach(), 0), _gather(fc1.bias.detach(), 0)
     w2, b2 = _gather(fc2.weight.detach(), 1), fc2.bias.detach()
     x_full, g_full = _randn(1, S, B, H), _randn(2, S, B, H)
@@ -136,11 +165,18 @@ def _check_column_row_block(sp):
 def _check_embedding(reduce_scatter):
     tp = ps.get_tensor_model_parallel_world_size()
     config = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=reduce_scatter)
-    emb = VocabParallelEmbedding(V, H, init_method=init_method_normal(0.2), config=config,
-                                 reduce_scatter_embeddings=reduce_scatter)
+    emb = VocabParallelEmbedding(
+        V,
+        H,
+        init_method=init_method_normal(0.2),
+        config=config,
+        reduce_scatter_embeddings=reduce_scatter,
+    )
     assert emb.weight.shape == (V // tp, H) and emb.weight.partition_dim == 0
     w_full = _gather(emb.weight.detach(), 0)
-    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(3)).to(get_current_device())
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(3)).to(
+        get_current_device()
+    )
     wr = w_full.clone().requires_grad_(True)
     y_ref = F.embedding(ids, wr)  # [b, s, h]
     g_full = _randn(4, B, S, H)
@@ -158,7 +194,9 @@ def _check_embedding(reduce_scatter):
 
 def _check_all_layers(sp):
     checks = []
-    for gather_output, skip_bias_add in ((False, False), (False, True)) + (((True, False),) if not sp else ()):
+    for gather_output, skip_bias_add in ((False, False), (False, True)) + (
+        ((True, False),) if not sp else ()
+    ):
         checks.append(_check_column(sp, gather_output, skip_bias_add))
     checks.append(_check_row(sp, True))
     if not sp:
@@ -183,11 +221,20 @@ def test_layers_on_gpu_with_nccl():
 
 def _build_cpu_init_weights(use_cpu_initialization):
     tp = ps.get_tensor_model_parallel_world_size()
-    config = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=use_cpu_initialization)
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=tp, use_cpu_initialization=use_cpu_initialization
+    )
     init = init_method_normal(0.02)
     col = ColumnParallelLinear(H, O, config=config, init_method=init, bias=False, stride=2)
-    row = RowParallelLinear(O, H, config=config, init_method=init, bias=False, input_is_parallel=True,
-                            skip_bias_add=False)
+    row = RowParallelLinear(
+        O,
+        H,
+        config=config,
+        init_method=init,
+        bias=False,
+        input_is_parallel=True,
+        skip_bias_add=False,
+    )
     emb = VocabParallelEmbedding(V, H, init_method=init, config=config)
     return {"col": col.weight, "row": row.weight, "emb": emb.weight}
 
@@ -199,9 +246,15 @@ def test_cpu_initialization_gives_exact_slices_of_tp1_weights():
         # Rows of the stride-2 column weight: rank r holds blocks r and r + tp of 2 * tp blocks.
         blocks = full["col"].chunk(2 * tp, dim=0)
         for r in range(tp):
-            torch.testing.assert_close(shards[r]["col"], torch.cat([blocks[r], blocks[r + tp]]), rtol=0, atol=0)
-        torch.testing.assert_close(torch.cat([s["row"] for s in shards[:tp]], dim=1), full["row"], rtol=0, atol=0)
-        torch.testing.assert_close(torch.cat([s["emb"] for s in shards[:tp]], dim=0), full["emb"], rtol=0, atol=0)
+            torch.testing.assert_close(
+                shards[r]["col"], torch.cat([blocks[r], blocks[r + tp]]), rtol=0, atol=0
+            )
+        torch.testing.assert_close(
+            torch.cat([s["row"] for s in shards[:tp]], dim=1), full["row"], rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            torch.cat([s["emb"] for s in shards[:tp]], dim=0), full["emb"], rtol=0, atol=0
+        )
         # Data parallel replicas (ranks tp..) hold the same slices.
         for r in range(tp, 4):
             torch.testing.assert_close(shards[r]["row"], shards[r - tp]["row"], rtol=0, atol=0)
@@ -221,10 +274,12 @@ def test_per_partition_init_uses_model_parallel_rng():
 def _check_grad_accumulation_fusion():
     tp = ps.get_tensor_model_parallel_world_size()
     config = ModelParallelConfig(tensor_model_parallel_size=tp, gradient_accumulation_fusion=True)
-    layer = ColumnParallelLinear(H, O, config=config, init_method=init_method_normal(0.2), bias=False)
+    layer = ColumnParallelLinear(
+        H, O, config=config, init_method=init_method_normal(0.2), bias=False
+    )
     layer.weight.main_grad = torch.zeros_like(layer.weight)
     x, g = _randn(1, S, B, H), _randn(2, S, B, O)
-    expected = (_shard(g, -1).reshape(-1, O // tp).t() @ x.reshape(-1, H))
+    expected = _shard(g, -1).reshape(-1, O // tp).t() @ x.reshape(-1, H)
     for _ in range(2):  # accumulates
         out, _ = layer(x)
         out.backward(_shard(g, -1))
@@ -251,8 +306,14 @@ def test_gradient_accumulation_fusion_accumulates_into_main_grad():
 def _check_extras():
     tp = ps.get_tensor_model_parallel_world_size()
     config = ModelParallelConfig(tensor_model_parallel_size=tp)
-    col = ColumnParallelLinear(H, O, config=config, init_method=init_method_normal(0.2), bias=False,
-                               skip_weight_param_allocation=True)
+    col = ColumnParallelLinear(
+        H,
+        O,
+        config=config,
+        init_method=init_method_normal(0.2),
+        bias=False,
+        skip_weight_param_allocation=True,
+    )
     assert col.weight is None
     w = _randn(5, O // tp, H).requires_grad_(True)
     out, _ = col(_randn(1, S, B, H), weight=w)
@@ -264,8 +325,15 @@ def _check_extras():
     else:
         raise AssertionError("wrong weight shape accepted")
     # The state dict carries the (empty) Transformer Engine compatible extra state.
-    row = RowParallelLinear(O, H, config=config, init_method=init_method_normal(0.2), bias=True,
-                            input_is_parallel=True, skip_bias_add=True)
+    row = RowParallelLinear(
+        O,
+        H,
+        config=config,
+        init_method=init_method_normal(0.2),
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=True,
+    )
     assert set(row.state_dict()) == {"weight", "bias", "_extra_state"}
     _, bias = row(_randn(1, S, B, O // tp))
     assert bias is row.bias
@@ -279,8 +347,15 @@ def test_skip_weight_allocation_and_state_dict():
 def _bad_row_config():
     config = ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
     try:
-        RowParallelLinear(O, H, config=config, init_method=init_method_normal(0.2), bias=True,
-                          input_is_parallel=False, skip_bias_add=False)
+        RowParallelLinear(
+            O,
+            H,
+            config=config,
+            init_method=init_method_normal(0.2),
+            bias=True,
+            input_is_parallel=False,
+            skip_bias_add=False,
+        )
     except ValueError as exc:
         assert "input_is_parallel" in str(exc)
     else:

@@ -88,19 +88,25 @@ def _check_all_mappings():
     checked.append("sp gather")
 
     # reduce-scatter to sequence parallel: forward reduce-scatter, backward all-gather.
-    y, gx = _run("sp reduce-scatter", tp_api.reduce_scatter_to_sequence_parallel_region, x_rank[r], g_seq[r])
+    y, gx = _run(
+        "sp reduce-scatter", tp_api.reduce_scatter_to_sequence_parallel_region, x_rank[r], g_seq[r]
+    )
     _close("sp reduce-scatter fwd", y, _chunk(sum(x_rank), 0, r, n))
     _close("sp reduce-scatter bwd", gx, torch.cat(g_seq, dim=0))
     checked.append("sp reduce-scatter")
 
     # all-gather last dim: forward all-gather, backward reduce-scatter (last dim).
-    y, gx = _run("ag last", tp_api.all_gather_last_dim_from_tensor_parallel_region, x_chunks[r], g_full[r])
+    y, gx = _run(
+        "ag last", tp_api.all_gather_last_dim_from_tensor_parallel_region, x_chunks[r], g_full[r]
+    )
     _close("ag last fwd", y, torch.cat(x_chunks, dim=-1))
     _close("ag last bwd", gx, _chunk(sum(g_full), -1, r, n))
     checked.append("ag last")
 
     # reduce-scatter last dim: forward reduce-scatter (last dim), backward all-gather.
-    y, gx = _run("rs last", tp_api.reduce_scatter_last_dim_to_tensor_parallel_region, x_rank[r], g_chunk[r])
+    y, gx = _run(
+        "rs last", tp_api.reduce_scatter_last_dim_to_tensor_parallel_region, x_rank[r], g_chunk[r]
+    )
     _close("rs last fwd", y, _chunk(sum(x_rank), -1, r, n))
     _close("rs last bwd", gx, torch.cat(g_chunk, dim=-1))
     checked.append("rs last")
@@ -158,7 +164,9 @@ def _uneven_first_dim():
     y.backward(g[r])
     _close("uneven gather bwd", x.grad, (g[0] + g[1]).split(sizes, dim=0)[r])
     z = tp_api.reduce_scatter_to_sequence_parallel_region(_randn(400 + r, sum(sizes), 3), sizes)
-    _close("uneven reduce-scatter", z, (_randn(400, 4, 3) + _randn(401, 4, 3)).split(sizes, dim=0)[r])
+    _close(
+        "uneven reduce-scatter", z, (_randn(400, 4, 3) + _randn(401, 4, 3)).split(sizes, dim=0)[r]
+    )
     return True
 
 

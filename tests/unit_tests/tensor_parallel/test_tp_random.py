@@ -5,7 +5,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron.core.tensor_parallel import (
+    checkpoint,
+    get_cuda_rng_tracker,
+    model_parallel_cuda_manual_seed,
+)
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from tests.unit_tests.dist_utils import run_distributed
 

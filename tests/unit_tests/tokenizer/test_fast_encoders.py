@@ -66,10 +66,28 @@ def test_preprocess_output_identical_across_backends(tmp_path):
         out.mkdir()
         env = dict(os.environ, MEGATRON_TOKENIZER_BACKEND=backend)
         proc = subprocess.run(
-            [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(corpus),
-             "--output-prefix", str(out / "c"), "--tokenizer-type", "GPT2BPETokenizer",
-             "--vocab-file", VOCAB, "--merge-file", MERGES, "--append-eod", "--workers", "1"],
-            capture_output=True, text=True, timeout=300, cwd=str(REPO), env=env,
+            [
+                sys.executable,
+                str(REPO / "tools" / "preprocess_data.py"),
+                "--input",
+                str(corpus),
+                "--output-prefix",
+                str(out / "c"),
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
+                "--vocab-file",
+                VOCAB,
+                "--merge-file",
+                MERGES,
+                "--append-eod",
+                "--workers",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=str(REPO),
+            env=env,
         )
         assert proc.returncode == 0, proc.stderr
         outputs[backend] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
@@ -85,17 +103,30 @@ def test_fast_wordpiece_matches_pure_python(monkeypatch, tokenizer_type):
     from megatron.training.tokenizer import build_tokenizer
 
     def build():
-        return build_tokenizer(types.SimpleNamespace(
-            tokenizer_type=tokenizer_type, vocab_file=str(DATA / "bert" / "bert-vocab.txt"),
-            merge_file=None, tokenizer_model=None, vocab_extra_ids=2,
-            make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, rank=1))
+        return build_tokenizer(
+            types.SimpleNamespace(
+                tokenizer_type=tokenizer_type,
+                vocab_file=str(DATA / "bert" / "bert-vocab.txt"),
+                merge_file=None,
+                tokenizer_model=None,
+                vocab_extra_ids=2,
+                make_vocab_size_divisible_by=128,
+                tensor_model_parallel_size=1,
+                rank=1,
+            )
+        )
 
     tok = build()
     assert tok.encode_backend == "tokenizers"
-    texts = EDGE_CASES + [
-        "Ünïcödé ÀÉÎÕÜ ß ﬁ \u00ad soft\u200bhyphen \x00ctl\x7f [BOS] <extra_id_0> [MASK]",
-        "x" * 150 + " long words become [UNK]",
-    ] + _corpus_slice("mobydick.jsonl", 150) + _corpus_slice("fortunes.jsonl", 600)
+    texts = (
+        EDGE_CASES
+        + [
+            "Ünïcödé ÀÉÎÕÜ ß ﬁ \u00ad soft\u200bhyphen \x00ctl\x7f [BOS] <extra_id_0> [MASK]",
+            "x" * 150 + " long words become [UNK]",
+        ]
+        + _corpus_slice("mobydick.jsonl", 150)
+        + _corpus_slice("fortunes.jsonl", 600)
+    )
     for text in texts:
         assert tok.tokenize(text) == tok.tokenize_python(text), text[:80]
     monkeypatch.setenv("MEGATRON_TOKENIZER_BACKEND", "python")

@@ -45,7 +45,11 @@ def test_throughput_keeps_three_significant_digits_below_10_tflops():
 
     # Megatron's one decimal at GPU rates; a CPU run's fraction of a TFLOP/s stays readable.
     assert [shown(x) for x in (312.44, 10.0, 5.678, 0.04567, 0.000123456)] == [
-        '312.4', '10.0', '5.68', '0.0457', '0.000123'
+        '312.4',
+        '10.0',
+        '5.68',
+        '0.0457',
+        '0.000123',
     ]
 
 

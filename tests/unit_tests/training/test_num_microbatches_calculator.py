@@ -19,7 +19,9 @@ def test_not_initialized_error_names_the_call():
 
 
 def test_constant():
-    nmc.init_num_microbatches_calculator(0, None, global_batch_size=32, micro_batch_size=2, data_parallel_size=4)
+    nmc.init_num_microbatches_calculator(
+        0, None, global_batch_size=32, micro_batch_size=2, data_parallel_size=4
+    )
     assert nmc.get_num_microbatches() == 4
     assert nmc.get_current_global_batch_size() == 32
     nmc.update_num_microbatches(10_000)
@@ -29,7 +31,9 @@ def test_constant():
 
 
 def test_constant_not_divisible():
-    with pytest.raises(ValueError, match=r'global batch size \(30\) is not divisible by micro batch size \(2\)'):
+    with pytest.raises(
+        ValueError, match=r'global batch size \(30\) is not divisible by micro batch size \(2\)'
+    ):
         nmc.init_num_microbatches_calculator(0, None, 30, 2, 4)
 
 
@@ -62,7 +66,9 @@ def test_train_iters_from_samples_with_rampup():
 
     # Ramp 8 -> 32 in steps of 8 over 96 samples, then 32 per iteration.
     nmc.init_num_microbatches_calculator(0, [8, 8, 96], 32, 2, 2)
-    args = SimpleNamespace(rampup_batch_size=['8', '8', '96'], train_samples=1000, global_batch_size=32)
+    args = SimpleNamespace(
+        rampup_batch_size=['8', '8', '96'], train_samples=1000, global_batch_size=32
+    )
     update_train_iters(args)
     consumed, iterations = 0, 0
     while consumed < 1000:

@@ -14,13 +14,28 @@ REPO = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _args(**overrides):
-    kw = dict(group_query_attention=False, num_query_groups=None, num_attention_heads=16,
-              num_experts=None, swiglu=False, hidden_size=1024, num_layers=24, kv_channels=64,
-              ffn_hidden_size=4096, padded_vocab_size=50304,
-              untie_embeddings_and_output_weights=False, pipeline_model_parallel_size=1,
-              tensor_model_parallel_size=2, use_distributed_optimizer=False, data_parallel_size=1,
-              seq_length=2048, micro_batch_size=4, virtual_pipeline_model_parallel_size=None,
-              sequence_parallel=True, recompute_granularity='selective')
+    kw = dict(
+        group_query_attention=False,
+        num_query_groups=None,
+        num_attention_heads=16,
+        num_experts=None,
+        swiglu=False,
+        hidden_size=1024,
+        num_layers=24,
+        kv_channels=64,
+        ffn_hidden_size=4096,
+        padded_vocab_size=50304,
+        untie_embeddings_and_output_weights=False,
+        pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=2,
+        use_distributed_optimizer=False,
+        data_parallel_size=1,
+        seq_length=2048,
+        micro_batch_size=4,
+        virtual_pipeline_model_parallel_size=None,
+        sequence_parallel=True,
+        recompute_granularity='selective',
+    )
     kw.update(overrides)
     return SimpleNamespace(**kw)
 
@@ -50,8 +65,13 @@ def test_lines_by_hand(capsys):
 
 
 def test_pipeline_and_distributed_optimizer(capsys):
-    args = _args(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2,
-                 use_distributed_optimizer=True, data_parallel_size=4, sequence_parallel=False)
+    args = _args(
+        pipeline_model_parallel_size=4,
+        virtual_pipeline_model_parallel_size=2,
+        use_distributed_optimizer=True,
+        data_parallel_size=4,
+        sequence_parallel=False,
+    )
     report_theoretical_memory(args, verbose=True)
     out = capsys.readouterr().out.splitlines()
     h, L, V = 1024, 24, 50304
@@ -119,8 +139,14 @@ def test_theory_against_measured_cpu_peak():
         sock.bind(('127.0.0.1', 0))
         port = str(sock.getsockname()[1])
     env = dict(os.environ, PYTHONPATH=str(REPO), MALLOC_MMAP_THRESHOLD_='65536')
-    proc = subprocess.run([sys.executable, '-c', MEASURE, port], capture_output=True, text=True,
-                          timeout=300, cwd=str(REPO), env=env)
+    proc = subprocess.run(
+        [sys.executable, '-c', MEASURE, port],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(REPO),
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 0.7 <= result['resident'] / result['theory'] <= 1.3, result
@@ -131,13 +157,35 @@ def test_report_tool_prints_the_weight_line():
     """The tool parses a training command line, builds the tokenizer for the padded vocabulary
     and prints the lines without any process group (TP1: sequence parallelism is switched off,
     so only the weight and optimizer line)."""
-    argv = ['--num-layers', '24', '--hidden-size', '1024', '--num-attention-heads', '16',
-            '--seq-length', '2048', '--max-position-embeddings', '2048', '--micro-batch-size', '4',
-            '--global-batch-size', '64', '--tokenizer-type', 'GPT2BPETokenizer',
-            '--vocab-file', str(REPO / 'data/gpt2/gpt2-vocab.json'),
-            '--merge-file', str(REPO / 'data/gpt2/gpt2-merges.txt')]
-    proc = subprocess.run([sys.executable, str(REPO / 'tools/report_theoretical_memory.py')] + argv,
-                          capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    argv = [
+        '--num-layers',
+        '24',
+        '--hidden-size',
+        '1024',
+        '--num-attention-heads',
+        '16',
+        '--seq-length',
+        '2048',
+        '--max-position-embeddings',
+        '2048',
+        '--micro-batch-size',
+        '4',
+        '--global-batch-size',
+        '64',
+        '--tokenizer-type',
+        'GPT2BPETokenizer',
+        '--vocab-file',
+        str(REPO / 'data/gpt2/gpt2-vocab.json'),
+        '--merge-file',
+        str(REPO / 'data/gpt2/gpt2-merges.txt'),
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / 'tools/report_theoretical_memory.py')] + argv,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(REPO),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     h, L, V = 1024, 24, 50304
     shard = L * (12 * h * h + 4 * h) + 2 * h + h * V

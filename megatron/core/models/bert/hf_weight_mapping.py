@@ -171,4 +171,3 @@ def mcore_to_megatron_bert_hf_state_dict(
             for n, t in zip(('query', 'key', 'value'), (q, k, v)):
                 out[f'{hf_prefix}attention.self.{n}.{kind}'] = t
     return {k: v.clone() for k, v in out.items()}
-

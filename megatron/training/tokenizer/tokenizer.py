@@ -13,6 +13,7 @@ from typing import List, Optional
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
 
 from .bert_tokenization import FullTokenizer as FullBertTokenizer
+from .fast_encoders import gpt2_fast_encoder, wordpiece_fast_encoder
 from .gpt2_tokenization import GPT2Tokenizer
 
 TOKENIZER_TYPES = (
@@ -187,6 +188,8 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
         self.pad_id = self.tokenizer.vocab["[PAD]"]
         self.mask_id = self.tokenizer.vocab["[MASK]"]
         self._additional_special_tokens = []
+        # Same ids as the Python WordPiece from compiled code when `tokenizers` is installed.
+        self._fast_encode = wordpiece_fast_encoder(self.tokenizer.vocab, lower_case)
 
         self._bos_token = "[BOS]"
         self.add_token(self._bos_token)
@@ -221,6 +224,8 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
         return self.tokenizer.inv_vocab
 
     def tokenize(self, text: str) -> List[int]:
+        if self._fast_encode is not None:
+            return self._fast_encode(text)
         return self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(text))
 
     def decode(self, ids: List[int]) -> str:
@@ -304,6 +309,8 @@ class _GPT2BPETokenizer(MegatronTokenizer):
         if "<|endoftext|>" not in self.tokenizer.encoder:
             raise ValueError(f"--vocab-file {vocab_file}: no <|endoftext|> token; not a GPT-2 vocabulary")
         self.eod_id = self.tokenizer.encoder["<|endoftext|>"]
+        # Same ids as the Python BPE from compiled code when `tiktoken` is installed.
+        self._fast_encode = gpt2_fast_encoder(self.tokenizer.encoder, list(self.tokenizer.bpe_ranks))
 
     @property
     def vocab_size(self):
@@ -318,6 +325,8 @@ class _GPT2BPETokenizer(MegatronTokenizer):
         return self.tokenizer.decoder
 
     def tokenize(self, text: str) -> List[int]:
+        if self._fast_encode is not None:
+            return self._fast_encode(text)
         return self.tokenizer.encode(text)
 
     def detokenize(self, token_ids: List[int]) -> str:

@@ -52,9 +52,10 @@ class Encoder(object):
         self.args = args
 
     def initializer(self):
-        """Build the tokenizer in each worker."""
-        Encoder.tokenizer = build_tokenizer(self.args)
-        if self.args.split_sentences:
+        """Build the tokenizer in each worker, unless inherited from the parent by fork."""
+        if Encoder.tokenizer is None:
+            Encoder.tokenizer = build_tokenizer(self.args)
+        if self.args.split_sentences and Encoder.splitter is None:
             Encoder.splitter = _load_sentence_splitter(self.args.lang, self.args.keep_newlines)
 
     def encode(self, item):
@@ -136,6 +137,10 @@ class Partition(object):
         count = 0
         total_bytes = 0
         proc_start = time.time()
+        if multiprocessing.get_start_method() == "fork":
+            # Forked workers inherit the parent's tokenizer instead of each loading the vocabulary
+            # and merges again (seconds per worker for GPT-2).
+            Encoder.tokenizer = tokenizer
         pool = multiprocessing.Pool(self.workers, initializer=encoder.initializer)
         try:
             for result in _with_heartbeat(pool.imap(encoder.encode, items, 32), lambda: count):

@@ -292,13 +292,15 @@ def test_roundtrip_tensor_parallel(tmp_path):
 
 
 def test_roundtrip_distributed_optimizer(tmp_path):
-    """DP=2 with --use-distributed-optimizer: sharded Adam state goes through distrib_optim.pt."""
+    """DP=2 with --use-distributed-optimizer: each DP rank writes its own Adam state shard."""
     outs = run_distributed(
         _roundtrip_body, world_size=2, args=(str(tmp_path), ['--use-distributed-optimizer'])
     )
-    # Only data-parallel rank 0 writes; no temporary files are left behind.
+    # Data-parallel rank 0 writes the model file, every DP rank its optimizer shard; no
+    # temporary files are left behind.
     assert outs[0]['files'] == [
-        'iter_0000003/mp_rank_00/distrib_optim.pt',
+        'iter_0000003/mp_rank_00/distrib_optim_dp000.pt',
+        'iter_0000003/mp_rank_00/distrib_optim_dp001.pt',
         'iter_0000003/mp_rank_00/model_optim_rng.pt',
         'latest_checkpointed_iteration.txt',
     ]
@@ -325,7 +327,7 @@ def _dist_opt_load_body(ckpt_dir):
 
 
 def test_distributed_optimizer_checkpoint_at_other_dp_size(tmp_path):
-    """distrib_optim.pt saved at DP=2 resumes at DP=1 (same step up to the grad-norm sum order)."""
+    """Optimizer shards saved at DP=2 resume at DP=1 (same step up to the grad-norm sum order)."""
     dp2 = run_distributed(_dist_opt_save_body, world_size=2, args=(str(tmp_path),))
     (dp1,) = run_distributed(_dist_opt_load_body, world_size=1, args=(str(tmp_path),))
     for name, value in dp2[0].items():

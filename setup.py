@@ -58,6 +58,11 @@ setup(
 
         # Hugging Face model directories in tools/checkpoint (loader_hf, saver_hf).
         "safetensors",
+
+        # Compiled GPT-2 BPE and WordPiece encoders with the pure-Python tokenizers' ids
+        # (tools/preprocess_data.py speed); the pure-Python tokenizers serve when absent.
+        "tiktoken",
+        "tokenizers",
     ],
     extras_require={
         "test": [

@@ -68,8 +68,11 @@ def load_shards(
             )
         shards.append(load_fn(name))
     for rank, shard in enumerate(shards):
-        if (shard.get('format') != SHARD_FILE_FORMAT or shard.get('data_parallel_rank') != rank
-                or shard.get('data_parallel_world_size') != saved_dp):
+        if (
+            shard.get('format') != SHARD_FILE_FORMAT
+            or shard.get('data_parallel_rank') != rank
+            or shard.get('data_parallel_world_size') != saved_dp
+        ):
             raise ValueError(
                 f'{shard_name(model_checkpoint_name, rank)} is not data-parallel rank {rank} of '
                 f'{saved_dp} (a shard from another save?)'

@@ -601,11 +601,14 @@ class ChainedOptimizer(MegatronOptimizer):
 
     def get_parameter_state_shard(self) -> Dict:
         """This rank's parameter-state shard of every distributed optimizer (None for others)."""
-        return {'chained': [
-            optimizer.get_parameter_state_shard()
-            if hasattr(optimizer, 'get_parameter_state_shard') else None
-            for optimizer in self.chained_optimizers
-        ]}
+        return {
+            'chained': [
+                optimizer.get_parameter_state_shard()
+                if hasattr(optimizer, 'get_parameter_state_shard')
+                else None
+                for optimizer in self.chained_optimizers
+            ]
+        }
 
     def load_parameter_state_from_shards(self, shards: List[Dict]):
         """Load every saved rank's `get_parameter_state_shard` into each distributed optimizer."""

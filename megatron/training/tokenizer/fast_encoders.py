@@ -62,17 +62,23 @@ def gpt2_fast_encoder(
     for token, rank in ranks.items():
         if encoder.get("".join(byte_encoder[b] for b in token)) != rank:
             return None
-    if len(encoder) != len(ranks) + sum(1 for t in encoder if t.startswith("<|") and t.endswith("|>")):
+    if len(encoder) != len(ranks) + sum(
+        1 for t in encoder if t.startswith("<|") and t.endswith("|>")
+    ):
         return None
     enc = tiktoken.Encoding(
-        name="megatron-gpt2-bpe", pat_str=GPT2_PRETOKENIZE_PATTERN, mergeable_ranks=ranks,
+        name="megatron-gpt2-bpe",
+        pat_str=GPT2_PRETOKENIZE_PATTERN,
+        mergeable_ranks=ranks,
         special_tokens={},
     )
     return enc.encode_ordinary
 
 
 def wordpiece_fast_encoder(
-    vocab: Dict[str, int], lower_case: bool, unk_token: str = "[UNK]",
+    vocab: Dict[str, int],
+    lower_case: bool,
+    unk_token: str = "[UNK]",
     max_input_chars_per_word: int = 100,
 ) -> Optional[Callable[[str], List[int]]]:
     """A Hugging Face `tokenizers` WordPiece giving BERT ids for `vocab`, or None.

@@ -310,7 +310,9 @@ class _GPT2BPETokenizer(MegatronTokenizer):
             raise ValueError(f"--vocab-file {vocab_file}: no <|endoftext|> token; not a GPT-2 vocabulary")
         self.eod_id = self.tokenizer.encoder["<|endoftext|>"]
         # Same ids as the Python BPE from compiled code when `tiktoken` is installed.
-        self._fast_encode = gpt2_fast_encoder(self.tokenizer.encoder, list(self.tokenizer.bpe_ranks))
+        self._fast_encode = gpt2_fast_encoder(
+            self.tokenizer.encoder, list(self.tokenizer.bpe_ranks)
+        )
 
     @property
     def vocab_size(self):

@@ -23,8 +23,13 @@ EDGE_CASES = [
     "<|endoftext|> stays text  \n\n  x",
     "Café naïve ÉCOLE 中文字 ﬁ ß İstanbul \u00a0nbsp \u200bzwsp tab\tz",
     "a" * 150 + " " + "b" * 99,
-    "日本語のテキスト", "emoji 😀👍🏽", "  leading", "trailing  ", "\x00\ufffd ctrl\x07 end",
-    "don't we'll I'M 123,456.78 $5 -- (x)[y]{z}", "",
+    "日本語のテキスト",
+    "emoji 😀👍🏽",
+    "  leading",
+    "trailing  ",
+    "\x00\ufffd ctrl\x07 end",
+    "don't we'll I'M 123,456.78 $5 -- (x)[y]{z}",
+    "",
 ]
 
 
@@ -38,9 +43,13 @@ def _corpus_sample():
 
 
 def _pure(tokenizer):
-    return types.SimpleNamespace(tokenize=lambda text: (
-        tokenizer.tokenizer.encode(text) if isinstance(tokenizer, _GPT2BPETokenizer)
-        else tokenizer.tokenizer.convert_tokens_to_ids(tokenizer.tokenizer.tokenize(text))))
+    return types.SimpleNamespace(
+        tokenize=lambda text: (
+            tokenizer.tokenizer.encode(text)
+            if isinstance(tokenizer, _GPT2BPETokenizer)
+            else tokenizer.tokenizer.convert_tokens_to_ids(tokenizer.tokenizer.tokenize(text))
+        )
+    )
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert_lower", "bert_case"])
@@ -86,17 +95,30 @@ def test_environment_disables_fast_encoders(monkeypatch):
 
 
 def _load_preprocess():
-    spec = importlib.util.spec_from_file_location("_tool_preprocess_data", REPO / "tools" / "preprocess_data.py")
+    spec = importlib.util.spec_from_file_location(
+        "_tool_preprocess_data", REPO / "tools" / "preprocess_data.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # worker pools pickle the tool's classes by module name
     spec.loader.exec_module(module)
     return module
 
 
-@pytest.mark.parametrize("tokenizer_args", [
-    ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", GPT2_FILES[0], "--merge-file", GPT2_FILES[1]],
-    ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", BERT_VOCAB],
-], ids=["gpt2", "bert"])
+@pytest.mark.parametrize(
+    "tokenizer_args",
+    [
+        [
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            GPT2_FILES[0],
+            "--merge-file",
+            GPT2_FILES[1],
+        ],
+        ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", BERT_VOCAB],
+    ],
+    ids=["gpt2", "bert"],
+)
 def test_preprocess_output_byte_identical_fast_and_pure(tmp_path, monkeypatch, tokenizer_args):
     preprocess = _load_preprocess()
     corpus = tmp_path / "sample.jsonl"
@@ -108,9 +130,24 @@ def test_preprocess_output_byte_identical_fast_and_pure(tmp_path, monkeypatch, t
         if mode == "pure":
             monkeypatch.setenv(fast_encoders.PURE_PYTHON_ENV, "1")
         prefix = str(tmp_path / mode)
-        preprocess.run(preprocess.get_args([
-            "--input", str(corpus), "--output-prefix", prefix, "--append-eod", "--workers", "2",
-            "--log-interval", "100000"] + tokenizer_args))
-        outputs[mode] = [pathlib.Path(prefix + "_text_document" + ext).read_bytes() for ext in (".bin", ".idx")]
+        preprocess.run(
+            preprocess.get_args(
+                [
+                    "--input",
+                    str(corpus),
+                    "--output-prefix",
+                    prefix,
+                    "--append-eod",
+                    "--workers",
+                    "2",
+                    "--log-interval",
+                    "100000",
+                ]
+                + tokenizer_args
+            )
+        )
+        outputs[mode] = [
+            pathlib.Path(prefix + "_text_document" + ext).read_bytes() for ext in (".bin", ".idx")
+        ]
     assert len(outputs["fast"][0]) > 1000
     assert outputs["fast"] == outputs["pure"]

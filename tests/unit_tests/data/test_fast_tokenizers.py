@@ -96,7 +96,7 @@ def test_environment_disables_fast_encoders(monkeypatch):
 
 def _load_preprocess():
     spec = importlib.util.spec_from_file_location(
-        "_tool_preprocess_data", REPO / "tools" / "preprocess_data.py"
+        "_fast_tokenizers_preprocess_data", REPO / "tools" / "preprocess_data.py"
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # worker pools pickle the tool's classes by module name

@@ -570,9 +570,15 @@ def save_checkpoint(
 
 
 def _torch_load(filename: str) -> Dict[str, Any]:
-    """torch.load with weights_only=True (plus argparse.Namespace for the saved args)."""
+    """torch.load, memory-mapped, weights_only=True (plus argparse.Namespace for the saved args)."""
     with torch.serialization.safe_globals(SAFE_GLOBALS):
-        return torch.load(filename, map_location='cpu', weights_only=True, mmap=True)
+        try:
+            return torch.load(filename, map_location='cpu', weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if 'mmap' not in str(exc):
+                raise
+            # A file in torch's pre-zip (legacy) serialization cannot be memory-mapped.
+            return torch.load(filename, map_location='cpu', weights_only=True)
 
 
 def _layout_mismatch_message(checkpoint_args, checkpoint_name: str) -> Optional[str]:

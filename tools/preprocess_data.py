@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 
+import numpy
+
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder  # noqa: E402
@@ -89,7 +91,8 @@ class Encoder(object):
             if len(doc_ids) > 0 and self.args.append_eod:
                 doc_ids.append(Encoder.tokenizer.eod)
                 sentence_lens[-1] += 1
-            ids[key] = doc_ids
+            # An int32 array pickles to the main process far faster than a list of ints.
+            ids[key] = numpy.asarray(doc_ids, dtype=numpy.int32)
             lens[key] = sentence_lens
         return ids, lens, len(json_line.encode("utf-8"))
 

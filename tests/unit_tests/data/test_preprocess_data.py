@@ -23,6 +23,8 @@ GPT2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(DATA / "gpt2
 
 
 def _load_tool(name):
+    if f"_tool_{name}" in sys.modules:  # this file may be imported twice (by another test module)
+        return sys.modules[f"_tool_{name}"]
     spec = importlib.util.spec_from_file_location(f"_tool_{name}", REPO / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # worker pools pickle the tool's classes by module name

@@ -62,6 +62,10 @@ setup(
 
         # Hugging Face model directories in tools/checkpoint (loader_hf, saver_hf).
         "safetensors",
+
+        # Compiled WordPiece encoder with the pure-Python tokenizer's ids (preprocessing speed);
+        # the pure-Python tokenizers serve when it is absent.
+        "tokenizers",
     ],
     extras_require={
         "test": [

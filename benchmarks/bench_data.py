@@ -108,26 +108,29 @@ num_docs = int(total_tokens // 1000)
 sizes = rng.integers(1, 2000, size=num_docs, dtype=numpy.int32)
 sizes[-1] += int(total_tokens - sizes.sum()) if total_tokens > sizes.sum() else 0
 low = types.SimpleNamespace(sequence_lengths=sizes, path_prefix=cache)
-cfg = GPTDatasetConfig(random_seed=1234, sequence_length=seq, blend=(["synthetic"], None), split="1,0,0",
-                       path_to_cache=cache, tokenizer=_NullTokenizer(50000), reset_position_ids=False,
-                       reset_attention_mask=False, eod_mask_loss=False)
+cfg = GPTDatasetConfig(random_seed=1234, sequence_length=seq, blend=(["synthetic"], None),
+                       split="1,0,0", path_to_cache=cache, tokenizer=_NullTokenizer(50000),
+                       reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
 num_samples = int(sizes.sum()) // seq - 1
 import tracemalloc
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 tracemalloc.start()
 t0 = time.perf_counter()
-ds = GPTDataset(low, "synthetic", numpy.arange(num_docs, dtype=numpy.int32), num_samples, Split.train, cfg)
+ds = GPTDataset(low, "synthetic", numpy.arange(num_docs, dtype=numpy.int32), num_samples,
+                Split.train, cfg)
 dt = time.perf_counter() - t0
 traced_peak = tracemalloc.get_traced_memory()[1]
 tracemalloc.stop()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 index_bytes = ds.document_index.nbytes + ds.sample_index.nbytes + ds.shuffle_index.nbytes
 t1 = time.perf_counter()
-ds2 = GPTDataset(low, "synthetic", numpy.arange(num_docs, dtype=numpy.int32), num_samples, Split.train, cfg)
+ds2 = GPTDataset(low, "synthetic", numpy.arange(num_docs, dtype=numpy.int32), num_samples,
+                 Split.train, cfg)
 load = time.perf_counter() - t1
 print(json.dumps(dict(tokens=int(sizes.sum()), documents=num_docs, seq_length=seq, samples=len(ds),
                       build_seconds=round(dt, 3), cache_load_seconds=round(load, 4),
-                      peak_rss_increase_mib=round((peak - base) / 1024, 1), peak_rss_mib=round(peak / 1024, 1),
+                      peak_rss_increase_mib=round((peak - base) / 1024, 1),
+                      peak_rss_mib=round(peak / 1024, 1),
                       traced_peak_mib=round((traced_peak + ds.sample_index.nbytes) / 2**20, 2),
                       index_mib=round(index_bytes / 2**20, 2))))
 """
@@ -217,19 +220,23 @@ def main():
         random_reads=reads,
     )
     print(
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (figures scale down under load)"
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+        " (figures scale down under load)"
     )
     print("preprocess_data (GPT2BPETokenizer, --append-eod):")
     for r in pre:
         print(
-            f"  {r['corpus']:15s} workers={r['workers']}  {r['mb_per_s']:6.2f} MB/s  {r['docs_per_s']:9.1f} docs/s"
+            f"  {r['corpus']:15s} workers={r['workers']}  {r['mb_per_s']:6.2f} MB/s"
+            f"  {r['docs_per_s']:9.1f} docs/s"
             f"  ({r['docs']} docs, {r['mb']} MB, {r['seconds']} s wall, {r['cpu_seconds']} CPU s,"
             f" {r['mb_per_cpu_s']} MB per CPU s)"
         )
     for ix in index:
         print(
-            f"GPT indices for {ix['tokens']:,} tokens ({ix['documents']:,} docs), seq {ix['seq_length']}: "
-            f"{ix['build_seconds']} s incl. .npy writes, peak allocation {ix['traced_peak_mib']} MiB "
+            f"GPT indices for {ix['tokens']:,} tokens ({ix['documents']:,} docs),"
+            f" seq {ix['seq_length']}: "
+            f"{ix['build_seconds']} s incl. .npy writes,"
+            f" peak allocation {ix['traced_peak_mib']} MiB "
             f"(indices {ix['index_mib']} MiB, process peak RSS {ix['peak_rss_mib']} MiB); "
             f"{ix['samples']:,} samples; cache reload {ix['cache_load_seconds']} s"
         )

@@ -163,7 +163,8 @@ def main():
     print(f"{'recompute':<20} {'peak act. mem (MiB)':>20} {'step (s)':>10} {'tokens/s':>10}")
     for r in rows:
         print(
-            f"{r['mode']:<20} {r['peak_activation_mib']:>20.1f} {r['step_s']:>10.2f} {r['tokens_per_s']:>10.1f}"
+            f"{r['mode']:<20} {r['peak_activation_mib']:>20.1f} {r['step_s']:>10.2f}"
+            f" {r['tokens_per_s']:>10.1f}"
         )
 
 

@@ -264,7 +264,8 @@ def main():
         proc.join()
 
     print(
-        f"pipeline bubble, PP={p}, micro-batches={m}, virtual stages={v}, layers={args.num_layers}, "
+        f"pipeline bubble, PP={p}, micro-batches={m}, virtual stages={v},"
+        f" layers={args.num_layers}, "
         f"compute={args.compute}"
         + (
             f" ({args.sleep_ms_per_layer} ms/layer fwd, 2x bwd)"
@@ -279,13 +280,15 @@ def main():
         'interleaved': ((p - 1) / (v * m), (p - 1) / (v * m + p - 1)),
     }
     print(
-        "p2p-wait/own: time blocked in p2p / the stage's own forward_backward time (its fill/drain\n"
+        "p2p-wait/own: time blocked in p2p / the stage's own forward_backward time"
+        " (its fill/drain\n"
         "idle before its first and after its last p2p is partly outside its own call);\n"
         "idle/step: 1 - compute / pipeline step, pipeline step = slowest stage's forward_backward\n"
         "(all stages start together after a barrier)."
     )
     print(
-        f"{'schedule':<12} {'stage':>5} {'p2p-wait/own':>12} {'idle/step':>10} {'own s':>7} {'step s':>7}"
+        f"{'schedule':<12} {'stage':>5} {'p2p-wait/own':>12} {'idle/step':>10}"
+        f" {'own s':>7} {'step s':>7}"
     )
     summary = {}
     for schedule in ('1F1B', 'interleaved'):
@@ -308,7 +311,8 @@ def main():
         t_ratio, t_frac = theory[schedule]
         summary[schedule] = (sum(waits) / p, sum(idles) / p, sum(pipeline_step) / steps)
         print(
-            f"{schedule:<12} {'mean':>5} {summary[schedule][0]:>12.3f} {summary[schedule][1]:>10.3f}"
+            f"{schedule:<12} {'mean':>5} {summary[schedule][0]:>12.3f}"
+            f" {summary[schedule][1]:>10.3f}"
             f"{'':>8} {summary[schedule][2]:>7.3f}   theory: bubble/compute {t_ratio:.3f}, "
             f"bubble/step {t_frac:.3f}"
         )

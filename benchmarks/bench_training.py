@@ -289,11 +289,14 @@ def main():
     peak = max(peak, matmul_peak_flops())
 
     print(
-        f'device: {"cuda" if torch.cuda.is_available() else "cpu"}, torch threads: {torch.get_num_threads()}'
+        f'device: {"cuda" if torch.cuda.is_available() else "cpu"},'
+        f' torch threads: {torch.get_num_threads()}'
     )
     print(
-        f'model: {cfg["layers"]} layers, hidden {cfg["hidden"]}, {cfg["heads"]} heads, seq {cfg["seq"]}, '
-        f'vocab {cfg["vocab"]}, micro batch {cfg["mbs"]}; params megatron {n_meg / 1e6:.1f}M, plain {n_plain / 1e6:.1f}M'
+        f'model: {cfg["layers"]} layers, hidden {cfg["hidden"]}, {cfg["heads"]} heads,'
+        f' seq {cfg["seq"]}, '
+        f'vocab {cfg["vocab"]}, micro batch {cfg["mbs"]};'
+        f' params megatron {n_meg / 1e6:.1f}M, plain {n_plain / 1e6:.1f}M'
     )
     print(
         f'model FLOPs per step (Megatron formula): {flops / 1e9:.1f} GFLOP; '

@@ -136,7 +136,8 @@ class MegatronGenerate(Resource):
         with lock:  # Need to get lock to keep multiple threads from hitting code
             try:
                 if params['beam_width'] is not None:
-                    MegatronGenerate.send_do_beam_search()  # Tell other ranks we're doing beam_search
+                    # Tell other ranks we're doing beam_search
+                    MegatronGenerate.send_do_beam_search()
                     response, response_seg, response_scores = beam_search_and_post_process(
                         self.model,
                         prompts=params['prompts'],
@@ -229,7 +230,7 @@ def validate_api_request(body, limits):
     temperature = 1.0
     if "temperature" in body:
         temperature = body["temperature"]
-        if not (type(temperature) == int or type(temperature) == float):
+        if not (type(temperature) is int or type(temperature) is float):
             return "temperature must be a positive number less than or equal to 100.0"
         if not (0.0 < temperature <= 100.0):
             return "temperature must be a positive number less than or equal to 100.0"
@@ -237,7 +238,7 @@ def validate_api_request(body, limits):
     top_k = 0.0
     if "top_k" in body:
         top_k = body["top_k"]
-        if type(top_k) != int:
+        if type(top_k) is not int:
             return (
                 "top_k must be an integer equal to or greater than 0 and less than or equal to 1000"
             )
@@ -247,7 +248,7 @@ def validate_api_request(body, limits):
     top_p = 0.0
     if "top_p" in body:
         top_p = body["top_p"]
-        if type(top_p) != float:
+        if type(top_p) is not float:
             return "top_p must be a positive float less than or equal to 1.0"
         if top_p > 0.0 and top_k > 0.0:
             return "cannot set both top-k and top-p samplings."
@@ -257,7 +258,7 @@ def validate_api_request(body, limits):
     top_p_decay = 0.0
     if "top_p_decay" in body:
         top_p_decay = body["top_p_decay"]
-        if type(top_p_decay) != float:
+        if type(top_p_decay) is not float:
             return "top_p_decay must be a positive float less than or equal to 1.0"
         if top_p == 0.0:
             return "top_p_decay cannot be set without top_p"
@@ -267,7 +268,7 @@ def validate_api_request(body, limits):
     top_p_bound = 0.0
     if "top_p_bound" in body:
         top_p_bound = body["top_p_bound"]
-        if type(top_p_bound) != float:
+        if type(top_p_bound) is not float:
             return "top_p_bound must be a positive float less than or equal to top_p"
         if top_p == 0.0:
             return "top_p_bound cannot be set without top_p"

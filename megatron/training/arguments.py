@@ -1,4 +1,5 @@
-"""Megatron's command-line arguments: the parser, the cross-flag checks and the args -> config bridge.
+"""Megatron's command-line arguments: the parser, the cross-flag checks and the args -> config
+bridge.
 
 `parse_args()` builds the argparse parser from one `_add_*_args(parser)` function per concern, with
 Megatron core_v0.8.0 flag names and defaults. `validate_args(args, defaults)` (in
@@ -437,7 +438,9 @@ def _add_training_args(parser):
         '--no-clone-scatter-output-in-embedding',
         action='store_false',
         dest='clone_scatter_output_in_embedding',
-        help='If not set, clone the output of the scatter in embedding layer to GC original tensor.',
+        help=(
+            'If not set, clone the output of the scatter in embedding layer to GC original tensor.'
+        ),
     )
     group.add_argument('--profile', action='store_true', help='Enable torch profiling.')
     group.add_argument(
@@ -453,7 +456,10 @@ def _add_training_args(parser):
         '--tp-comm-overlap',
         action='store_true',
         default=False,
-        help='Enables the overlap of Tensor parallel communication and GEMM kernels (TE only; unused).',
+        help=(
+            'Enables the overlap of Tensor parallel communication and GEMM kernels'
+            ' (TE only; unused).'
+        ),
     )
     group.add_argument(
         '--checkpoint-activations',
@@ -516,7 +522,9 @@ def _add_training_args(parser):
         '--no-bias-swiglu-fusion',
         action='store_false',
         dest='bias_swiglu_fusion',
-        help='Disable bias and swiglu fusion, the fusion is available only when using megatron-core.',
+        help=(
+            'Disable bias and swiglu fusion, the fusion is available only when using megatron-core.'
+        ),
     )
     group.add_argument(
         '--no-bias-dropout-fusion',
@@ -677,7 +685,10 @@ def _add_initialization_args(parser):
         '--init-method-std',
         type=float,
         default=0.02,
-        help='Standard deviation of the zero mean normal distribution used for weight initialization.',
+        help=(
+            'Standard deviation of the zero mean normal distribution used'
+            ' for weight initialization.'
+        ),
     )
     group.add_argument(
         '--init-method-xavier-uniform',
@@ -714,7 +725,9 @@ def _add_learning_rate_args(parser):
         '--lr-decay-iters',
         type=int,
         default=None,
-        help='number of iterations to decay learning rate over, If None defaults to `--train-iters`',
+        help=(
+            'number of iterations to decay learning rate over, If None defaults to `--train-iters`'
+        ),
     )
     group.add_argument(
         '--lr-decay-samples',
@@ -1193,7 +1206,10 @@ def _add_validation_args(parser):
         '--skip-train',
         action='store_true',
         default=False,
-        help='If set, bypass the training loop, optionally do evaluation for validation/test, and exit.',
+        help=(
+            'If set, bypass the training loop, optionally do evaluation'
+            ' for validation/test, and exit.'
+        ),
     )
     return parser
 
@@ -1336,7 +1352,9 @@ def _add_tokenizer_args(parser):
         '--vocab-extra-ids',
         type=int,
         default=0,
-        help='Number of additional vocabulary tokens. They are used for span masking in the T5 model',
+        help=(
+            'Number of additional vocabulary tokens. They are used for span masking in the T5 model'
+        ),
     )
     group.add_argument(
         '--tokenizer-type',

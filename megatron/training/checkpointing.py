@@ -7,7 +7,9 @@ Layout under `--save` / `--load`::
         mp_rank_00/model_optim_rng.pt        tensor-parallel rank 00, no pipeline parallelism
         mp_rank_01_003/model_optim_rng.pt    tp rank 01, pp rank 003 (pipeline size > 1)
         mp_rank_01_003_002/...               + expert-parallel rank 002 (expert parallel size > 1)
-        .../distrib_optim.pt                 --use-distributed-optimizer parameter state
+        .../distrib_optim_dp000.pt ...       --use-distributed-optimizer parameter state, one
+                                             file per data-parallel rank (distrib_optim_shards.py;
+                                             Megatron's single distrib_optim.pt still loads)
 
 `model_optim_rng.pt` holds a dict with the keys `args` (an argparse.Namespace of plain values),
 `checkpoint_version` (3.0), `iteration`, `model` (or `model0`, `model1`, ... with a virtual
@@ -21,7 +23,8 @@ all ranks then agree (a collective) that their files are complete, and only then
 the tracker file (again temp + rename). A process killed at any point of a save therefore leaves the
 tracker pointing at the previous, complete checkpoint.
 
-Loading uses `torch.load(weights_only=True)` (only tensors, containers, numbers, strings, dtypes and
+Loading uses `torch.load(weights_only=True, mmap=True)`: tensors are memory-mapped, so a rank
+reads only the pages it copies (only tensors, containers, numbers, strings, dtypes and
 argparse.Namespace can be unpickled), checks the checkpoint's parallel layout and model shape
 against the run, and names both values of every difference.
 """
@@ -41,6 +44,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import update_num_microbatches
 from megatron.core.utils import get_current_device, unwrap_model, uses_cuda
+from megatron.training import distrib_optim_shards
 from megatron.training.global_vars import get_args
 
 #: Version written into every checkpoint, as in Megatron's megatron/training/checkpointing.py:
@@ -477,8 +481,8 @@ def save_checkpoint(
     Args:
         iteration: the number of completed training iterations.
         model: list of model chunks (possibly wrapped in DDP / Float16Module).
-        optimizer: MegatronOptimizer or None. With `--use-distributed-optimizer` its
-            `save_parameter_state` writes `distrib_optim.pt` (a collective over the DP group).
+        optimizer: MegatronOptimizer or None. With `--use-distributed-optimizer` every
+            data-parallel rank writes its own `distrib_optim_dp<rank>.pt` (no collective).
         opt_param_scheduler: OptimizerParamScheduler or None.
         num_floating_point_operations_so_far: stored for throughput accounting across restarts.
         checkpointing_context: accepted for Megatron signature parity (used by async/dist formats).
@@ -504,7 +508,8 @@ def save_checkpoint(
     save_optim_state = (
         args.use_distributed_optimizer and not args.no_save_optim and optimizer is not None
     )
-    optim_checkpoint_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
+    optim_checkpoint_name = distrib_optim_shards.shard_name(checkpoint_name, dp_rank)
     tmp_optim_name = optim_checkpoint_name + '.tmp'
 
     error = None
@@ -519,8 +524,11 @@ def save_checkpoint(
     try:
         if save_optim_state:
             ensure_directory_exists(optim_checkpoint_name)
-            # Gathers each DP group's shards; the group's rank 0 writes the (temporary) file.
-            optimizer.save_parameter_state(tmp_optim_name)
+            # Every DP rank writes its own shard (temporary name), in parallel, no gather.
+            distrib_optim_shards.write_shard(
+                optimizer, tmp_optim_name, dp_rank,
+                mpu.get_data_parallel_world_size(with_context_parallel=True),
+            )
         if is_writer:
             state_dict = generate_state_dict(
                 args, model, optimizer, opt_param_scheduler, rng_state, iteration=iteration
@@ -535,12 +543,12 @@ def save_checkpoint(
     _raise_if_any_rank_failed(error, iteration, args.save)
 
     if save_optim_state:
-        # The agreement above is also a barrier: the optimizer file is complete on disk now. One
-        # rank per (tp, pp[, ep]) folder moves it into place.
+        # The agreement above is also a barrier: every shard is complete on disk now. Each rank
+        # moves its own into place.
         try:
-            if is_writer and os.path.exists(tmp_optim_name):
-                _fsync_path(tmp_optim_name)
+            if os.path.exists(tmp_optim_name):
                 os.replace(tmp_optim_name, optim_checkpoint_name)
+                _fsync_path(os.path.dirname(optim_checkpoint_name))
         except Exception as exc:
             error = exc
         _raise_if_any_rank_failed(error, iteration, args.save)
@@ -946,10 +954,14 @@ def load_checkpoint(
             if optimizer is not None:
                 optimizer.load_state_dict(state_dict['optimizer'])
                 if args.use_distributed_optimizer:
-                    optim_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
-                    if not os.path.isfile(optim_name):
-                        raise KeyError(optim_name)
-                    optimizer.load_parameter_state(optim_name)
+                    shards = distrib_optim_shards.load_shards(checkpoint_name, _torch_load)
+                    if shards is not None:
+                        optimizer.load_parameter_state_from_shards(shards)
+                    else:  # Megatron's legacy single file
+                        optim_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
+                        if not os.path.isfile(optim_name):
+                            raise KeyError(optim_name)
+                        optimizer.load_parameter_state(optim_name)
             if opt_param_scheduler is not None:
                 if 'lr_scheduler' in state_dict:  # backward compatibility
                     opt_param_scheduler.load_state_dict(state_dict['lr_scheduler'])

@@ -247,7 +247,10 @@ def _pretrain(
     result['iteration'] = iteration
 
     if args.do_valid:
-        prefix = f'iteration {iteration} on {args.eval_iters * args.global_batch_size}-sample draw from validation set'
+        prefix = (
+            f'iteration {iteration} on {args.eval_iters * args.global_batch_size}'
+            '-sample draw from validation set'
+        )
         result['valid_losses'] = evaluate_and_print_results(
             prefix,
             forward_step_func,
@@ -260,7 +263,10 @@ def _pretrain(
             write_to_tensorboard=not args.skip_train,
         )
     if args.do_test:
-        prefix = f'iteration {iteration} on {args.eval_iters * args.global_batch_size}-sample draw from test set'
+        prefix = (
+            f'iteration {iteration} on {args.eval_iters * args.global_batch_size}'
+            '-sample draw from test set'
+        )
         result['test_losses'] = evaluate_and_print_results(
             prefix,
             forward_step_func,
@@ -1312,7 +1318,8 @@ def _check_training_data(args, do_train):
 
 
 def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):
-    """Data iterators for train/valid/test ('single': one pass; 'cyclic': repeat; 'external': as is)."""
+    """Data iterators for train/valid/test ('single': one pass; 'cyclic': repeat; 'external': as
+    is)."""
     args = get_args()
     train_dataloader, valid_dataloader, test_dataloader = build_train_valid_test_data_loaders(
         build_train_valid_test_datasets_provider

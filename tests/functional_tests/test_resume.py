@@ -215,7 +215,7 @@ def test_sigterm_saves_and_resumes_distributed_optimizer(tmp_path):
     assert stopped == {it: reference[it] for it in range(1, stopped_at + 1)}
     iter_dir = checkpointing.get_checkpoint_name(ckpt, stopped_at, return_base_dir=True)
     files = sorted(os.listdir(os.path.join(iter_dir, 'mp_rank_00')))
-    assert files == ['distrib_optim.pt', 'model_optim_rng.pt']
+    assert files == ['distrib_optim_dp000.pt', 'distrib_optim_dp001.pt', 'model_optim_rng.pt']
 
     res_prefix = str(tmp_path / 'resumed_losses')
     out = _finish(_torchrun(2, res_prefix, command), timeout=300)

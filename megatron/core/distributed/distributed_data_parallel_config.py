@@ -1,4 +1,5 @@
-"""Configuration of `DistributedDataParallel` (the data-parallel gradient buffer and its reduction)."""
+"""Configuration of `DistributedDataParallel` (the data-parallel gradient buffer and its
+reduction)."""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -21,11 +22,12 @@ class DistributedDataParallelConfig:
     bucket is ready, overlapping communication with the rest of the backward pass."""
 
     use_distributed_optimizer: bool = False
-    """If true, gradients are reduce-scattered (each data-parallel rank receives the reduced shard it
-    owns) and a parameter buffer is allocated so updated parameters can be all-gathered."""
+    """If true, gradients are reduce-scattered (each data-parallel rank receives the reduced shard
+    it owns) and a parameter buffer is allocated so updated parameters can be all-gathered."""
 
     check_for_nan_in_grad: bool = False
-    """If true, check every bucket for NaN gradients before it is reduced and raise if one is found."""
+    """If true, check every bucket for NaN gradients before it is reduced and raise if one is
+    found."""
 
     bucket_size: Optional[int] = None
     """Approximate number of elements per bucket. None means

@@ -114,7 +114,8 @@ class Bucket:
         norm = self.grad_data.norm(p=2)
         if torch.isnan(norm).item():
             raise RuntimeError(
-                f"Rank {torch.distributed.get_rank()}: found NaN in local grad norm in backward pass "
+                f"Rank {torch.distributed.get_rank()}: found NaN in local grad norm"
+                " in backward pass "
                 f"before data-parallel communication collective (bucket at offset {self.offset}, "
                 f"{self.grad_data.numel()} elements)"
             )
@@ -178,7 +179,8 @@ class Bucket:
             self.communication_handle = None
 
     def start_param_sync(self, async_op: bool = False):
-        """All-gather the bucket's parameter shards over DP into `param_data` (distributed optimizer).
+        """All-gather the bucket's parameter shards over DP into `param_data` (distributed
+        optimizer).
 
         Each data-parallel rank contributes the shard it updated; with `async_op` the gather runs in
         the background until `finish_param_sync()`.

@@ -20,10 +20,13 @@ so optimizer memory per rank is divided by DP. One step:
    before a module uses its parameters, and the next step / checkpoint calls wait for all).
 
 Checkpointing. `state_dict()` holds only the param-group hyperparameters and the loss scaler.
-The sharded tensors (main params and optimizer state) are saved by `save_parameter_state`: data
-parallel rank 0 gathers every bucket (without end padding) and writes one file; loading scatters
-it back. Because only bucket-end padding depends on DP, a file can be loaded at a different DP
-size as long as the bucket layout (model, bucket size) is the same.
+The sharded tensors (main params and optimizer state) are saved either per rank
+(`get_parameter_state_shard`: each DP rank its own shards, no collective; loading copies the
+overlapping saved ranges into each rank's new shard) or, in Megatron's legacy single-file
+layout, by `save_parameter_state`: data parallel rank 0 gathers every bucket (without end
+padding) and writes one file; loading scatters it back. Because only bucket-end padding depends
+on DP, either can be loaded at a different DP size as long as the bucket layout (model, bucket
+size) is the same.
 """
 
 import itertools
@@ -43,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 #: Format tag written into parameter-state files.
 PARAMETER_STATE_FORMAT = 'megatron-distrib-optim-parameter-state-v1'
+#: Format tag of one data-parallel rank's own parameter-state shard.
+PARAMETER_STATE_SHARD_FORMAT = 'megatron-distrib-optim-parameter-state-shard-v1'
 
 
 @dataclass(frozen=True)
@@ -380,6 +385,115 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for buffer in self.buffers
         ]
 
+    def _local_bucket_state(self, gbuf_index, bucket_index, keys, main_of) -> Dict:
+        """This rank's shard of one bucket as flat fp32 tensors per key ('param' + state keys)."""
+        bucket = self.buffers[gbuf_index].buckets[bucket_index]
+        shard_size = self.bucket_shard_ranges[gbuf_index][bucket_index].size
+        local = {key: torch.zeros(shard_size, dtype=torch.float32) for key in keys}
+        for model_param in bucket.params_list:
+            if model_param not in main_of:
+                continue
+            main_param = main_of[model_param]
+            local_range = self.param_range_map[model_param]['gbuf_local']
+            tensors = {'param': main_param}
+            tensors.update(self.optimizer.state.get(main_param, {}))
+            for key in keys:
+                value = tensors.get(key)
+                if value is not None:
+                    local[key][local_range.start : local_range.end] = value.detach().float().cpu()
+        return local
+
+    def _set_local_bucket_state(self, gbuf_index, bucket_index, key, local, main_of) -> None:
+        """Copy one key of this rank's flat bucket shard `local` into main params / state."""
+        bucket = self.buffers[gbuf_index].buckets[bucket_index]
+        for model_param in bucket.params_list:
+            if model_param not in main_of:
+                continue
+            main_param = main_of[model_param]
+            local_range = self.param_range_map[model_param]['gbuf_local']
+            values = local[local_range.start : local_range.end]
+            if key == 'param':
+                target = main_param
+            else:
+                param_state = self.optimizer.state[main_param]
+                if param_state.get(key) is None:
+                    param_state[key] = torch.zeros_like(main_param)
+                target = param_state[key]
+            target.data.copy_(values.to(device=target.device, dtype=target.dtype))
+
+    def get_parameter_state_shard(self) -> Dict:
+        """This data-parallel rank's own fp32 main params and optimizer state (no collective).
+
+        Returns {'format', 'state_keys', 'data_parallel_world_size', 'data_parallel_rank',
+        'buffers': [{'param_dtype', 'grad_dtype', 'per_bucket_numel_unpadded', 'param': [flat
+        shard per bucket], '<state key>': [...]}]}: bucket b's shard of rank r covers bucket
+        elements [r * S, (r + 1) * S) with S its length (the last shard includes end padding).
+        Every rank writes its own file, so saving costs no gather.
+        """
+        self._finish_param_syncs()
+        self._ensure_state()
+        keys = ['param'] + _state_keys(self.optimizer)
+        main_of = dict(self._shard_main_params_with_model_params())
+        buffers_out = self._layout()
+        for gbuf_index, buffer in enumerate(self.buffers):
+            per_key = {key: [] for key in keys}
+            for bucket_index in range(len(buffer.buckets)):
+                local = self._local_bucket_state(gbuf_index, bucket_index, keys, main_of)
+                for key in keys:
+                    per_key[key].append(local[key])
+            buffers_out[gbuf_index].update(per_key)
+        return {
+            'format': PARAMETER_STATE_SHARD_FORMAT,
+            'state_keys': keys[1:],
+            'data_parallel_world_size': self.data_parallel_world_size,
+            'data_parallel_rank': self.data_parallel_rank,
+            'buffers': buffers_out,
+        }
+
+    def load_parameter_state_from_shards(self, shards: List[Dict]):
+        """Load the shards written by `get_parameter_state_shard` at any data-parallel size.
+
+        `shards` holds the shard of every saved DP rank (in any order; memory-mapped tensors are
+        best: each rank copies only the saved ranges overlapping its own new shard, so no rank
+        reads whole files). No collective until the final parameter all-gather. Raises
+        ValueError (on every rank alike, since all read the same files) when the shards are
+        incomplete or their bucket layout / state kind does not match this model and optimizer.
+        """
+        self._finish_param_syncs()
+        self._ensure_state()
+        keys = ['param'] + _state_keys(self.optimizer)
+        by_rank = {}
+        for shard in shards:
+            problem = self._check_parameter_state(shard, keys, PARAMETER_STATE_SHARD_FORMAT)
+            if problem:
+                raise ValueError(problem)
+            by_rank.setdefault(shard['data_parallel_rank'], shard)
+        saved_dp = shards[0]['data_parallel_world_size'] if shards else 0
+        if sorted(by_rank) != list(range(saved_dp)) or any(
+            s['data_parallel_world_size'] != saved_dp for s in by_rank.values()
+        ):
+            raise ValueError(
+                f'parameter-state shards of data-parallel ranks {sorted(by_rank)} do not make up '
+                f'a data-parallel size of {saved_dp}'
+            )
+        main_of = dict(self._shard_main_params_with_model_params())
+        for gbuf_index, buffer in enumerate(self.buffers):
+            for bucket_index, bucket in enumerate(buffer.buckets):
+                size = self.bucket_shard_ranges[gbuf_index][bucket_index].size
+                lo = self.data_parallel_rank * size
+                hi = min(lo + size, bucket.numel_unpadded)
+                for key in keys:
+                    local = torch.zeros(size, dtype=torch.float32)
+                    for rank in range(saved_dp):
+                        saved = by_rank[rank]['buffers'][gbuf_index][key][bucket_index]
+                        start = rank * saved.numel()
+                        a, b = max(lo, start), min(hi, start + saved.numel())
+                        if a < b:
+                            local[a - lo : b - lo] = saved[a - start : b - start]
+                    self._set_local_bucket_state(gbuf_index, bucket_index, key, local, main_of)
+        self._copy_main_params_to_model_params()
+        self._gather_model_params()
+
     def get_parameter_state_dp_zero(self) -> Optional[Dict]:
         """Gather the sharded fp32 main params and optimizer state on data-parallel rank 0.
 
@@ -400,21 +514,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for gbuf_index, buffer in enumerate(self.buffers):
             per_key = {key: [] for key in keys}
             for bucket_index, bucket in enumerate(buffer.buckets):
-                shard_size = self.bucket_shard_ranges[gbuf_index][bucket_index].size
-                local = {key: torch.zeros(shard_size, dtype=torch.float32) for key in keys}
-                for model_param in bucket.params_list:
-                    if model_param not in main_of:
-                        continue
-                    main_param = main_of[model_param]
-                    local_range = self.param_range_map[model_param]['gbuf_local']
-                    tensors = {'param': main_param}
-                    tensors.update(self.optimizer.state.get(main_param, {}))
-                    for key in keys:
-                        value = tensors.get(key)
-                        if value is not None:
-                            local[key][local_range.start : local_range.end] = (
-                                value.detach().float().cpu()
-                            )
+                local = self._local_bucket_state(gbuf_index, bucket_index, keys, main_of)
                 for key in keys:
                     gather_list = None
                     if self.is_dp_zero():
@@ -481,27 +581,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         world[: saved.numel()] = saved
                         scatter_list = list(world.chunk(self.data_parallel_world_size))
                     torch.distributed.scatter(local, scatter_list, src=src, group=group)
-                    for model_param in bucket.params_list:
-                        if model_param not in main_of:
-                            continue
-                        main_param = main_of[model_param]
-                        local_range = self.param_range_map[model_param]['gbuf_local']
-                        values = local[local_range.start : local_range.end]
-                        if key == 'param':
-                            target = main_param
-                        else:
-                            param_state = self.optimizer.state[main_param]
-                            if param_state.get(key) is None:
-                                param_state[key] = torch.zeros_like(main_param)
-                            target = param_state[key]
-                        target.data.copy_(values.to(device=target.device, dtype=target.dtype))
+                    self._set_local_bucket_state(gbuf_index, bucket_index, key, local, main_of)
         # Model params follow their (possibly fp32-from-fp16) main params.
         self._copy_main_params_to_model_params()
         self._gather_model_params()
 
-    def _check_parameter_state(self, state, keys) -> Optional[str]:
+    def _check_parameter_state(self, state, keys, fmt=PARAMETER_STATE_FORMAT) -> Optional[str]:
         """Why `state` cannot be loaded here, or None."""
-        if not isinstance(state, dict) or state.get('format') != PARAMETER_STATE_FORMAT:
+        if not isinstance(state, dict) or state.get('format') != fmt:
             return (
                 'not a DistributedOptimizer parameter-state file (format tag missing or different)'
             )

@@ -599,6 +599,23 @@ class ChainedOptimizer(MegatronOptimizer):
         if save:
             torch.save(states, filename)
 
+    def get_parameter_state_shard(self) -> Dict:
+        """This rank's parameter-state shard of every distributed optimizer (None for others)."""
+        return {
+            'chained': [
+                optimizer.get_parameter_state_shard()
+                if hasattr(optimizer, 'get_parameter_state_shard')
+                else None
+                for optimizer in self.chained_optimizers
+            ]
+        }
+
+    def load_parameter_state_from_shards(self, shards: List[Dict]):
+        """Load every saved rank's `get_parameter_state_shard` into each distributed optimizer."""
+        for index, optimizer in enumerate(self.chained_optimizers):
+            if hasattr(optimizer, 'load_parameter_state_from_shards'):
+                optimizer.load_parameter_state_from_shards([s['chained'][index] for s in shards])
+
     def load_parameter_state(self, filename: str):
         """Load what `save_parameter_state` wrote into every distributed optimizer."""
         states = None
@@ -606,7 +623,7 @@ class ChainedOptimizer(MegatronOptimizer):
             if not hasattr(optimizer, 'load_parameter_state_from_dp_zero'):
                 continue
             if states is None and optimizer.is_dp_zero():
-                states = torch.load(filename, weights_only=True)
+                states = torch.load(filename, weights_only=True, mmap=True)
             optimizer.load_parameter_state_from_dp_zero(
                 states[index] if states is not None else None
             )

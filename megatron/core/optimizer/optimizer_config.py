@@ -117,12 +117,14 @@ class OptimizerConfig:
             raise ValueError(f"hysteresis (--hysteresis) must be >= 1, got {self.hysteresis}")
         if self.loss_scale_window < 1:
             raise ValueError(
-                f"loss_scale_window (--loss-scale-window) must be >= 1, got {self.loss_scale_window}"
+                "loss_scale_window (--loss-scale-window) must be >= 1,"
+                f" got {self.loss_scale_window}"
             )
         if self.min_loss_scale <= 0 or self.initial_loss_scale <= 0:
             raise ValueError(
                 f"min_loss_scale ({self.min_loss_scale}) and initial_loss_scale "
-                f"({self.initial_loss_scale}) (--min-loss-scale, --initial-loss-scale) must be positive"
+                f"({self.initial_loss_scale}) (--min-loss-scale, --initial-loss-scale)"
+                " must be positive"
             )
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ValueError(f"loss_scale (--loss-scale) must be positive, got {self.loss_scale}")

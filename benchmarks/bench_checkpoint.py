@@ -99,7 +99,10 @@ def _synthetic_step(model, optimizer, opt_param_scheduler, args):
 
 def _rank_main(rank, world_size, port, bench, use_dist_opt, ckpt_dir, result_file):
     os.environ.update(
-        MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
     )
     sys.path.insert(0, REPO)
@@ -113,14 +116,34 @@ def _rank_main(rank, world_size, port, bench, use_dist_opt, ckpt_dir, result_fil
     from megatron.training.training import setup_model_and_optimizer
 
     argv = [
-        '--num-layers', str(bench.num_layers), '--hidden-size', str(bench.hidden_size),
-        '--num-attention-heads', str(bench.num_attention_heads),
-        '--seq-length', str(bench.seq_length), '--max-position-embeddings', str(bench.seq_length),
-        '--micro-batch-size', '1', '--global-batch-size', str(world_size), '--train-iters', '10',
-        '--lr', '1e-4', '--tokenizer-type', 'GPT2BPETokenizer',
-        '--vocab-file', os.path.join(REPO, 'data', 'gpt2', 'gpt2-vocab.json'),
-        '--merge-file', os.path.join(REPO, 'data', 'gpt2', 'gpt2-merges.txt'),
-        '--save', ckpt_dir, '--save-interval', '1',
+        '--num-layers',
+        str(bench.num_layers),
+        '--hidden-size',
+        str(bench.hidden_size),
+        '--num-attention-heads',
+        str(bench.num_attention_heads),
+        '--seq-length',
+        str(bench.seq_length),
+        '--max-position-embeddings',
+        str(bench.seq_length),
+        '--micro-batch-size',
+        '1',
+        '--global-batch-size',
+        str(world_size),
+        '--train-iters',
+        '10',
+        '--lr',
+        '1e-4',
+        '--tokenizer-type',
+        'GPT2BPETokenizer',
+        '--vocab-file',
+        os.path.join(REPO, 'data', 'gpt2', 'gpt2-vocab.json'),
+        '--merge-file',
+        os.path.join(REPO, 'data', 'gpt2', 'gpt2-merges.txt'),
+        '--save',
+        ckpt_dir,
+        '--save-interval',
+        '1',
     ]
     if not torch.cuda.is_available():
         argv += ['--distributed-backend', 'gloo']

@@ -24,11 +24,23 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def run_tool(corpus, out_prefix, workers, backend):
     env = dict(os.environ, MEGATRON_TOKENIZER_BACKEND=backend, PYTHONPATH=str(REPO))
-    cmd = [sys.executable, str(REPO / 'tools' / 'preprocess_data.py'), '--input', str(corpus),
-           '--output-prefix', str(out_prefix), '--tokenizer-type', 'GPT2BPETokenizer',
-           '--vocab-file', str(REPO / 'data/gpt2/gpt2-vocab.json'),
-           '--merge-file', str(REPO / 'data/gpt2/gpt2-merges.txt'), '--append-eod',
-           '--workers', str(workers)]
+    cmd = [
+        sys.executable,
+        str(REPO / 'tools' / 'preprocess_data.py'),
+        '--input',
+        str(corpus),
+        '--output-prefix',
+        str(out_prefix),
+        '--tokenizer-type',
+        'GPT2BPETokenizer',
+        '--vocab-file',
+        str(REPO / 'data/gpt2/gpt2-vocab.json'),
+        '--merge-file',
+        str(REPO / 'data/gpt2/gpt2-merges.txt'),
+        '--append-eod',
+        '--workers',
+        str(workers),
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     elapsed = time.perf_counter() - start
@@ -60,11 +72,16 @@ def main():
                 outputs[name] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
         identical = outputs['fast'] == outputs['python']
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f'corpus {cli.corpus} x{cli.copies} ({size_mb:.1f} MB JSON), {cli.workers} workers, '
-          f'{cli.repeats} alternating repeat(s); outputs byte-identical: {identical}')
+    print(
+        f'corpus {cli.corpus} x{cli.copies} ({size_mb:.1f} MB JSON), {cli.workers} workers, '
+        f'{cli.repeats} alternating repeat(s); outputs byte-identical: {identical}'
+    )
     for name, t in med.items():
-        print(f'{name:>7}: {t:7.2f} s  {size_mb / t:6.2f} MB/s  (runs: '
-              + ', '.join(f'{x:.2f}' for x in times[name]) + ')')
+        print(
+            f'{name:>7}: {t:7.2f} s  {size_mb / t:6.2f} MB/s  (runs: '
+            + ', '.join(f'{x:.2f}' for x in times[name])
+            + ')'
+        )
     print(f'ratio fast / pure-Python (MB/s): {med["python"] / med["fast"]:.2f}')
     if not identical:
         raise SystemExit('outputs differ')

@@ -1,8 +1,8 @@
 """Tokenize a loose-JSON corpus (one JSON object per line) into Megatron `.bin`/`.idx` datasets.
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix my-gpt2 \\
-        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \\
-        --append-eod --workers 2
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \\
+        --merge-file gpt2-merges.txt --append-eod --workers 2
 
 writes `my-gpt2_text_document.bin/.idx` (one per `--json-keys` key; `_sentence` with
 `--split-sentences`). Documents are encoded by `--workers` processes but written in input order,
@@ -35,8 +35,11 @@ class PreprocessError(Exception):
 
 
 def _load_sentence_splitter(lang: str, keep_newlines: bool):
-    """NLTK Punkt for `lang` from installed parameters (no download), or a one-line PreprocessError."""
-    from megatron.training.tokenizer.sentence_splitter import SentenceSplitter, SentenceSplitterError
+    """NLTK Punkt for `lang` from installed parameters (no download), or a PreprocessError."""
+    from megatron.training.tokenizer.sentence_splitter import (
+        SentenceSplitter,
+        SentenceSplitterError,
+    )
 
     try:
         return SentenceSplitter(lang, keep_newlines)
@@ -61,7 +64,7 @@ class Encoder(object):
             Encoder.splitter = _load_sentence_splitter(self.args.lang, self.args.keep_newlines)
 
     def encode(self, item):
-        """(path, line number, line) -> (ids per key, sequence lengths per key, bytes) or ('error', msg)."""
+        """(path, line number, line) -> (ids, sequence lengths per key, bytes) or ('error', msg)."""
         path, lineno, json_line = item
         try:
             data = json.loads(json_line)
@@ -73,14 +76,23 @@ class Encoder(object):
         lens = {}
         for key in self.args.json_keys:
             if key not in data:
-                return "error", f"{path}:{lineno}: missing key '{key}' (--json-keys {' '.join(self.args.json_keys)})"
+                return (
+                    "error",
+                    f"{path}:{lineno}: missing key '{key}' "
+                    f"(--json-keys {' '.join(self.args.json_keys)})",
+                )
             text = data[key]
             if isinstance(text, str):
-                sentences = Encoder.splitter.tokenize(text) if Encoder.splitter is not None else [text]
+                sentences = (
+                    Encoder.splitter.tokenize(text) if Encoder.splitter is not None else [text]
+                )
             elif isinstance(text, list) and all(isinstance(t, str) for t in text):
                 sentences = text
             else:
-                return "error", f"{path}:{lineno}: key '{key}' must be a string or a list of strings"
+                return (
+                    "error",
+                    f"{path}:{lineno}: key '{key}' must be a string or a list of strings",
+                )
             doc_ids = []
             sentence_lens = []
             for sentence in sentences:
@@ -128,14 +140,20 @@ class Partition(object):
         if final or count % self.args.log_interval == 0:
             elapsed = max(time.time() - proc_start, 1e-9)
             mbs = total_bytes_processed / elapsed / 1024 / 1024
-            print(f"Processed {count} documents", f"({count / elapsed} docs/s, {mbs} MB/s).", file=sys.stderr, flush=True)
+            print(
+                f"Processed {count} documents",
+                f"({count / elapsed} docs/s, {mbs} MB/s).",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def process(self, items, prefixes, tokenizer):
-        """Encode `items` with a pool and write one dataset per key to `prefixes[key]` + tmp suffix."""
+        """Encode `items` with a pool; write one dataset per key to `prefixes[key]` + tmp suffix."""
         encoder = Encoder(self.args)
         dtype = DType.optimal_dtype(tokenizer.vocab_size)
         builders = {
-            key: IndexedDatasetBuilder(prefixes[key] + _TMP_SUFFIX + ".bin", dtype=dtype) for key in self.args.json_keys
+            key: IndexedDatasetBuilder(prefixes[key] + _TMP_SUFFIX + ".bin", dtype=dtype)
+            for key in self.args.json_keys
         }
         count = 0
         total_bytes = 0
@@ -185,8 +203,12 @@ def _with_heartbeat(results, done):
             now = time.time()
             if now - max(last) >= STILL_ENCODING_INTERVAL:
                 last[1] = now
-                print(f"Processed {done()} documents; still encoding document {done() + 1} "
-                      f"({now - last[0]:.0f} s so far)", file=sys.stderr, flush=True)
+                print(
+                    f"Processed {done()} documents; still encoding document {done() + 1} "
+                    f"({now - last[0]:.0f} s so far)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     thread = threading.Thread(target=_beat, daemon=True)
     thread.start()
@@ -209,8 +231,12 @@ def _cap_workers(args):
     capped = max(args.partitions, cores // args.partitions * args.partitions)
     if capped >= args.workers:
         return
-    print(f"WARNING: --workers {args.workers} is more than the {cores} CPU cores available; "
-          f"using {capped} workers", file=sys.stderr, flush=True)
+    print(
+        f"WARNING: --workers {args.workers} is more than the {cores} CPU cores available; "
+        f"using {capped} workers",
+        file=sys.stderr,
+        flush=True,
+    )
     args.workers = capped
 
 
@@ -232,30 +258,74 @@ def get_args(argv=None):
     """Megatron's preprocess_data flags."""
     parser = argparse.ArgumentParser()
     group = parser.add_argument_group(title="input data")
-    group.add_argument("--input", type=str, required=True, help="Path to input JSON (a glob with --partitions > 1)")
-    group.add_argument("--json-keys", nargs="+", default=["text"], help="space separate listed of keys to extract from json")
-    group.add_argument("--split-sentences", action="store_true", help="Split documents into sentences (NLTK Punkt, offline).")
-    group.add_argument("--keep-newlines", action="store_true", help="Keep newlines between sentences when splitting.")
+    group.add_argument(
+        "--input", type=str, required=True, help="Path to input JSON (a glob with --partitions > 1)"
+    )
+    group.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="space separate listed of keys to extract from json",
+    )
+    group.add_argument(
+        "--split-sentences",
+        action="store_true",
+        help="Split documents into sentences (NLTK Punkt, offline).",
+    )
+    group.add_argument(
+        "--keep-newlines",
+        action="store_true",
+        help="Keep newlines between sentences when splitting.",
+    )
 
     group = parser.add_argument_group(title="tokenizer")
-    group.add_argument("--tokenizer-type", type=str, required=True, choices=list(TOKENIZER_TYPES), help="What type of tokenizer to use.")
+    group.add_argument(
+        "--tokenizer-type",
+        type=str,
+        required=True,
+        choices=list(TOKENIZER_TYPES),
+        help="What type of tokenizer to use.",
+    )
     group.add_argument("--tokenizer-model", type=str, default=None, help="YTTM tokenizer model.")
     group.add_argument("--vocab-file", type=str, default=None, help="Path to the vocab file")
     group.add_argument("--vocab-size", default=786, help="size of vocab for use with NullTokenizer")
-    group.add_argument("--merge-file", type=str, default=None, help="Path to the BPE merge file (if necessary).")
-    group.add_argument("--append-eod", action="store_true", help="Append an <eod> token to the end of a document.")
-    group.add_argument("--lang", type=str, default="english", help="Language to use for NLTK-powered sentence splitting.")
-    group.add_argument("--vocab-extra-ids", type=int, default=0, help="Number of additional vocabulary tokens (T5 sentinels).")
+    group.add_argument(
+        "--merge-file", type=str, default=None, help="Path to the BPE merge file (if necessary)."
+    )
+    group.add_argument(
+        "--append-eod", action="store_true", help="Append an <eod> token to the end of a document."
+    )
+    group.add_argument(
+        "--lang",
+        type=str,
+        default="english",
+        help="Language to use for NLTK-powered sentence splitting.",
+    )
+    group.add_argument(
+        "--vocab-extra-ids",
+        type=int,
+        default=0,
+        help="Number of additional vocabulary tokens (T5 sentinels).",
+    )
 
     group = parser.add_argument_group(title="output data")
-    group.add_argument("--output-prefix", type=str, required=True, help="Path to binary output file without suffix")
+    group.add_argument(
+        "--output-prefix", type=str, required=True, help="Path to binary output file without suffix"
+    )
 
     group = parser.add_argument_group(title="runtime")
-    group.add_argument("--workers", type=int, required=True, help="Number of worker processes to launch")
+    group.add_argument(
+        "--workers", type=int, required=True, help="Number of worker processes to launch"
+    )
     group.add_argument("--partitions", type=int, default=1, help="Number of file partitions")
-    group.add_argument("--log-interval", type=int, default=1000, help="Interval between progress updates")
-    group.add_argument("--keep-sequential-samples", action="store_true",
-                       help="Ensure ordering of samples in .jsonl files is preserved when using partitions>1.")
+    group.add_argument(
+        "--log-interval", type=int, default=1000, help="Interval between progress updates"
+    )
+    group.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="Ensure ordering of samples in .jsonl files is preserved when using partitions>1.",
+    )
     args = parser.parse_args(argv)
     args.keep_empty = False
 
@@ -264,7 +334,9 @@ def get_args(argv=None):
     if args.partitions < 1:
         parser.error(f"--partitions must be >= 1, got {args.partitions}")
     if args.workers % args.partitions != 0:
-        parser.error(f"--workers ({args.workers}) must be divisible by --partitions ({args.partitions})")
+        parser.error(
+            f"--workers ({args.workers}) must be divisible by --partitions ({args.partitions})"
+        )
     if args.log_interval < 1:
         parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
     _cap_workers(args)
@@ -316,7 +388,7 @@ def run(args):
     n = args.partitions
     if args.keep_sequential_samples:
         per = (len(lines) + n - 1) // n
-        parts = [lines[i * per:(i + 1) * per] for i in range(n)]
+        parts = [lines[i * per : (i + 1) * per] for i in range(n)]
     else:
         parts = [lines[i::n] for i in range(n)]
     count = 0
@@ -347,8 +419,11 @@ def main(argv=None):
     for key in args.json_keys:
         prefix = _output_prefix(args, key, level)
         ds = IndexedDataset(prefix)
-        print(f"Wrote {prefix}.bin/.idx: {count} documents, {len(ds)} sequences, "
-              f"{int(ds.sequence_lengths.sum(dtype='int64'))} tokens", file=sys.stderr)
+        print(
+            f"Wrote {prefix}.bin/.idx: {count} documents, {len(ds)} sequences, "
+            f"{int(ds.sequence_lengths.sum(dtype='int64'))} tokens",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

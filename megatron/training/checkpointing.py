@@ -526,7 +526,9 @@ def save_checkpoint(
             ensure_directory_exists(optim_checkpoint_name)
             # Every DP rank writes its own shard (temporary name), in parallel, no gather.
             distrib_optim_shards.write_shard(
-                optimizer, tmp_optim_name, dp_rank,
+                optimizer,
+                tmp_optim_name,
+                dp_rank,
                 mpu.get_data_parallel_world_size(with_context_parallel=True),
             )
         if is_writer:
@@ -658,8 +660,10 @@ def _load_base_checkpoint(
         # Truncated, corrupt, or holding objects other than tensors and plain data (a planted
         # pickle would run code on a plain torch.load): the file is refused, never executed.
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        reason = next((line for line in lines if 'GLOBAL' in line or 'global' in line),
-                      lines[0] if lines else type(exc).__name__)
+        reason = next(
+            (line for line in lines if 'GLOBAL' in line or 'global' in line),
+            lines[0] if lines else type(exc).__name__,
+        )
         raise ValueError(
             f'checkpoint file {checkpoint_name} cannot be loaded as weights only (tensors and '
             f'plain data): {reason}'
@@ -804,8 +808,13 @@ def load_args_from_checkpoint(
         else:
             print_rank_0(f'Checkpoint did not provide arguments {arg_name}')
 
-    for name in ('num_layers', 'hidden_size', 'ffn_hidden_size', 'seq_length',
-                 'num_attention_heads'):
+    for name in (
+        'num_layers',
+        'hidden_size',
+        'ffn_hidden_size',
+        'seq_length',
+        'num_attention_heads',
+    ):
         _set_arg(name)
     for name in ('num_query_groups', 'group_query_attention'):
         _set_arg(name, force=True)

@@ -28,16 +28,57 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 #: Tiny GPT on mock data.
 RESUME_ARGS = [
-    '--num-layers', '4', '--hidden-size', '32', '--num-attention-heads', '4',
-    '--seq-length', '16', '--max-position-embeddings', '16',
-    '--attention-dropout', '0.0', '--hidden-dropout', '0.0',
-    '--micro-batch-size', '1', '--global-batch-size', '4',
-    '--lr', '1e-2', '--min-lr', '1e-3', '--lr-decay-style', 'cosine', '--lr-warmup-iters', '2',
-    '--weight-decay', '0.01', '--clip-grad', '1.0', '--seed', '1234',
-    '--mock-data', '--tokenizer-type', 'NullTokenizer', '--vocab-size', '4095',  # mock ids < 4096
-    '--split', '98,2,0', '--num-workers', '0', '--log-interval', '1',
-    '--eval-interval', '1000', '--eval-iters', '1',
-    '--distributed-backend', 'gloo', '--save-interval', '1000',
+    '--num-layers',
+    '4',
+    '--hidden-size',
+    '32',
+    '--num-attention-heads',
+    '4',
+    '--seq-length',
+    '16',
+    '--max-position-embeddings',
+    '16',
+    '--attention-dropout',
+    '0.0',
+    '--hidden-dropout',
+    '0.0',
+    '--micro-batch-size',
+    '1',
+    '--global-batch-size',
+    '4',
+    '--lr',
+    '1e-2',
+    '--min-lr',
+    '1e-3',
+    '--lr-decay-style',
+    'cosine',
+    '--lr-warmup-iters',
+    '2',
+    '--weight-decay',
+    '0.01',
+    '--clip-grad',
+    '1.0',
+    '--seed',
+    '1234',
+    '--mock-data',
+    '--tokenizer-type',
+    'NullTokenizer',
+    '--vocab-size',
+    '4095',  # mock ids < 4096
+    '--split',
+    '98,2,0',
+    '--num-workers',
+    '0',
+    '--log-interval',
+    '1',
+    '--eval-interval',
+    '1000',
+    '--eval-iters',
+    '1',
+    '--distributed-backend',
+    'gloo',
+    '--save-interval',
+    '1000',
 ]
 
 
@@ -95,8 +136,12 @@ def test_exact_resume_tp2_pp2(tmp_path):
     train_iters, stop_at = 6, 3
     layout = ['--tensor-model-parallel-size', '2', '--pipeline-model-parallel-size', '2']
     outs = run_distributed(
-        _stop_and_resume_runs, world_size=4, tp=2, pp=2,
-        args=(str(tmp_path), train_iters, stop_at, layout), timeout=600,
+        _stop_and_resume_runs,
+        world_size=4,
+        tp=2,
+        pp=2,
+        args=(str(tmp_path), train_iters, stop_at, layout),
+        timeout=600,
     )
     reference, stopped, resumed = next(o for o in outs if o[0])  # a last-stage rank has the losses
     _check_resume(reference, stopped, resumed, train_iters, stop_at)
@@ -107,11 +152,20 @@ def test_exact_resume_with_dropout_tp2(tmp_path):
     from tests.unit_tests.dist_utils import run_distributed
 
     train_iters, stop_at = 4, 2
-    layout = ['--tensor-model-parallel-size', '2',
-              '--attention-dropout', '0.1', '--hidden-dropout', '0.1']
+    layout = [
+        '--tensor-model-parallel-size',
+        '2',
+        '--attention-dropout',
+        '0.1',
+        '--hidden-dropout',
+        '0.1',
+    ]
     outs = run_distributed(
-        _stop_and_resume_runs, world_size=2, tp=2,
-        args=(str(tmp_path), train_iters, stop_at, layout), timeout=600,
+        _stop_and_resume_runs,
+        world_size=2,
+        tp=2,
+        args=(str(tmp_path), train_iters, stop_at, layout),
+        timeout=600,
     )
     reference, stopped, resumed = outs[0]
     _check_resume(reference, stopped, resumed, train_iters, stop_at)
@@ -129,13 +183,30 @@ def _free_port():
 
 def _torchrun(nproc, out_prefix, extra_args):
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
-    cmd = [
-        sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', str(nproc),
-        '--master-addr', '127.0.0.1', '--master-port', str(_free_port()),
-        os.path.abspath(__file__), out_prefix,
-    ] + RESUME_ARGS + list(extra_args)
+    cmd = (
+        [
+            sys.executable,
+            '-m',
+            'torch.distributed.run',
+            '--nproc-per-node',
+            str(nproc),
+            '--master-addr',
+            '127.0.0.1',
+            '--master-port',
+            str(_free_port()),
+            os.path.abspath(__file__),
+            out_prefix,
+        ]
+        + RESUME_ARGS
+        + list(extra_args)
+    )
     return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
 
@@ -190,15 +261,16 @@ def _run_until_signal(out_prefix, extra_args, signal_after_iteration, timeout):
 def test_sigterm_saves_and_resumes_distributed_optimizer(tmp_path):
     """DP=2, --use-distributed-optimizer: SIGTERM -> checkpoint -> rerun the same command."""
     from megatron.training import checkpointing
-
     from tests.unit_tests.dist_utils import run_distributed
 
     train_iters = 24  # margin: the job must still be training when SIGTERM arrives
     common = ['--use-distributed-optimizer', '--train-iters', str(train_iters)]
     # The uninterrupted reference runs in the (warm) harness ranks: same code, same gloo numerics.
     outs = run_distributed(
-        _run_pretrain_in_worker, world_size=2,
-        args=(common + ['--save', str(tmp_path / 'ref')],), timeout=300,
+        _run_pretrain_in_worker,
+        world_size=2,
+        args=(common + ['--save', str(tmp_path / 'ref')],),
+        timeout=300,
     )
     reference = next(o for o in outs if o)
     assert sorted(reference) == list(range(1, train_iters + 1))
@@ -229,8 +301,9 @@ def test_sigterm_saves_and_resumes_distributed_optimizer(tmp_path):
 def _worker_main(out_prefix, args_list):
     """torchrun worker: pretrain() from pretrain_gpt.py; the last stage writes its losses."""
     sys.path.insert(0, REPO)
-    import pretrain_gpt
     import torch
+
+    import pretrain_gpt
     from megatron.core.enums import ModelType
     from megatron.training.training import pretrain
 

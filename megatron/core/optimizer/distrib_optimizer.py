@@ -39,7 +39,7 @@ import torch
 from .. import tensor_parallel
 from ..distributed.param_and_grad_buffer import ParamAndGradBuffer
 from .grad_scaler import MegatronGradScaler
-from .optimizer import MixedPrecisionOptimizer, _FLOAT16_DTYPES, _timed, _zero_grad_group_helper
+from .optimizer import _FLOAT16_DTYPES, MixedPrecisionOptimizer, _timed, _zero_grad_group_helper
 from .optimizer_config import OptimizerConfig
 
 logger = logging.getLogger(__name__)
@@ -178,8 +178,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for model_param in param_group['params']:
                 if model_param not in all_buffer_params:
                     raise ValueError(
-                        'DistributedOptimizer: an optimizer parameter is not in any DDP grad buffer '
-                        '(build the optimizer from the DDP-wrapped model chunks)'
+                        'DistributedOptimizer: an optimizer parameter is not in any DDP grad '
+                        'buffer (build the optimizer from the DDP-wrapped model chunks)'
                     )
                 if model_param not in self.param_range_map:
                     continue  # another data-parallel rank owns all of it
@@ -599,13 +599,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             )
         layout = self._layout()
         if len(state['buffers']) != len(layout):
-            return f"parameter-state file has {len(state['buffers'])} grad buffers, the model has {len(layout)}"
+            return (
+                f"parameter-state file has {len(state['buffers'])} grad buffers, "
+                f"the model has {len(layout)}"
+            )
         for index, (saved, current) in enumerate(zip(state['buffers'], layout)):
             for field in ('param_dtype', 'grad_dtype', 'per_bucket_numel_unpadded'):
                 if saved[field] != current[field]:
                     return (
-                        f"parameter-state file buffer {index} has {field}={saved[field]}, the model "
-                        f"has {field}={current[field]} (same model and bucket size required)"
+                        f"parameter-state file buffer {index} has {field}={saved[field]}, "
+                        f"the model has {field}={current[field]} "
+                        f"(same model and bucket size required)"
                     )
         return None
 

@@ -554,7 +554,8 @@ class ChainedOptimizer(MegatronOptimizer):
     def load_state_dict(self, state_dict: List[Dict]):
         if len(self.chained_optimizers) != len(state_dict):
             raise ValueError(
-                f'Expected {len(self.chained_optimizers)} optimizer state dicts, got {len(state_dict)}'
+                f'Expected {len(self.chained_optimizers)} optimizer state dicts, '
+                f'got {len(state_dict)}'
             )
         for optimizer, sd in zip(self.chained_optimizers, state_dict):
             optimizer.load_state_dict(sd)

@@ -3,7 +3,8 @@
 `--tokenizer-type` picks one of: BertWordPieceLowerCase, BertWordPieceCase, GPT2BPETokenizer,
 SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, HuggingFaceTokenizer,
 NullTokenizer. `build_tokenizer` also sets `args.padded_vocab_size` (vocabulary rounded up to a
-multiple of make_vocab_size_divisible_by x tensor_model_parallel_size) and prints it as Megatron does.
+multiple of make_vocab_size_divisible_by x tensor_model_parallel_size) and prints it as Megatron
+does.
 """
 
 import math
@@ -73,7 +74,9 @@ def build_tokenizer(args, **kwargs) -> MegatronTokenizer:
         tokenizer = _Llama2Tokenizer(args.tokenizer_model)
     elif tokenizer_type == "HuggingFaceTokenizer":
         if args.tokenizer_model is None:
-            raise ValueError("--tokenizer-model is required for --tokenizer-type HuggingFaceTokenizer")
+            raise ValueError(
+                "--tokenizer-model is required for --tokenizer-type HuggingFaceTokenizer"
+            )
         tokenizer = _HuggingFaceTokenizer(args.tokenizer_model, **kwargs)
     elif tokenizer_type == "NullTokenizer":
         if getattr(args, "vocab_size", None) is None:
@@ -81,7 +84,8 @@ def build_tokenizer(args, **kwargs) -> MegatronTokenizer:
         tokenizer = _NullTokenizer(args.vocab_size)
     else:
         raise ValueError(
-            f"--tokenizer-type {tokenizer_type} is not implemented; choices: {', '.join(TOKENIZER_TYPES)}"
+            f"--tokenizer-type {tokenizer_type} is not implemented; "
+            f"choices: {', '.join(TOKENIZER_TYPES)}"
         )
 
     if getattr(args, "padded_vocab_size", None) is None:
@@ -125,7 +129,8 @@ class _HuggingFaceTokenizer(MegatronTokenizer):
             ) from exc
         if not os.path.exists(pretrained_model_name_or_path):
             raise FileNotFoundError(
-                f"--tokenizer-model: no such local directory or file: {pretrained_model_name_or_path} "
+                f"--tokenizer-model: no such local directory or file: "
+                f"{pretrained_model_name_or_path} "
                 "(HuggingFaceTokenizer loads local files only)"
             )
         kwargs.setdefault("local_files_only", True)
@@ -175,7 +180,7 @@ class _HuggingFaceTokenizer(MegatronTokenizer):
 
 
 class _BertWordPieceTokenizer(MegatronTokenizer):
-    """BERT WordPiece with cls/sep/pad/mask ids, added [BOS]/[EOS] and T5 `<extra_id_i>` sentinels."""
+    """BERT WordPiece: cls/sep/pad/mask ids, added [BOS]/[EOS], T5 `<extra_id_i>` sentinels."""
 
     def __init__(self, vocab_file: str, lower_case: bool = True, vocab_extra_ids: int = 0):
         super().__init__(vocab_file, lower_case=lower_case, vocab_extra_ids=vocab_extra_ids)
@@ -186,7 +191,9 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
         )
         for needed in ("[CLS]", "[SEP]", "[PAD]", "[MASK]"):
             if needed not in self.tokenizer.vocab:
-                raise ValueError(f"--vocab-file {vocab_file}: no {needed} token; not a BERT vocabulary")
+                raise ValueError(
+                    f"--vocab-file {vocab_file}: no {needed} token; not a BERT vocabulary"
+                )
         self.cls_id = self.tokenizer.vocab["[CLS]"]
         self.sep_id = self.tokenizer.vocab["[SEP]"]
         self.pad_id = self.tokenizer.vocab["[PAD]"]
@@ -199,7 +206,9 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
         self._eos_token = "[EOS]"
         self.add_token(self._eos_token)
         self._eos_token_id = self.vocab.get(self._eos_token)
-        self.add_additional_special_tokens(["<extra_id_{}>".format(i) for i in range(vocab_extra_ids)])
+        self.add_additional_special_tokens(
+            ["<extra_id_{}>".format(i) for i in range(vocab_extra_ids)]
+        )
 
     def add_token(self, token: str) -> None:
         """Append a token to the vocabulary if absent."""
@@ -311,9 +320,13 @@ class _GPT2BPETokenizer(MegatronTokenizer):
 
     def __init__(self, vocab_file: str, merge_file: str):
         super().__init__(vocab_file, merge_file)
-        self.tokenizer = GPT2Tokenizer(vocab_file, merge_file, errors="replace", special_tokens=[], max_len=None)
+        self.tokenizer = GPT2Tokenizer(
+            vocab_file, merge_file, errors="replace", special_tokens=[], max_len=None
+        )
         if "<|endoftext|>" not in self.tokenizer.encoder:
-            raise ValueError(f"--vocab-file {vocab_file}: no <|endoftext|> token; not a GPT-2 vocabulary")
+            raise ValueError(
+                f"--vocab-file {vocab_file}: no <|endoftext|> token; not a GPT-2 vocabulary"
+            )
         self.eod_id = self.tokenizer.encoder["<|endoftext|>"]
 
     @property
@@ -340,7 +353,9 @@ class _GPT2BPETokenizer(MegatronTokenizer):
 
 
 class _SentencePieceTokenizer(MegatronTokenizer):
-    """SentencePiece with Megatron's added specials (<CLS> <SEP> <EOD> <MASK>, pad/bos/eos, sentinels).
+    """SentencePiece with Megatron's added specials.
+
+    <CLS> <SEP> <EOD> <MASK>, pad/bos/eos and the sentinels.
 
     Special tokens written literally in the text are emitted as their ids.
     """
@@ -566,7 +581,7 @@ class _Llama2Tokenizer(_NoBertSpecialTokens, _SentencePieceTokenizer):
 
 
 class _NullTokenizer(_NoBertSpecialTokens, MegatronTokenizer):
-    """Text is space-separated integer ids; eod = vocab_size (so the vocabulary is vocab_size + 1)."""
+    """Text is space-separated integer ids; eod = vocab_size (the vocabulary is vocab_size + 1)."""
 
     def __init__(self, vocab_size: int):
         super().__init__(None, vocab_size=vocab_size)

@@ -26,11 +26,34 @@ from megatron.training import checkpointing
 from tests.unit_tests.dist_utils import run_distributed
 
 TINY_ARGS = [
-    '--num-layers', '2', '--hidden-size', '32', '--num-attention-heads', '4',
-    '--seq-length', '16', '--max-position-embeddings', '16',
-    '--micro-batch-size', '1', '--global-batch-size', '4', '--train-iters', '8',
-    '--lr', '1e-2', '--min-lr', '1e-3', '--lr-decay-style', 'cosine', '--lr-warmup-iters', '2',
-    '--distributed-backend', 'gloo', '--seed', '1234',
+    '--num-layers',
+    '2',
+    '--hidden-size',
+    '32',
+    '--num-attention-heads',
+    '4',
+    '--seq-length',
+    '16',
+    '--max-position-embeddings',
+    '16',
+    '--micro-batch-size',
+    '1',
+    '--global-batch-size',
+    '4',
+    '--train-iters',
+    '8',
+    '--lr',
+    '1e-2',
+    '--min-lr',
+    '1e-3',
+    '--lr-decay-style',
+    'cosine',
+    '--lr-warmup-iters',
+    '2',
+    '--distributed-backend',
+    'gloo',
+    '--seed',
+    '1234',
 ]
 PADDED_VOCAB = 128
 
@@ -60,11 +83,22 @@ def _setup_args(ckpt_dir, extra=()):
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args, validate_args
 
-    argv = TINY_ARGS + [
-        '--save', ckpt_dir, '--load', ckpt_dir, '--save-interval', '1',
-        '--tensor-model-parallel-size', str(mpu.get_tensor_model_parallel_world_size()),
-        '--pipeline-model-parallel-size', str(mpu.get_pipeline_model_parallel_world_size()),
-    ] + list(extra)
+    argv = (
+        TINY_ARGS
+        + [
+            '--save',
+            ckpt_dir,
+            '--load',
+            ckpt_dir,
+            '--save-interval',
+            '1',
+            '--tensor-model-parallel-size',
+            str(mpu.get_tensor_model_parallel_world_size()),
+            '--pipeline-model-parallel-size',
+            str(mpu.get_pipeline_model_parallel_world_size()),
+        ]
+        + list(extra)
+    )
     with contextlib.redirect_stdout(io.StringIO()):
         args = validate_args(parse_args(args_list=argv))
     args.padded_vocab_size = PADDED_VOCAB
@@ -184,8 +218,13 @@ def test_checkpoint_names_and_tracker(tmp_path):
     )
     assert name == os.path.join(path, 'iter_0000500', 'mp_rank_01', 'model_optim_rng.pt')
     name = checkpointing.get_checkpoint_name(
-        path, 7, pipeline_parallel=True, tensor_rank=1, pipeline_rank=3,
-        expert_parallel=True, expert_rank=2,
+        path,
+        7,
+        pipeline_parallel=True,
+        tensor_rank=1,
+        pipeline_rank=3,
+        expert_parallel=True,
+        expert_rank=2,
     )
     assert name == os.path.join(path, 'iter_0000007', 'mp_rank_01_003_002', 'model_optim_rng.pt')
     assert checkpointing.get_distributed_optimizer_checkpoint_name(name).endswith(
@@ -256,8 +295,14 @@ def _roundtrip_body(ckpt_dir, extra):
     # What is on disk: Megatron's layout and keys, loadable with weights_only=True.
     state = checkpointing._torch_load(checkpointing.get_checkpoint_name(ckpt_dir, 3))
     expected_keys = {
-        'args', 'checkpoint_version', 'iteration', 'model', 'optimizer', 'opt_param_scheduler',
-        'rng_state', 'num_floating_point_operations_so_far',
+        'args',
+        'checkpoint_version',
+        'iteration',
+        'model',
+        'optimizer',
+        'opt_param_scheduler',
+        'rng_state',
+        'num_floating_point_operations_so_far',
     }
     assert set(state) == expected_keys
     assert isinstance(state['args'], argparse.Namespace)
@@ -587,8 +632,7 @@ def test_load_flags_and_model_mismatch(tmp_path):
     # ffn_hidden_size is not a compared arg: the shape check names the tensor and both shapes.
     assert (
         'decoder.layers.0.mlp.linear_fc1.weight: shape in checkpoint [128, 32] != '
-        'shape in model [64, 32]'
-        in res['ffn']
+        'shape in model [64, 32]' in res['ffn']
     )
     assert 'Specify --no-load-optim or --finetune' in res['noopt']
     assert res['noopt_ok'] == (1, 0)

@@ -22,11 +22,15 @@ def _cores():
 def test_workers_above_core_count_are_capped(tmp_path, capsys):
     path = _jsonl(tmp_path, ['one small document', 'and another'])
     requested = _cores() + 62
-    preprocess.main(['--input', path, '--output-prefix', str(tmp_path / 'out'),
-                     '--workers', str(requested)] + GPT2)
+    preprocess.main(
+        ['--input', path, '--output-prefix', str(tmp_path / 'out'), '--workers', str(requested)]
+        + GPT2
+    )
     err = capsys.readouterr().err
-    assert (f'WARNING: --workers {requested} is more than the {_cores()} CPU cores available; '
-            f'using {_cores()} workers') in err
+    assert (
+        f'WARNING: --workers {requested} is more than the {_cores()} CPU cores available; '
+        f'using {_cores()} workers'
+    ) in err
     assert len(IndexedDataset(str(tmp_path / 'out_text_document'))) == 2
 
 
@@ -37,11 +41,13 @@ def test_one_huge_document_shows_progress(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(preprocess, 'STILL_ENCODING_INTERVAL', 0.5)
     # The compiled tokenizers encode this document in well under the interval.
     monkeypatch.setenv('MEGATRON_TOKENIZER_BACKEND', 'python')
-    preprocess.main(['--input', path, '--output-prefix', str(tmp_path / 'out'),
-                     '--workers', '1'] + GPT2)
+    preprocess.main(
+        ['--input', path, '--output-prefix', str(tmp_path / 'out'), '--workers', '1'] + GPT2
+    )
     err = capsys.readouterr().err
     # Documents travel in chunks: the line names the first one not yet finished.
-    assert re.search(r'Processed [01] documents; still encoding document [12] \(\d+ s so far\)',
-                     err), err[-2000:]
+    assert re.search(
+        r'Processed [01] documents; still encoding document [12] \(\d+ s so far\)', err
+    ), err[-2000:]
     ds = IndexedDataset(str(tmp_path / 'out_text_document'))
     assert len(ds) == 2 and len(ds[1]) > 10000

@@ -483,6 +483,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 lo = self.data_parallel_rank * size
                 hi = min(lo + size, bucket.numel_unpadded)
                 for key in keys:
+                    if saved_dp == self.data_parallel_world_size:
+                        # Same DP size: the saved shard is this rank's shard (a memory-mapped view).
+                        saved = by_rank[self.data_parallel_rank]['buffers'][gbuf_index][key]
+                        local = saved[bucket_index]
+                        assert local.numel() == size
+                        self._set_local_bucket_state(gbuf_index, bucket_index, key, local, main_of)
+                        continue
                     local = torch.zeros(size, dtype=torch.float32)
                     for rank in range(saved_dp):
                         saved = by_rank[rank]['buffers'][gbuf_index][key][bucket_index]

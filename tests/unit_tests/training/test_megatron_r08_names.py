@@ -436,7 +436,6 @@ def test_bert_t5_model_and_inference_names():
         assert callable(getter)
 
 
-@pytest.mark.xfail(reason="BERT/T5 datasets land from other branches", strict=False)
 def test_bert_t5_dataset_names_and_script_imports():
     from megatron.core.datasets.bert_dataset import (  # noqa: F401
         BERTMaskedWordPieceDataset,

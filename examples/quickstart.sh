@@ -36,6 +36,10 @@ for NAME in mobydick fortunes; do
     fi
 done
 
+# A fresh run each time: this script's own checkpoints from an earlier run are removed (the trainer
+# refuses a --save directory holding a checkpoint it did not --load, so as not to overwrite it).
+rm -rf "$WORK_DIR/checkpoints"
+
 # 2. Train: 4 processes = tensor parallel 2 x pipeline parallel 2 (data parallel 1).
 GPT_MODEL_ARGS=(
     --num-layers 4

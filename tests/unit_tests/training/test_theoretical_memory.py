@@ -103,7 +103,16 @@ argv = ['--num-layers', '4', '--hidden-size', '256', '--num-attention-heads', '4
 with contextlib.redirect_stdout(io.StringIO()):
     initialize_megatron(args_list=argv)
 def rss():
+    # Peak resident set (VmHWM) since the last reset below; ru_maxrss cannot be reset, and an
+    # earlier import may already have peaked above what the model adds.
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith('VmHWM:'):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def reset_peak():
+    with open('/proc/self/clear_refs', 'w') as f:
+        f.write('5')  # Linux: reset VmHWM to the current resident set
 def current():
     with open('/proc/self/statm') as f:
         return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
@@ -111,6 +120,7 @@ def current():
 _p = torch.nn.Parameter(torch.zeros(4))
 _p.grad = torch.zeros(4)
 torch.optim.Adam([_p]).step()
+reset_peak()
 before, before_now = rss(), current()
 with contextlib.redirect_stdout(io.StringIO()):
     model, optimizer, _ = setup_model_and_optimizer(pretrain_gpt.model_provider,

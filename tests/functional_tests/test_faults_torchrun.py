@@ -58,8 +58,10 @@ def test_frozen_rank_is_reported_by_the_watchdog(tmp_path):
         assert time.time() - stopped_at < 30
         line = re.search(r'watchdog: .*', text).group(0)
         assert re.search(
+            # Heartbeats go out on a poll interval, so the frozen rank's last one may still name
+            # initialization; the rank, the silence and the waiting operation are what matter.
             r"rank 1 stopped making progress: no heartbeat for \d+ s \(last "
-            r"heartbeat in 'training iteration' at iteration \d+\)",
+            r"heartbeat in '(initialization|training iteration)' at iteration \d+\)",
             line,
         ), line
         assert re.search(

@@ -3,8 +3,12 @@
 The framework side is GPTModel with the local layer spec, called as pretrain_gpt.py calls it: with
 the dataloader's explicit causal mask tensor ([b, 1, s, s] bool, True = masked out). Causal layers
 ignore that mask and run torch's fused scaled_dot_product_attention; the plain side calls
-`scaled_dot_product_attention(is_causal=True)`. Both use torch.optim.AdamW with the same
-hyper-parameters, no dropout, fp32. The two alternate step by step in this process, so load from
+`scaled_dot_product_attention(is_causal=True)`. No dropout, fp32, AdamW with the same
+hyper-parameters on both sides. With `--optimizer framework` (the default) each side uses the AdamW
+its user gets: the framework side `get_megatron_optimizer` (torch's fused AdamW kernel, as
+pretrain_gpt.py runs it; no clipping here), the plain side `torch.optim.AdamW()` with its defaults.
+`--optimizer same` gives both sides `torch.optim.AdamW()` with its defaults, so the ratio is the
+model's forward and backward alone. The two alternate step by step in this process, so load from
 other processes hits both alike; the figure is the median over the timed steps.
 
 Shapes: `--preset issue` (4 layers, hidden 256, 8 heads, seq 256, vocab 8192, micro batch 8) or
@@ -12,6 +16,7 @@ Shapes: `--preset issue` (4 layers, hidden 256, 8 heads, seq 256, vocab 8192, mi
 
 Usage: python benchmarks/bench_model_step.py [--preset issue|124m] [--steps 5] [--threads 2]
        [--no-mask]   # pass attention_mask=None instead of the dataloader's mask
+       [--optimizer framework|same]
 """
 
 import argparse
@@ -41,9 +46,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def build_megatron(cfg, batches, with_mask):
+def build_megatron(cfg, batches, with_mask, framework_optimizer):
     """Returns step(i) training GPTModel one micro-batch with AdamW."""
     from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -70,7 +76,12 @@ def build_megatron(cfg, batches, with_mask):
         max_sequence_length=cfg['seq'],
         share_embeddings_and_output_weights=True,  # as pretrain_gpt.py (and the plain model)
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    if framework_optimizer:
+        opt = get_megatron_optimizer(
+            OptimizerConfig(optimizer='adam', lr=1e-4, weight_decay=0.01, clip_grad=0.0), [model]
+        )
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     inputs = []
     for tokens, labels in batches:
         mask, _, position_ids = get_ltor_masks_and_position_ids(tokens, -1, False, False, False)
@@ -89,7 +100,7 @@ def build_megatron(cfg, batches, with_mask):
 
 def build_plain(cfg, batches):
     model = PlainGPT(cfg['vocab'], cfg['seq'], cfg['hidden'], cfg['heads'], cfg['layers'])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)  # torch's defaults
 
     def step(i):
         opt.zero_grad(set_to_none=True)
@@ -107,6 +118,12 @@ def main():
     parser.add_argument('--steps', type=int, default=5, help='timed steps (after one warm-up)')
     parser.add_argument('--threads', type=int, default=2)
     parser.add_argument('--no-mask', action='store_true', help='attention_mask=None')
+    parser.add_argument(
+        '--optimizer',
+        choices=('framework', 'same'),
+        default='framework',
+        help="framework: each side's own AdamW; same: torch.optim.AdamW defaults on both",
+    )
     cli = parser.parse_args()
     torch.set_num_threads(cli.threads)
     cfg = PRESETS[cli.preset]
@@ -116,7 +133,7 @@ def main():
         seq = torch.randint(0, cfg['vocab'], (cfg['mbs'], cfg['seq'] + 1), generator=g)
         batches.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
     steps = {
-        'megatron': build_megatron(cfg, batches, not cli.no_mask),
+        'megatron': build_megatron(cfg, batches, not cli.no_mask, cli.optimizer == 'framework'),
         'plain': build_plain(cfg, batches),
     }
     times = {name: [] for name in steps}
@@ -132,7 +149,8 @@ def main():
     print(f'parameters: megatron {n_meg / 1e6:.2f}M, plain {n_plain / 1e6:.2f}M')
     print(
         f'preset {cli.preset}: {cfg}; torch threads {torch.get_num_threads()}; '
-        f'attention mask {"None" if cli.no_mask else "dataloader causal mask tensor"}'
+        f'attention mask {"None" if cli.no_mask else "dataloader causal mask tensor"}; '
+        f'optimizer {cli.optimizer}'
     )
     med = {name: statistics.median(t) for name, t in times.items()}
     for name, t in med.items():

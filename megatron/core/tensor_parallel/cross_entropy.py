@@ -13,13 +13,18 @@ from megatron.core.tensor_parallel.utils import VocabUtility
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Vocab-parallel softmax cross entropy.
 
+    Each rank first takes the softmax and log-sum-exp of its own vocabulary slice, with torch's
+    fused row-wise softmax kernel (one new [s, b, v/tp] buffer, no separate max / subtract / exp /
+    divide passes). The slices are then combined on [s, b] tensors only.
+
     Forward (three all-reduces over the tp group, on [s, b] tensors only):
-      1. max of the logits (MAX) for a stable softmax;
-      2. the target's logit (SUM; only the rank owning the target id contributes);
-      3. the softmax denominator sum(exp) (SUM);
+      1. max of the local log-sum-exps (MAX), for a stable global log-sum-exp;
+      2. the rescaled local softmax denominators (SUM): lse = m + log(sum_r exp(lse_r - m));
+      3. the target's logit (SUM; only the rank owning the target id contributes);
       plus, with label smoothing, the sum of log-probabilities (SUM).
     Backward: local only, grad = softmax - (1 - eps) * onehot(target) - eps / v, scaled by the
-    incoming [s, b] gradient.
+    incoming [s, b] gradient. The global softmax is the local one times exp(lse_r - lse); that
+    [s, b] factor is folded into the scaling by the incoming gradient (one pass, in place).
 
     Label smoothing follows Megatron: the smoothing mass `label_smoothing` goes to the v - 1
     non-target classes, i.e. loss = (1 - eps) * nll + eps * mean_j(-log p_j) with
@@ -33,15 +38,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rank, world_size = group.rank(), group.size()
         if label_smoothing > 0 and not label_smoothing < 1.0:
             raise ValueError(f'label_smoothing must be in [0, 1), got {label_smoothing}')
+        partition_vocab_size = vocab_parallel_logits.size()[-1]
+        logits_2d = vocab_parallel_logits.view(-1, partition_vocab_size)  # [s * b, v/tp]
+        arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
 
-        # Stable softmax: subtract the global max (out of place: the caller keeps its logits).
-        logits_max = torch.max(vocab_parallel_logits, dim=-1)[0]  # [s, b]
-        torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX, group=group)
-        logits = vocab_parallel_logits.float() - logits_max.float().unsqueeze(
-            dim=-1
-        )  # [s, b, v/tp]
+        # Local log-sum-exp from the local softmax at the row's argmax, where the softmax is at
+        # least tp/v and so never underflows: lse_r = z_max - log(p_max). The logits stay the
+        # caller's (not modified in place).
+        local_max, local_argmax = torch.max(logits_2d, dim=-1)  # [s * b]
+        softmax = torch.softmax(vocab_parallel_logits, dim=-1, dtype=torch.float32)  # [s, b, v/tp]
+        softmax_2d = softmax.view(-1, partition_vocab_size)
+        local_lse = local_max.float() - torch.log(softmax_2d[arange_1d, local_argmax])  # [s * b]
 
-        partition_vocab_size = logits.size()[-1]
+        global_max = local_lse.clone()
+        torch.distributed.all_reduce(global_max, op=torch.distributed.ReduceOp.MAX, group=group)
+        sum_exp = torch.exp(local_lse - global_max)  # [s * b]
+        torch.distributed.all_reduce(sum_exp, op=torch.distributed.ReduceOp.SUM, group=group)
+        lse = global_max + torch.log(sum_exp)  # [s * b]; equals local_lse exactly when tp == 1
+        local_scale = torch.exp(local_lse - lse)  # [s * b]: global softmax / local softmax
+
         vocab_start_index, vocab_end_index = VocabUtility.vocab_range_from_per_partition_vocab_size(
             partition_vocab_size, rank, world_size
         )
@@ -49,37 +64,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_mask = (target < vocab_start_index) | (target >= vocab_end_index)  # [s, b]
         masked_target = target.clone() - vocab_start_index
         masked_target[target_mask] = 0
-
-        logits_2d = logits.view(-1, partition_vocab_size)  # [s * b, v/tp]
         masked_target_1d = masked_target.view(-1)  # [s * b]
-        arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
-        predicted_logits_1d = logits_2d[arange_1d, masked_target_1d]
-        predicted_logits = predicted_logits_1d.clone().contiguous().view_as(target)  # [s, b]
+        predicted_logits = logits_2d[arange_1d, masked_target_1d].float().view_as(target)  # [s, b]
         predicted_logits[target_mask] = 0.0
         torch.distributed.all_reduce(
             predicted_logits, op=torch.distributed.ReduceOp.SUM, group=group
         )
 
-        # Label smoothing needs sum_j z_j; take it before exp overwrites the logits in place (the
-        # logits tensor is this function's own copy, and one vocab-sized buffer fewer matters).
-        sum_logits = logits.sum(dim=-1) if label_smoothing > 0 else None  # [s, b]
-        exp_logits = torch.exp(logits, out=logits)  # [s, b, v/tp]
-        sum_exp_logits = exp_logits.sum(dim=-1)  # [s, b]
-        torch.distributed.all_reduce(sum_exp_logits, op=torch.distributed.ReduceOp.SUM, group=group)
-
         # loss = log(sum_j exp(z_j)) - z_target
-        loss = torch.log(sum_exp_logits) - predicted_logits  # [s, b]
-
-        # Normalize in place: exp_logits becomes the softmax, saved for backward.
-        exp_logits.div_(sum_exp_logits.unsqueeze(dim=-1))
+        loss = lse.view_as(target) - predicted_logits  # [s, b]
 
         vocab_size = partition_vocab_size * world_size
         smoothing = 0.0
         if label_smoothing > 0:
             smoothing = label_smoothing * vocab_size / (vocab_size - 1)
-            # log p_j = z_j - log(sum exp); sum over the whole vocabulary.
-            sum_log_probs = sum_logits - partition_vocab_size * torch.log(sum_exp_logits)
-            sum_log_probs = sum_log_probs.contiguous()
+            # log p_j = z_j - lse; summed over the whole vocabulary.
+            sum_logits = logits_2d.float().sum(dim=-1)  # [s * b]
+            sum_log_probs = (sum_logits - partition_vocab_size * lse).view_as(target).contiguous()
             torch.distributed.all_reduce(
                 sum_log_probs, op=torch.distributed.ReduceOp.SUM, group=group
             )
@@ -87,24 +88,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
 
         ctx.label_smoothing, ctx.smoothing, ctx.vocab_size = label_smoothing, smoothing, vocab_size
-        ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)
+        ctx.save_for_backward(softmax, local_scale, target_mask, masked_target_1d)
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
-        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        softmax, local_scale, target_mask, masked_target_1d = ctx.saved_tensors
         grad_input = softmax  # reused in place: [s, b, v/tp]
         partition_vocab_size = softmax.size()[-1]
         grad_2d = grad_input.view(-1, partition_vocab_size)  # [s * b, v/tp]
+        grad_1d = grad_output.reshape(-1).float()  # [s * b]
         arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
-        # 1 where this rank owns the target id, else 0.
-        softmax_update = 1.0 - target_mask.view(-1).float()
+        # Local softmax -> global softmax, times the incoming gradient: one in-place pass.
+        grad_2d.mul_((local_scale * grad_1d).unsqueeze(dim=-1))
+        # Only the rank owning the target id subtracts the one-hot.
+        onehot_grad = (1.0 - target_mask.view(-1).float()) * grad_1d  # [s * b]
         if ctx.smoothing > 0:
-            grad_2d[arange_1d, masked_target_1d] -= (1.0 - ctx.smoothing) * softmax_update
-            grad_2d -= ctx.smoothing / ctx.vocab_size
+            grad_2d[arange_1d, masked_target_1d] -= (1.0 - ctx.smoothing) * onehot_grad
+            grad_2d -= (ctx.smoothing / ctx.vocab_size) * grad_1d.unsqueeze(dim=-1)
         else:
-            grad_2d[arange_1d, masked_target_1d] -= softmax_update
-        grad_input.mul_(grad_output.unsqueeze(dim=-1))
+            grad_2d[arange_1d, masked_target_1d] -= onehot_grad
         return grad_input, None, None, None
 
 

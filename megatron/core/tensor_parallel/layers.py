@@ -322,10 +322,12 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             total_input = _gather_along_first_dim(input, tp_group)  # [s/tp, b, h] -> [s, b, h]
         else:
             total_input = input
-        output = torch.matmul(total_input, weight.t())
-        if bias is not None:
-            output = output + bias
-        return output
+        if bias is None:
+            return torch.matmul(total_input, weight.t())
+        # The bias goes into the GEMM (addmm): no separate pass over the output.
+        input_2d = total_input.reshape(-1, total_input.shape[-1])  # [s * b, h]
+        output = torch.addmm(bias, input_2d, weight.t())  # [s * b, o]
+        return output.view(*total_input.shape[:-1], output.shape[-1])  # [s, b, o]
 
     @staticmethod
     def backward(ctx, grad_output):

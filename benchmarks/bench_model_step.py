@@ -49,9 +49,9 @@ def _free_port():
 def build_megatron(cfg, batches, with_mask, framework_optimizer):
     """Returns step(i) training GPTModel one micro-batch with AdamW."""
     from megatron.core import parallel_state
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.training.utils import get_ltor_masks_and_position_ids

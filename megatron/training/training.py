@@ -5,14 +5,15 @@ pretrain
   -> build_train_valid_test_data_iterators -> train (train_step via get_forward_backward_func,
   training_log, evaluate_and_print_results, save/exit) -> final validation and test evaluation.
 
-Checkpoint I/O lives in `checkpointing.py` and is imported only when --save/--load ask for it.
+The log line lives in `training_log.py`, evaluation in `evaluation.py`, the data loaders and
+iterators in `data_loaders.py` and the run's wall clock (--exit-duration-in-mins) in
+`time_limit.py`; their names stay importable from this module. Checkpoint I/O lives in
+`checkpointing.py` and is imported only when --save/--load ask for it.
 """
 
 import dataclasses
 import gc
-import math
 import time
-from datetime import datetime
 
 import torch
 
@@ -24,8 +25,10 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     update_num_microbatches,
 )
-from megatron.core.utils import StragglerDetector, get_current_device, get_model_config, uses_cuda
+from megatron.core.utils import StragglerDetector, get_current_device, get_model_config
 from megatron.training.argument_validation import validate_encoder_decoder_args
+from megatron.training.data_loaders import build_train_valid_test_data_iterators
+from megatron.training.evaluation import evaluate, evaluate_and_print_results
 from megatron.training.global_vars import (
     get_args,
     get_signal_handler,
@@ -37,7 +40,8 @@ from megatron.training.initialize import (
     set_jit_fusion_options,
     write_args_to_tensorboard,
 )
-from megatron.training.theoretical_memory_usage import report_theoretical_memory
+from megatron.training.time_limit import _exit_flag, get_train_start_time, set_train_start_time
+from megatron.training.training_log import training_log
 from megatron.training.utils import (
     append_to_progress_log,
     calc_params_l2_norm,
@@ -48,12 +52,32 @@ from megatron.training.utils import (
     print_datetime,
     print_rank_0,
     print_rank_last,
-    report_memory,
     unwrap_model,
 )
 from megatron.training.watchdog import progress, start_watchdog, stop_watchdog, watch
 
-_TRAIN_START_TIME = time.time()
+# isort: split
+# Names this module defined or imported before the log line, evaluation and data loading moved
+# out; re-exported so that `from megatron.training.training import ...` keeps working.
+import math  # noqa: F401
+from datetime import datetime  # noqa: F401
+
+from megatron.core.utils import uses_cuda  # noqa: F401
+from megatron.training.data_loaders import (  # noqa: F401
+    _check_training_data,
+    build_train_valid_test_data_loaders,
+    build_train_valid_test_datasets,
+    cyclic_iter,
+    get_train_valid_test_num_samples,
+)
+from megatron.training.evaluation import format_validation_line  # noqa: F401
+from megatron.training.theoretical_memory_usage import report_theoretical_memory  # noqa: F401
+from megatron.training.training_log import (  # noqa: F401
+    _TIMERS_TO_LOG,
+    _format_tflops,
+    format_log_line,
+)
+from megatron.training.utils import report_memory  # noqa: F401
 
 # The process-wide straggler detector (a singleton: the script's `stimer` is this object).
 stimer = StragglerDetector()
@@ -71,6 +95,13 @@ __all__ = [
     'get_optimizer_param_scheduler',
     'num_floating_point_operations',
 ]
+
+
+def __getattr__(name):
+    """`_TRAIN_START_TIME` now lives in time_limit.py; read from here, it is the current value."""
+    if name == '_TRAIN_START_TIME':
+        return get_train_start_time()
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
 def _checkpointing():
@@ -159,15 +190,15 @@ def _pretrain(
     start_watchdog(args.watchdog_timeout)
 
     # Adjust the startup time so it reflects the largest value across ranks.
-    global _TRAIN_START_TIME, _LAST_SAVED_ITERATION
+    global _LAST_SAVED_ITERATION
     _LAST_SAVED_ITERATION = None  # a process may run pretrain() more than once (tests)
     start_time_tensor = torch.tensor(
-        [_TRAIN_START_TIME], dtype=torch.double, device=get_current_device()
+        [get_train_start_time()], dtype=torch.double, device=get_current_device()
     )
     torch.distributed.all_reduce(start_time_tensor, op=torch.distributed.ReduceOp.MIN)
-    _TRAIN_START_TIME = start_time_tensor.item()
+    set_train_start_time(start_time_tensor.item())
     print_rank_0(
-        'time to initialize megatron (seconds): {:.3f}'.format(time.time() - _TRAIN_START_TIME)
+        'time to initialize megatron (seconds): {:.3f}'.format(time.time() - get_train_start_time())
     )
     print_datetime('after megatron is initialized')
 
@@ -593,226 +624,6 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
 
 
-_TIMERS_TO_LOG = [
-    'forward-backward',
-    'forward-compute',
-    'backward-compute',
-    'batch-generator',
-    'forward-recv',
-    'forward-send',
-    'backward-recv',
-    'backward-send',
-    'forward-send-forward-recv',
-    'forward-send-backward-recv',
-    'backward-send-forward-recv',
-    'backward-send-backward-recv',
-    'forward-backward-send-forward-backward-recv',
-    'layernorm-grads-all-reduce',
-    'embedding-grads-all-reduce',
-    'all-grads-sync',
-    'params-all-gather',
-    'optimizer-copy-to-main-grad',
-    'optimizer-unscale-and-check-inf',
-    'optimizer-clip-main-grad',
-    'optimizer-count-zeros',
-    'optimizer-inner-step',
-    'optimizer-copy-main-to-model-params',
-    'optimizer',
-]
-
-
-def _format_tflops(tflops: float) -> str:
-    """Megatron's one decimal from 10 TFLOP/s up; below, enough decimals for three significant
-    digits, so that a CPU run (a fraction of a TFLOP/s) still reads as a figure, not 0.0."""
-    if not math.isfinite(tflops) or tflops >= 10.0 or tflops <= 0.0:
-        return f'{tflops:.1f}'
-    decimals = min(9, max(1, 2 - math.floor(math.log10(tflops))))
-    return f'{tflops:.{decimals}f}'
-
-
-def format_log_line(
-    iteration,
-    train_iters,
-    consumed_samples,
-    elapsed_ms,
-    learning_rate,
-    batch_size,
-    losses,
-    loss_scale,
-    grad_norm=None,
-    num_zeros_in_grad=None,
-    params_norm=None,
-    skipped=0,
-    nan=0,
-    throughput=None,
-    timestamp=None,
-):
-    """Megatron's per-interval training log line (core_v0.8.0 format).
-
-    Args:
-        losses: {key: average loss}; entries <= 0 are left out, as in Megatron.
-        throughput: TFLOP/s per device, or None without --log-throughput.
-        timestamp: datetime of the line (default now).
-    """
-    timestamp = timestamp or datetime.now()
-    log_string = f" [{timestamp.strftime('%Y-%m-%d %H:%M:%S')}]"
-    log_string += ' iteration {:8d}/{:8d} |'.format(iteration, train_iters)
-    log_string += ' consumed samples: {:12d} |'.format(consumed_samples)
-    log_string += ' elapsed time per iteration (ms): {:.1f} |'.format(elapsed_ms)
-    if throughput is not None:
-        log_string += f' throughput per GPU (TFLOP/s/GPU): {_format_tflops(throughput)} |'
-    log_string += ' learning rate: {:.6E} |'.format(learning_rate)
-    log_string += ' global batch size: {:5d} |'.format(batch_size)
-    for key, avg in losses.items():
-        if avg > 0.0:
-            log_string += ' {}: {:.6E} |'.format(key, avg)
-    log_string += ' loss scale: {:.1f} |'.format(loss_scale)
-    if grad_norm is not None:
-        log_string += ' grad norm: {:.3f} |'.format(grad_norm)
-    if num_zeros_in_grad is not None:
-        log_string += ' num zeros: {:.1f} |'.format(num_zeros_in_grad)
-    if params_norm is not None:
-        log_string += ' params norm: {:.3f} |'.format(params_norm)
-    log_string += ' number of skipped iterations: {:3d} |'.format(skipped)
-    log_string += ' number of nan iterations: {:3d} |'.format(nan)
-    return log_string
-
-
-def training_log(
-    loss_dict,
-    total_loss_dict,
-    learning_rate,
-    iteration,
-    loss_scale,
-    report_memory_flag,
-    skipped_iter,
-    grad_norm,
-    params_norm,
-    num_zeros_in_grad,
-):
-    """Accumulate losses and, every --log-interval iterations, print the log line and TB scalars."""
-    args = get_args()
-    timers = get_timers()
-    writer = get_tensorboard_writer()
-
-    advanced_iters_key = 'advanced iterations'
-    skipped_iters_key = 'skipped iterations'
-    nan_iters_key = 'nan iterations'
-    if not skipped_iter:
-        total_loss_dict[advanced_iters_key] = total_loss_dict.get(advanced_iters_key, 0) + 1
-    else:
-        if advanced_iters_key not in total_loss_dict:
-            total_loss_dict[advanced_iters_key] = 0
-    total_loss_dict[skipped_iters_key] = total_loss_dict.get(skipped_iters_key, 0) + skipped_iter
-    got_nan = False
-    for key in loss_dict:
-        if not skipped_iter:
-            total_loss_dict[key] = total_loss_dict.get(key, 0.0) + float(loss_dict[key])
-        else:
-            value = float(loss_dict[key])
-            is_nan = value == float('inf') or value == -float('inf') or value != value
-            got_nan = got_nan or is_nan
-    total_loss_dict[nan_iters_key] = total_loss_dict.get(nan_iters_key, 0) + int(got_nan)
-
-    timers_to_log = _TIMERS_TO_LOG
-    batch_size = args.micro_batch_size * args.data_parallel_size * get_num_microbatches()
-    total_iterations = total_loss_dict[advanced_iters_key] + total_loss_dict[skipped_iters_key]
-
-    # TensorBoard values.
-    if writer and (iteration % args.tensorboard_log_interval == 0):
-        if args.log_learning_rate_to_tensorboard:
-            writer.add_scalar('learning-rate', learning_rate, iteration)
-            writer.add_scalar(
-                'learning-rate vs samples', learning_rate, args.consumed_train_samples
-            )
-        if args.log_batch_size_to_tensorboard:
-            writer.add_scalar('batch-size', batch_size, iteration)
-            writer.add_scalar('batch-size vs samples', batch_size, args.consumed_train_samples)
-        for key in loss_dict:
-            writer.add_scalar(key, float(loss_dict[key]), iteration)
-            writer.add_scalar(
-                key + ' vs samples', float(loss_dict[key]), args.consumed_train_samples
-            )
-        if args.log_loss_scale_to_tensorboard:
-            writer.add_scalar('loss-scale', loss_scale, iteration)
-            writer.add_scalar('loss-scale vs samples', loss_scale, args.consumed_train_samples)
-        if args.log_world_size_to_tensorboard:
-            writer.add_scalar('world-size', args.world_size, iteration)
-            writer.add_scalar('world-size vs samples', args.world_size, args.consumed_train_samples)
-        if grad_norm is not None:
-            writer.add_scalar('grad-norm', grad_norm, iteration)
-            writer.add_scalar('grad-norm vs samples', grad_norm, args.consumed_train_samples)
-        if num_zeros_in_grad is not None:
-            writer.add_scalar('num-zeros', num_zeros_in_grad, iteration)
-            writer.add_scalar(
-                'num-zeros vs samples', num_zeros_in_grad, args.consumed_train_samples
-            )
-        if params_norm is not None:
-            writer.add_scalar('params-norm', params_norm, iteration)
-            writer.add_scalar('params-norm vs samples', params_norm, args.consumed_train_samples)
-        if args.log_memory_to_tensorboard and uses_cuda():
-            mem_stats = torch.cuda.memory_stats()
-            writer.add_scalar(
-                'mem-reserved-bytes', mem_stats['reserved_bytes.all.current'], iteration
-            )
-            writer.add_scalar(
-                'mem-allocated-bytes', mem_stats['allocated_bytes.all.current'], iteration
-            )
-            writer.add_scalar('mem-allocated-count', mem_stats['allocation.all.current'], iteration)
-    if args.log_timers_to_tensorboard and (iteration % args.tensorboard_log_interval == 0):
-        # reset=False: the log line below still reports these timers (Megatron resets here, so
-        # its log line shows zeros with --log-timers-to-tensorboard).
-        timers.write(timers_to_log, writer, iteration, normalizer=total_iterations, reset=False)
-
-    if iteration % args.log_interval == 0:
-        elapsed_time = timers('interval-time').elapsed(barrier=True)
-        elapsed_time_per_iteration = elapsed_time / max(total_iterations, 1)
-        throughput = num_floating_point_operations(args, batch_size) / (
-            elapsed_time_per_iteration * 10**12 * args.world_size
-        )
-        if writer and args.log_timers_to_tensorboard:
-            writer.add_scalar('iteration-time', elapsed_time_per_iteration, iteration)
-            if args.log_throughput:
-                writer.add_scalar('throughput', throughput, iteration)
-        losses = {}
-        for key in list(total_loss_dict.keys()):
-            if key not in (advanced_iters_key, skipped_iters_key, nan_iters_key):
-                losses[key] = total_loss_dict[key] / float(
-                    max(1, total_loss_dict[advanced_iters_key])
-                )
-                total_loss_dict[key] = 0.0
-        log_string = format_log_line(
-            iteration,
-            args.train_iters,
-            args.consumed_train_samples,
-            elapsed_time_per_iteration * 1000.0,
-            learning_rate,
-            batch_size,
-            losses,
-            loss_scale,
-            grad_norm=grad_norm,
-            num_zeros_in_grad=num_zeros_in_grad,
-            params_norm=params_norm,
-            skipped=total_loss_dict[skipped_iters_key],
-            nan=total_loss_dict[nan_iters_key],
-            throughput=throughput if args.log_throughput else None,
-        )
-        total_loss_dict[advanced_iters_key] = 0
-        total_loss_dict[skipped_iters_key] = 0
-        total_loss_dict[nan_iters_key] = 0
-        print_rank_last(log_string)
-        if report_memory_flag and learning_rate > 0.0:
-            # After the first step the optimizer state exists; compare with the theory.
-            if torch.distributed.get_rank() == 0:
-                report_theoretical_memory(
-                    args, num_microbatches=get_num_microbatches(), verbose=True
-                )
-            report_memory('(after {} iterations)'.format(iteration))
-            report_memory_flag = False
-        timers.log(timers_to_log, normalizer=args.log_interval)
-    return report_memory_flag
-
-
 # Iteration of the last checkpoint this process saved (None: none yet).
 _LAST_SAVED_ITERATION = None
 
@@ -836,13 +647,6 @@ def save_checkpoint_and_time(
     timers.log(['save-checkpoint'])
     if args.log_progress:
         append_to_progress_log(f'Saved checkpoint\tIteration: {iteration}', barrier=False)
-
-
-def _exit_flag(value):
-    """All-reduce a local bool so every rank takes the same exit decision."""
-    flag = torch.tensor([int(value)], dtype=torch.int, device=get_current_device())
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def _check_overflow_is_not_a_real_nan(args, iteration, skipped_iter, scale_before_step):
@@ -1013,7 +817,7 @@ def train(
             )
             saved_checkpoint = True
         if args.exit_duration_in_mins:
-            train_time = (time.time() - _TRAIN_START_TIME) / 60.0
+            train_time = (time.time() - get_train_start_time()) / 60.0
             if _exit_flag(train_time > args.exit_duration_in_mins):
                 if args.save and not saved_checkpoint:
                     save_checkpoint_and_time(
@@ -1054,295 +858,3 @@ def train(
         args.do_valid = False
         args.do_test = False
     return iteration, num_floating_point_operations_so_far
-
-
-def evaluate(
-    forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose=False
-):
-    """Average each loss over --eval-iters global batches (forward only).
-
-    Returns:
-        (total_loss_dict, collected_non_loss_data, timelimit_hit); losses are tensors on the last
-        pipeline stage.
-    """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    args = get_args()
-    timers = get_timers()
-    timers('evaluate', log_level=0).start(barrier=True)
-
-    for model_module in model:
-        model_module.eval()
-
-    total_loss_dict = {}
-    eval_batch_size = args.global_batch_size
-    eval_num_microbatches = eval_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    device = get_current_device()
-
-    with torch.no_grad():
-        iteration = 0
-        if verbose:
-            print_rank_0(f'Evaluating on {args.eval_iters * eval_batch_size} samples')
-        while iteration < args.eval_iters:
-            iteration += 1
-            if verbose:
-                print_rank_0(f'Evaluating iter {iteration}/{args.eval_iters}')
-            forward_backward_func = get_forward_backward_func()
-            # Don't care about timing during evaluation.
-            config.timers = None
-            loss_dicts = forward_backward_func(
-                forward_step_func=forward_step_func,
-                data_iterator=data_iterator,
-                model=model,
-                num_microbatches=eval_num_microbatches,
-                seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size,
-                decoder_seq_length=args.decoder_seq_length,
-                forward_only=True,
-            )
-            config.timers = get_timers()
-            empty_unused_memory(args, level=1)
-            if mpu.is_pipeline_last_stage(ignore_virtual=True):
-                for loss_dict in loss_dicts:
-                    for key in loss_dict:
-                        if key not in total_loss_dict:
-                            total_loss_dict[key] = torch.tensor(
-                                [0.0, 0.0], dtype=torch.float, device=device
-                            )
-                        val = loss_dict[key]
-                        if isinstance(val, (tuple, list)):
-                            total_loss_dict[key][0] += val[0]
-                            total_loss_dict[key][1] += val[1]
-                        else:
-                            total_loss_dict[key][0] += val
-                            total_loss_dict[key][1] += 1
-            args.consumed_valid_samples += eval_batch_size
-
-            if args.exit_duration_in_mins:
-                train_time = (time.time() - _TRAIN_START_TIME) / 60.0
-                if _exit_flag(train_time > args.exit_duration_in_mins):
-                    print_rank_0('Exiting during evaluation, timelimit reached')
-                    return None, None, True
-
-        collected_non_loss_data = None
-        if process_non_loss_data_func is not None and mpu.is_pipeline_last_stage(
-            ignore_virtual=True
-        ):
-            collected_non_loss_data = forward_backward_func(
-                forward_step_func=forward_step_func,
-                data_iterator=data_iterator,
-                model=model,
-                num_microbatches=get_num_microbatches(),
-                seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size,
-                decoder_seq_length=args.decoder_seq_length,
-                forward_only=True,
-                collect_non_loss_data=True,
-            )
-
-    for model_module in model:
-        model_module.train()
-
-    for key in total_loss_dict:
-        numerator, denominator = total_loss_dict[key]
-        total_loss_dict[key] = numerator / denominator
-
-    timers('evaluate').stop()
-    timers.log(['evaluate'])
-    return total_loss_dict, collected_non_loss_data, False
-
-
-def format_validation_line(prefix, losses):
-    """The ' validation loss at ... | lm loss value: ... | lm loss PPL: ... | ' string."""
-    string = ' validation loss at {} | '.format(prefix)
-    for key, value in losses.items():
-        string += '{} value: {:.6E} | '.format(key, value)
-        string += '{} PPL: {:.6E} | '.format(key, math.exp(min(20, value)))
-    return string
-
-
-def evaluate_and_print_results(
-    prefix,
-    forward_step_func,
-    data_iterator,
-    model,
-    iteration,
-    process_non_loss_data_func,
-    config,
-    verbose=False,
-    write_to_tensorboard=True,
-):
-    """Evaluate, print Megatron's validation block and write TensorBoard scalars.
-
-    Returns:
-        {key: float} on the last pipeline stage, {} elsewhere, None if the time limit was hit.
-    """
-    args = get_args()
-    writer = get_tensorboard_writer() if write_to_tensorboard else None
-
-    with watch('evaluation', iteration):
-        total_loss_dict, collected_non_loss_data, timelimit = evaluate(
-            forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose
-        )
-    if timelimit:
-        return None
-    losses = {key: float(value) for key, value in total_loss_dict.items()}
-    string = format_validation_line(prefix, losses)
-    for key, value in losses.items():
-        ppl = math.exp(min(20, value))
-        if writer:
-            writer.add_scalar('{} validation'.format(key), value, iteration)
-            writer.add_scalar(
-                '{} validation vs samples'.format(key), value, args.consumed_train_samples
-            )
-            if args.log_validation_ppl_to_tensorboard:
-                writer.add_scalar('{} validation ppl'.format(key), ppl, iteration)
-                writer.add_scalar(
-                    '{} validation ppl vs samples'.format(key), ppl, args.consumed_train_samples
-                )
-    if process_non_loss_data_func is not None and writer and collected_non_loss_data is not None:
-        process_non_loss_data_func(collected_non_loss_data, iteration, writer)
-
-    length = len(string) + 1
-    print_rank_last('-' * length)
-    print_rank_last(string)
-    print_rank_last('-' * length)
-    return losses
-
-
-def cyclic_iter(iter):
-    """Iterate over `iter` forever."""
-    while True:
-        for x in iter:
-            yield x
-
-
-def get_train_valid_test_num_samples():
-    """[train, valid, test] sample counts to build (Megatron's formulas)."""
-    args = get_args()
-    if args.train_samples:
-        train_samples = args.train_samples
-    else:
-        train_samples = args.train_iters * args.global_batch_size
-    eval_iters = (args.train_iters // args.eval_interval + 1) * args.eval_iters
-    test_iters = args.eval_iters
-    return (
-        train_samples,
-        eval_iters * args.global_batch_size,
-        test_iters * args.global_batch_size,
-    )
-
-
-def build_train_valid_test_datasets(build_train_valid_test_datasets_provider):
-    """Call the provider with the sample counts (printed as Megatron does)."""
-    train_valid_test_num_samples = get_train_valid_test_num_samples()
-    print_rank_0(' > datasets target sizes (minimum size):')
-    print_rank_0('    train:      {}'.format(train_valid_test_num_samples[0]))
-    print_rank_0('    validation: {}'.format(train_valid_test_num_samples[1]))
-    print_rank_0('    test:       {}'.format(train_valid_test_num_samples[2]))
-    return build_train_valid_test_datasets_provider(train_valid_test_num_samples)
-
-
-def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider):
-    """Datasets -> data loaders (on TP rank 0, or every rank for distributed-aware providers)."""
-    from megatron.training.datasets.data_samplers import build_pretraining_data_loader
-
-    args = get_args()
-    train_dataloader, valid_dataloader, test_dataloader = None, None, None
-    print_rank_0('> building train, validation, and test datasets ...')
-
-    # Backward compatibility: assume fixed batch size.
-    if args.iteration > 0 and args.consumed_train_samples == 0:
-        if args.train_samples is not None:
-            raise ValueError(
-                'checkpoint without consumed_train_samples cannot resume --train-samples runs'
-            )
-        args.consumed_train_samples = args.iteration * args.global_batch_size
-    if args.iteration > 0 and args.consumed_valid_samples == 0:
-        if args.train_samples is None:
-            args.consumed_valid_samples = (
-                (args.iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
-            )
-
-    is_distributed = getattr(build_train_valid_test_datasets_provider, 'is_distributed', False)
-    device = get_current_device()
-    if is_distributed or mpu.get_tensor_model_parallel_rank() == 0:
-        train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
-            build_train_valid_test_datasets_provider
-        )
-        train_dataloader = build_pretraining_data_loader(train_ds, args.consumed_train_samples)
-        if args.eval_iters == 0:
-            # No evaluation: validation/test sets were asked for 0 samples (a mock set then has
-            # none), and a loader over them would never be read.
-            valid_dataloader = test_dataloader = None
-        else:
-            if args.skip_train:
-                valid_dataloader = build_pretraining_data_loader(valid_ds, 0)
-            else:
-                valid_dataloader = build_pretraining_data_loader(
-                    valid_ds, args.consumed_valid_samples
-                )
-            test_dataloader = build_pretraining_data_loader(test_ds, 0)
-        do_train = train_dataloader is not None and args.train_iters > 0
-        do_valid = valid_dataloader is not None and args.eval_iters > 0
-        do_test = test_dataloader is not None and args.eval_iters > 0
-        flags = torch.tensor(
-            [int(do_train), int(do_valid), int(do_test)], dtype=torch.long, device=device
-        )
-    else:
-        flags = torch.tensor([0, 0, 0], dtype=torch.long, device=device)
-
-    torch.distributed.broadcast(flags, 0)
-    # With virtual pipelines this runs once per model chunk and a chunk's provider may build no
-    # dataset on global rank 0 (Megatron's is_dataset_built_on_rank), so the flags accumulate.
-    args.do_train = getattr(args, 'do_train', False) or bool(flags[0].item())
-    _check_training_data(args, do_train=args.do_train)
-    args.do_valid = getattr(args, 'do_valid', False) or bool(flags[1].item())
-    args.do_test = getattr(args, 'do_test', False) or bool(flags[2].item())
-    return train_dataloader, valid_dataloader, test_dataloader
-
-
-def _check_training_data(args, do_train):
-    """Refuse a run that asks for training iterations but whose data yields no training samples
-    (Megatron would run zero iterations and exit 0). Same decision on every rank (broadcast)."""
-    if do_train or args.skip_train or not args.train_iters:
-        return
-    if args.iteration >= args.train_iters:
-        return  # resumed at or past the end: nothing left to train
-    split = '' if args.train_data_path else f' (--split {args.split})'
-    raise ValueError(
-        f'the training data yields no samples{split}, but --train-iters {args.train_iters} asks '
-        f'for training; give the training split a share of the data, or use --skip-train to only '
-        f'evaluate'
-    )
-
-
-def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):
-    """Data iterators for train/valid/test ('single': one pass; 'cyclic': repeat; 'external': as
-    is)."""
-    args = get_args()
-    train_dataloader, valid_dataloader, test_dataloader = build_train_valid_test_data_loaders(
-        build_train_valid_test_datasets_provider
-    )
-    dl_type = args.dataloader_type
-    if dl_type not in ('single', 'cyclic', 'external'):
-        raise ValueError(f'--dataloader-type must be single, cyclic or external, got {dl_type}')
-
-    def _get_iterator(dataloader_type, dataloader):
-        if dataloader_type == 'single':
-            return iter(dataloader)
-        if dataloader_type == 'cyclic':
-            return iter(cyclic_iter(dataloader))
-        # External dataloader is passed through. User is expected to define how to iterate.
-        return dataloader
-
-    train_data_iterator = (
-        _get_iterator(dl_type, train_dataloader) if train_dataloader is not None else None
-    )
-    valid_data_iterator = (
-        _get_iterator(dl_type, valid_dataloader) if valid_dataloader is not None else None
-    )
-    test_data_iterator = (
-        _get_iterator(dl_type, test_dataloader) if test_dataloader is not None else None
-    )
-    return train_data_iterator, valid_data_iterator, test_data_iterator

@@ -14,8 +14,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Vocab-parallel softmax cross entropy.
 
     Each rank first takes the softmax and log-sum-exp of its own vocabulary slice, with torch's
-    fused row-wise softmax kernel (one new [s, b, v/tp] buffer, no separate max / subtract / exp /
-    divide passes). The slices are then combined on [s, b] tensors only.
+    fused row-wise softmax kernel (no separate subtract / exp / divide passes; written over fp32
+    logits with `inplace`, else into one new [s, b, v/tp] buffer). The slices are then combined
+    on [s, b] tensors only.
 
     Forward (three all-reduces over the tp group, on [s, b] tensors only):
       1. max of the local log-sum-exps (MAX), for a stable global log-sum-exp;
@@ -32,7 +33,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, group=None):
+    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, group=None, inplace=False):
         # Fall back to the global tensor model parallel group when none is given.
         group = parallel_state.get_tensor_model_parallel_group_if_none(group)
         rank, world_size = group.rank(), group.size()
@@ -42,21 +43,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits_2d = vocab_parallel_logits.view(-1, partition_vocab_size)  # [s * b, v/tp]
         arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
 
-        # Local log-sum-exp from the local softmax at the row's argmax, where the softmax is at
-        # least tp/v and so never underflows: lse_r = z_max - log(p_max). The logits stay the
-        # caller's (not modified in place).
-        local_max, local_argmax = torch.max(logits_2d, dim=-1)  # [s * b]
-        softmax = torch.softmax(vocab_parallel_logits, dim=-1, dtype=torch.float32)  # [s, b, v/tp]
-        softmax_2d = softmax.view(-1, partition_vocab_size)
-        local_lse = local_max.float() - torch.log(softmax_2d[arange_1d, local_argmax])  # [s * b]
-
-        global_max = local_lse.clone()
-        torch.distributed.all_reduce(global_max, op=torch.distributed.ReduceOp.MAX, group=group)
-        sum_exp = torch.exp(local_lse - global_max)  # [s * b]
-        torch.distributed.all_reduce(sum_exp, op=torch.distributed.ReduceOp.SUM, group=group)
-        lse = global_max + torch.log(sum_exp)  # [s * b]; equals local_lse exactly when tp == 1
-        local_scale = torch.exp(local_lse - lse)  # [s * b]: global softmax / local softmax
-
         vocab_start_index, vocab_end_index = VocabUtility.vocab_range_from_per_partition_vocab_size(
             partition_vocab_size, rank, world_size
         )
@@ -65,8 +51,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         masked_target = target.clone() - vocab_start_index
         masked_target[target_mask] = 0
         masked_target_1d = masked_target.view(-1)  # [s * b]
+        # Everything read from the logits is read before the softmax may overwrite them.
         predicted_logits = logits_2d[arange_1d, masked_target_1d].float().view_as(target)  # [s, b]
         predicted_logits[target_mask] = 0.0
+        local_max = logits_2d.amax(dim=-1).float()  # [s * b]
+        sum_logits = logits_2d.float().sum(dim=-1) if label_smoothing > 0 else None  # [s * b]
+
+        # Local softmax, in the caller's fp32 buffer when it allows (no new vocab-sized buffer,
+        # whose first touch costs more than the softmax itself on the CPU).
+        if inplace and vocab_parallel_logits.dtype == torch.float32:
+            softmax = torch.softmax(logits_2d, dim=-1, out=logits_2d)
+        else:
+            softmax = torch.softmax(logits_2d, dim=-1, dtype=torch.float32)
+        softmax_2d = softmax.view(-1, partition_vocab_size)  # [s * b, v/tp]
+        # The row's largest softmax entry is at its largest logit, exp(0) / sum_j exp(z_j - max):
+        # so lse_r = max - log(max softmax), with no underflow (that entry is >= tp / v).
+        local_lse = local_max - torch.log(softmax_2d.amax(dim=-1))  # [s * b]
+
+        global_max = local_lse.clone()
+        torch.distributed.all_reduce(global_max, op=torch.distributed.ReduceOp.MAX, group=group)
+        sum_exp = torch.exp(local_lse - global_max)  # [s * b]
+        torch.distributed.all_reduce(sum_exp, op=torch.distributed.ReduceOp.SUM, group=group)
+        lse = global_max + torch.log(sum_exp)  # [s * b]; equals local_lse exactly when tp == 1
+        local_scale = torch.exp(local_lse - lse)  # [s * b]: global softmax / local softmax
+
         torch.distributed.all_reduce(
             predicted_logits, op=torch.distributed.ReduceOp.SUM, group=group
         )
@@ -79,7 +87,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if label_smoothing > 0:
             smoothing = label_smoothing * vocab_size / (vocab_size - 1)
             # log p_j = z_j - lse; summed over the whole vocabulary.
-            sum_logits = logits_2d.float().sum(dim=-1)  # [s * b]
             sum_log_probs = (sum_logits - partition_vocab_size * lse).view_as(target).contiguous()
             torch.distributed.all_reduce(
                 sum_log_probs, op=torch.distributed.ReduceOp.SUM, group=group
@@ -88,15 +95,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
 
         ctx.label_smoothing, ctx.smoothing, ctx.vocab_size = label_smoothing, smoothing, vocab_size
-        ctx.save_for_backward(softmax, local_scale, target_mask, masked_target_1d)
+        ctx.logits_shape = vocab_parallel_logits.shape
+        ctx.save_for_backward(softmax_2d, local_scale, target_mask, masked_target_1d)
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
-        softmax, local_scale, target_mask, masked_target_1d = ctx.saved_tensors
-        grad_input = softmax  # reused in place: [s, b, v/tp]
-        partition_vocab_size = softmax.size()[-1]
-        grad_2d = grad_input.view(-1, partition_vocab_size)  # [s * b, v/tp]
+        # The saved softmax becomes the gradient in place: [s * b, v/tp].
+        grad_2d, local_scale, target_mask, masked_target_1d = ctx.saved_tensors
         grad_1d = grad_output.reshape(-1).float()  # [s * b]
         arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
         # Local softmax -> global softmax, times the incoming gradient: one in-place pass.
@@ -108,20 +114,27 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad_2d -= (ctx.smoothing / ctx.vocab_size) * grad_1d.unsqueeze(dim=-1)
         else:
             grad_2d[arange_1d, masked_target_1d] -= onehot_grad
-        return grad_input, None, None, None
+        return grad_2d.view(ctx.logits_shape), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, group=None):
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits, target, label_smoothing=0.0, group=None, inplace=False
+):
     """Per-token cross entropy of vocab-parallel logits.
 
     Args:
-        vocab_parallel_logits: [s, b, v/tp] logits, this rank's vocabulary slice (any float
-            dtype; computed in fp32).
+        vocab_parallel_logits: [s, b, v/tp] contiguous logits, this rank's vocabulary slice (any
+            float dtype; computed in fp32).
         target: [s, b] global token ids.
         label_smoothing: Megatron label smoothing (see _VocabParallelCrossEntropy).
         group: tensor parallel group (default: the global one).
+        inplace: fp32 logits may be overwritten with the softmax, saving one vocab-sized buffer,
+            as Megatron's own cross entropy overwrites them. The model's loss does this with
+            logits no one else reads; by default the caller's logits are left as they were.
 
     Returns:
         [s, b] fp32 loss, identical on every tp rank.
     """
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, group)
+    return _VocabParallelCrossEntropy.apply(
+        vocab_parallel_logits, target, label_smoothing, group, inplace
+    )

@@ -31,26 +31,38 @@ def _check_cross_entropy():
     target = torch.randint(0, V, (S, B), generator=gen)
     target[0, 0], target[1, 1] = 0, V - 1  # first and last vocabulary entries
     grad_loss = torch.rand(S, B, generator=gen)
-    for label_smoothing in (0.0, 0.1):
+    for label_smoothing, inplace in ((0.0, False), (0.1, False), (0.0, True), (0.1, True)):
         ref_loss, ref_logits = _reference(logits_full, target, label_smoothing)
         ref_loss.backward(grad_loss)
 
         shard = logits_full.chunk(n, dim=-1)[r].clone()
-        logits = shard.clone().requires_grad_(True)
-        loss = vocab_parallel_cross_entropy(logits, target, label_smoothing)
+        leaf = shard.clone().requires_grad_(True)
+        logits = leaf * 1.0  # a non-leaf, as the output layer's logits are
+        loss = vocab_parallel_cross_entropy(logits, target, label_smoothing, inplace=inplace)
         loss.backward(grad_loss)
-        msg = f"label_smoothing={label_smoothing}"
+        msg = f"label_smoothing={label_smoothing} inplace={inplace}"
         torch.testing.assert_close(
             loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"loss {msg}: {m}"
         )
         torch.testing.assert_close(
-            logits.grad,
+            leaf.grad,
             ref_logits.grad.chunk(n, dim=-1)[r],
             rtol=1e-5,
             atol=1e-6,
             msg=lambda m: f"grad {msg}: {m}",
         )
-        assert torch.equal(logits.detach(), shard), "the caller's logits were modified"
+        if inplace:  # the fp32 logits were overwritten with their (local) softmax
+            assert not torch.equal(logits.detach(), shard), msg
+        else:
+            assert torch.equal(logits.detach(), shard), "the caller's logits were modified"
+    # Far-apart logits: most softmax entries underflow to 0, the loss stays exact.
+    extreme = torch.zeros(S, B, V)
+    extreme[..., 0] = 1000.0
+    extreme[0, 0, V - 1] = 2000.0
+    loss_x = vocab_parallel_cross_entropy(extreme.chunk(n, dim=-1)[r].clone(), target)
+    ref_x = F.cross_entropy(extreme.view(-1, V), target.view(-1), reduction="none").view(S, B)
+    assert torch.isfinite(loss_x).all()
+    torch.testing.assert_close(loss_x, ref_x, rtol=1e-6, atol=1e-4)
     # Low precision logits are computed in fp32.
     loss16 = vocab_parallel_cross_entropy(logits_full.chunk(n, dim=-1)[r].bfloat16(), target)
     ref = F.cross_entropy(

@@ -42,7 +42,9 @@ class LanguageModule(MegatronModule):
             logits: [s, b, v/p] vocab-parallel logits (split across the TP group).
 
         Returns:
-            [b, s] loss (fp32 unless fp16_lm_cross_entropy keeps the logits in 16 bits).
+            [b, s] loss (fp32 unless fp16_lm_cross_entropy keeps the logits in 16 bits). fp32
+            `logits` are overwritten (with their softmax), as in Megatron: the models pass logits
+            that nothing else reads.
         """
         # [b, s] -> [s, b]
         labels = labels.transpose(0, 1).contiguous()
@@ -50,7 +52,7 @@ class LanguageModule(MegatronModule):
             logits = logits.float()
         # Softmax statistics are all-reduced across the TP group inside.
         loss = tensor_parallel.vocab_parallel_cross_entropy(
-            logits, labels, group=self.pg_collection.tp
+            logits, labels, group=self.pg_collection.tp, inplace=True
         )
         # [s, b] -> [b, s]
         loss = loss.transpose(0, 1).contiguous()

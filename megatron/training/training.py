@@ -471,6 +471,13 @@ def _compile_transformer_layers(model):
     for model_module in model:
         for module in model_module.modules():
             if isinstance(module, TransformerLayer):
+                for linear in module.modules():
+                    # Fused accumulation marks the weight (`grad_added_to_main_grad`) inside the
+                    # autograd function's backward, a side effect dynamo cannot trace: it would
+                    # break the graph at every linear layer. Compiled layers hand their weight
+                    # gradients to DDP's hook instead, which adds them to main_grad.
+                    if hasattr(linear, 'gradient_accumulation_fusion'):
+                        linear.gradient_accumulation_fusion = False
                 module.compile()
 
 

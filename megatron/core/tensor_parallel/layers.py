@@ -374,15 +374,13 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                     grad_output_2d.t().to(main_grad.dtype), total_input_2d.to(main_grad.dtype)
                 )
                 if hasattr(weight, 'grad_added_to_main_grad'):
-                    # The DDP hook must not add this gradient again. Autograd still needs a tensor:
-                    # zeros when another use of the weight (the tied embedding) adds a real
-                    # gradient to it that the hook must keep, else uninitialized memory that the
-                    # hook drops unread.
-                    if getattr(weight, 'zero_out_wgrad', False):
-                        grad_weight = torch.zeros(
-                            weight.shape, dtype=input.dtype, device=input.device
-                        )
-                    else:
+                    # The DDP hook must not add this gradient again. Where another use of the
+                    # weight in this graph (the tied embedding lookup, `zero_out_wgrad`) gives
+                    # autograd its real gradient, which the hook adds to main_grad, return none:
+                    # a weight-sized zero tensor would cost a fresh allocation and an addition.
+                    # Otherwise autograd still needs a tensor for the hook to fire: uninitialized
+                    # memory that the hook drops unread.
+                    if not getattr(weight, 'zero_out_wgrad', False):
                         grad_weight = torch.empty(
                             weight.shape, dtype=input.dtype, device=input.device
                         )

@@ -8,7 +8,12 @@ Megatron optimizer, scheduler) and train_step (get_forward_backward_func). Model
 Megatron's formula (`num_floating_point_operations`); MFU divides the achieved model FLOP/s by the
 measured peak of a large fp32 matmul on this device (stated in the output).
 
+The plain side uses torch.optim.AdamW with its defaults (the per-tensor loop on the CPU);
+`--plain-fused-adamw` adds a plain run with `fused=True`, the kernel this framework's optimizer
+uses.
+
 Usage: python benchmarks/bench_training.py [--steps 3] [--micro-batch-size 2] [--seq-length 256]
+       [--torch-compile] [--plain-fused-adamw]
 """
 
 import argparse
@@ -80,8 +85,9 @@ class PlainGPT(torch.nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1))
 
 
-def build_plain(batches, cfg):
-    """Returns (step(i), number of parameters) for the plain PyTorch model."""
+def build_plain(batches, cfg, fused_adamw=False):
+    """Returns (step(i), number of parameters) for the plain PyTorch model (torch.optim.AdamW
+    with its defaults, or with `fused=True`)."""
     model = PlainGPT(cfg['vocab'], cfg['seq'], cfg['hidden'], cfg['heads'], cfg['layers'])
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
@@ -90,6 +96,7 @@ def build_plain(batches, cfg):
         lr=1e-4,
         betas=(0.9, 0.999),
         eps=1e-8,
+        **({'fused': True} if fused_adamw else {}),
     )
 
     def step(i):
@@ -254,6 +261,11 @@ def main():
         action='store_true',
         help='also time the --torch-compile path (compilation in the warm-up step)',
     )
+    parser.add_argument(
+        '--plain-fused-adamw',
+        action='store_true',
+        help='also time the plain model with torch.optim.AdamW(fused=True)',
+    )
     cli = parser.parse_args()
     if cli.threads:
         torch.set_num_threads(cli.threads)
@@ -275,6 +287,8 @@ def main():
     peak = matmul_peak_flops()
     steps, n_meg, flops = build_megatron(batches, cfg, cli.torch_compile)
     step_plain, n_plain = build_plain(batches, cfg)
+    if cli.plain_fused_adamw:
+        steps['plain pytorch, fused AdamW'] = build_plain(batches, cfg, fused_adamw=True)[0]
     steps['plain pytorch'] = step_plain
     # Alternate them so that load from other processes hits all alike; one warm-up step each,
     # then the median of the timed steps.
@@ -311,6 +325,9 @@ def main():
     for name, t in med.items():
         if name != 'plain pytorch':
             print(f'ratio {name} / plain (tokens/s): {med["plain pytorch"] / t:.3f}')
+    if cli.plain_fused_adamw:
+        fused = med['plain pytorch, fused AdamW']
+        print(f'ratio megatron / plain with fused AdamW (tokens/s): {fused / med["megatron"]:.3f}')
     torch.distributed.destroy_process_group()
 
 

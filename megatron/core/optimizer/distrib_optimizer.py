@@ -403,9 +403,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     local[key][local_range.start : local_range.end] = value.detach().float().cpu()
         return local
 
-    def _set_local_bucket_state(self, gbuf_index, bucket_index, key, local, main_of) -> None:
-        """Copy one key of this rank's flat bucket shard `local` into main params / state."""
+    def _set_local_bucket_state(self, gbuf_index, bucket_index, key, local, main_of) -> bool:
+        """Copy one key of this rank's flat bucket shard `local` into main params / state.
+
+        Returns whether, for key 'param', every model param of the bucket already held the
+        loaded main values (cast to its dtype) on this rank's shard: true when the model weights
+        were loaded from the same checkpoint. Always true for the other keys.
+        """
         bucket = self.buffers[gbuf_index].buckets[bucket_index]
+        model_agrees = True
         for model_param in bucket.params_list:
             if model_param not in main_of:
                 continue
@@ -413,6 +419,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             local_range = self.param_range_map[model_param]['gbuf_local']
             values = local[local_range.start : local_range.end]
             if key == 'param':
+                # Compared before the copy: fp32 main shards are views of the model params.
+                param_range = self.param_range_map[model_param]['param']
+                model_shard = model_param.detach().view(-1)[param_range.start : param_range.end]
+                model_agrees = model_agrees and torch.equal(
+                    model_shard, values.to(device=model_shard.device, dtype=model_shard.dtype)
+                )
                 target = main_param
             else:
                 param_state = self.optimizer.state[main_param]
@@ -420,6 +432,25 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     param_state[key] = torch.zeros_like(main_param)
                 target = param_state[key]
             target.data.copy_(values.to(device=target.device, dtype=target.dtype))
+        return model_agrees
+
+    def _sync_model_params_after_load(self, model_agrees: bool):
+        """Make every rank's model params follow the loaded main params.
+
+        When every rank found its shard of the model params already equal to the loaded main
+        params (the model weights came from the same checkpoint, which is saved after the
+        parameter all-gather), the model params are right everywhere and the all-gather of the
+        whole parameter buffer, the costliest part of a load, is skipped. One scalar all-reduce
+        over the data-parallel group decides, so that all ranks take the same branch.
+        """
+        agree = torch.tensor([1 if model_agrees else 0], dtype=torch.int32)
+        torch.distributed.all_reduce(
+            agree, op=torch.distributed.ReduceOp.MIN, group=self._gloo_group()
+        )
+        if int(agree.item()) == 1:
+            return
+        self._copy_main_params_to_model_params()
+        self._gather_model_params()
 
     def get_parameter_state_shard(self) -> Dict:
         """This data-parallel rank's own fp32 main params and optimizer state (no collective).
@@ -477,6 +508,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 f'a data-parallel size of {saved_dp}'
             )
         main_of = dict(self._shard_main_params_with_model_params())
+        model_agrees = True
         for gbuf_index, buffer in enumerate(self.buffers):
             for bucket_index, bucket in enumerate(buffer.buckets):
                 size = self.bucket_shard_ranges[gbuf_index][bucket_index].size
@@ -488,7 +520,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         saved = by_rank[self.data_parallel_rank]['buffers'][gbuf_index][key]
                         local = saved[bucket_index]
                         assert local.numel() == size
-                        self._set_local_bucket_state(gbuf_index, bucket_index, key, local, main_of)
+                        model_agrees &= self._set_local_bucket_state(
+                            gbuf_index, bucket_index, key, local, main_of
+                        )
                         continue
                     local = torch.zeros(size, dtype=torch.float32)
                     for rank in range(saved_dp):
@@ -497,9 +531,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         a, b = max(lo, start), min(hi, start + saved.numel())
                         if a < b:
                             local[a - lo : b - lo] = saved[a - start : b - start]
-                    self._set_local_bucket_state(gbuf_index, bucket_index, key, local, main_of)
-        self._copy_main_params_to_model_params()
-        self._gather_model_params()
+                    model_agrees &= self._set_local_bucket_state(
+                        gbuf_index, bucket_index, key, local, main_of
+                    )
+        self._sync_model_params_after_load(model_agrees)
 
     def get_parameter_state_dp_zero(self) -> Optional[Dict]:
         """Gather the sharded fp32 main params and optimizer state on data-parallel rank 0.
@@ -574,6 +609,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             raise ValueError(verdict[0])
 
         main_of = dict(self._shard_main_params_with_model_params())
+        model_agrees = True
         for gbuf_index, buffer in enumerate(self.buffers):
             for bucket_index, bucket in enumerate(buffer.buckets):
                 shard_size = self.bucket_shard_ranges[gbuf_index][bucket_index].size
@@ -588,10 +624,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         world[: saved.numel()] = saved
                         scatter_list = list(world.chunk(self.data_parallel_world_size))
                     torch.distributed.scatter(local, scatter_list, src=src, group=group)
-                    self._set_local_bucket_state(gbuf_index, bucket_index, key, local, main_of)
+                    model_agrees &= self._set_local_bucket_state(
+                        gbuf_index, bucket_index, key, local, main_of
+                    )
         # Model params follow their (possibly fp32-from-fp16) main params.
-        self._copy_main_params_to_model_params()
-        self._gather_model_params()
+        self._sync_model_params_after_load(model_agrees)
 
     def _check_parameter_state(self, state, keys, fmt=PARAMETER_STATE_FORMAT) -> Optional[str]:
         """Why `state` cannot be loaded here, or None."""

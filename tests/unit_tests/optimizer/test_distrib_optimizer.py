@@ -183,11 +183,24 @@ def _save_then_resume(dtype, directory):
     model2, chunk2, optimizer2 = _build(dtype, True, seed=99)
     _load(chunk2, optimizer2, directory, tag)
     _train(model2, chunk2, optimizer2, range(2, 4))
-    return {'uninterrupted': uninterrupted, 'resumed': _flat_params(model2)}
+    # Without the model file the model weights differ from the loaded main params: the load must
+    # not skip the parameter all-gather then (it is skipped only when every rank's weights
+    # already agree with the file).
+    model3, chunk3, optimizer3 = _build(dtype, True, seed=98)
+    _load(chunk3, optimizer3, directory, tag, model_weights=False)
+    _train(model3, chunk3, optimizer3, range(2, 4))
+    return {
+        'uninterrupted': uninterrupted,
+        'resumed': _flat_params(model2),
+        'resumed_without_model_file': _flat_params(model3),
+    }
 
 
-def _load(chunk, optimizer, directory, tag):
-    chunk.load_state_dict(torch.load(os.path.join(directory, f'model_{tag}.pt'), weights_only=True))
+def _load(chunk, optimizer, directory, tag, model_weights=True):
+    if model_weights:
+        chunk.load_state_dict(
+            torch.load(os.path.join(directory, f'model_{tag}.pt'), weights_only=True)
+        )
     optimizer.load_state_dict(
         torch.load(os.path.join(directory, f'optim_{tag}.pt'), weights_only=True)
     )
@@ -209,6 +222,7 @@ def test_parameter_state_round_trip_and_other_dp_size(tmp_path):
         outs = run_distributed(_save_then_resume, 2, args=(dtype, directory))
         for out in outs:
             assert torch.equal(out['resumed'], out['uninterrupted']), dtype
+            assert torch.equal(out['resumed_without_model_file'], out['uninterrupted']), dtype
     # The DP=2 fp32 files loaded at DP=1 (world 2 as TP=2, plain replicated model) continue the run.
     outs_dp1 = run_distributed(_resume_at_other_dp, 2, tp=2, args=(torch.float32, directory))
     for params in outs_dp1:

@@ -2,7 +2,8 @@
 
 Three layouts of the same GPT and the same global batch (`--num-microbatches` micro-batches):
 - TP1: one process with 2 torch threads (the reference: both cores, no communication);
-- TP2: 2 processes x 1 thread, tensor parallel (all-reduces / sequence-parallel collectives);
+- TP2: 2 processes x 1 thread, tensor parallel (all-reduces); TP2+SP the same with
+  --sequence-parallel (all-gathers / reduce-scatters);
 - PP2: 2 processes x 1 thread, 1F1B pipeline over the micro-batches (p2p sends/receives).
 Every rank runs pretrain_gpt.py's pieces (initialize_megatron, setup_model_and_optimizer: GPTModel,
 DDP, Megatron optimizer; train_step with pretrain_gpt.forward_step and the dataloader's mask).
@@ -26,10 +27,11 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = {
-    'TP1 (2 threads)': (1, 1, 1, 2),
-    'TP2 (2x1 thread)': (2, 2, 1, 1),
-    'PP2 (2x1 thread)': (2, 1, 2, 1),
-}  # world, tp, pp, threads
+    'TP1 (2 threads)': (1, 1, 1, 2, False),
+    'TP2 (2x1 thread)': (2, 2, 1, 1, False),
+    'TP2+SP (2x1 thread)': (2, 2, 1, 1, True),
+    'PP2 (2x1 thread)': (2, 1, 2, 1, False),
+}  # world, tp, pp, threads, sequence parallel
 
 
 def _free_port():
@@ -38,7 +40,7 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _rank_main(rank, world, tp, pp, threads, port, bench, result_file):
+def _rank_main(rank, world, tp, pp, threads, sp, port, bench, result_file):
     os.environ.update(
         MASTER_ADDR='127.0.0.1',
         MASTER_PORT=str(port),
@@ -97,7 +99,7 @@ def _rank_main(rank, world, tp, pp, threads, port, bench, result_file):
         '--distributed-backend',
         'gloo',
     ]
-    if tp > 1:
+    if sp:
         argv.append('--sequence-parallel')
     with contextlib.redirect_stdout(io.StringIO()):
         initialize_megatron(args_list=argv)
@@ -160,11 +162,11 @@ def main():
     times = {name: [] for name in LAYOUTS}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(bench.repeats):
-            for name, (world, tp, pp, threads) in LAYOUTS.items():
-                result = os.path.join(tmp, f'{r}_{tp}_{pp}.json')
+            for name, (world, tp, pp, threads, sp) in LAYOUTS.items():
+                result = os.path.join(tmp, f'{r}_{tp}_{pp}_{sp}.json')
                 mp.spawn(
                     _rank_main,
-                    args=(world, tp, pp, threads, _free_port(), bench, result),
+                    args=(world, tp, pp, threads, sp, _free_port(), bench, result),
                     nprocs=world,
                     join=True,
                 )
@@ -178,9 +180,9 @@ def main():
         f'{bench.micro_batch_size}'
     )
     for name, t in med.items():
-        print(f'{name:>17}: {t * 1000:8.1f} ms/step  {tokens / t:8.1f} tokens/s')
+        print(f'{name:>20}: {t * 1000:8.1f} ms/step  {tokens / t:8.1f} tokens/s')
     ref = med['TP1 (2 threads)']
-    for name in ('TP2 (2x1 thread)', 'PP2 (2x1 thread)'):
+    for name in ('TP2 (2x1 thread)', 'TP2+SP (2x1 thread)', 'PP2 (2x1 thread)'):
         print(f'ratio {name} / TP1 (tokens/s): {ref / med[name]:.3f}')
 
 

@@ -23,7 +23,8 @@ from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.mappings import (
     _gather_along_first_dim,
-    _reduce_scatter_along_first_dim,
+    _start_gather_along_first_dim,
+    _start_reduce_scatter_along_first_dim,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
@@ -288,10 +289,11 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     Forward: with sequence_parallel, all-gather X along the sequence ([s/tp, b, h] -> [s, b, h])
     before the matmul.
     Backward:
-      - grad X = grad Y A; with allreduce_dgrad it is all-reduced over tp (issued asynchronously,
-        overlapping the weight-gradient matmul); with sequence_parallel it is reduce-scattered
-        back to [s/tp, b, h] (X is all-gathered again to compute the weight gradient, rather
-        than kept from the forward, to save memory);
+      - grad X = grad Y A; with allreduce_dgrad it is all-reduced over tp, with
+        sequence_parallel reduce-scattered back to [s/tp, b, h]; either collective is issued
+        asynchronously and overlaps the weight-gradient matmul. With sequence_parallel X is
+        all-gathered again for the weight gradient (rather than kept from the forward, to save
+        memory), asynchronously, overlapping the grad X matmul;
       - grad A = grad Y^T X, or, with gradient_accumulation_fusion, added into `A.main_grad`
         (fp32) and no `A.grad` is produced;
       - with a grad_output_buffer (deferred embedding wgrad), grad Y is stored and the weight
@@ -341,11 +343,15 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             grad_output_buffer.append(grad_output)
             wgrad_compute = False
 
+        gather_handle = None
         if ctx.sequence_parallel and wgrad_compute:
-            total_input = _gather_along_first_dim(input, tp_group)  # [s, b, h]
+            # The input's all-gather runs while the data-gradient GEMM below computes.
+            total_input, gather_handle = _start_gather_along_first_dim(input, tp_group)  # [s, b, h]
         else:
             total_input = input
         grad_input = grad_output.matmul(weight)
+        if gather_handle is not None:
+            gather_handle.wait()
 
         handle = None
         if ctx.allreduce_dgrad and tp_group.size() > 1:
@@ -355,7 +361,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
         if ctx.sequence_parallel:
             assert not ctx.allreduce_dgrad
-            sub_grad_input = _reduce_scatter_along_first_dim(grad_input, tp_group)  # [s/tp, b, h]
+            # Asynchronous reduce-scatter, overlapped with the weight-gradient matmul below.
+            sub_grad_input, handle = _start_reduce_scatter_along_first_dim(
+                grad_input, tp_group
+            )  # [s/tp, b, h]
 
         grad_weight = None
         if wgrad_compute:
@@ -389,10 +398,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                 grad_weight = grad_output_2d.t().matmul(total_input_2d)  # [o, h]
         grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if use_bias else None
 
-        if ctx.sequence_parallel:
-            return sub_grad_input, grad_weight, grad_bias, None, None, None, None, None
         if handle is not None:
             handle.wait()
+        if ctx.sequence_parallel:
+            return sub_grad_input, grad_weight, grad_bias, None, None, None, None, None
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 

@@ -156,6 +156,43 @@ def _reduce_scatter_along_first_dim(
     return reduced[offset : offset + input_split_sizes[group.rank()]].contiguous()
 
 
+def _start_gather_along_first_dim(input_: torch.Tensor, group):
+    """Start an asynchronous equal-chunk all-gather along the first dimension.
+
+    Returns (output [s, ...], handle): wait on the handle (None at size 1, where output is
+    `input_`) before reading output. Lets the caller compute while the collective runs.
+    """
+    world_size = group.size()
+    if world_size == 1:
+        return input_, None
+    dim_size = list(input_.size())
+    dim_size[0] = dim_size[0] * world_size
+    output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
+    handle = all_gather_into_tensor(output, input_.contiguous(), group=group, async_op=True)
+    return output, handle
+
+
+def _start_reduce_scatter_along_first_dim(input_: torch.Tensor, group):
+    """Start an asynchronous equal-chunk reduce-scatter along the first dimension.
+
+    Returns (output [s/tp, ...], handle): wait on the handle (None at size 1, where output is
+    `input_`) before reading output, and do not modify `input_` until then.
+    """
+    world_size = group.size()
+    if world_size == 1:
+        return input_, None
+    dim_size = list(input_.size())
+    if dim_size[0] % world_size != 0:
+        raise ValueError(
+            f"first dimension of the tensor ({dim_size[0]}) is not divisible by the tensor "
+            f"parallel size ({world_size})"
+        )
+    dim_size[0] = dim_size[0] // world_size
+    output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
+    handle = reduce_scatter_tensor(output, input_.contiguous(), group=group, async_op=True)
+    return output, handle
+
+
 # --------------------------------------------------------------------------------------------
 # Autograd functions
 # --------------------------------------------------------------------------------------------

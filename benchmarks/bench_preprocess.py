@@ -1,13 +1,15 @@
-"""tools/preprocess_data.py with the compiled GPT-2 BPE encoder vs the pure-Python encoder.
+"""tools/preprocess_data.py with the compiled tokenizer library vs the pure-Python tokenizer.
 
 The reference is the same tool with MEGATRON_TOKENIZER_BACKEND=python: the pure-Python BPE loop,
 the algorithm of Megatron's megatron/training/tokenizer/gpt2_tokenization.py (Megatron's own tool
 is not installed here; the issue measured this package's pure-Python tool at 1.42-1.56x of it, so
 the ratio to Megatron is about this ratio times that). Both runs preprocess the same corpus with
 the same workers, alternating, and the .bin/.idx outputs are checked byte-identical.
+`--tokenizer bert` does the same for BertWordPieceLowerCase (with --split-sentences).
 
 Usage: python benchmarks/bench_preprocess.py [--corpus data/corpus/mobydick.jsonl] [--workers 2]
        [--repeats 1] [--copies 1]   # --copies N concatenates the corpus N times
+       [--tokenizer gpt2|bert]
 """
 
 import argparse
@@ -22,7 +24,27 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_tool(corpus, out_prefix, workers, backend):
+TOKENIZER_ARGS = {
+    'gpt2': [
+        '--tokenizer-type',
+        'GPT2BPETokenizer',
+        '--vocab-file',
+        str(REPO / 'data/gpt2/gpt2-vocab.json'),
+        '--merge-file',
+        str(REPO / 'data/gpt2/gpt2-merges.txt'),
+        '--append-eod',
+    ],
+    'bert': [
+        '--tokenizer-type',
+        'BertWordPieceLowerCase',
+        '--vocab-file',
+        str(REPO / 'data/bert/bert-vocab.txt'),
+        '--split-sentences',
+    ],
+}
+
+
+def run_tool(corpus, out_prefix, workers, backend, tokenizer='gpt2'):
     env = dict(os.environ, MEGATRON_TOKENIZER_BACKEND=backend, PYTHONPATH=str(REPO))
     cmd = [
         sys.executable,
@@ -31,13 +53,7 @@ def run_tool(corpus, out_prefix, workers, backend):
         str(corpus),
         '--output-prefix',
         str(out_prefix),
-        '--tokenizer-type',
-        'GPT2BPETokenizer',
-        '--vocab-file',
-        str(REPO / 'data/gpt2/gpt2-vocab.json'),
-        '--merge-file',
-        str(REPO / 'data/gpt2/gpt2-merges.txt'),
-        '--append-eod',
+        *TOKENIZER_ARGS[tokenizer],
         '--workers',
         str(workers),
     ]
@@ -55,6 +71,7 @@ def main():
     parser.add_argument('--workers', type=int, default=2)
     parser.add_argument('--repeats', type=int, default=1)
     parser.add_argument('--copies', type=int, default=1)
+    parser.add_argument('--tokenizer', choices=sorted(TOKENIZER_ARGS), default='gpt2')
     cli = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
@@ -68,12 +85,13 @@ def main():
             for name, backend in (('fast', 'auto'), ('python', 'python')):
                 out = tmp / f'{name}{r}'
                 out.mkdir()
-                times[name].append(run_tool(corpus, out / 'c', cli.workers, backend))
+                times[name].append(run_tool(corpus, out / 'c', cli.workers, backend, cli.tokenizer))
                 outputs[name] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
         identical = outputs['fast'] == outputs['python']
     med = {k: statistics.median(v) for k, v in times.items()}
     print(
-        f'corpus {cli.corpus} x{cli.copies} ({size_mb:.1f} MB JSON), {cli.workers} workers, '
+        f'corpus {cli.corpus} x{cli.copies} ({size_mb:.1f} MB JSON), {cli.tokenizer}, '
+        f'{cli.workers} workers, '
         f'{cli.repeats} alternating repeat(s); outputs byte-identical: {identical}'
     )
     for name, t in med.items():

@@ -112,9 +112,8 @@ def _gather_along_first_dim(
         return input_
     dim_size = list(input_.size())
     if output_split_sizes is None:
-        dim_size[0] = dim_size[0] * world_size
-        output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
-        all_gather_into_tensor(output, input_.contiguous(), group=group)
+        output, handle = _start_gather_along_first_dim(input_, group)
+        handle.wait()
         return output
     # Uneven chunks: gather zero-padded chunks of the largest size, then drop the padding.
     max_size = max(output_split_sizes)
@@ -140,15 +139,8 @@ def _reduce_scatter_along_first_dim(
     if world_size == 1:
         return input_
     if input_split_sizes is None:
-        dim_size = list(input_.size())
-        if dim_size[0] % world_size != 0:
-            raise ValueError(
-                f"first dimension of the tensor ({dim_size[0]}) is not divisible by the tensor "
-                f"parallel size ({world_size})"
-            )
-        dim_size[0] = dim_size[0] // world_size
-        output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
-        reduce_scatter_tensor(output, input_.contiguous(), group=group)
+        output, handle = _start_reduce_scatter_along_first_dim(input_, group)
+        handle.wait()
         return output
     # Uneven chunks: all-reduce then keep this rank's slice.
     reduced = _reduce(input_.clone(), group)

@@ -25,6 +25,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -66,6 +67,8 @@ class T5LMHead(MegatronModule):
         vocab_size (int): padded vocabulary size.
         pre_process (bool): this stage also holds the embedding (then a tied weight is borrowed).
         share_embeddings_and_output_weights (bool): tie the head to the word embedding.
+        tp_group (ProcessGroup, optional): the tensor parallel group the vocabulary is split
+            across (default: the global one).
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class T5LMHead(MegatronModule):
         vocab_size: int,
         pre_process: bool = True,
         share_embeddings_and_output_weights: bool = False,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
     ):
         super().__init__(config=config)
         self.parallel_output = parallel_output
@@ -87,6 +91,7 @@ class T5LMHead(MegatronModule):
             skip_bias_add=not share_embeddings_and_output_weights,
             gather_output=not self.parallel_output,
             skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+            tp_group=tp_group,
         )
 
     def forward(self, hidden_states: Tensor, word_embeddings_weight: Optional[Tensor]) -> Tensor:
@@ -95,12 +100,14 @@ class T5LMHead(MegatronModule):
         return logits
 
 
-def _stage_share(num_layers: int, flag: str, stack: str):
+def _stage_share(num_layers: int, flag: str, stack: str, pp_group: torch.distributed.ProcessGroup):
     """(first layer, layer count) of this pipeline stage's share of a stack of num_layers layers.
 
-    Without a split rank (or with one stage) the stage holds the whole stack.
+    Without a split rank (or with one stage) the stage holds the whole stack. `pp_group` is the
+    pipeline group of the model (its size and this rank's stage).
     """
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_size = pp_group.size()
+    # The split rank is a global setting of parallel_state, not a property of any group.
     split = parallel_state.get_pipeline_model_parallel_split_rank()
     if pp_size == 1:
         return 0, num_layers
@@ -109,7 +116,7 @@ def _stage_share(num_layers: int, flag: str, stack: str):
             f"T5 with pipeline_model_parallel_size {pp_size} needs "
             "pipeline_model_parallel_split_rank (--pipeline-model-parallel-split-rank)"
         )
-    rank = parallel_state.get_pipeline_model_parallel_rank()
+    rank = pp_group.rank()
     num_stages = split if stack == 'encoder' else pp_size - split
     stage = rank if stack == 'encoder' else rank - split
     if num_layers % num_stages != 0:
@@ -121,8 +128,13 @@ def _stage_share(num_layers: int, flag: str, stack: str):
     return stage * per_stage, per_stage
 
 
-def _stage_block_spec(spec: TransformerBlockSubmodules, flag: str, stack: str):
-    first, count = _stage_share(len(spec.layer_specs), flag, stack)
+def _stage_block_spec(
+    spec: TransformerBlockSubmodules,
+    flag: str,
+    stack: str,
+    pp_group: torch.distributed.ProcessGroup,
+):
+    first, count = _stage_share(len(spec.layer_specs), flag, stack, pp_group)
     return TransformerBlockSubmodules(
         layer_specs=spec.layer_specs[first : first + count], layer_norm=spec.layer_norm
     )
@@ -151,6 +163,9 @@ class T5Model(LanguageModule):
         seq_len_interpolation_factor (float, optional): RoPE position interpolation.
         add_encoder (bool): this stage runs (part of) the encoder.
         add_decoder (bool): this stage runs (part of) the decoder.
+        pg_collection (ProcessGroupCollection, optional): the groups of this model (tp splits
+            every layer, pp places the stages, embd / pos_embd tie the embedding copies and the
+            LM head); None fields fall back to the global groups.
     """
 
     def __init__(
@@ -170,8 +185,12 @@ class T5Model(LanguageModule):
         seq_len_interpolation_factor: Optional[float] = None,
         add_encoder: bool = True,
         add_decoder: bool = True,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
-        super().__init__(config=config)
+        super().__init__(config=config, pg_collection=pg_collection)
+        # LanguageModule resolves tp, pp and embd; the split-rank stage also ties its position
+        # table to stage 0's over the position-embedding group.
+        self.pg_collection = resolve_process_groups(self.pg_collection, ("pos_embd",))
         if vocab_size % config.tensor_model_parallel_size != 0:
             raise ValueError(
                 f"vocab_size ({vocab_size}) must be a multiple of tensor_model_parallel_size "
@@ -207,6 +226,7 @@ class T5Model(LanguageModule):
                 vocab_size=self.vocab_size,
                 max_sequence_length=self.max_sequence_length,
                 position_embedding_type=self.position_embedding_type,
+                pg_collection=self.pg_collection,
             )
 
         if self.position_embedding_type == 'rope':
@@ -221,10 +241,14 @@ class T5Model(LanguageModule):
             self.encoder = TransformerBlock(
                 config=self.config,
                 spec=_stage_block_spec(
-                    transformer_encoder_layer_spec, 'encoder num_layers', 'encoder'
+                    transformer_encoder_layer_spec,
+                    'encoder num_layers',
+                    'encoder',
+                    self.pg_collection.pp,
                 ),
                 pre_process=self.pre_process,
                 post_process=self.post_process,
+                pg_collection=self.pg_collection,
             )
         else:
             self.encoder = None
@@ -237,10 +261,14 @@ class T5Model(LanguageModule):
             self.decoder = TransformerBlock(
                 config=decoder_config,
                 spec=_stage_block_spec(
-                    transformer_decoder_layer_spec, 'decoder num_layers', 'decoder'
+                    transformer_decoder_layer_spec,
+                    'decoder num_layers',
+                    'decoder',
+                    self.pg_collection.pp,
                 ),
                 pre_process=self.pre_process,
                 post_process=self.post_process,
+                pg_collection=self.pg_collection,
             )
         else:
             self.decoder = None
@@ -252,6 +280,7 @@ class T5Model(LanguageModule):
                 self.vocab_size,
                 self.pre_process,
                 self.share_embeddings_and_output_weights,
+                tp_group=self.pg_collection.tp,
             )
             # Megatron registers the head's linear a second time under this name.
             self.output_layer = self.lm_head.output_layer
@@ -282,10 +311,12 @@ class T5Model(LanguageModule):
             # accumulation must leave autograd a zero tensor, so that the DDP hook still adds the
             # embedding lookup's gradient (one stage, or a split rank that is also the last).
             self.shared_embedding_or_output_weight().zero_out_wgrad = True
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        if self.pg_collection.pp.size() == 1:
             return
 
-        first_stage = parallel_state.is_pipeline_first_stage()
+        # Stage 0 of the pipeline group; no virtual-pipeline check is needed since the
+        # interleaved schedule is rejected for encoder-decoder models.
+        first_stage = self.pg_collection.pp.rank() == 0
         if self.pre_process and not first_stage:
             self.embedding.zero_parameters()
         if self.share_embeddings_and_output_weights and first_stage:
@@ -300,23 +331,23 @@ class T5Model(LanguageModule):
         holds_word_table = self.pre_process or (
             self._has_lm_head and self.share_embeddings_and_output_weights
         )
-        if holds_word_table and parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+        # The embedding groups are None on ranks that are not members.
+        if holds_word_table and self.pg_collection.embd is not None:
             if self.share_embeddings_and_output_weights:
                 torch.distributed.all_reduce(
-                    self.shared_embedding_or_output_weight().data,
-                    group=parallel_state.get_embedding_group(),
+                    self.shared_embedding_or_output_weight().data, group=self.pg_collection.embd
                 )
-        if self.pre_process and parallel_state.is_rank_in_position_embedding_group():
+        if self.pre_process and self.pg_collection.pos_embd is not None:
             if not self.share_embeddings_and_output_weights:
                 # Untied: the two input-embedding copies still start equal.
                 torch.distributed.all_reduce(
                     self.embedding.word_embeddings.weight.data,
-                    group=parallel_state.get_position_embedding_group(),
+                    group=self.pg_collection.pos_embd,
                 )
             if self.embedding.add_position_embedding:
                 torch.distributed.all_reduce(
                     self.embedding.position_embeddings.weight.data,
-                    group=parallel_state.get_position_embedding_group(),
+                    group=self.pg_collection.pos_embd,
                 )
 
     def shared_embedding_or_output_weight(self) -> Optional[Tensor]:

@@ -16,6 +16,7 @@ from megatron.core.models.bert.pooler import Pooler
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -73,6 +74,9 @@ class BertModel(LanguageModule):
         seq_len_interpolation_factor (float, optional): RoPE position interpolation.
         add_binary_head (bool): add the pooler and the binary head.
         return_embeddings (bool): return mean-pooled sentence embeddings instead of logits.
+        pg_collection (ProcessGroupCollection, optional): the groups of this model (tp splits
+            every layer and gathers the sequence for the pooler, pp / embd tie the embedding and
+            output weights); None fields fall back to the global groups.
     """
 
     def __init__(
@@ -92,8 +96,9 @@ class BertModel(LanguageModule):
         seq_len_interpolation_factor: Optional[float] = None,
         add_binary_head: bool = True,
         return_embeddings: bool = False,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
-        super().__init__(config=config)
+        super().__init__(config=config, pg_collection=pg_collection)
 
         if vocab_size % config.tensor_model_parallel_size != 0:
             raise ValueError(
@@ -132,6 +137,7 @@ class BertModel(LanguageModule):
                 max_sequence_length=self.max_sequence_length,
                 position_embedding_type=position_embedding_type,
                 num_tokentypes=num_tokentypes,
+                pg_collection=self.pg_collection,
             )
 
         if self.position_embedding_type == 'rope':
@@ -147,6 +153,7 @@ class BertModel(LanguageModule):
             spec=self.transformer_layer_spec,
             pre_process=self.pre_process,
             post_process=self.post_process,
+            pg_collection=self.pg_collection,
         )
 
         self.binary_head = None
@@ -161,13 +168,18 @@ class BertModel(LanguageModule):
                 skip_bias_add=False,
                 gather_output=not self.parallel_output,
                 skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                tp_group=self.pg_collection.tp,
             )
             if self.add_binary_head:
                 self.binary_head = get_linear_layer(
                     config.hidden_size, 2, config.init_method, config.perform_initialization
                 )
                 self.pooler = Pooler(
-                    config.hidden_size, config.init_method, config, config.sequence_parallel
+                    config.hidden_size,
+                    config.init_method,
+                    config,
+                    config.sequence_parallel,
+                    tp_group=self.pg_collection.tp,
                 )
 
         if self.pre_process or self.post_process:
@@ -266,7 +278,7 @@ class BertModel(LanguageModule):
         if self.config.sequence_parallel:
             # [s/p, b, h] -> [s, b, h]
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=False
+                hidden_states, tensor_parallel_output_grad=False, group=self.pg_collection.tp
             )
         embeddings = hidden_states.transpose(0, 1)  # [s, b, h] -> [b, s, h]
         lengths = attention_mask.sum(dim=1)  # [b]

@@ -67,6 +67,44 @@ def validate_pipeline_config(config, num_microbatches: int, num_model_chunks: in
         )
 
 
+def _is_last_stage(pp_group) -> bool:
+    """Last (virtual) stage; from `pp_group` when given, else parallel_state's global stage."""
+    if pp_group is None:
+        return parallel_state.is_pipeline_last_stage()
+    # The virtual pipeline rank is global state (set by the interleaved schedule per chunk).
+    vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if (
+        vp_size is not None
+        and parallel_state.get_virtual_pipeline_model_parallel_rank() != vp_size - 1
+    ):
+        return False
+    return pp_group.rank() == pp_group.size() - 1
+
+
+def is_stage_before_split(rank: Optional[int] = None, pp_group=None) -> bool:
+    """`parallel_state.is_pipeline_stage_before_split(rank)` with the stage index `rank` (default:
+    this rank's) and the pipeline size taken from `pp_group` when given; the split rank is global.
+    """
+    if pp_group is None:
+        return parallel_state.is_pipeline_stage_before_split(rank)
+    if pp_group.size() == 1:
+        return True
+    rank = pp_group.rank() if rank is None else rank
+    split = parallel_state.get_pipeline_model_parallel_split_rank()
+    return split is None or rank < split
+
+
+def is_stage_after_split(rank: Optional[int] = None, pp_group=None) -> bool:
+    """`parallel_state.is_pipeline_stage_after_split(rank)`, stage and size from `pp_group`."""
+    if pp_group is None:
+        return parallel_state.is_pipeline_stage_after_split(rank)
+    if pp_group.size() == 1:
+        return True
+    rank = pp_group.rank() if rank is None else rank
+    split = parallel_state.get_pipeline_model_parallel_split_rank()
+    return split is None or rank >= split
+
+
 def deallocate_output_tensor(
     out: Optional[torch.Tensor], deallocate_pipeline_outputs: bool = False
 ):
@@ -140,13 +178,15 @@ def forward_step(
     checkpoint_activations_microbatch: Optional[bool] = None,
     is_first_microbatch: bool = False,
     current_microbatch: Optional[int] = None,
+    pp_group: Optional[torch.distributed.ProcessGroup] = None,
 ):
     """Forward one micro-batch through one model chunk.
 
     If this is the last stage, `loss_func` reduces the output: the loss is scaled by
     1/num_microbatches (and 1/num_tokens for the 3-tuple form without per-token loss) and the
     reduced dict is appended to forward_data_store. Otherwise the output tensor is returned to be
-    sent downstream.
+    sent downstream. The last stage and the encoder-decoder side come from `pp_group` (None: the
+    global pipeline group).
 
     Returns:
         (output_tensor, num_tokens): output_tensor is a list unless input_tensor was a single
@@ -181,7 +221,7 @@ def forward_step(
             )
 
     num_tokens = torch.tensor(0, dtype=torch.int)
-    if parallel_state.is_pipeline_last_stage():
+    if _is_last_stage(pp_group):
         if not collect_non_loss_data:
             outputs = loss_func(output_tensor)
             if len(outputs) == 3:
@@ -205,10 +245,7 @@ def forward_step(
     # If T5 model (or other model with encoder and decoder) and in decoder stack, then send encoder
     # hidden state downstream as well.
     model_type = get_model_type(model)
-    if (
-        parallel_state.is_pipeline_stage_after_split()
-        and model_type == ModelType.encoder_and_decoder
-    ):
+    if is_stage_after_split(pp_group=pp_group) and model_type == ModelType.encoder_and_decoder:
         return [output_tensor, input_tensor[-1]], num_tokens
 
     if unwrap_output_tensor:
@@ -216,12 +253,15 @@ def forward_step(
     return [output_tensor], num_tokens
 
 
-def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+def backward_step(
+    input_tensor, output_tensor, output_tensor_grad, model_type, config, pp_group=None
+):
     """Backward one micro-batch through one model chunk.
 
     Seeds autograd with output_tensor_grad (None on the last stage, where output_tensor is the
     scaled loss, then grad_scale_func applies the loss scale) and returns the gradient of the
-    stage's input for the previous stage (None on the first stage).
+    stage's input for the previous stage (None on the first stage). `pp_group` (None: the global
+    pipeline group) decides the encoder-decoder side for the skip-connection gradient.
     """
     if config.timers is not None:
         config.timers('backward-compute', log_level=2).start()
@@ -263,7 +303,7 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
     # output too, so its gradient arrives with the decoder's).
     if (
         len(output_tensor_grad) > 1
-        and parallel_state.is_pipeline_stage_after_split()
+        and is_stage_after_split(pp_group=pp_group)
         and model_type == ModelType.encoder_and_decoder
     ):
         if output_tensor_grad[1] is not None:

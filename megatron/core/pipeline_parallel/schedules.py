@@ -43,6 +43,7 @@ from megatron.core.pipeline_parallel.microbatch_step import (  # noqa: F401 (re-
     deallocate_output_tensor,
     finalize_model_grads_if_training,
     forward_step,
+    is_stage_before_split,
     set_current_microbatch,
     start_timer,
     stop_timer,
@@ -85,11 +86,17 @@ def forward_backward_no_pipelining(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: Optional[bool] = None,
+    pp_group: Optional[torch.distributed.ProcessGroup] = None,
 ):
     """Run forward and backward over all micro-batches with no pipeline.
 
     Micro-batches 0..n-2 run under config.no_sync_func (gradient accumulation without data-parallel
     reduction); the last one runs with gradient sync enabled.
+
+    Args:
+        pp_group: the pipeline group (None: the global pipeline group, as in Megatron). No p2p
+            happens here; the group only decides whether this rank is the last stage (applies
+            the loss).
 
     Returns:
         The list of loss-reduction dicts, one per micro-batch.
@@ -129,10 +136,13 @@ def forward_backward_no_pipelining(
                 collect_non_loss_data,
                 is_first_microbatch=check_first_val_step(first_val_step, forward_only, i == 0),
                 current_microbatch=i,
+                pp_group=pp_group,
             )
             total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
             if not forward_only:
-                backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+                backward_step(
+                    input_tensor, output_tensor, output_tensor_grad, model_type, config, pp_group
+                )
 
     # Run computation for last microbatch out of context handler (want to synchronize gradients).
     output_tensor, num_tokens = forward_step(
@@ -148,11 +158,12 @@ def forward_backward_no_pipelining(
             first_val_step, forward_only, num_microbatches == 1
         ),
         current_microbatch=num_microbatches - 1,
+        pp_group=pp_group,
     )
     total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
 
     if not forward_only:
-        backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+        backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config, pp_group)
 
     finalize_model_grads_if_training(config, [model], forward_only, total_num_tokens)
     stop_timer(config, 'forward-backward')
@@ -167,6 +178,7 @@ def get_tensor_shapes(
     micro_batch_size: int,
     decoder_seq_length: Optional[int],
     config,
+    pp_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> List[tuple]:
     """Shapes of the tensors a pipeline stage `rank` sends downstream.
 
@@ -186,7 +198,7 @@ def get_tensor_shapes(
             decoder_seq_length = decoder_seq_length // tp_size
 
     if model_type == ModelType.encoder_and_decoder:
-        if parallel_state.is_pipeline_stage_before_split(rank):
+        if is_stage_before_split(rank, pp_group):
             tensor_shapes.append((seq_length, micro_batch_size, config.hidden_size))
         else:
             tensor_shapes.append((decoder_seq_length, micro_batch_size, config.hidden_size))
@@ -196,49 +208,51 @@ def get_tensor_shapes(
     return tensor_shapes
 
 
-def recv_forward(tensor_shapes, config):
+def recv_forward(tensor_shapes, config, pp_group=None):
     """Receive one tensor per shape from the previous stage (None for a None shape)."""
     input_tensors = []
     for tensor_shape in tensor_shapes:
         if tensor_shape is None:
             input_tensors.append(None)
         else:
-            input_tensors.append(p2p_communication.recv_forward(tensor_shape, config))
+            input_tensors.append(p2p_communication.recv_forward(tensor_shape, config, pp_group))
     return input_tensors
 
 
-def recv_backward(tensor_shapes, config):
+def recv_backward(tensor_shapes, config, pp_group=None):
     """Receive one output gradient per shape from the next stage."""
     output_tensor_grads = []
     for tensor_shape in tensor_shapes:
         if tensor_shape is None:
             output_tensor_grads.append(None)
         else:
-            output_tensor_grads.append(p2p_communication.recv_backward(tensor_shape, config))
+            output_tensor_grads.append(
+                p2p_communication.recv_backward(tensor_shape, config, pp_group)
+            )
     return output_tensor_grads
 
 
-def send_forward(output_tensors, tensor_shapes, config):
+def send_forward(output_tensors, tensor_shapes, config, pp_group=None):
     """Send each output tensor to the next stage."""
     if not isinstance(output_tensors, list):
         output_tensors = [output_tensors]
     for output_tensor, tensor_shape in zip(output_tensors, tensor_shapes):
         if tensor_shape is None:
             continue
-        p2p_communication.send_forward(output_tensor, config)
+        p2p_communication.send_forward(output_tensor, config, pp_group)
 
 
-def send_backward(input_tensor_grads, tensor_shapes, config):
+def send_backward(input_tensor_grads, tensor_shapes, config, pp_group=None):
     """Send each input gradient to the previous stage."""
     if not isinstance(input_tensor_grads, list):
         input_tensor_grads = [input_tensor_grads]
     for input_tensor_grad, tensor_shape in zip(input_tensor_grads, tensor_shapes):
         if tensor_shape is None:
             continue
-        p2p_communication.send_backward(input_tensor_grad, config)
+        p2p_communication.send_backward(input_tensor_grad, config, pp_group)
 
 
-def send_forward_recv_backward(output_tensors, tensor_shapes, config):
+def send_forward_recv_backward(output_tensors, tensor_shapes, config, pp_group=None):
     """Send outputs downstream and receive their gradients, tensor by tensor."""
     if not isinstance(output_tensors, list):
         output_tensors = [output_tensors]
@@ -248,13 +262,13 @@ def send_forward_recv_backward(output_tensors, tensor_shapes, config):
             output_tensor_grads.append(None)
             continue
         output_tensor_grad = p2p_communication.send_forward_recv_backward(
-            output_tensor, tensor_shape, config
+            output_tensor, tensor_shape, config, pp_group
         )
         output_tensor_grads.append(output_tensor_grad)
     return output_tensor_grads
 
 
-def send_backward_recv_forward(input_tensor_grads, tensor_shapes, config):
+def send_backward_recv_forward(input_tensor_grads, tensor_shapes, config, pp_group=None):
     """Send input gradients upstream and receive the next inputs, tensor by tensor."""
     if not isinstance(input_tensor_grads, list):
         input_tensor_grads = [input_tensor_grads]
@@ -264,7 +278,7 @@ def send_backward_recv_forward(input_tensor_grads, tensor_shapes, config):
             input_tensors.append(None)
             continue
         input_tensor = p2p_communication.send_backward_recv_forward(
-            input_tensor_grad, tensor_shape, config
+            input_tensor_grad, tensor_shape, config, pp_group
         )
         input_tensors.append(input_tensor)
     return input_tensors
@@ -289,12 +303,18 @@ def forward_backward_pipelining_without_interleaving(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: Optional[bool] = None,
+    pp_group: Optional[torch.distributed.ProcessGroup] = None,
 ):
     """1F1B pipeline schedule: warm-up forwards, steady one-forward-one-backward, cool-down.
 
     Stage r runs min(pp - r - 1, num_microbatches) warm-up forwards, then alternates forward and
     backward, then drains the remaining backwards. Gradient sync (no_sync) is enabled only for the
     last micro-batch's backward.
+
+    Args:
+        pp_group: the pipeline group the stages communicate over (None: the global pipeline
+            group, as in Megatron). The stage index, pipeline size and first / last stage come
+            from it; the encoder-decoder split rank still comes from parallel_state.
 
     Returns:
         The list of loss-reduction dicts on the last stage, [] on the others.
@@ -345,9 +365,14 @@ def forward_backward_pipelining_without_interleaving(
     disable_grad_sync()
 
     # Compute number of warmup microbatches.
-    rank = parallel_state.get_pipeline_model_parallel_rank()
+    if pp_group is None:
+        # Megatron's group-less call: the global pipeline rank (which tests may override).
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    else:
+        rank, pp_size = pp_group.rank(), pp_group.size()
     num_warmup_microbatches = get_num_warmup_microbatches_without_interleaving(
-        parallel_state.get_pipeline_model_parallel_world_size(), rank, num_microbatches
+        pp_size, rank, num_microbatches
     )
     num_microbatches_remaining = num_microbatches - num_warmup_microbatches
 
@@ -364,6 +389,7 @@ def forward_backward_pipelining_without_interleaving(
         micro_batch_size=micro_batch_size,
         decoder_seq_length=decoder_seq_length,
         config=config,
+        pp_group=pp_group,
     )
     send_tensor_shapes = get_tensor_shapes(
         rank=rank,
@@ -372,6 +398,7 @@ def forward_backward_pipelining_without_interleaving(
         micro_batch_size=micro_batch_size,
         decoder_seq_length=decoder_seq_length,
         config=config,
+        pp_group=pp_group,
     )
 
     # Input, output tensors only need to be saved when doing backward passes
@@ -394,7 +421,7 @@ def forward_backward_pipelining_without_interleaving(
 
     # Run warmup forward passes.
     for i in range(num_warmup_microbatches):
-        input_tensor = recv_forward(recv_tensor_shapes, config)
+        input_tensor = recv_forward(recv_tensor_shapes, config, pp_group)
         output_tensor, num_tokens = forward_step(
             forward_step_func,
             data_iterator,
@@ -407,8 +434,9 @@ def forward_backward_pipelining_without_interleaving(
             checkpoint_flag(i),
             check_first_val_step(first_val_step, forward_only, i == 0),
             current_microbatch=i,
+            pp_group=pp_group,
         )
-        send_forward(output_tensor, send_tensor_shapes, config)
+        send_forward(output_tensor, send_tensor_shapes, config, pp_group)
         total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
 
         if not forward_only:
@@ -420,7 +448,7 @@ def forward_backward_pipelining_without_interleaving(
     # If all microbatches are run in warmup / cooldown phase, then no need to
     # receive this tensor here.
     if num_microbatches_remaining > 0:
-        input_tensor = recv_forward(recv_tensor_shapes, config)
+        input_tensor = recv_forward(recv_tensor_shapes, config, pp_group)
 
     # Run 1F1B in steady state.
     for i in range(num_microbatches_remaining):
@@ -440,18 +468,19 @@ def forward_backward_pipelining_without_interleaving(
                 first_val_step, forward_only, (i == 0) and (num_warmup_microbatches == 0)
             ),
             current_microbatch=i + num_warmup_microbatches,
+            pp_group=pp_group,
         )
         total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
 
         if forward_only:
-            send_forward(output_tensor, send_tensor_shapes, config)
+            send_forward(output_tensor, send_tensor_shapes, config, pp_group)
 
             if not last_iteration:
-                input_tensor = recv_forward(recv_tensor_shapes, config)
+                input_tensor = recv_forward(recv_tensor_shapes, config, pp_group)
 
         else:
             output_tensor_grad = send_forward_recv_backward(
-                output_tensor, send_tensor_shapes, config
+                output_tensor, send_tensor_shapes, config, pp_group
             )
 
             # Add input_tensor and output_tensor to end of list.
@@ -471,15 +500,15 @@ def forward_backward_pipelining_without_interleaving(
                     enable_grad_sync()
 
             input_tensor_grad = backward_step(
-                input_tensor, output_tensor, output_tensor_grad, model_type, config
+                input_tensor, output_tensor, output_tensor_grad, model_type, config, pp_group
             )
 
             if last_iteration:
                 input_tensor = None
-                send_backward(input_tensor_grad, recv_tensor_shapes, config)
+                send_backward(input_tensor_grad, recv_tensor_shapes, config, pp_group)
             else:
                 input_tensor = send_backward_recv_forward(
-                    input_tensor_grad, recv_tensor_shapes, config
+                    input_tensor_grad, recv_tensor_shapes, config, pp_group
                 )
 
     # Run cooldown backward passes.
@@ -497,13 +526,13 @@ def forward_backward_pipelining_without_interleaving(
             input_tensor = input_tensors.pop(0)
             output_tensor = output_tensors.pop(0)
 
-            output_tensor_grad = recv_backward(send_tensor_shapes, config)
+            output_tensor_grad = recv_backward(send_tensor_shapes, config, pp_group)
 
             input_tensor_grad = backward_step(
-                input_tensor, output_tensor, output_tensor_grad, model_type, config
+                input_tensor, output_tensor, output_tensor_grad, model_type, config, pp_group
             )
 
-            send_backward(input_tensor_grad, recv_tensor_shapes, config)
+            send_backward(input_tensor_grad, recv_tensor_shapes, config, pp_group)
 
         # Launch any remaining grad reductions.
         if no_sync_context is not None:

@@ -60,9 +60,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # Local softmax, in the caller's fp32 buffer when it allows (no new vocab-sized buffer,
         # whose first touch costs more than the softmax itself on the CPU).
         if inplace and vocab_parallel_logits.dtype == torch.float32:
-            softmax_2d = torch.softmax(logits_2d, dim=-1, out=logits_2d)  # [s * b, v/tp]
+            softmax = torch.softmax(logits_2d, dim=-1, out=logits_2d)
         else:
-            softmax_2d = torch.softmax(logits_2d, dim=-1, dtype=torch.float32)  # [s * b, v/tp]
+            softmax = torch.softmax(logits_2d, dim=-1, dtype=torch.float32)
+        softmax_2d = softmax.view(-1, partition_vocab_size)  # [s * b, v/tp]
         # The row's largest softmax entry is at its largest logit, exp(0) / sum_j exp(z_j - max):
         # so lse_r = max - log(max softmax), with no underflow (that entry is >= tp / v).
         local_lse = local_max - torch.log(softmax_2d.amax(dim=-1))  # [s * b]

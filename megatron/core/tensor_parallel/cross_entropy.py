@@ -63,6 +63,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             softmax = torch.softmax(logits_2d, dim=-1, out=logits_2d)
         else:
             softmax = torch.softmax(logits_2d, dim=-1, dtype=torch.float32)
+        # A fresh view, saved for backward (which scales it in place): saving `logits_2d` itself,
+        # the view made above, trips autograd's view / in-place check inside the model.
         softmax_2d = softmax.view(-1, partition_vocab_size)  # [s * b, v/tp]
         # The row's largest softmax entry is at its largest logit, exp(0) / sum_j exp(z_j - max):
         # so lse_r = max - log(max softmax), with no underflow (that entry is >= tp / v).

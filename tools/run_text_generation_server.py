@@ -26,6 +26,7 @@ from megatron.inference.text_generation_server import (
 )
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.checkpointing import load_checkpoint
+from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args
 from megatron.training.initialize import initialize_megatron
 from megatron.training.training import get_model
@@ -145,4 +146,4 @@ def main(args_list=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -127,40 +127,170 @@ def hf_config_namespace(config: dict) -> types.SimpleNamespace:
     return types.SimpleNamespace(**values)
 
 
-def load_hf_state_dict(hf_dir: str) -> Dict[str, torch.Tensor]:
-    """Every tensor of model.safetensors (or of the shards its index lists)."""
-    from safetensors.torch import load_file
-
+def _weight_files(hf_dir: str) -> List[str]:
+    """The safetensors files of a model directory (the single file, or the index's shards)."""
     single = os.path.join(hf_dir, SAFETENSORS_NAME)
     if os.path.isfile(single):
-        return load_file(single)
+        return [single]
     index = os.path.join(hf_dir, SAFETENSORS_INDEX_NAME)
     if not os.path.isfile(index):
         raise ValueError(
             f'--load-dir {hf_dir}: neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}'
         )
-    with open(index) as f:
-        shards = sorted(set(json.load(f)['weight_map'].values()))
-    state_dict = {}
-    for shard in shards:
-        state_dict.update(load_file(os.path.join(hf_dir, shard)))
-    return state_dict
+    try:
+        with open(index) as f:
+            shards = sorted(set(json.load(f)['weight_map'].values()))
+    except (ValueError, KeyError, AttributeError) as exc:
+        raise ValueError(f'{index}: not a safetensors index ({type(exc).__name__}: {exc})')
+    return [os.path.join(hf_dir, shard) for shard in shards]
 
 
 def check_hf_files(hf_dir: str) -> None:
     """The weights a config.json promises are present (missing shards named)."""
-    if os.path.isfile(os.path.join(hf_dir, SAFETENSORS_NAME)):
-        return
-    index = os.path.join(hf_dir, SAFETENSORS_INDEX_NAME)
-    if not os.path.isfile(index):
-        raise ValueError(
-            f'--load-dir {hf_dir}: neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}'
-        )
-    with open(index) as f:
-        shards = sorted(set(json.load(f)['weight_map'].values()))
-    missing = [s for s in shards if not os.path.isfile(os.path.join(hf_dir, s))]
+    missing = [os.path.basename(p) for p in _weight_files(hf_dir) if not os.path.isfile(p)]
     if missing:
         raise ValueError(f'--load-dir {hf_dir}: partial model, shards missing: {missing}')
+
+
+def _unreadable(path: str, exc: Exception) -> ValueError:
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return ValueError(f'{path}: cannot be read as safetensors (truncated or corrupt?): {reason}')
+
+
+def load_hf_state_dict(hf_dir: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of model.safetensors (or of the shards its index lists)."""
+    from safetensors.torch import load_file
+
+    state_dict = {}
+    for path in _weight_files(hf_dir):
+        try:
+            state_dict.update(load_file(path))
+        except Exception as exc:
+            raise _unreadable(path, exc) from exc
+    return state_dict
+
+
+def hf_tensor_shapes(hf_dir: str) -> Dict[str, tuple]:
+    """{tensor name: (shape, file)} from the safetensors headers alone (no tensor is read);
+    a truncated or corrupt file is a ValueError naming it."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in _weight_files(hf_dir):
+        try:
+            with safe_open(path, 'pt') as f:
+                for name in f.keys():
+                    shapes[name] = (tuple(f.get_slice(name).get_shape()), path)
+        except Exception as exc:
+            raise _unreadable(path, exc) from exc
+    return shapes
+
+
+def expected_hf_shapes(config: dict) -> Dict[str, tuple]:
+    """{tensor name: shape} that config.json describes (Hugging Face names; GPT-2 without its
+    "transformer." prefix). An untied output layer is listed as "lm_head.weight"."""
+    c = hf_config_namespace(config)
+    if hf_family(config) == 'gpt2':
+        h, ffn, vocab = c.n_embd, c.n_inner or 4 * c.n_embd, c.vocab_size
+        shapes = {'wte.weight': (vocab, h), 'wpe.weight': (c.n_positions, h)}
+        per_layer = {
+            'ln_1.weight': (h,),
+            'ln_1.bias': (h,),
+            'attn.c_attn.weight': (h, 3 * h),
+            'attn.c_attn.bias': (3 * h,),
+            'attn.c_proj.weight': (h, h),
+            'attn.c_proj.bias': (h,),
+            'ln_2.weight': (h,),
+            'ln_2.bias': (h,),
+            'mlp.c_fc.weight': (h, ffn),
+            'mlp.c_fc.bias': (ffn,),
+            'mlp.c_proj.weight': (ffn, h),
+            'mlp.c_proj.bias': (h,),
+        }
+        layers, prefix = c.n_layer, 'h.{}.'
+        final = {'ln_f.weight': (h,), 'ln_f.bias': (h,)}
+    else:
+        h, ffn, vocab = c.hidden_size, c.intermediate_size, c.vocab_size
+        head_dim = c.head_dim or h // c.num_attention_heads
+        q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+        shapes = {'model.embed_tokens.weight': (vocab, h)}
+        per_layer = {
+            'input_layernorm.weight': (h,),
+            'self_attn.q_proj.weight': (q, h),
+            'self_attn.k_proj.weight': (kv, h),
+            'self_attn.v_proj.weight': (kv, h),
+            'self_attn.o_proj.weight': (h, q),
+            'post_attention_layernorm.weight': (h,),
+            'mlp.gate_proj.weight': (ffn, h),
+            'mlp.up_proj.weight': (ffn, h),
+            'mlp.down_proj.weight': (h, ffn),
+        }
+        if c.attention_bias:
+            per_layer.update(
+                {
+                    'self_attn.q_proj.bias': (q,),
+                    'self_attn.k_proj.bias': (kv,),
+                    'self_attn.v_proj.bias': (kv,),
+                    'self_attn.o_proj.bias': (h,),
+                }
+            )
+        if c.mlp_bias:
+            per_layer.update(
+                {
+                    'mlp.gate_proj.bias': (ffn,),
+                    'mlp.up_proj.bias': (ffn,),
+                    'mlp.down_proj.bias': (h,),
+                }
+            )
+        layers, prefix = c.num_hidden_layers, 'model.layers.{}.'
+        final = {'model.norm.weight': (h,)}
+    for i in range(layers):
+        shapes.update({prefix.format(i) + k: v for k, v in per_layer.items()})
+    shapes.update(final)
+    if not c.tie_word_embeddings:
+        shapes['lm_head.weight'] = (vocab, h)
+    return shapes
+
+
+#: Buffers some Hugging Face saves carry besides the weights (attention masks, RoPE tables).
+_IGNORED_HF_TENSORS = ('.attn.bias', '.attn.masked_bias', '.rotary_emb.inv_freq')
+
+
+def check_hf_shapes(hf_dir: str, config: dict) -> None:
+    """Every tensor config.json describes is there with its shape, and no other weight is.
+
+    Raises:
+        ValueError: one line naming the file, the tensor, both shapes and the config values.
+    """
+    found = hf_tensor_shapes(hf_dir)
+    expected = expected_hf_shapes(config)
+    if hf_family(config) == 'gpt2':
+        found = {
+            k[len('transformer.') :] if k.startswith('transformer.') else k: v
+            for k, v in found.items()
+        }
+        # A tied GPT-2 may still store lm_head.weight (the same table).
+        if 'lm_head.weight' in found and 'lm_head.weight' not in expected:
+            expected['lm_head.weight'] = expected['wte.weight']
+    config_path = os.path.join(hf_dir, CONFIG_NAME)
+    for name, shape in expected.items():
+        if name not in found:
+            raise ValueError(
+                f'--load-dir {hf_dir}: tensor {name} (shape {list(shape)}, from {config_path}) '
+                f'is missing from the weights'
+            )
+        got, path = found[name]
+        if got != shape:
+            raise ValueError(
+                f'{path}: tensor {name} has shape {list(got)} but {config_path} describes '
+                f'{list(shape)}'
+            )
+    extra = sorted(n for n in found if n not in expected and not n.endswith(_IGNORED_HF_TENSORS))
+    if extra:
+        raise ValueError(
+            f'{found[extra[0]][1]}: holds weights {config_path} does not describe: '
+            f'{", ".join(extra[:5])}' + (f' ... ({len(extra)} in all)' if len(extra) > 5 else '')
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +302,8 @@ def megatron_args_list(
     tokenizer_type: str,
     seq_length: Optional[int] = None,
     tokenizer_model: Optional[str] = None,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
 ) -> List[str]:
     """pretrain_gpt.py flags that build the architecture of a Hugging Face config."""
     c = hf_config_namespace(config)
@@ -253,8 +385,13 @@ def megatron_args_list(
         if not c.tie_word_embeddings:
             args.append('--untie-embeddings-and-output-weights')
     args += ['--tokenizer-type', tokenizer_type, '--micro-batch-size', 1, '--mock-data']
-    if tokenizer_model is not None:
-        args += ['--tokenizer-model', tokenizer_model]
+    for flag, value in (
+        ('--tokenizer-model', tokenizer_model),
+        ('--vocab-file', vocab_file),
+        ('--merge-file', merge_file),
+    ):
+        if value is not None:
+            args += [flag, value]
     return [str(a) for a in args]
 
 

@@ -104,6 +104,7 @@ def generate_tokens_probs_and_return_on_first_stage(
     stop_on_eol=False,
     prevent_newline_after_colon=True,
     step_callback=None,
+    host_stop=False,
 ):
     """Generate tokens into the padding of `tokens`, in place.
 
@@ -125,7 +126,10 @@ def generate_tokens_probs_and_return_on_first_stage(
         stop_on_double_eol, stop_on_eol: end rows on newlines rather than the termination id.
         prevent_newline_after_colon: forbid "\\n" right after ":".
         step_callback: called as step_callback(tokens, context_length) on the first stage once
-            column `context_length` is there (streaming).
+            column `context_length` is there (streaming); with host_stop, a truthy return on
+            global rank 0 ends the loop on every rank (stop sequences, a client gone).
+        host_stop: every rank follows global rank 0's stop verdict after each step (one
+            1-element broadcast per step over the default group); all ranks must agree on it.
 
     Returns:
         (tokens [b, context + 1], lengths [b], log probs [b, context] or None, None) on the first
@@ -214,8 +218,7 @@ def generate_tokens_probs_and_return_on_first_stage(
                 batch_size, torch.int64, tokens[:, context_length]
             )
             prev_context_length = context_length
-            if step_callback is not None and mpu.is_pipeline_first_stage():
-                step_callback(tokens, context_length)
+            stop_requested = _call_step_callback(step_callback, tokens, context_length)
 
             done = None
             if mpu.is_pipeline_last_stage():
@@ -242,6 +245,8 @@ def generate_tokens_probs_and_return_on_first_stage(
             done = broadcast_from_last_pipeline_stage(1, torch.uint8, tensor=done)
             if use_eod_token_for_early_termination and bool(done):
                 break
+            if host_stop and _stop_verdict_from_rank_0(stop_requested):
+                break
 
     # Cut to the columns actually generated.
     tokens = tokens[:, : (context_length + 1)]
@@ -258,6 +263,25 @@ def generate_tokens_probs_and_return_on_first_stage(
             output_log_probs_size, torch.float32, output_log_probs
         )
     return tokens, generated_sequence_lengths, output_log_probs, None
+
+
+def _call_step_callback(step_callback, tokens, context_length):
+    """The callback's stop verdict (first stage only). Its exceptions are the caller's (e.g. a
+    closed stream): they stop this request instead of leaving this rank out of step."""
+    if step_callback is None or not mpu.is_pipeline_first_stage():
+        return False
+    try:
+        return bool(step_callback(tokens, context_length))
+    except Exception as exc:
+        print(f'step callback failed, stopping the generation: {type(exc).__name__}: {exc}')
+        return True
+
+
+def _stop_verdict_from_rank_0(stop_requested):
+    """Global rank 0's stop verdict on every rank (a 1-element broadcast, default group)."""
+    flag = torch.tensor([int(bool(stop_requested))], dtype=torch.uint8, device=get_current_device())
+    torch.distributed.broadcast(flag, 0)
+    return bool(flag.item())
 
 
 def beam_search_and_return_on_first_stage(
@@ -335,6 +359,9 @@ def beam_search_and_return_on_first_stage(
                 vocab_size = logits.size(2)
                 log_probs = F.log_softmax(logits, dim=2)
                 new_scores = log_probs[:, -1, :] + scores
+                # Ids of the vocabulary padding have no text: never pick them (Megatron did,
+                # and detokenizing them then failed).
+                new_scores[:, tokenizer.vocab_size :] = float('-inf')
 
                 if tokens2use.size(1) == prompt_length:  # if this is the first one
                     sorted_scores, indices = torch.sort(new_scores[0, :], descending=True)

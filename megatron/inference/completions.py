@@ -308,18 +308,33 @@ def _usage(prompt_lengths, completion_tokens):
     }
 
 
-def _stop_check(rows, cancelled=None, on_step=None):
-    """The generation's step callback: True once every row is finished or the client is gone."""
+class StopCheck:
+    """The generation's step callback (rank 0): True once every choice is finished or the
+    client is gone, which ends the loop on every rank. `steps` and `reason` tell how it ended."""
 
-    def step(tokens, context_length):
+    def __init__(self, rows, cancelled=None, on_step=None):
+        self.rows, self.cancelled, self.on_step = rows, cancelled, on_step
+        self.steps, self.reason = 0, 'max_tokens'
+
+    def __call__(self, tokens, context_length):
+        self.steps += 1
         ids = tokens[:, : context_length + 1].tolist()
-        if on_step is not None:
-            on_step(ids)
-        if cancelled is not None and cancelled.is_set():
+        if self.on_step is not None:
+            self.on_step(ids)
+        if self.cancelled is not None and self.cancelled.is_set():
+            self.reason = 'the client went away'
             return True
-        return all([row.update_finished(row_ids) for row, row_ids in zip(rows, ids)])
+        if all([row.update_finished(row_ids) for row, row_ids in zip(self.rows, ids)]):
+            self.reason = 'every choice finished'
+            return True
+        return False
 
-    return step
+    def log(self, request_id, max_tokens):
+        print(
+            f'{request_id}: generation ended after {self.steps} step(s) of at most {max_tokens} '
+            f'({self.reason})',
+            flush=True,
+        )
 
 
 def _choices(rows, params, tokens, logprobs):
@@ -357,8 +372,10 @@ def _stream(model, prepared, params, rows, meta, prompt_lengths):
 
     def worker():
         try:
-            step = _stop_check(rows, cancelled, on_step=lambda ids: events.put(("step", ids)))
-            events.put(("done", serve(model, prepared, step_callback=step)))
+            step = StopCheck(rows, cancelled, on_step=lambda ids: events.put(("step", ids)))
+            result = serve(model, prepared, step_callback=step)
+            step.log(meta["id"], params['max_tokens'])
+            events.put(("done", result))
         except Exception as exc:  # reported to the client (and in this log)
             print(f'streaming request failed: {type(exc).__name__}: {exc}', flush=True)
             events.put(("error", f"{type(exc).__name__}: {exc}"))
@@ -393,7 +410,6 @@ def _stream(model, prepared, params, rows, meta, prompt_lengths):
 
     def generate_events():
         threading.Thread(target=worker, daemon=True).start()
-        finished = False
         try:
             while True:
                 kind, payload = events.get()
@@ -407,12 +423,9 @@ def _stream(model, prepared, params, rows, meta, prompt_lengths):
                     yield from final_chunks(payload)
                 break
             yield "data: [DONE]\n\n"
-            finished = True
         finally:
             # Closed early (the client went away) or done: either way nothing more is wanted.
             cancelled.set()
-            if not finished:
-                print(f'{meta["id"]}: the client went away; generation stopped', flush=True)
 
     return Response(generate_events(), mimetype="text/event-stream")
 
@@ -443,10 +456,12 @@ def register_completions(app, model, limits, model_name):
         meta["model"] = params['model']
         if params['stream']:
             return _stream(model, prepared, params, rows, meta, prompt_lengths)
+        step = StopCheck(rows)
         try:
-            _, _, logprobs, tokens = serve(model, prepared, step_callback=_stop_check(rows))
+            _, _, logprobs, tokens = serve(model, prepared, step_callback=step)
         except generation_api.GenerationFailed as exc:
             return error_response(str(exc), status=500, kind='server_error')
+        step.log(meta["id"], params['max_tokens'])
         choices, completion_tokens = _choices(rows, params, tokens, logprobs)
         usage = _usage(prompt_lengths, completion_tokens)
         return jsonify(dict(meta, object="text_completion", choices=choices, usage=usage))

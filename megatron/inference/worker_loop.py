@@ -59,25 +59,35 @@ def serve(model, prepared, step_callback=None):
         return run_prepared(model, prepared, step_callback=step_callback)
 
 
-def run_generation_worker_loop(model):
-    """Loop of every rank but the server's: wait for a choice, then join that request.
+def follow_one_request(model):
+    """Every rank but the server's: wait for rank 0's next choice and join that request.
 
-    Whatever one request does (refused, or a loop that raised on any rank), every rank leaves
-    it together and the loop goes on with the next choice.
+    Whatever the request does (refused, or a loop that raised on any rank), this rank leaves it
+    together with the others, ready for the next one.
+
+    Returns:
+        'ok', 'refused', 'failed', or 'ignored' (a choice that is no request).
     """
+    choice = torch.tensor([-1], dtype=torch.long, device=get_current_device())
+    torch.distributed.broadcast(choice, 0)
+    if choice.item() not in (GENERATE_NUM, BEAM_NUM):
+        return 'ignored'
+    try:
+        # One path for both choices: the mode travels with the request's settings.
+        run_request(model)
+    except RequestRefused:
+        return 'refused'
+    except GenerationFailed as exc:
+        print(
+            f'rank {torch.distributed.get_rank()}: request failed ({exc}); waiting for the next '
+            f'one',
+            flush=True,
+        )
+        return 'failed'
+    return 'ok'
+
+
+def run_generation_worker_loop(model):
+    """Loop of every rank but the server's: follow rank 0's requests, forever."""
     while True:
-        choice = torch.tensor([-1], dtype=torch.long, device=get_current_device())
-        torch.distributed.broadcast(choice, 0)
-        if choice.item() not in (GENERATE_NUM, BEAM_NUM):
-            continue
-        try:
-            # One path for both choices: the mode travels with the request's settings.
-            run_request(model)
-        except RequestRefused:
-            pass
-        except GenerationFailed as exc:
-            print(
-                f'rank {torch.distributed.get_rank()}: request failed ({exc}); waiting for the '
-                f'next one',
-                flush=True,
-            )
+        follow_one_request(model)

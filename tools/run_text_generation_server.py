@@ -11,9 +11,12 @@ Global rank 0 serves on --host:--port; every other rank waits for its broadcasts
 """
 
 import os
+import socket
 import sys
 
 sys.path.append(os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
@@ -80,12 +83,31 @@ def add_text_generate_args(parser):
         help='Largest request body accepted, in bytes (larger: HTTP 400).',
     )
     group.add_argument(
+        '--random-weights',
+        action='store_true',
+        help='Serve randomly initialized weights when no --load is given (a smoke test); '
+        'without it the server refuses to start without a checkpoint.',
+    )
+    group.add_argument(
         '--served-model-name',
         type=str,
         default=None,
         help='Model name reported by GET /v1/models (default: the --load directory name).',
     )
     return parser
+
+
+def check_address(host, port):
+    """Rank 0 can listen on host:port (checked before the model is built: a port in use or a
+    host that is not this machine's is one line, not werkzeug's exit after all the work)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ValueError(f'--host {host} --port {port}: cannot serve there ({reason})') from None
 
 
 #: Script defaults for flags left unset. Generation batches prompts itself, so the training
@@ -122,6 +144,14 @@ def main(args_list=None):
             f'--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x '
             f'--pipeline-model-parallel-size ({args.pipeline_model_parallel_size})'
         )
+    if args.load is None and not args.random_weights:
+        # A server without weights answers with the words of a random model.
+        raise ValueError(
+            'the text generation server needs --load (the checkpoint to serve); pass '
+            '--random-weights to serve randomly initialized weights'
+        )
+    if torch.distributed.get_rank() == 0:
+        check_address(args.host, args.port)
     print_rank_0("WARNING: Forcing exit_on_missing_checkpoint to True for text generation.")
     args.exit_on_missing_checkpoint = True
 

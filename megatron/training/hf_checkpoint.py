@@ -87,8 +87,14 @@ def read_hf_config(hf_dir: str) -> dict:
         raise ValueError(
             f'--load-dir {hf_dir}: no {CONFIG_NAME} (not a Hugging Face model directory)'
         )
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except ValueError as exc:
+        raise ValueError(f'{path}: not valid JSON ({exc})') from None
+    if not isinstance(config, dict):
+        raise ValueError(f'{path}: not a JSON object')
+    return config
 
 
 def hf_family(config: dict) -> str:
@@ -118,6 +124,25 @@ def hf_config_namespace(config: dict) -> types.SimpleNamespace:
     values.update(config)
     if values.get('num_key_value_heads', 0) is None:
         values['num_key_value_heads'] = values['num_attention_heads']
+    sizes = (
+        ('vocab_size', 'n_positions', 'n_embd', 'n_layer', 'n_head')
+        if defaults is _GPT2_DEFAULTS
+        else (
+            'vocab_size',
+            'hidden_size',
+            'intermediate_size',
+            'num_hidden_layers',
+            'num_attention_heads',
+            'num_key_value_heads',
+            'max_position_embeddings',
+        )
+    )
+    for key in sizes:
+        value = values[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(
+                f'Hugging Face config: {key} must be a positive integer, got {value!r}'
+            )
     if defaults is _LLAMA_DEFAULTS:
         # transformers >= 5 writes RoPE settings as rope_parameters, older versions rope_theta.
         rope = values.get('rope_parameters') or {}
@@ -547,18 +572,56 @@ def hf_state_dict_from_full(config: dict, full: Dict[str, torch.Tensor]) -> Dict
     return out
 
 
+def _write_atomically(path: str, write) -> None:
+    """write(tmp) then rename over `path`: a reader sees the old file or the new one."""
+    tmp = f'{path}.tmp.{os.getpid()}'
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _remove_stale_weights(hf_dir: str) -> None:
+    """An earlier sharded save's index and shards (a single model.safetensors replaces them)."""
+    index = os.path.join(hf_dir, SAFETENSORS_INDEX_NAME)
+    if not os.path.isfile(index):
+        return
+    try:
+        with open(index) as f:
+            shards = set(json.load(f)['weight_map'].values())
+    except (ValueError, KeyError, AttributeError):
+        shards = set()
+    os.remove(index)
+    for shard in shards:
+        path = os.path.join(hf_dir, shard)
+        if os.path.isfile(path) and os.path.basename(path) != SAFETENSORS_NAME:
+            os.remove(path)
+
+
 def save_hf_dir(hf_dir: str, config: dict, state_dict, tokenizer_dir: Optional[str] = None):
-    """Write config.json, model.safetensors and (from tokenizer_dir) the tokenizer files."""
+    """Write model.safetensors, config.json and (from tokenizer_dir) the tokenizer files.
+
+    Each file is written under a temporary name and renamed over the old one, the weights
+    before the config, so an overwrite killed half-way never pairs a config with weights that
+    are neither the old nor the new ones (a shape mismatch is refused by transformers).
+    """
     from safetensors.torch import save_file
 
     os.makedirs(hf_dir, exist_ok=True)
-    with open(os.path.join(hf_dir, CONFIG_NAME), 'w') as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    save_file(
-        {k: v.contiguous() for k, v in state_dict.items()},
+    tensors = {k: v.contiguous() for k, v in state_dict.items()}
+    _write_atomically(
         os.path.join(hf_dir, SAFETENSORS_NAME),
-        metadata={'format': 'pt'},
+        lambda tmp: save_file(tensors, tmp, metadata={'format': 'pt'}),
     )
+    _remove_stale_weights(hf_dir)
+
+    def write_config(tmp):
+        with open(tmp, 'w') as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+
+    _write_atomically(os.path.join(hf_dir, CONFIG_NAME), write_config)
     copied = []
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:

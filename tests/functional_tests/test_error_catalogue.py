@@ -70,6 +70,8 @@ OTHER_ENTRY_POINTS = {
     'checkpoint-args-missing',
     'checkpoint-args-no-load',
     'server-tokenizer-files',
+    'server-no-weights',
+    'server-port',
     'server-unreachable',
     'convert-target-size',
     'convert-save-dir-file',
@@ -364,14 +366,18 @@ def test_data_and_checkpoint_errors(data, tmp_path):
 
 def test_every_documented_row_is_exercised():
     ids = set(re.findall(r'^\| ([a-z0-9-]+) \|', open(DOC).read(), flags=re.M)) - {'id'}
-    here = set(PRE_INIT) | {
-        'bin-larger',
-        'bin-truncated',
-        'cache-corrupt',
-        'checkpoint-planted',
-        'empty-train-split',
-        'train-iters-0',
-    } | OTHER_ENTRY_POINTS
+    here = (
+        set(PRE_INIT)
+        | {
+            'bin-larger',
+            'bin-truncated',
+            'cache-corrupt',
+            'checkpoint-planted',
+            'empty-train-split',
+            'train-iters-0',
+        }
+        | OTHER_ENTRY_POINTS
+    )
     assert set(ids) == here | set(ELSEWHERE), sorted(set(ids) ^ (here | set(ELSEWHERE)))
     for case, path in ELSEWHERE.items():
         assert os.path.isfile(os.path.join(REPO, path)), path
@@ -684,4 +690,40 @@ def test_bad_data_and_t5_sentinels_fail_before_the_model_runs(tmp_path):
         'error: --vocab-extra-ids (2) is fewer than the masked spans a T5 sample can have: up to '
         'ceil(--mask-prob 0.15 x (--encoder-seq-length 64 - 2)) = 10, one sentinel each; pass '
         '--vocab-extra-ids 10 or more (Megatron uses 100)',
+    )
+
+
+def _server_in_rank(argv, hold_port):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(('127.0.0.1', 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        if hold_port:
+            argv = argv + ['--port', str(port)]
+        return port, _server_main(argv)
+
+
+def test_server_without_weights_or_port(tmp_path_factory):
+    from tests.unit_tests.inference import hf_checkpoints as hc
+
+    pytest.importorskip('transformers')
+    pytest.importorskip('flask_restful')
+    flags = hc.server_flags(hc.converted_checkpoint('gpt2', 1, 1, tmp_path_factory))
+    no_load = flags[2:] + ['--num-layers', '1', '--hidden-size', '8', '--num-attention-heads', '2',
+                           '--max-position-embeddings', '16', '--seq-length', '16']  # fmt: skip
+    no_load.remove('--use-checkpoint-args')
+    _, (code, _, err) = run_distributed(_server_in_rank, world_size=1, args=(no_load, False))[0]
+    assert (code, _one_error_line(err)) == (
+        1,
+        'error: the text generation server needs --load (the checkpoint to serve); pass '
+        '--random-weights to serve randomly initialized weights',
+    )
+    port, (code, _, err) = run_distributed(
+        _server_in_rank, world_size=1, args=(flags + ['--host', '127.0.0.1'], True), timeout=600
+    )[0]
+    assert (code, _one_error_line(err)) == (
+        1,
+        f'error: --host 127.0.0.1 --port {port}: cannot serve there (Address already in use)',
     )

@@ -204,14 +204,9 @@ def generate_tokens_probs_and_return_on_first_stage(
                 tokens[started, context_length] = new_sample[started]
 
                 if return_output_log_probs:
-                    log_probs = F.log_softmax(logits, dim=2)
-                    # The next token of each fed position: [b, width, 1]
-                    indices = torch.unsqueeze(
-                        tokens[:, (prev_context_length + 1) : (context_length + 1)], 2
+                    _store_log_probs(
+                        output_log_probs, logits, tokens, prev_context_length, context_length
                     )
-                    output_log_probs[:, prev_context_length:context_length] = torch.gather(
-                        log_probs, 2, indices
-                    ).squeeze(2)
 
             # The first stage needs the new column as its next input.
             copy_from_last_to_first_pipeline_stage(
@@ -222,22 +217,14 @@ def generate_tokens_probs_and_return_on_first_stage(
 
             done = None
             if mpu.is_pipeline_last_stage():
-                started_u8 = started.byte()
-                if stop_on_double_eol:
-                    hit_double_eol = (new_sample == DOUBLE_EOL_ID).byte() & started_u8
-                    hit_two_eols = (
-                        (new_sample == EOL_ID).byte()
-                        & (tokens[:, context_length - 1] == EOL_ID).byte()
-                        & started_u8
-                    )
-                    done_token = hit_double_eol | hit_two_eols
-                elif stop_on_eol:
-                    hit_double_eol = (new_sample == DOUBLE_EOL_ID).byte() & started_u8
-                    hit_eol = (new_sample == EOL_ID).byte() & started_u8
-                    done_token = hit_double_eol | hit_eol
-                else:
-                    done_token = (new_sample == termination_id).byte() & started_u8
-
+                done_token = _rows_ending_here(
+                    new_sample,
+                    tokens[:, context_length - 1],
+                    started,
+                    termination_id,
+                    stop_on_double_eol,
+                    stop_on_eol,
+                )
                 just_finished = (done_token & ~is_generation_done).bool()
                 generated_sequence_lengths[just_finished.view(-1)] = context_length + 1
                 is_generation_done = is_generation_done | done_token
@@ -263,6 +250,34 @@ def generate_tokens_probs_and_return_on_first_stage(
             output_log_probs_size, torch.float32, output_log_probs
         )
     return tokens, generated_sequence_lengths, output_log_probs, None
+
+
+def _store_log_probs(output_log_probs, logits, tokens, prev_context_length, context_length):
+    """log P(next token) of the fed positions [prev, context), from the raw logits [b, width, v]
+    (temperature 1, no filtering), into output_log_probs[:, prev:context]."""
+    log_probs = F.log_softmax(logits, dim=2)
+    # The next token of each fed position: [b, width, 1]
+    indices = torch.unsqueeze(tokens[:, (prev_context_length + 1) : (context_length + 1)], 2)
+    output_log_probs[:, prev_context_length:context_length] = torch.gather(
+        log_probs, 2, indices
+    ).squeeze(2)
+
+
+def _rows_ending_here(
+    new_sample, previous, started, termination_id, stop_on_double_eol, stop_on_eol
+):
+    """uint8 [b]: started rows whose new token ends them. With stop_on_double_eol: "\\n\\n", or
+    "\\n" after "\\n"; with stop_on_eol: either newline; otherwise the termination id."""
+    started_u8 = started.byte()
+    if stop_on_double_eol:
+        hit_double_eol = (new_sample == DOUBLE_EOL_ID).byte() & started_u8
+        hit_two_eols = (new_sample == EOL_ID).byte() & (previous == EOL_ID).byte() & started_u8
+        return hit_double_eol | hit_two_eols
+    if stop_on_eol:
+        hit_double_eol = (new_sample == DOUBLE_EOL_ID).byte() & started_u8
+        hit_eol = (new_sample == EOL_ID).byte() & started_u8
+        return hit_double_eol | hit_eol
+    return (new_sample == termination_id).byte() & started_u8
 
 
 def _call_step_callback(step_callback, tokens, context_length):

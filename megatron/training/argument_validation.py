@@ -9,6 +9,7 @@ import torch
 
 from megatron.core.utils import uses_cuda
 from megatron.training.arguments_unsupported import check_unsupported_flags
+from megatron.training.observability_args import validate_observability_args
 
 
 def _note(args, message):
@@ -35,6 +36,7 @@ def validate_args(args, defaults={}):
     from megatron.training.arguments import get_args_parser
 
     check_unsupported_flags(args, get_args_parser())
+    validate_observability_args(args)
 
     # Model-parallel sizes against the world size.
     if args.tensor_model_parallel_size < 1 or args.pipeline_model_parallel_size < 1:

@@ -41,6 +41,8 @@ from megatron.training.initialize import (
     write_args_to_tensorboard,
 )
 from megatron.training.profiling import IterationProfiler
+from megatron.training.progress_log import compute_throughputs_and_append_to_progress_log
+from megatron.training.scalar_writers import finish_wandb
 from megatron.training.time_limit import _exit_flag, get_train_start_time, set_train_start_time
 from megatron.training.training_log import training_log
 from megatron.training.utils import (
@@ -198,6 +200,8 @@ def _pretrain(
     )
     torch.distributed.all_reduce(start_time_tensor, op=torch.distributed.ReduceOp.MIN)
     set_train_start_time(start_time_tensor.item())
+    if args.log_progress:
+        append_to_progress_log('Starting job')
     print_rank_0(
         'time to initialize megatron (seconds): {:.3f}'.format(time.time() - get_train_start_time())
     )
@@ -278,46 +282,56 @@ def _pretrain(
         iteration = args.iteration
     result['iteration'] = iteration
 
-    if args.do_valid:
-        prefix = (
-            f'iteration {iteration} on {args.eval_iters * args.global_batch_size}'
-            '-sample draw from validation set'
-        )
-        result['valid_losses'] = evaluate_and_print_results(
-            prefix,
-            forward_step_func,
-            valid_data_iterator,
-            model,
-            iteration,
-            process_non_loss_data_func,
-            config,
-            verbose=True,
-            write_to_tensorboard=not args.skip_train,
-        )
-    if args.do_test:
-        prefix = (
-            f'iteration {iteration} on {args.eval_iters * args.global_batch_size}'
-            '-sample draw from test set'
-        )
-        result['test_losses'] = evaluate_and_print_results(
-            prefix,
-            forward_step_func,
-            test_data_iterator,
-            model,
-            iteration,
-            process_non_loss_data_func,
-            config,
-            verbose=True,
-            write_to_tensorboard=not args.skip_train,
-        )
-
+    result['valid_losses'], result['test_losses'] = _final_evaluation(
+        forward_step_func,
+        (valid_data_iterator, test_data_iterator),
+        model,
+        iteration,
+        process_non_loss_data_func,
+        config,
+    )
     writer = get_tensorboard_writer()
     if writer:
         writer.flush()
     if args.tensorboard_dir:
         print_rank_last(f'TensorBoard logs written to {args.tensorboard_dir}')
+    finish_wandb()
     stop_watchdog()
     return result
+
+
+def _final_evaluation(
+    forward_step_func, iterators, model, iteration, process_non_loss_data_func, config
+):
+    """Validation and test after training (--eval-iters batches each); returns their losses
+    ({key: float} on the last rank, None when the split is not evaluated)."""
+    args = get_args()
+    losses = []
+    for name, enabled, iterator in (
+        ('validation', args.do_valid, iterators[0]),
+        ('test', args.do_test, iterators[1]),
+    ):
+        if not enabled:
+            losses.append(None)
+            continue
+        prefix = (
+            f'iteration {iteration} on {args.eval_iters * args.global_batch_size}'
+            f'-sample draw from {name} set'
+        )
+        losses.append(
+            evaluate_and_print_results(
+                prefix,
+                forward_step_func,
+                iterator,
+                model,
+                iteration,
+                process_non_loss_data_func,
+                config,
+                verbose=True,
+                write_to_tensorboard=not args.skip_train,
+            )
+        )
+    return tuple(losses)
 
 
 def update_train_iters(args):
@@ -664,7 +678,9 @@ def save_checkpoint_and_time(
     timers('save-checkpoint').stop(barrier=True)
     timers.log(['save-checkpoint'])
     if args.log_progress:
-        append_to_progress_log(f'Saved checkpoint\tIteration: {iteration}', barrier=False)
+        compute_throughputs_and_append_to_progress_log(
+            iteration, num_floating_point_operations_so_far
+        )
 
 
 def _check_overflow_is_not_a_real_nan(args, iteration, skipped_iter, scale_before_step):

@@ -30,6 +30,7 @@ OUR_EXTRA_FLAGS = {
     '--non-persistent-global-ckpt-dir',
     '--non-persistent-save-interval',
     '--renormalize-blend-weights',
+    '--use-pytorch-profiler',
 }
 
 # Flags of this package only (no Megatron version has them).

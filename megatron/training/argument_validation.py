@@ -33,7 +33,7 @@ def validate_args(args, defaults={}):
         args, modified in place.
     """
     # Flags of features this package does not have: refuse any non-default value first.
-    from megatron.training.arguments import get_args_parser
+    from megatron.training.arguments_parser import get_args_parser
 
     check_unsupported_flags(args, get_args_parser())
     validate_observability_args(args)

@@ -8,7 +8,7 @@ or never: Megatron's wandb writer needs --tensorboard-dir to log anything and cr
 
 import importlib.util
 
-import torch
+from megatron.core.device import uses_cuda
 
 
 def wandb_is_installed() -> bool:
@@ -56,10 +56,10 @@ def _validate_profile_args(args):
             raise ValueError(
                 '--profile --use-pytorch-profiler writes its trace to --tensorboard-dir; set it'
             )
-    elif not torch.cuda.is_available():
+    elif not uses_cuda(args.distributed_backend):
         raise ValueError(
             '--profile without --use-pytorch-profiler opens a CUDA profiler range for nsys, '
-            'which needs a GPU; add --use-pytorch-profiler for a torch profiler trace'
+            'which needs a GPU (and NCCL); add --use-pytorch-profiler for a torch profiler trace'
         )
 
 

@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from megatron.core.device import uses_cuda
+
 
 class IterationProfiler:
     """The training loop's profiler: `begin_iteration(i)` before iteration index i (0-based),
@@ -45,7 +47,7 @@ class IterationProfiler:
 
     def _build_torch_profiler(self):
         activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
+        if uses_cuda():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         os.makedirs(self.trace_dir, exist_ok=True)
         return torch.profiler.profile(

@@ -92,7 +92,9 @@ def test_megatron_r08_script_trains_unchanged(
         'pretrain_bert': bert_data_prefix,
         'pretrain_t5': t5_data_prefix,
     }[script]
-    outs = run_distributed(_both_scripts, world_size=2, args=(script, _flags(script, prefix)))
+    outs = run_distributed(
+        _both_scripts, world_size=2, args=(script, _flags(script, prefix)), timeout=150
+    )
     megatron_out, ours_out = outs[-1]  # the last rank prints the training log
     losses = _losses(megatron_out)
     assert sorted(losses) == [1, 2, 3], megatron_out[-3000:]

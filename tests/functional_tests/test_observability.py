@@ -10,6 +10,7 @@ import os
 import re
 import struct
 import sys
+import time
 
 import pytest
 
@@ -78,21 +79,22 @@ def _tensorboard_scalars(path):
 
 def _wandb_records(run_file):
     """(history rows, run record) of an offline W&B run file (a LevelDB-style log of protobuf
-    records: a 7-byte header, 32 KiB blocks of chunks with a 7-byte header each)."""
+    records: a 7-byte header, 32 KiB blocks of chunks with a 7-byte header each). The file is
+    complete once its `exit` record is there (W&B's service may still be writing it for a moment
+    after `wandb.finish()` returns on a loaded machine)."""
     from wandb.proto import wandb_internal_pb2
 
-    data = open(run_file, 'rb').read()
-    pos, pending, records = 7, b'', []
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:
-            pos += 32768 - pos % 32768
-            continue
-        _, length, kind = struct.unpack('<IHB', data[pos : pos + 7])
-        pending += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # a full record, or the last chunk of one
-            records.append(pending)
-            pending = b''
+    deadline = time.time() + 30
+    while True:
+        records = _wandb_raw_records(open(run_file, 'rb').read())
+        kinds = []
+        for raw in records:
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(raw)
+            kinds.append(record.WhichOneof('record_type'))
+        if 'exit' in kinds or time.time() > deadline:
+            break
+        time.sleep(0.5)
     history, run = [], None
     for raw in records:
         record = wandb_internal_pb2.Record()
@@ -106,7 +108,24 @@ def _wandb_records(run_file):
             )
         elif record.WhichOneof('record_type') == 'run':
             run = record.run
+    assert run is not None, f'no run record in {run_file}: {kinds}'
     return history, run
+
+
+def _wandb_raw_records(data):
+    """The records of a LevelDB-style log (chunk types: 1 full, 2 first, 3 middle, 4 last)."""
+    pos, pending, records = 7, b'', []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack('<IHB', data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            records.append(pending)
+            pending = b''
+    return records
 
 
 @pytest.fixture(scope='module')
@@ -258,3 +277,19 @@ def test_audit_table_names_every_logging_flag():
     wanted = logging_flags | profile_flags | {'--use-pytorch-profiler', '--log-interval'}
     assert len(logging_flags) > 20
     assert wanted <= audited, sorted(wanted - audited)
+
+
+def test_wandb_writer_needs_no_tensorboard():
+    """Megatron writes W&B only inside its TensorBoard branch; here the scalar writer exists with
+    W&B alone (the fan-out the run above exercises with both)."""
+    wandb = pytest.importorskip('wandb')
+    from megatron.training import global_vars
+    from megatron.training.scalar_writers import get_scalar_writer
+
+    assert global_vars.get_tensorboard_writer() is None and get_scalar_writer() is None
+    global_vars.set_wandb_writer(wandb)
+    try:
+        writer = get_scalar_writer()
+        assert writer is not None and writer.tensorboard is None and writer.wandb is wandb
+    finally:
+        global_vars._GLOBAL_WANDB_WRITER = None

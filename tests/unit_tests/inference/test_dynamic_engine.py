@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron.core.inference.contexts.paged_attention import paged_attention, write_to_paged_cache
 from megatron.core.inference.engines.dynamic_engine import QueueFullError
 from megatron.core.inference.inference_request import Status
@@ -318,6 +319,12 @@ def _admission():
         engine.add_request([1, 2], eu.greedy(2))
     except QueueFullError as exc:
         errors["queue"] = str(exc)
+    try:
+        DynamicInferenceContext(
+            config, max_sequence_length=64, buffer_size_gb=1e-6, block_size_tokens=16
+        )
+    except ValueError as exc:
+        errors["kv_budget"] = str(exc)
     # num_tokens_to_generate None: up to the max sequence length.
     engine = eu.dynamic_engine(controller, config, num_blocks=32)
     (record,) = engine.generate(
@@ -333,7 +340,16 @@ def test_admission_errors_before_any_work():
     assert "max_sequence_length is 64" in errors["too_long"]
     assert "exceeds max_sequence_length (64)" in errors["budget"]
     assert "needs 13 KV blocks of 4 tokens, the cache has 8" in errors["blocks"]
-    assert "exceeds the 16 tokens of one step" in errors["step"]
+    # docs/errors.md rows inference-prompt-too-long and inference-kv-cache-too-small.
+    assert errors["step"] == (
+        "prompt of 20 tokens exceeds the 16 tokens of one step "
+        "(--inference-dynamic-batching-max-tokens): enable chunked prefill "
+        "(--enable-chunked-prefill) or raise max_tokens"
+    )
+    assert errors["kv_budget"] == (
+        "KV cache buffer of 1e-06 GiB holds no block of 16384 bytes (16 tokens); raise "
+        "--inference-dynamic-batching-buffer-size-gb or lower the block size"
+    )
     assert "top-p and top-k" in errors["params"]
     assert "temperature" in errors["temperature"]
     assert "already in use" in errors["duplicate"]

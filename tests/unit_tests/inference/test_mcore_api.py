@@ -118,7 +118,8 @@ def _static_behaviours():
     texts = [" ".join(map(str, p)) for p in eu.prompts([5, 9, 3])]
     first = engine.generate(texts, eu.greedy(6, return_log_probs=True))
     second = engine.generate(texts[:1], eu.greedy(6))
-    mixed = engine.generate(texts[:2], [eu.greedy(2), eu.greedy(7)])
+    hot = SamplingParams(temperature=3.0, num_tokens_to_generate=2, termination_id=-1)
+    mixed = engine.generate(texts[:2], [hot, eu.greedy(7)])
     ref = engine.generate(texts[1:2], eu.greedy(7))
     tokens = first[0].generated_tokens.tolist()
     # A termination id that first appears at position j >= 1, and a stop sequence.
@@ -164,7 +165,6 @@ def test_static_engine_fixes_r08_quirks():
     assert out["second"] == ["3"] and out["second_tokens"] == out["first"][0][2]
     # Each request keeps its own settings in a shared batch (r0.8 used the first request's).
     assert len(out["mixed"][0]) == 2 and out["mixed"][1] == out["ref"]
-    assert out["mixed"][0] == out["first"][0][2][:2]
     # Stop sequence: kept; termination id: not returned (r0.8).
     tokens = out["first"][0][2]
     j = out["j"]

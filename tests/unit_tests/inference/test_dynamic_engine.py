@@ -358,23 +358,93 @@ def test_admission_errors_before_any_work():
 
 
 def _pipeline_served_from_rank0():
-    """PP2: only global rank 0 submits (as a server would); every rank steps. Reference: each
-    request alone, submitted on every rank."""
+    """PP2 as a server runs it: global rank 0 submits to an EngineLoop, the other rank follows
+    (run_follower_loop) until rank 0 stops. Reference: each request alone, submitted on every
+    rank."""
+    import time
+
+    from megatron.core.inference.engines.engine_loop import EngineLoop, run_follower_loop
+
     _, config, controller = eu.build_model("llama")
     prompts = eu.prompts([5, 9, 3])
     engine = eu.dynamic_engine(controller, config, request_source_rank=0)
-    ids = []
-    for step in range(40):
-        if torch.distributed.get_rank() == 0 and step in (0, 2, 3):
-            ids.append(engine.add_request(prompts[len(ids)], eu.greedy(6)))
-        engine.step()
+    served = {}
+    if torch.distributed.get_rank() == 0:
+        loop = EngineLoop(engine, heartbeat_s=0.05).start()
+        time.sleep(0.2)  # idle heartbeats first: the follower waits inside the broadcast
+        streams = [loop.submit(p, eu.greedy(6)) for p in prompts]
+        served = {s.request_id: s.result(timeout=120).generated_tokens for s in streams}
+        loop.stop()
+    else:
+        run_follower_loop(engine)
     alone = [eu.solo(controller, config, p, eu.greedy(6)).generated_tokens for p in prompts]
-    served = {rid: r.generated_tokens for rid, r in engine.requests.items()}
-    return served, {str(i): tokens for i, tokens in enumerate(alone)}
+    return served, {str(i): tokens for i, tokens in enumerate(alone)}, len(engine.requests)
 
 
 def test_pipeline_parallel_requests_from_one_rank():
     outs = run_distributed(_pipeline_served_from_rank0, world_size=2, pp=2)
-    (served0, alone0), (served1, alone1) = outs
-    assert served0 == served1 == alone0 == alone1
-    assert all(len(tokens) == 6 for tokens in served0.values()) and len(served0) == 3
+    (served, alone0, left0), (_, alone1, left1) = outs
+    assert served == alone0 == alone1
+    assert all(len(tokens) == 6 for tokens in served.values()) and len(served) == 3
+    assert left0 == left1 == 0
+
+
+def _engine_loop():
+    """A server's use: 8 client threads submit at once to a background EngineLoop and read their
+    streams; one client cancels mid-stream."""
+    import threading
+
+    from megatron.core.inference.engines.engine_loop import EngineLoop
+
+    _, config, controller = eu.build_model("llama")
+    prompts = eu.prompts([5, 9, 3, 12, 7, 4, 10, 6])
+    alone = [eu.solo(controller, config, p, eu.greedy(8)).generated_tokens for p in prompts]
+    engine = eu.dynamic_engine(controller, config, num_blocks=24)
+    loop = EngineLoop(engine).start()
+    streamed = [None] * len(prompts)
+
+    def client(i):
+        stream = loop.submit(prompts[i], eu.greedy(8 if i else 40))
+        tokens = []
+        for token in stream:
+            tokens.append(token)
+            if i == 0 and len(tokens) == 3:
+                loop.cancel(stream.request_id)
+        streamed[i] = (tokens, stream.result(timeout=60).generated_tokens, stream.result().status)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    try:
+        loop.submit([1, 2], eu.greedy(100))
+    except ValueError as exc:
+        bad_request = str(exc)
+    loop.stop()
+    after_stop = None
+    try:
+        loop.submit([1, 2], eu.greedy(2))
+    except RuntimeError as exc:
+        after_stop = str(exc)
+    return {
+        "alone": alone,
+        "streamed": streamed,
+        "free": engine.context.block_allocator.total_avail,
+        "bad_request": bad_request,
+        "after_stop": after_stop,
+        "leftover": len(engine.requests),
+    }
+
+
+def test_engine_loop_serves_concurrent_streams_and_cancel():
+    (out,) = run_distributed(_engine_loop, world_size=1)
+    for i, (tokens, final, status) in enumerate(out["streamed"]):
+        if i == 0:
+            # Cancelled after its third token: it stops early, its blocks come back.
+            assert status == Status.CANCELLED and 3 <= len(final) < 40 and tokens == final
+            continue
+        assert status == Status.COMPLETED and tokens == final == out["alone"][i], i
+    assert out["free"] == 24 and out["leftover"] == 0
+    assert "exceeds max_sequence_length" in out["bad_request"]
+    assert "not running" in out["after_stop"]

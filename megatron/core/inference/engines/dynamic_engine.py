@@ -135,6 +135,7 @@ class DynamicInferenceEngine(AbstractEngine):
         self._inbox: List[tuple] = []
         self._lock = threading.Lock()
         self.step_count = 0
+        self.stopped = False
 
     # ------------------------------------------------------------------ submission
     def add_request(
@@ -208,6 +209,13 @@ class DynamicInferenceEngine(AbstractEngine):
         freed and it finishes as CANCELLED. Unknown or finished requests are ignored."""
         with self._lock:
             self._inbox.append(("cancel", request_id))
+
+    def stop_followers(self) -> None:
+        """On the request source rank: make the other ranks' `run_follower_loop` return (sends a
+        stop message with one last step)."""
+        with self._lock:
+            self._inbox.append(("stop",))
+        self.step()
 
     def _seed_for(self, params: SamplingParams, index: int) -> int:
         if params.random_seed is not None:
@@ -393,8 +401,10 @@ class DynamicInferenceEngine(AbstractEngine):
         for entry in self._take_inbox():
             if entry[0] == "add":
                 self.waiting.append(self._states[entry[1]])
-            else:
+            elif entry[0] == "cancel":
                 self._cancel(entry[1], result)
+            else:
+                self.stopped = True
         plan, result.num_preempted = self._schedule()
         if plan:
             chunks, rows = self._step_rows(plan)

@@ -98,7 +98,7 @@ class DynamicInferenceEngine(AbstractEngine):
             budget into chunks (otherwise they wait for a step with room, and a prompt longer than
             max_tokens is refused).
         random_seed (int, optional): seeds the random generators of requests without their own
-            random_seed (default: drawn from torch's global generator).
+            random_seed (default: torch's initial seed, i.e. Megatron's --seed).
         max_waiting_requests (int, optional): add_request raises QueueFullError beyond this many
             waiting requests.
         request_source_rank (int, optional): global rank whose add_request / cancel_request
@@ -122,7 +122,8 @@ class DynamicInferenceEngine(AbstractEngine):
         self.tokenizer = text_generation_controller.tokenizer
         self.enable_chunked_prefill = enable_chunked_prefill
         if random_seed is None:
-            random_seed = int(torch.randint(0, 2**62, (1,)).item())
+            # Reproducible under Megatron's --seed, without advancing the global generator.
+            random_seed = torch.initial_seed()
         self.random_seed = random_seed
         self.max_waiting_requests = max_waiting_requests
         self.request_source_rank = request_source_rank

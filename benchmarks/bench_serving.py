@@ -11,11 +11,13 @@ Workload: N requests arrive together; prompt lengths uniform in [--prompt-min, -
   it waited for the ones before it;
 - HF padded: one `GPT2LMHeadModel.generate` call on the N prompts left-padded to the longest
   (TTFT: the same call with max_new_tokens=1).
-Ratios are engine / reference tokens/s from the same run. Also prints how many requests got the
+Each row is timed --repeats times, the three implementations alternating; tokens/s is from the
+median time, TTFT percentiles pool the repeats, and the ratio (engine / reference tokens/s) is the
+median of the per-repeat ratios. Also prints how many requests got the
 same tokens from the engine as from the serialized loop (fp32: near-ties may differ).
 
 Usage:
-    python benchmarks/bench_serving.py                      # GPT-2 small size (~124M), ~5 min
+    python benchmarks/bench_serving.py --repeats 1          # GPT-2 small size (~124M), ~10 min
     python benchmarks/bench_serving.py --num-layers 4 --hidden-size 256 --new-tokens 32  # quick
     python benchmarks/bench_serving.py --plot benchmarks/bench_serving.png
 """
@@ -48,6 +50,9 @@ def _parse():
     parser.add_argument("--max-tokens", type=int, default=2048, help="tokens per engine step")
     parser.add_argument("--enable-chunked-prefill", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per row (medians reported)"
+    )
     parser.add_argument("--plot", default=None, help="write a tokens/s vs clients PNG here")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     return parser.parse_args()
@@ -230,21 +235,35 @@ def main():
         lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (n,), generator=g).tolist()
         prompts = [torch.randint(0, 50256, (k,), generator=g).tolist() for k in lengths]
         total = n * args.new_tokens
-        t_eng, ttft_eng, tok_eng = _engine(model, config, args, prompts)
-        t_ser, ttft_ser, tok_ser = _serialized(model, args, prompts)
-        row = {"clients": n, "engine": total / t_eng, "serial": total / t_ser}
-        results = [("engine", t_eng, ttft_eng), ("serialized", t_ser, ttft_ser)]
-        if not args.skip_hf:
-            t_hf, ttft_hf = _hf_padded(hf, args, prompts)
-            row["hf"] = total / t_hf
-            results.append(("HF padded", t_hf, [ttft_hf] * n))
-        for name, seconds, ttfts in results:
-            print(
-                f"{n:>7} {name:<12} {total / seconds:>9.1f} "
-                f"{statistics.median(ttfts) * 1e3:>12.0f} {_percentile(ttfts, 0.95) * 1e3:>12.0f} "
-                f"{seconds / t_eng:>13.2f}x"
+        names = ["engine", "serialized"] + ([] if args.skip_hf else ["HF padded"])
+        seconds = {name: [] for name in names}
+        ttfts = {name: [] for name in names}
+        same = 0
+        # The three alternate within each repeat so that they see the same machine load; the
+        # ratio is taken per repeat and its median printed.
+        for _ in range(args.repeats):
+            t, first, tok_eng = _engine(model, config, args, prompts)
+            seconds["engine"].append(t)
+            ttfts["engine"] += first
+            t, first, tok_ser = _serialized(model, args, prompts)
+            seconds["serialized"].append(t)
+            ttfts["serialized"] += first
+            if not args.skip_hf:
+                t, first = _hf_padded(hf, args, prompts)
+                seconds["HF padded"].append(t)
+                ttfts["HF padded"] += [first] * n
+            same = sum(a == b for a, b in zip(tok_eng, tok_ser))
+        row = {"clients": n}
+        for name in names:
+            ratio = statistics.median(
+                ref / eng for ref, eng in zip(seconds[name], seconds["engine"])
             )
-        same = sum(a == b for a, b in zip(tok_eng, tok_ser))
+            rate = total / statistics.median(seconds[name])
+            row[{"engine": "engine", "serialized": "serial", "HF padded": "hf"}[name]] = rate
+            print(
+                f"{n:>7} {name:<12} {rate:>9.1f} {statistics.median(ttfts[name]) * 1e3:>12.0f} "
+                f"{_percentile(ttfts[name], 0.95) * 1e3:>12.0f} {ratio:>13.2f}x"
+            )
         print(f"{n:>7} engine tokens == serialized tokens for {same}/{n} requests")
         rows.append(row)
     if args.plot:

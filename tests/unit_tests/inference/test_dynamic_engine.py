@@ -17,7 +17,11 @@ import pytest
 import torch
 
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-from megatron.core.inference.contexts.paged_attention import paged_attention, write_to_paged_cache
+from megatron.core.inference.contexts.paged_attention import (
+    kv_slots,
+    paged_attention,
+    write_to_paged_cache,
+)
 from megatron.core.inference.engines.dynamic_engine import QueueFullError
 from megatron.core.inference.inference_request import Status
 from megatron.core.inference.sampling_params import SamplingParams
@@ -58,7 +62,9 @@ def test_paged_attention_matches_dense(block_size):
             blocks[p // block_size] * block_size + p % block_size
             for p in range(kv_len - q_len, kv_len)
         ]
-        requests.append((start, start + q_len, kv_len, torch.tensor(blocks)))
+        requests.append(
+            (start, start + q_len, kv_len, kv_slots(torch.tensor(blocks), kv_len, block_size))
+        )
         full.append((k, v))
     new_k = torch.cat([k[k.size(0) - q.size(0) :] for (k, _), q in zip(full, queries)])
     new_v = torch.cat([v[v.size(0) - q.size(0) :] for (_, v), q in zip(full, queries)])

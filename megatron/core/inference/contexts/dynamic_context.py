@@ -25,6 +25,7 @@ import torch
 
 from megatron.core.inference.contexts.kv_block_allocator import KVBlockAllocator
 from megatron.core.inference.contexts.paged_attention import (
+    kv_slots,
     paged_attention,
     write_to_paged_cache,
 )
@@ -215,7 +216,8 @@ class DynamicInferenceContext:
             positions.extend(span)
             slots.extend(blocks[p // B] * B + p % B for p in span)
             block_table = torch.tensor(blocks[: self.blocks_for(kv_len)], device=device)
-            self.attention_requests.append((q_start, q_start + n, kv_len, block_table))
+            slots_of_request = kv_slots(block_table, kv_len, B)
+            self.attention_requests.append((q_start, q_start + n, kv_len, slots_of_request))
             first = len(logit_positions)
             if chunk.logits == "last":
                 logit_positions.append(q_start + n - 1)

@@ -37,10 +37,10 @@ def write_to_paged_cache(
     value_pool.view(-1, ng, hn).index_copy_(0, slot_mapping, value.reshape(-1, ng, hn))
 
 
-def gather_request_kv(pool: torch.Tensor, block_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """[kv_len, ng, hn]: a request's cached keys (or values), in position order."""
-    blocks = pool.index_select(0, block_ids)  # [nb, B, ng, hn]
-    return blocks.reshape(-1, *pool.shape[-2:])[:kv_len]
+def kv_slots(block_ids: torch.Tensor, kv_len: int, block_size: int) -> torch.Tensor:
+    """[kv_len] int64: the flat slot (block * B + offset) of each of a request's positions."""
+    offsets = torch.arange(block_size, device=block_ids.device)
+    return (block_ids[:, None] * block_size + offsets[None, :]).reshape(-1)[:kv_len]
 
 
 def paged_attention(
@@ -55,7 +55,7 @@ def paged_attention(
     Args:
         query: [T, 1, np, hn] (rotated).
         key_pool, value_pool: [num_blocks, B, ng, hn], this step's keys already written.
-        requests: per request (q_start, q_end, kv_len, block_ids [ceil(kv_len / B)] int64).
+        requests: per request (q_start, q_end, kv_len, slots [kv_len] int64 from `kv_slots`).
         softmax_scale: default 1 / sqrt(hn).
 
     Returns:
@@ -63,27 +63,28 @@ def paged_attention(
     """
     num_tokens, _, np_, hn = query.shape
     ng = key_pool.size(-2)
-    groups = np_ // ng
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
+    keys = key_pool.view(-1, ng, hn)  # [num_blocks * B, ng, hn]
+    values = value_pool.view(-1, ng, hn)
     out = query.new_empty(num_tokens, np_, hn)
-    for q_start, q_end, kv_len, block_ids in requests:
+    for q_start, q_end, kv_len, slots in requests:
         q_len = q_end - q_start
-        k = gather_request_kv(key_pool, block_ids, kv_len)  # [kv, ng, hn]
-        v = gather_request_kv(value_pool, block_ids, kv_len)
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)  # [kv, ng, hn] -> [kv, np, hn]
-            v = v.repeat_interleave(groups, dim=1)
         q = query[q_start:q_end, 0].transpose(0, 1).unsqueeze(0)  # [1, np, q, hn]
-        k = k.transpose(0, 1).unsqueeze(0)  # [1, np, kv, hn]
-        v = v.transpose(0, 1).unsqueeze(0)
-        if q_len == 1:
-            ctx = F.scaled_dot_product_attention(q, k, v, scale=scale)
-        elif q_len == kv_len:
-            ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        else:
+        k = keys.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, ng, kv, hn]
+        v = values.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        mask = None
+        if 1 < q_len < kv_len:
             mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(
                 diagonal=kv_len - q_len
             )
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        ctx = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=1 < q_len == kv_len,
+            scale=scale,
+            enable_gqa=np_ != ng,  # each key head serves np / ng query heads
+        )
         out[q_start:q_end] = ctx[0].transpose(0, 1)  # [1, np, q, hn] -> [q, np, hn]
     return out.view(num_tokens, 1, np_ * hn)

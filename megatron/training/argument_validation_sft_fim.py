@@ -121,7 +121,10 @@ def validate_sft_and_fim_args(args):
     if getattr(args, 'sft', False):
         _check_sft(args)
     else:
-        _unused(args, '--sft', _SFT_OWN_DEFAULTS)
+        unused = dict(_SFT_OWN_DEFAULTS)
+        if args.tokenizer_type == 'SFTTokenizer':
+            unused.pop('sft_tokenizer_prompt_format')  # the tokenizer renders with it
+        _unused(args, '--sft', unused)
     if getattr(args, 'fim_data', False):
         _check_fim(args)
     else:

@@ -43,7 +43,8 @@ def _note(args, message):
 def _unused(args, switch, defaults):
     changed = [_flag(k) for k, v in defaults.items() if getattr(args, k, v) != v]
     if changed:
-        _note(args, f'{", ".join(changed)} have no effect without {switch}')
+        verb = 'has' if len(changed) == 1 else 'have'
+        _note(args, f'{", ".join(changed)} {verb} no effect without {switch}')
 
 
 def _check_sft(args):

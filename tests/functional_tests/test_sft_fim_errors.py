@@ -238,3 +238,27 @@ def test_data_errors_before_the_first_step(files, tmp_path):
         r'--sft-long-conversations error refuses them',
         out,
     ), out[-3000:]
+
+
+def test_notes_instead_of_silence(files, capsys):
+    """--sft takes a HuggingFaceTokenizer as SFTTokenizer and implies no dataloader mask; FIM or
+    SFT flags given without their switch are reported as having no effect."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    def validate(argv):
+        args = parse_args(args_list=argv)
+        args.rank, args.world_size = 0, 1
+        return validate_args(args, {'tokenizer_type': 'GPT2BPETokenizer'})
+
+    argv = _sft(files, 'good')
+    argv[argv.index('SFTTokenizer')] = 'HuggingFaceTokenizer'
+    args = validate(argv)
+    assert args.tokenizer_type == 'SFTTokenizer' and not args.create_attention_mask_in_dataloader
+    assert (
+        'NOTE: --sft: --tokenizer-type HuggingFaceTokenizer -> SFTTokenizer'
+        in capsys.readouterr().out
+    )
+    validate(TINY + ['--mock-data', '--fim-rate', '0.9', '--sft-one-row-per-sample'])
+    out = capsys.readouterr().out
+    assert 'NOTE: --sft-one-row-per-sample has no effect without --sft' in out
+    assert 'NOTE: --fim-rate has no effect without --fim-data' in out

@@ -17,8 +17,10 @@ PAD = 0
 
 def _conversation(rng, n, first):
     ids = numpy.arange(first, first + n, dtype=numpy.int64)
+    # Random, the first token too: a trained first token must still not be learned from the
+    # previous conversation's last token.
     trained = rng.random(n) < 0.5
-    trained[0] = False  # a conversation starts with a prompt
+    trained[0] = True
     return ids, trained
 
 

@@ -2,6 +2,8 @@
 
 Thin entry script: the model provider, the batch getter, the loss, the forward step and the dataset
 provider; `pretrain()` does the rest. Run with torchrun, e.g. `bash examples/quickstart.sh`.
+`--sft` trains on chat JSONL with packed conversations and `--fim-data` rewrites GPT data for
+fill-in-the-middle (docs/sft.md, `bash examples/sft/finetune_llama.sh`).
 """
 
 import copy

@@ -34,7 +34,8 @@ class DotProductAttention(MegatronModule):
         config (TransformerConfig): the model config.
         layer_number (int): 1-based global layer number (query-key layer scaling uses it).
         attn_mask_type (AttnMaskType): causal: fused causal attention, any passed mask ignored
-            (see `_can_use_sdpa`); other types apply the passed mask.
+            (see `_can_use_sdpa`); other types apply the passed mask. With packed sequences
+            (PackedSeqParams) each packed segment attends only to itself.
         attention_type (str): "self" or "cross".
         attention_dropout (float, optional): overrides config.attention_dropout.
         pg_collection (ProcessGroupCollection, optional): its `tp` group splits the heads

@@ -181,7 +181,8 @@ class SFTDataset(MegatronDataset):
         """Check every row of the split and tokenize its conversations.
 
         Returns:
-            (items int64 [n, 2] of (row, conversation), lengths in the pack int64 [n], stats).
+            (items int64 [n, 2] of (row, conversation), lengths in the pack int64 [n], the number
+            of answer tokens).
         """
         tokenizer = self.config.tokenizer
         cp = self.config.context_parallel_size

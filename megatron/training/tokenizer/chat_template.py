@@ -1,8 +1,9 @@
 """Chat prompts: OpenAI-style messages rendered with the tokenizer's own chat template.
 
-Only Hugging Face tokenizers (`--tokenizer-type HuggingFaceTokenizer`) carry a chat template (the
-`chat_template` of their tokenizer_config.json); for every other tokenizer, or one without a
-template, `ValueError` says so (a server answers it with HTTP 400).
+Hugging Face tokenizers (`--tokenizer-type HuggingFaceTokenizer`) carry a chat template (the
+`chat_template` of their tokenizer_config.json); an `SFTTokenizer` renders with its
+`--sft-tokenizer-prompt-format` (the format the model was fine-tuned with). For every other
+tokenizer, or one without a template, `ValueError` says so (a server answers it with HTTP 400).
 """
 
 from typing import List, Optional
@@ -25,8 +26,19 @@ def _check_messages(messages) -> None:
             raise ValueError(f"messages[{i}].content must be a string")
 
 
+def _sft_format(tokenizer):
+    """The SFTTokenizer prompt format that is not the tokenizer's own template, or None."""
+    prompt_format = getattr(tokenizer, "prompt_format", None)
+    if prompt_format is not None and prompt_format != "default" and hasattr(tokenizer, "render"):
+        return prompt_format
+    return None
+
+
 def _render(tokenizer, messages, add_generation_prompt, tokenize, template_kwargs):
     _check_messages(messages)
+    if _sft_format(tokenizer) is not None:
+        text, _ = tokenizer.render(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.tokenize(text) if tokenize else text
     if get_chat_template(tokenizer) is None:
         raise ValueError(
             f"the tokenizer ({type(tokenizer).__name__.lstrip('_')}) has no chat template: chat "

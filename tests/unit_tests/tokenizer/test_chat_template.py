@@ -77,3 +77,13 @@ def test_template_errors_become_value_errors(tmp_path):
     tokenizer = _HuggingFaceTokenizer(_save_tokenizer(tmp_path / "strict", strict))
     with pytest.raises(ValueError, match="the chat template rejected the messages: no system"):
         apply_chat_template(tokenizer, [{"role": "system", "content": "x"}])
+
+
+def test_sft_tokenizer_renders_with_its_prompt_format(tmp_path):
+    from megatron.training.tokenizer.sft_tokenizer import SFTTokenizer
+
+    tokenizer = SFTTokenizer(_save_tokenizer(tmp_path / "sft", None), prompt_format="identity")
+    messages = [{"role": "user", "content": "hi "}, {"role": "assistant", "content": "there"}]
+    text, _ = tokenizer.render(messages, add_generation_prompt=True)
+    assert apply_chat_template(tokenizer, messages) == text == "hi there"
+    assert chat_prompt_token_ids(tokenizer, messages) == tokenizer.tokenize(text)

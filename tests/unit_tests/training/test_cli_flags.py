@@ -30,6 +30,14 @@ OUR_EXTRA_FLAGS = {
     '--non-persistent-global-ckpt-dir',
     '--non-persistent-save-interval',
     '--renormalize-blend-weights',
+    # Dynamic-batching inference engine (megatron/core/inference, docs/inference_engine.md).
+    '--inference-dynamic-batching',
+    '--inference-max-seq-length',
+    '--inference-dynamic-batching-buffer-size-gb',
+    '--inference-dynamic-batching-block-size',
+    '--inference-dynamic-batching-max-requests',
+    '--inference-dynamic-batching-max-tokens',
+    '--enable-chunked-prefill',
     # Supervised fine-tuning and fill-in-the-middle (core_v0.13 / core_v0.16).
     '--sft',
     '--sft-tokenizer-prompt-format',

@@ -218,7 +218,10 @@ class GPTModel(LanguageModule):
         if not self.post_process:
             return hidden_states
 
-        if (
+        if inference_params is not None and inference_params.is_dynamic_batching():
+            # Packed requests: logits only where the engine samples or scores.
+            hidden_states = inference_params.select_logit_positions(hidden_states)
+        elif (
             inference_params is not None
             and getattr(inference_params, 'materialize_only_last_token_logits', False)
             and labels is None

@@ -8,6 +8,7 @@ Re-exported by `arguments.py`, where Megatron users import it from.
 import torch
 
 from megatron.core.utils import uses_cuda
+from megatron.training.argument_validation_sft_fim import validate_sft_and_fim_args
 from megatron.training.arguments_unsupported import check_unsupported_flags
 from megatron.training.observability_args import validate_observability_args
 
@@ -448,6 +449,7 @@ def validate_args(args, defaults={}):
         raise ValueError(f'--num-experts must be positive, got {args.num_experts}')
 
     _validate_megatron_r08_extras(args)
+    validate_sft_and_fim_args(args)
 
     if args.timing_log_level not in (0, 1, 2):
         raise ValueError(f'--timing-log-level must be 0, 1 or 2, got {args.timing_log_level}')

@@ -856,6 +856,50 @@ def _add_inference_args(parser):
         choices=['megatron', 'huggingface'],
         help='Select either Megatron or Huggingface as the Bert embedder.',
     )
+    # Dynamic batching (later Megatron's flag names; see docs/inference_engine.md).
+    group.add_argument(
+        '--inference-dynamic-batching',
+        action='store_true',
+        help='Serve / generate with the dynamic (continuous) batching engine over a paged KV '
+        'cache instead of static batches.',
+    )
+    group.add_argument(
+        '--inference-max-seq-length',
+        type=int,
+        default=None,
+        help='Longest request (prompt + generated tokens) of the dynamic engine '
+        '(default: --max-position-embeddings).',
+    )
+    group.add_argument(
+        '--inference-dynamic-batching-buffer-size-gb',
+        type=float,
+        default=1.0,
+        help='KV cache memory per rank, in GiB (Megatron defaults to 40 on GPUs).',
+    )
+    group.add_argument(
+        '--inference-dynamic-batching-block-size',
+        type=int,
+        default=256,
+        help='Tokens per KV cache block.',
+    )
+    group.add_argument(
+        '--inference-dynamic-batching-max-requests',
+        type=int,
+        default=None,
+        help='Most requests holding KV blocks at once (default: the number of blocks, at most '
+        'the token budget and 256).',
+    )
+    group.add_argument(
+        '--inference-dynamic-batching-max-tokens',
+        type=int,
+        default=None,
+        help='Most tokens in one forward of the dynamic engine (default 16384).',
+    )
+    group.add_argument(
+        '--enable-chunked-prefill',
+        action='store_true',
+        help='Split prompts that do not fit the remaining token budget of a step into chunks.',
+    )
     return parser
 
 

@@ -63,6 +63,23 @@ ELSEWHERE = {
     'launcher-dead': 'tests/functional_tests/test_faults_torchrun.py',
     'wandb-missing': 'tests/functional_tests/test_observability.py',
     'profile-needs-cuda': 'tests/functional_tests/test_observability.py',
+    'inference-prompt-too-long': 'tests/unit_tests/inference/test_dynamic_engine.py',
+    'inference-kv-cache-too-small': 'tests/unit_tests/inference/test_dynamic_engine.py',
+    'sft-no-messages': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-unknown-role': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-no-assistant': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-prompt-format': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-format-tokens': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-no-chat-template': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-too-long': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-truncated': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-tokenizer': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-incompatible': 'tests/functional_tests/test_sft_fim_errors.py',
+    'fim-split-no-rate': 'tests/functional_tests/test_sft_fim_errors.py',
+    'fim-rate': 'tests/functional_tests/test_sft_fim_errors.py',
+    'fim-sentinel': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-bad-json': 'tests/unit_tests/data/test_sft_dataset.py',
+    'fim-tokenizer': 'tests/unit_tests/data/test_fim.py',
 }
 
 

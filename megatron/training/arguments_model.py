@@ -297,7 +297,19 @@ def _add_training_args(parser):
             'If not set, clone the output of the scatter in embedding layer to GC original tensor.'
         ),
     )
-    group.add_argument('--profile', action='store_true', help='Enable torch profiling.')
+    group.add_argument(
+        '--profile',
+        action='store_true',
+        help='Enable nsys profiling (a CUDA profiler range over the profiled steps; run under '
+        'nsys profile --capture-range=cudaProfilerApi). With --use-pytorch-profiler, the torch '
+        'profiler writes a trace (CPU and GPU) to --tensorboard-dir instead.',
+    )
+    group.add_argument(
+        '--use-pytorch-profiler',
+        action='store_true',
+        help='Use the built-in pytorch profiler with --profile: one Chrome trace per profiled '
+        'rank in --tensorboard-dir (open it in Perfetto or TensorBoard).',
+    )
     group.add_argument(
         '--profile-step-start', type=int, default=10, help='Global step to start profiling.'
     )

@@ -61,6 +61,8 @@ ELSEWHERE = {
     'fp16-real-nan': 'tests/functional_tests/test_fp16_default_loss_scale.py',
     'frozen-rank': 'tests/functional_tests/test_faults_torchrun.py',
     'launcher-dead': 'tests/functional_tests/test_faults_torchrun.py',
+    'wandb-missing': 'tests/functional_tests/test_observability.py',
+    'profile-needs-cuda': 'tests/functional_tests/test_observability.py',
     'inference-prompt-too-long': 'tests/unit_tests/inference/test_dynamic_engine.py',
     'inference-kv-cache-too-small': 'tests/unit_tests/inference/test_dynamic_engine.py',
     'sft-no-messages': 'tests/functional_tests/test_sft_fim_errors.py',

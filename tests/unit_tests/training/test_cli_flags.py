@@ -30,6 +30,7 @@ OUR_EXTRA_FLAGS = {
     '--non-persistent-global-ckpt-dir',
     '--non-persistent-save-interval',
     '--renormalize-blend-weights',
+    '--use-pytorch-profiler',
     # Dynamic-batching inference engine (megatron/core/inference, docs/inference_engine.md).
     '--inference-dynamic-batching',
     '--inference-max-seq-length',

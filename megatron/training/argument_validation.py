@@ -10,7 +10,9 @@ import math
 import torch
 
 from megatron.core.utils import uses_cuda
+from megatron.training.argument_validation_sft_fim import validate_sft_and_fim_args
 from megatron.training.arguments_unsupported import check_unsupported_flags
+from megatron.training.observability_args import validate_observability_args
 
 
 def _note(args, message):
@@ -34,9 +36,10 @@ def validate_args(args, defaults={}):
         args, modified in place.
     """
     # Flags of features this package does not have: refuse any non-default value first.
-    from megatron.training.arguments import get_args_parser
+    from megatron.training.arguments_parser import get_args_parser
 
     check_unsupported_flags(args, get_args_parser())
+    validate_observability_args(args)
 
     # Model-parallel sizes against the world size.
     if args.tensor_model_parallel_size < 1 or args.pipeline_model_parallel_size < 1:
@@ -448,6 +451,7 @@ def validate_args(args, defaults={}):
         raise ValueError(f'--num-experts must be positive, got {args.num_experts}')
 
     _validate_megatron_r08_extras(args)
+    validate_sft_and_fim_args(args)
 
     if args.timing_log_level not in (0, 1, 2):
         raise ValueError(f'--timing-log-level must be 0, 1 or 2, got {args.timing_log_level}')

@@ -19,7 +19,8 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.utils import uses_cuda
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.global_vars import get_args, set_global_variables
+from megatron.training.global_vars import get_args, set_global_variables, set_wandb_writer
+from megatron.training.scalar_writers import build_wandb_writer
 from megatron.training.startup_checks import check_output_directories
 from megatron.training.watchdog import exit_when_launcher_dies
 
@@ -61,6 +62,7 @@ def initialize_megatron(
     check_output_directories(args)
 
     set_global_variables(args)
+    set_wandb_writer(build_wandb_writer(args))
     setup_logging()
 
     if skip_mpu_initialization:

@@ -10,6 +10,7 @@ Start it with the model-parallel flags of the checkpoint, e.g. (see examples/inf
 Global rank 0 serves on --host:--port; every other rank waits for its broadcasts.
 """
 
+import errno
 import os
 import socket
 import sys
@@ -21,6 +22,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.utils import get_current_device
 from megatron.inference.text_generation_server import (
     MAX_PROMPTS,
     MAX_REQUEST_BYTES,
@@ -97,17 +99,31 @@ def add_text_generate_args(parser):
     return parser
 
 
-def check_address(host, port):
-    """Rank 0 can listen on host:port (checked before the model is built: a port in use or a
-    host that is not this machine's is one line, not werkzeug's exit after all the work)."""
+def _bind_error(host, port):
+    """The errno of binding host:port here (0: it can be served)."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
+    except socket.gaierror:
+        return errno.EADDRNOTAVAIL
     except OSError as exc:
-        reason = exc.strerror or str(exc)
-        raise ValueError(f'--host {host} --port {port}: cannot serve there ({reason})') from None
+        return exc.errno or errno.EADDRNOTAVAIL
+    return 0
+
+
+def check_address(host, port):
+    """Rank 0 can listen on host:port, checked before the model is built (a port in use or a host
+    that is not this machine's is one line, not werkzeug's exit after all the work). Every rank
+    learns the verdict and refuses together, so no rank is left in a collective."""
+    code = _bind_error(host, port) if torch.distributed.get_rank() == 0 else 0
+    verdict = torch.tensor([code], dtype=torch.long, device=get_current_device())
+    torch.distributed.broadcast(verdict, 0)
+    if verdict.item():
+        raise ValueError(
+            f'--host {host} --port {port}: cannot serve there ({os.strerror(verdict.item())})'
+        )
 
 
 #: Script defaults for flags left unset. Generation batches prompts itself, so the training
@@ -150,8 +166,7 @@ def main(args_list=None):
             'the text generation server needs --load (the checkpoint to serve); pass '
             '--random-weights to serve randomly initialized weights'
         )
-    if torch.distributed.get_rank() == 0:
-        check_address(args.host, args.port)
+    check_address(args.host, args.port)
     print_rank_0("WARNING: Forcing exit_on_missing_checkpoint to True for text generation.")
     args.exit_on_missing_checkpoint = True
 

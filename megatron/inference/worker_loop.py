@@ -9,6 +9,10 @@ that choice and joins the same path.
 A failed request never stops a rank: the request path ends with every rank agreeing on whether
 any of them failed, and then raises the same exception on all of them (`RequestRefused`,
 `GenerationFailed`), so the loop reports it and waits for the next choice, in step with rank 0.
+This covers every failure that is a function of the request (the same on every rank: the ranks
+hold identical settings, tokens and, within a stage, identical logits). A rank that fails alone
+in the middle of a collective (a device fault) leaves its peers waiting in that collective; only
+tearing the process group down would free them, which this loop does not attempt.
 """
 
 import threading

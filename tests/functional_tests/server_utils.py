@@ -28,6 +28,22 @@ class Server:
     """A server process, its base URL and its log."""
 
     def __init__(self, ckpt, tp, log_path, extra=()):
+        self.log_path = log_path
+        # A port found free may be taken (by another process's ephemeral socket) before the
+        # server binds it; the server then refuses in one line and is started on another port.
+        for attempt in range(3):
+            self._start(ckpt, tp, extra)
+            try:
+                self._wait_ready()
+                return
+            except RuntimeError:
+                if attempt == 2 or "cannot serve there (Address already in use)" not in (
+                    self.read_log()
+                ):
+                    raise
+                self.stop()
+
+    def _start(self, ckpt, tp, extra):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # No architecture or layout flags: they come from the converted checkpoint.
@@ -56,12 +72,10 @@ class Server:
                 str(_free_port()),
                 str(REPO / "tools" / "run_text_generation_server.py"),
             ]
-        self.log_path = log_path
-        self.log = open(log_path, "w")  # noqa: SIM115 (open as long as the server runs)
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (open as long as the server runs)
         self.proc = subprocess.Popen(
             cmd + flags, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        self._wait_ready()
 
     def _wait_ready(self):
         deadline = time.time() + START_TIMEOUT
@@ -78,7 +92,8 @@ class Server:
         raise RuntimeError(f"server not ready after {START_TIMEOUT}s:\n{self.read_log()}")
 
     def read_log(self):
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return pathlib.Path(self.log_path).read_text()[-5000:]
 
     def stop(self):

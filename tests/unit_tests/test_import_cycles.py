@@ -18,9 +18,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 #: HuggingFaceTokenizer defined next to it (the SFT work's). A new cycle fails this test.
 KNOWN_CYCLES = {
     frozenset({'megatron.inference.completions', 'megatron.inference.text_generation_server'}),
-    frozenset(
-        {'megatron.training.tokenizer.sft_tokenizer', 'megatron.training.tokenizer.tokenizer'}
-    ),
 }
 
 

@@ -5,6 +5,8 @@ derives the values the rest of the training layer reads (`data_parallel_size`, `
 Re-exported by `arguments.py`, where Megatron users import it from.
 """
 
+import math
+
 import torch
 
 from megatron.core.utils import uses_cuda
@@ -558,4 +560,15 @@ def validate_encoder_decoder_args(args):
             f'--vocab-extra-ids ({args.vocab_extra_ids}) must be > 0 for T5 data: the '
             'span-corruption sentinels <extra_id_i> come from it (Megatron uses 100)'
         )
+    if has_data:
+        # Each masked span takes one sentinel; a sample of L tokens (the encoder length minus
+        # [BOS] and [EOS]) has at most ceil(mask_prob x L) masked tokens, hence spans.
+        spans = max(1, math.ceil(args.mask_prob * (args.encoder_seq_length - 2)))
+        if args.vocab_extra_ids < spans:
+            raise ValueError(
+                f'--vocab-extra-ids ({args.vocab_extra_ids}) is fewer than the masked spans a T5 '
+                f'sample can have: up to ceil(--mask-prob {args.mask_prob} x '
+                f'(--encoder-seq-length {args.encoder_seq_length} - 2)) = {spans}, one sentinel '
+                f'each; pass --vocab-extra-ids {spans} or more (Megatron uses 100)'
+            )
     return args

@@ -55,7 +55,9 @@ def initialize_megatron(
             raise ValueError('--use-checkpoint-args requires --load')
         from megatron.training.checkpointing import load_args_from_checkpoint
 
-        load_args_from_checkpoint(args)
+        _, checkpoint_args = load_args_from_checkpoint(args)
+        if checkpoint_args is None:
+            _refuse_missing_checkpoint_args(args)
     validate_args(args, args_defaults)
     check_output_directories(args)
 
@@ -72,6 +74,22 @@ def initialize_megatron(
     _set_random_seed(args.seed, args.data_parallel_random_init)
     _compile_dependencies()
     return None
+
+
+def _refuse_missing_checkpoint_args(args) -> None:
+    """--use-checkpoint-args found no checkpoint to take the model's shape from: say so, rather
+    than "--num-layers is required" for the first flag it did not give."""
+    missing = [
+        '--' + name.replace('_', '-')
+        for name in ('num_layers', 'hidden_size', 'num_attention_heads', 'max_position_embeddings')
+        if getattr(args, name, None) is None
+    ]
+    if missing:
+        raise ValueError(
+            f'--use-checkpoint-args: no checkpoint in --load {args.load} (no '
+            f'latest_checkpointed_iteration.txt there) to take {", ".join(missing)} from; check '
+            f'the --load path, or give those flags'
+        )
 
 
 def setup_logging() -> None:

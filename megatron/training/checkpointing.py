@@ -475,9 +475,13 @@ def _layout_mismatch_message(checkpoint_args, checkpoint_name: str) -> Optional[
     """Megatron-worded differences of the parallel layout, or None if it matches."""
     args = get_args()
     lines = []
-    for name in ('tensor_model_parallel_size', 'pipeline_model_parallel_size'):
+    for name in (
+        'tensor_model_parallel_size',
+        'pipeline_model_parallel_size',
+        'pipeline_model_parallel_split_rank',  # T5: which stages hold the encoder
+    ):
         ckpt_value = getattr(checkpoint_args, name, None)
-        if ckpt_value is not None and ckpt_value != getattr(args, name):
+        if ckpt_value is not None and ckpt_value != getattr(args, name, None):
             lines.append(
                 f'{name} value from checkpoint ({ckpt_value}) is not equal to the input argument '
                 f'value ({getattr(args, name)}).'
@@ -758,6 +762,9 @@ def load_args_from_checkpoint(
         _set_arg('pipeline_model_parallel_size', force=True)
         _set_arg('virtual_pipeline_model_parallel_size', force=True)
         _set_arg('num_layers_per_virtual_pipeline_stage')
+        if getattr(checkpoint_args, 'pipeline_model_parallel_split_rank', None) is not None:
+            # A T5's pipeline split goes with its pipeline size (which stage holds which stack).
+            _set_arg('pipeline_model_parallel_split_rank', force=True)
     return args, checkpoint_args
 
 

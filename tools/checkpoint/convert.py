@@ -8,8 +8,9 @@ runs in a child process and writes the target:
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1
 
 The queue carries first a metadata namespace, then one dict per message ("embeddings",
-"transformer layer N", "final norm", "output layer", BERT heads), each with a "name" key, then
-the string "done" ("exit" if the loader failed). Plugins: loader_<name>.py defines
+"transformer layer N", "final norm", "output layer", BERT heads; a T5's encoder and decoder
+messages are listed in mcore_t5.py), each with a "name" key, then the string "done" ("exit" if
+the loader failed). Plugins: loader_<name>.py defines
 `add_arguments(parser)` and `load_checkpoint(queue, args)`, saver_<name>.py `add_arguments` and
 `save_checkpoint(queue, args)`; either may also define `check_arguments(args, source)`, called
 before any process starts so that wrong flags fail in one line before any work.
@@ -56,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
         conflict_handler='resolve',
     )
     parser.add_argument(
-        '--model-type', type=str, required=True, choices=['GPT', 'BERT'], help='Type of the model'
+        '--model-type',
+        type=str,
+        required=True,
+        choices=['GPT', 'BERT', 'T5'],
+        help='Type of the model (T5: the mcore / megatron loader and saver)',
     )
     parser.add_argument(
         '--loader',

@@ -732,6 +732,10 @@ def load_args_from_checkpoint(
         _set_arg(name, force=True)
     _set_arg('kv_channels')
     _set_arg('max_position_embeddings')
+    if getattr(checkpoint_args, 'decoder_seq_length', None) is not None:
+        # A T5's decoder (Megatron does not carry these: a T5 needed them on the command line).
+        _set_arg('decoder_num_layers')
+        _set_arg('decoder_seq_length')
     for name in (
         'position_embedding_type',
         'add_position_embedding',

@@ -281,8 +281,8 @@ def test_mixed_layout_and_partial_sources_are_refused(capsys, checkpoints, tmp_p
 
 
 def test_checkpoint_args_carry_the_split_rank(checkpoints):
-    """--use-checkpoint-args takes the split rank with the pipeline size; a run at another split
-    is refused by name before any tensor is read."""
+    """--use-checkpoint-args takes the split rank with the pipeline size, and the decoder's depth
+    and length; a run at another split is refused by name before any tensor is read."""
     from megatron.training import checkpointing
     from megatron.training.arguments import parse_args
     from megatron.training.checkpoint_conversion import CheckpointReader
@@ -291,6 +291,7 @@ def test_checkpoint_args_carry_the_split_rank(checkpoints):
     args = parse_args(args_list=['--use-checkpoint-args', '--load', checkpoints['pp4']])
     args, _ = checkpointing.load_args_from_checkpoint(args)
     assert (args.pipeline_model_parallel_size, args.pipeline_model_parallel_split_rank) == (4, 2)
+    assert (args.num_layers, args.decoder_num_layers, args.decoder_seq_length) == (2, 2, 16)
     args.pipeline_model_parallel_split_rank = 1
     destroy_global_vars()
     set_args(args)

@@ -228,6 +228,11 @@ def test_target_split_rank_errors(capsys, checkpoints, tmp_path):
         'error: --target-pipeline-parallel-split-rank 3: the 2 encoder layers do not divide into '
         '3 encoder stages'
     )
+    code = convert.main(['--model-type', 'T5', '--loader', 'mcore', '--saver', 'hf', *save])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        'error: --saver hf exports GPT models (GPT-2 and Llama families), not --model-type T5'
+    )
     code = convert.main(['--model-type', 'BERT', *T5[2:], *save])
     assert code == 2
     assert capsys.readouterr().err.strip() == (

@@ -37,6 +37,11 @@ def add_arguments(parser):
 
 
 def check_arguments(args, md):
+    if md is not None and md.model_type != 'GPT':
+        raise ValueError(
+            f'--saver hf exports GPT models (GPT-2 and Llama families), not --model-type '
+            f'{md.model_type}'
+        )
     if md is not None:
         hfc.hf_family_of_args(md.checkpoint_args)
     if args.hf_tokenizer_dir is not None and not os.path.isdir(args.hf_tokenizer_dir):

@@ -8,7 +8,9 @@ makes the weights, the consumed samples and the iteration the whole training sta
 converted iteration-2 checkpoint loaded with --no-load-optim --no-load-rng must continue with the
 uninterrupted run's losses at iterations 3 and 4: bit for bit at the source's own layout, within
 float32 reduction-order noise at TP1 and at PP4 (split 2, where the last stage keeps its own copy
-of the tied word table).
+of the tied word table). An untied variant (its own head weight, no head bias) makes the same
+round trip and trains on at TP1 and TP2xPP2 with equal losses. Bad target splits, models other
+than T5, a mixed-layout or partial source are refused in one line before any work.
 """
 
 import os
@@ -188,6 +190,68 @@ def test_converted_checkpoints_resume_with_the_original_losses(checkpoints):
     assert sorted(pp4) == [3, 4]
     for it in (3, 4):
         assert pp4[it] == pytest.approx(expected[it], rel=RTOL), it
+
+
+@pytest.fixture(scope='module')
+def untied(checkpoints):
+    """An untied T5 (its own output weight, no head bias) at TP1, made from the TP1 conversion,
+    converted to TP2xPP2(split 1) and back."""
+    from megatron.training.checkpoint_conversion import CheckpointReader
+
+    root = checkpoints['root']
+    src, tp2pp2, back = (str(root / n) for n in ('untied', 'untied_tp2pp2', 'untied_back'))
+    shutil.copytree(checkpoints['tp1'], src)
+    path = CheckpointReader(src).rank_file(0, 0)
+    state = cu.read_rank_file(src, 0, 0, pp=1)
+    model = state['model']
+    head = model['embedding.word_embeddings.weight'].flip(0).clone()  # not the word table
+    for prefix in ('output_layer.', 'lm_head.output_layer.'):
+        del model[prefix + 'bias']
+        model[prefix + 'weight'] = head
+    state['args'].untie_embeddings_and_output_weights = True
+    torch.save(state, path)
+    target = ['--target-tensor-parallel-size', '2', '--target-pipeline-parallel-size', '2']
+    split = ['--target-pipeline-parallel-split-rank', '1']
+    cu.convert(*T5, '--load-dir', src, '--save-dir', tp2pp2, *target, *split, model_type=None)
+    target = ['--target-tensor-parallel-size', '1', '--target-pipeline-parallel-size', '1']
+    log = cu.convert(*T5, '--load-dir', tp2pp2, '--save-dir', back, *target, model_type=None)
+    return dict(src=src, tp2pp2=tp2pp2, back=back, head=head, log=log.stdout)
+
+
+def test_untied_head_round_trip(untied, checkpoints):
+    source = cu.read_rank_file(untied['src'], 0, 0, pp=1)['model']
+    back = cu.read_rank_file(untied['back'], 0, 0, pp=1)['model']
+    assert sorted(back) == sorted(source)
+    for name, tensor in source.items():
+        if tensor is None:
+            assert back[name] is None, name
+        else:
+            assert torch.equal(back[name], tensor), name
+    assert 'sending output layer' in untied['log'] and 'sending lm head' not in untied['log']
+    # TP2 x PP2: the head's vocabulary shards on the last stage, no bias anywhere.
+    for tp_rank in range(2):
+        last = cu.read_rank_file(untied['tp2pp2'], tp_rank, 1, pp=2)['model']
+        shard = untied['head'].chunk(2, dim=0)[tp_rank]
+        assert torch.equal(last['output_layer.weight'], shard)
+        assert torch.equal(last['lm_head.output_layer.weight'], shard)
+        assert 'output_layer.bias' not in last and 'lm_head.output_layer.bias' not in last
+    # Both layouts load strictly into pretrain_t5.py's model and give the same next loss.
+    data, untie = checkpoints['data'], ['--untie-embeddings-and-output-weights']
+    flags = ['--no-load-optim', '--no-load-rng', '--train-iters', '3'] + untie + data
+    (tp1,) = run_distributed(
+        _train, world_size=1, args=(_layout(1, 1) + ['--load', untied['src']] + flags,)
+    )
+    tp2pp2 = run_distributed(
+        _train,
+        world_size=4,
+        tp=2,
+        pp=2,
+        split_rank=1,
+        args=(_layout(2, 2, 1) + ['--load', untied['tp2pp2']] + flags,),
+    )[-1]
+    assert sorted(tp1) == sorted(tp2pp2) == [3]
+    assert tp2pp2[3] == pytest.approx(tp1[3], rel=RTOL)
+    assert tp1[3] != pytest.approx(checkpoints['losses'][3], rel=1e-3)  # the head is its own
 
 
 def _error(capsys, *flags):

@@ -104,8 +104,9 @@ def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
 class _FactoryBuilt(dict):
     """The sub-dict a factory built, remembering the factory (for the merge after load)."""
 
-    def __init__(self, factory: ShardedTensorFactory, built: Dict):
-        super().__init__(built if isinstance(built, dict) else {'_': built})
+    def __init__(self, factory: ShardedTensorFactory, built):
+        self.wrapped = not isinstance(built, dict)
+        super().__init__({'_': built} if self.wrapped else built)
         self.factory = factory
 
 
@@ -113,7 +114,7 @@ def apply_factory_merges(state_dict: Any) -> Any:
     """Merge every factory's loaded sub-dict back into one tensor (merge_fn)."""
     if isinstance(state_dict, _FactoryBuilt):
         loaded = {k: apply_factory_merges(v) for k, v in state_dict.items()}
-        return state_dict.factory.merge_fn(loaded)
+        return state_dict.factory.merge_fn(loaded['_'] if state_dict.wrapped else loaded)
     if isinstance(state_dict, dict):
         for k, v in state_dict.items():
             state_dict[k] = apply_factory_merges(v)

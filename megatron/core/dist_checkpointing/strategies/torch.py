@@ -157,7 +157,7 @@ def _tensor_chunks(sh: ShardedTensor) -> List[Tuple[Tuple[int, ...], Tuple[int, 
     """
     n = sh.prepend_axis_num
     if sh.flattened_range is None:
-        data = None if sh.data is None else sh.data.reshape(sh.local_chunk_shape)
+        data = None if sh.data is None else sh.data.detach().view(sh.local_chunk_shape)
         return [(sh.global_offset, sh.local_chunk_shape, data)]
     out = []
     base = sh.flattened_range.start
@@ -168,7 +168,7 @@ def _tensor_chunks(sh: ShardedTensor) -> List[Tuple[Tuple[int, ...], Tuple[int, 
         size = (1,) * n + tuple(box.shape)
         data = None
         if sh.data is not None:
-            data = sh.data[box.flat_start - base : box.flat_stop - base].view(size)
+            data = sh.data.detach()[box.flat_start - base : box.flat_stop - base].view(size)
         out.append((offset, size, data))
     return out
 
@@ -451,7 +451,8 @@ def build_read_requests(sharded_state_dict: ShardedStateDict, metadata: Metadata
         md = _stored_tensor_md(metadata, sh)
         stored = tuple(md.size)
         if stored != sh.global_shape:
-            sh.data.zero_()  # padded rows beyond the stored vocabulary stay zero
+            with torch.no_grad():
+                sh.data.zero_()  # padded rows beyond the stored vocabulary stay zero
         for offset, size, view in _tensor_chunks(sh):
             # Clip to the stored global shape (a padded vocabulary that shrank or grew).
             clipped = tuple(max(0, min(o + s, g) - o) for o, s, g in zip(offset, size, stored))

@@ -9,6 +9,7 @@ import torch
 
 from megatron.core.utils import uses_cuda
 from megatron.training.arguments_unsupported import check_unsupported_flags
+from megatron.training.dist_checkpoint_args import validate_dist_checkpoint_args
 
 
 def _note(args, message):
@@ -446,6 +447,7 @@ def validate_args(args, defaults={}):
         raise ValueError(f'--num-experts must be positive, got {args.num_experts}')
 
     _validate_megatron_r08_extras(args)
+    validate_dist_checkpoint_args(args)
 
     if args.timing_log_level not in (0, 1, 2):
         raise ValueError(f'--timing-log-level must be 0, 1 or 2, got {args.timing_log_level}')

@@ -272,6 +272,8 @@ def _pretrain(
                 opt_param_scheduler,
                 num_floating_point_operations_so_far,
             )
+        if args.async_save:
+            _checkpointing().maybe_finalize_async_save(blocking=True, announce=True)
     else:
         print_rank_0('skipping training (--skip-train is on) ...')
         iteration = args.iteration
@@ -737,6 +739,8 @@ def train(
         gc.collect()
 
     while iteration < args.train_iters:
+        if args.async_save:  # a finished background save moves the tracker now
+            _checkpointing().maybe_finalize_async_save(blocking=False)
         update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         args.curr_iteration = iteration
         # The iteration's deadline covers the step and what follows it (logging, saving).
@@ -858,6 +862,8 @@ def train(
             gc.collect()
 
     progress('after training', iteration, deadline=False)
+    if args.async_save:  # exits (SIGTERM, --exit-interval) wait for the pending save
+        _checkpointing().maybe_finalize_async_save(blocking=True, announce=True)
     timers('interval-time').stop()
     if args.manual_gc:
         gc.enable()

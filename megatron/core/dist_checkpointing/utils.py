@@ -251,3 +251,9 @@ def apply_swiglu_sharded_factory(
         original_sh_ten.replica_id,
         original_sh_ten.flattened_range,
     )
+
+
+def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
+    """Prepend `prefix` to the key of every sharded leaf (objects included)."""
+    for sh in _sharded_leaves(sharded_state_dict):
+        sh.key = f'{prefix}{sh.key}'

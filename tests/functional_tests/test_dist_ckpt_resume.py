@@ -1,0 +1,101 @@
+"""Resume from torch_dist checkpoints through pretrain_gpt.py at the same and at other layouts.
+
+One harness pool of 4 gloo ranks runs every job (pretrain() in-process, tiny GPT, mock data):
+
+- an uninterrupted reference run at TP2 x PP2 with the distributed optimizer;
+- the same command stopped by `--exit-interval` (saves `--use-dist-ckpt`), then resumed at the
+  same layout: the resumed losses equal the reference's bit for bit;
+- the same checkpoint resumed with no conversion at TP1 x PP1 x DP4, TP4, TP1 x PP4 (with and
+  without the distributed optimizer): the losses equal the reference's within reduction noise
+  (other summation orders), while `--no-load-optim` gives a trajectory that the same check
+  rejects;
+- a checkpoint saved at PP2 x VP2 x DP2 (distributed optimizer) resumes at TP2 x PP2 without VP.
+"""
+
+import os
+
+from tests.functional_tests.test_resume import RESUME_ARGS, _hex_losses
+from tests.unit_tests.dist_utils import run_distributed
+
+TRAIN_ITERS, STOP_AT = 6, 3
+#: Relative tolerance for another layout (fp32, other reduction order; measured ~1e-6).
+RTOL = 2e-4
+
+
+def _layout(tp, pp, vp=None):
+    args = ['--tensor-model-parallel-size', str(tp), '--pipeline-model-parallel-size', str(pp)]
+    if vp:
+        args += ['--num-layers-per-virtual-pipeline-stage', str(4 // (pp * vp))]
+    return args
+
+
+def _run(args_list, log=None):
+    import sys
+
+    from tests.functional_tests.test_resume import REPO
+
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training.global_vars import destroy_global_vars
+    from megatron.training.training import pretrain
+
+    destroy_global_vars()
+    try:
+        result = pretrain(
+            pretrain_gpt.train_valid_test_datasets_provider,
+            pretrain_gpt.model_provider,
+            ModelType.encoder_or_decoder,
+            pretrain_gpt.forward_step,
+            args_list=RESUME_ARGS + list(args_list),
+        )
+    finally:
+        destroy_global_vars()
+    return _hex_losses(result['train_losses'])
+
+
+def _jobs(jobs):
+    """Run pretrain() jobs one after the other on this rank; the union of every job's losses."""
+    return [_run(args) for args in jobs]
+
+
+def _merged(outs):
+    """Per job, the losses of whichever rank is on the last stage."""
+    merged = []
+    for job in range(len(outs[0])):
+        losses = {}
+        for rank_out in outs:
+            losses.update(rank_out[job])
+        merged.append(losses)
+    return merged
+
+
+def _close(a_hex, b_hex):
+    a, b = float.fromhex(a_hex), float.fromhex(b_hex)
+    return abs(a - b) <= RTOL * abs(b)
+
+
+def test_dist_ckpt_resume_matrix(tmp_path):
+    common = ['--train-iters', str(TRAIN_ITERS), '--use-dist-ckpt']
+    ckpt = str(tmp_path / 'ckpt')
+    distopt = ['--use-distributed-optimizer']
+    jobs = [
+        common + _layout(2, 2) + distopt + ['--save', str(tmp_path / 'ref')],
+        common + _layout(2, 2) + distopt + ['--save', ckpt, '--exit-interval', str(STOP_AT)],
+        common + _layout(2, 2) + distopt + ['--load', ckpt],
+        common + _layout(1, 1) + distopt + ['--load', ckpt],
+        common + _layout(4, 1) + ['--load', ckpt],
+        common + _layout(1, 4) + distopt + ['--load', ckpt],
+        common + _layout(1, 1) + distopt + ['--load', ckpt, '--no-load-optim'],
+    ]
+    outs = _merged(run_distributed(_jobs, world_size=4, args=(jobs,), timeout=900))
+    reference, stopped, same, *resharded, no_optim = outs
+    assert sorted(reference) == list(range(1, TRAIN_ITERS + 1))
+    assert stopped == {it: reference[it] for it in range(1, STOP_AT + 1)}
+    assert same == {it: reference[it] for it in range(STOP_AT + 1, TRAIN_ITERS + 1)}
+    for layout, losses in zip(['TP1 DP4', 'TP4', 'PP4'], resharded):
+        assert sorted(losses) == list(range(STOP_AT + 1, TRAIN_ITERS + 1)), layout
+        for it, value in losses.items():
+            assert _close(value, reference[it]), (layout, it, value, reference[it])
+    assert not all(_close(no_optim[it], reference[it]) for it in no_optim)

@@ -151,9 +151,9 @@ def _has_distributed_optimizer(optimizer) -> bool:
 
 
 def _save_strategy(args):
-    """The save strategy of this run (kept: caches plans / the DP distribution)."""
-    key = (args.ckpt_fully_parallel_save, args.ckpt_assume_constant_structure)
-    if key not in _SAVE_STRATEGY:
+    """The save strategy of this run, kept for the run's later saves (it caches plans and the
+    DP distribution); a new run (new args, new process groups) gets a new one."""
+    if _SAVE_STRATEGY.get('args') is not args:
         strategy = TorchDistSaveShardedStrategy(
             'torch_dist', 1, cached_metadata=args.ckpt_assume_constant_structure
         )
@@ -163,9 +163,8 @@ def _save_strategy(args):
                 _dp_group_for_objects(),
                 do_cache_distribution=args.ckpt_assume_constant_structure,
             )
-        _SAVE_STRATEGY.clear()
-        _SAVE_STRATEGY[key] = strategy
-    return _SAVE_STRATEGY[key]
+        _SAVE_STRATEGY.update(args=args, strategy=strategy)
+    return _SAVE_STRATEGY['strategy']
 
 
 def _dp_group_for_objects():

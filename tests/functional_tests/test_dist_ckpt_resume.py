@@ -138,3 +138,65 @@ def test_dist_ckpt_same_layout_restores_rng(tmp_path):
     )
     assert stopped == {it: reference[it] for it in (1, 2)}
     assert resumed == {it: reference[it] for it in (3, 4)}
+
+
+def _bert_jobs(jobs):
+    from tests.functional_tests.bert_utils import run_bert_pretrain
+
+    return [
+        {
+            int(it): float(v['lm loss']).hex()
+            for it, v in run_bert_pretrain(args)['train_losses'].items()
+        }
+        for args in jobs
+    ]
+
+
+def _t5_jobs(jobs):
+    from tests.functional_tests.t5_utils import run_pretrain_t5
+
+    return [
+        {int(it): float(v['lm loss']).hex() for it, v in run_pretrain_t5(args)['train_losses'].items()}
+        for args in jobs
+    ]
+
+
+def _check_reshard(reference, resumed):
+    assert sorted(resumed) == list(range(STOP_AT + 1, TRAIN_ITERS + 1))
+    for it, value in resumed.items():
+        assert _close(value, reference[it]), (it, value, reference[it])
+
+
+def test_bert_dist_ckpt_tp2_pp2_to_tp1_dp2(tmp_path, bert_data_prefix):
+    # Same micro-batch size: BERT's loss is a per-micro-batch masked mean.
+    common = [
+        '--train-iters', str(TRAIN_ITERS), '--global-batch-size', '4', '--eval-iters', '1',
+        '--data-path', bert_data_prefix, '--data-cache-path', str(tmp_path / 'cache'),
+        '--save-interval', '1000', '--use-dist-ckpt', '--micro-batch-size', '2',
+    ]
+    saved = common + _layout(2, 2)
+    ckpt = str(tmp_path / 'ckpt')
+    jobs = [
+        saved + ['--save', str(tmp_path / 'ref')],
+        saved + ['--save', ckpt, '--exit-interval', str(STOP_AT)],
+        common + _layout(1, 2) + ['--load', ckpt],
+    ]
+    reference, _, resumed = _merged(run_distributed(_bert_jobs, world_size=4, args=(jobs,), timeout=900))
+    _check_reshard(reference, resumed)
+
+
+def test_t5_dist_ckpt_tp2_pp2_split_to_tp1(tmp_path, t5_data_prefix):
+    common = [
+        '--train-iters', str(TRAIN_ITERS), '--global-batch-size', '8', '--micro-batch-size', '2',
+        '--eval-iters', '1', '--data-path', t5_data_prefix, '--data-cache-path',
+        str(tmp_path / 'cache'), '--save-interval', '1000', '--use-dist-ckpt',
+    ]
+    saved = common + _layout(2, 2) + ['--pipeline-model-parallel-split-rank', '1']
+    ckpt = str(tmp_path / 'ckpt')
+    jobs = [
+        saved + ['--save', str(tmp_path / 'ref')],
+        saved + ['--save', ckpt, '--exit-interval', str(STOP_AT)],
+        common + _layout(1, 1) + ['--load', ckpt],
+    ]
+    reference, _, resumed = _merged(run_distributed(_t5_jobs, world_size=4, args=(jobs,), timeout=900))
+    _check_reshard(reference, resumed)

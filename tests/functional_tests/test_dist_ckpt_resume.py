@@ -124,20 +124,29 @@ def test_dist_ckpt_resume_from_vp2_dp2(tmp_path):
             assert _close(value, reference[it]), (it, value, reference[it])
 
 
-def test_dist_ckpt_same_layout_restores_rng(tmp_path):
+def test_dist_ckpt_same_layout_async_dp_zero_restores_rng(tmp_path):
+    """TP2 x DP2, dropout on, --async-save every iteration, distributed optimizer gathered on
+    DP rank 0 (--no-ckpt-fully-parallel-save): the resumed losses are bitwise the reference's
+    (RNG, optimizer and data position restored; the async saves completed in order)."""
     dropout = ['--hidden-dropout', '0.1', '--attention-dropout', '0.1']
     common = ['--train-iters', '4', '--use-dist-ckpt'] + _layout(2, 1) + dropout
+    common += ['--use-distributed-optimizer', '--no-ckpt-fully-parallel-save']
     ckpt = str(tmp_path / 'ckpt')
     jobs = [
         common + ['--save', str(tmp_path / 'ref')],
-        common + ['--save', ckpt, '--exit-interval', '2'],
-        common + ['--load', ckpt],
+        common + ['--save', ckpt, '--exit-interval', '2', '--async-save', '--save-interval', '1'],
+        common + ['--load', ckpt, '--async-save', '--save', ckpt],
     ]
     reference, stopped, resumed = _merged(
         run_distributed(_jobs, world_size=4, args=(jobs,), timeout=900)
     )
     assert stopped == {it: reference[it] for it in (1, 2)}
     assert resumed == {it: reference[it] for it in (3, 4)}
+    with open(os.path.join(ckpt, 'latest_checkpointed_iteration.txt')) as f:
+        assert f.read() == '4'
+    assert sorted(os.listdir(ckpt)) == [
+        'iter_0000001', 'iter_0000002', 'iter_0000004', 'latest_checkpointed_iteration.txt'
+    ]
 
 
 def _bert_jobs(jobs):

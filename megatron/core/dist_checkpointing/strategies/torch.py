@@ -482,7 +482,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         reader.set_up_storage_reader(metadata, False)
         planner = MCoreLoadPlanner(requests, targets, objects)
         plan = reader.prepare_local_plan(planner.create_local_plan())
-        reader.read_data(plan, planner).wait()
+        try:
+            reader.read_data(plan, planner).wait()
+        except FileNotFoundError as exc:
+            name = os.path.basename(exc.filename or str(exc))
+            raise CheckpointingException(
+                f'{checkpoint_dir} is incomplete: {name} is missing (the files of global rank '
+                f'{name[2:].split("_")[0] if name.startswith("__") else "?"} of the save)'
+            ) from exc
         for sh in nested_values(sharded_state_dict):
             if isinstance(sh, ShardedObject):
                 sh.data = sh.data[0]

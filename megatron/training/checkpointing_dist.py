@@ -326,7 +326,7 @@ def _load_plan(args, common, checkpoint_dir, release, optimizer) -> Dict[str, An
         load_rng = False
     sharding_type = _optimizer_sharding_type(common) or FULLY_SHARDED_MODEL_SPACE
     if load_optim and optimizer is not None and sharding_type == DP_ZERO_GATHER_SCATTER:
-        if layout_changed or ckpt_tp_pp != run_tp_pp:
+        if ckpt_tp_pp != run_tp_pp:  # dp_zero reshards across DP only
             raise ValueError(
                 f'(TP, PP) mismatch after resume ({ckpt_tp_pp} vs {run_tp_pp} from checkpoint): '
                 f'not supported for DistributedOptimizer with sharding type '

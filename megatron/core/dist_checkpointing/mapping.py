@@ -25,8 +25,9 @@ ReplicaId = Union[int, Tuple[int, ...]]
 ShardedStateDict = Dict[str, Any]
 
 
-class CheckpointingException(Exception):
-    """A distributed checkpoint cannot be written or read as requested."""
+class CheckpointingException(ValueError):
+    """A distributed checkpoint cannot be written or read as requested (a ValueError: the
+    training entry points print it as one `error:` line)."""
 
 
 def is_main_replica(replica_id: ReplicaId) -> bool:

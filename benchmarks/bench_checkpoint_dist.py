@@ -1,7 +1,6 @@
 """torch_dist measurements of bench_checkpoint.py (`--format torch_dist`); see its docstring."""
 
 import contextlib
-import gc
 import io
 import json
 import os
@@ -17,15 +16,41 @@ def _argv(bench, ckpt_dir, tp, pp, world_size, dist_opt, extra=()):
     import torch
 
     argv = [
-        '--num-layers', str(bench.num_layers), '--hidden-size', str(bench.hidden_size),
-        '--num-attention-heads', str(bench.num_attention_heads),
-        '--seq-length', str(bench.seq_length), '--max-position-embeddings', str(bench.seq_length),
-        '--micro-batch-size', '1', '--global-batch-size', str(world_size),
-        '--train-iters', '10', '--lr', '1e-4', '--tokenizer-type', 'GPT2BPETokenizer',
-        '--vocab-file', os.path.join(REPO, 'data', 'gpt2', 'gpt2-vocab.json'),
-        '--merge-file', os.path.join(REPO, 'data', 'gpt2', 'gpt2-merges.txt'),
-        '--save', ckpt_dir, '--load', ckpt_dir, '--save-interval', '1', '--use-dist-ckpt',
-        '--tensor-model-parallel-size', str(tp), '--pipeline-model-parallel-size', str(pp),
+        '--num-layers',
+        str(bench.num_layers),
+        '--hidden-size',
+        str(bench.hidden_size),
+        '--num-attention-heads',
+        str(bench.num_attention_heads),
+        '--seq-length',
+        str(bench.seq_length),
+        '--max-position-embeddings',
+        str(bench.seq_length),
+        '--micro-batch-size',
+        '1',
+        '--global-batch-size',
+        str(world_size),
+        '--train-iters',
+        '10',
+        '--lr',
+        '1e-4',
+        '--tokenizer-type',
+        'GPT2BPETokenizer',
+        '--vocab-file',
+        os.path.join(REPO, 'data', 'gpt2', 'gpt2-vocab.json'),
+        '--merge-file',
+        os.path.join(REPO, 'data', 'gpt2', 'gpt2-merges.txt'),
+        '--save',
+        ckpt_dir,
+        '--load',
+        ckpt_dir,
+        '--save-interval',
+        '1',
+        '--use-dist-ckpt',
+        '--tensor-model-parallel-size',
+        str(tp),
+        '--pipeline-model-parallel-size',
+        str(pp),
         '--use-cpu-initialization',
     ]
     if not torch.cuda.is_available():
@@ -39,8 +64,11 @@ def _argv(bench, ckpt_dir, tp, pp, world_size, dist_opt, extra=()):
 
 def _rank_main(rank, world_size, port, bench, phase, cfg, ckpt_dir, result_file):
     os.environ.update(
-        MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
     )
     sys.path.insert(0, REPO)
     import torch
@@ -70,7 +98,9 @@ def _rank_main(rank, world_size, port, bench, phase, cfg, ckpt_dir, result_file)
     result = {}
     if phase == 'save':
         _synthetic_step(model, optimizer, scheduler, args)
-        result['save_s'], _ = timed(lambda: checkpointing.save_checkpoint(1, model, optimizer, scheduler, 0))
+        result['save_s'], _ = timed(
+            lambda: checkpointing.save_checkpoint(1, model, optimizer, scheduler, 0)
+        )
         args.async_save = True
         torch.distributed.barrier()
         start = time.perf_counter()
@@ -93,8 +123,6 @@ def _rank_main(rank, world_size, port, bench, phase, cfg, ckpt_dir, result_file)
         result['params'] = sum(p.numel() for chunk in model for p in chunk.parameters())
         with open(result_file, 'w') as f:
             json.dump(result, f)
-    del model, optimizer, scheduler
-    gc.collect()
     torch.distributed.destroy_process_group()
 
 
@@ -159,31 +187,45 @@ def main_dist(bench):
         saved = _spawn(bench, 'save', layout, ckpt)
         same = _spawn(bench, 'load', layout, ckpt)
         out.update(saved=saved, same_layout_load=same, bytes=_checkpoint_bytes(ckpt))
-        print(f'{saved["params"]:,} params, world {bench.world_size}, TP{bench.tp} x PP{bench.pp}, '
-              f'distributed optimizer {dist_opt}, checkpoint {out["bytes"] / mib:.0f} MiB')
-        print(f'sync save   {saved["save_s"]:7.2f} s   torch.save same bytes '
-              f'{saved["ref_save_s"]:7.2f} s   ratio {saved["save_s"] / saved["ref_save_s"]:.2f}')
-        print(f'load        {same["load_s"]:7.2f} s   torch.load same bytes '
-              f'{saved["ref_load_s"]:7.2f} s   ratio {same["load_s"] / saved["ref_load_s"]:.2f}')
-        print(f'async save  blocked {saved["async_blocked_s"]:.3f} s = '
-              f'{saved["async_blocked_s"] / saved["save_s"]:.3f} of the sync save; written and '
-              f'finalized after {saved["async_total_s"]:.2f} s')
+        print(
+            f'{saved["params"]:,} params, world {bench.world_size}, TP{bench.tp} x PP{bench.pp}, '
+            f'distributed optimizer {dist_opt}, checkpoint {out["bytes"] / mib:.0f} MiB'
+        )
+        print(
+            f'sync save   {saved["save_s"]:7.2f} s   torch.save same bytes '
+            f'{saved["ref_save_s"]:7.2f} s   ratio {saved["save_s"] / saved["ref_save_s"]:.2f}'
+        )
+        print(
+            f'load        {same["load_s"]:7.2f} s   torch.load same bytes '
+            f'{saved["ref_load_s"]:7.2f} s   ratio {same["load_s"] / saved["ref_load_s"]:.2f}'
+        )
+        print(
+            f'async save  blocked {saved["async_blocked_s"]:.3f} s = '
+            f'{saved["async_blocked_s"] / saved["save_s"]:.3f} of the sync save; written and '
+            f'finalized after {saved["async_total_s"]:.2f} s'
+        )
         if bench.load_tp or bench.load_pp:
-            other = dict(tp=bench.load_tp or bench.tp, pp=bench.load_pp or bench.pp, dist_opt=dist_opt)
+            other = dict(
+                tp=bench.load_tp or bench.tp, pp=bench.load_pp or bench.pp, dist_opt=dist_opt
+            )
             resharded = _spawn(bench, 'load', other, ckpt)
             out['resharded_load'] = resharded
-            print(f'resharded load to TP{other["tp"]} x PP{other["pp"]} {resharded["load_s"]:7.2f} s'
-                  f'   same-layout load {same["load_s"]:7.2f} s   ratio '
-                  f'{resharded["load_s"] / same["load_s"]:.2f}')
+            print(
+                f'resharded load to TP{other["tp"]} x PP{other["pp"]} {resharded["load_s"]:7.2f} s'
+                f'   same-layout load {same["load_s"]:7.2f} s   ratio '
+                f'{resharded["load_s"] / same["load_s"]:.2f}'
+            )
         dp = bench.world_size // (bench.tp * bench.pp)
         if dp > 1:
             single = tempfile.mkdtemp(dir=base_dir)
             single_layout = dict(layout, extra=['--no-ckpt-fully-parallel-save'])
             saved_single = _spawn(bench, 'save', single_layout, single)
             out['single_writer_save'] = saved_single
-            print(f'fully parallel save at DP{dp} {saved["save_s"]:7.2f} s   single writer per DP '
-                  f'group {saved_single["save_s"]:7.2f} s   ratio '
-                  f'{saved["save_s"] / saved_single["save_s"]:.2f}')
+            print(
+                f'fully parallel save at DP{dp} {saved["save_s"]:7.2f} s   single writer per DP '
+                f'group {saved_single["save_s"]:7.2f} s   ratio '
+                f'{saved["save_s"] / saved_single["save_s"]:.2f}'
+            )
     finally:
         if bench.dir is None:
             shutil.rmtree(base_dir, ignore_errors=True)

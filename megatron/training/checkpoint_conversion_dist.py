@@ -101,12 +101,12 @@ def write_full_state_dict(
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.training.checkpoint_layout import get_checkpoint_name
     from megatron.training.checkpointing import (
         CHECKPOINT_VERSION,
         _args_for_checkpoint,
         _write_tracker_atomically,
     )
-    from megatron.training.checkpoint_layout import get_checkpoint_name
 
     created = _init_single_process_group()
     try:

@@ -55,7 +55,6 @@ from megatron.training.global_vars import get_args
 # defined or imported before that split stays importable from here (re-exported).
 from typing import Tuple  # noqa: F401
 
-from megatron.training.checkpointing_dist import maybe_finalize_async_save  # noqa: F401
 from megatron.training.checkpoint_layout import (  # noqa: F401
     DISTRIB_OPTIM_BASENAME,
     MODEL_CHECKPOINT_BASENAME,
@@ -69,6 +68,7 @@ from megatron.training.checkpoint_layout import (  # noqa: F401
     get_distributed_optimizer_checkpoint_name,
     read_metadata,
 )
+from megatron.training.checkpointing_dist import maybe_finalize_async_save  # noqa: F401
 
 #: Version written into every checkpoint, as in Megatron's megatron/training/checkpointing.py:
 #: 3.0 means linear_qkv rows are grouped per query group [q heads of the group, k, v].

@@ -177,8 +177,8 @@ def _dp_group_for_objects():
 
 def _prepare_directory(save_dir: str, iteration: int, checkpoint_dir: str) -> bool:
     """Rank 0 clears a leftover of a killed save; False when this iteration is saved already."""
-    from megatron.training.checkpointing import _check_tracker_moves_forward, _parse_tracker
     from megatron.training.checkpoint_layout import get_checkpoint_tracker_filename
+    from megatron.training.checkpointing import _check_tracker_moves_forward, _parse_tracker
 
     verdict = [None]
     if _is_rank_0():
@@ -208,8 +208,8 @@ def save_dist_checkpoint(
 ) -> None:
     """Save in torch_dist format (every rank). With `--async-save` the files are written in the
     background and the tracker moves once all ranks finished (see the module docstring)."""
-    from megatron.training.checkpointing import _write_tracker_atomically, get_rng_state
     from megatron.training.checkpoint_layout import get_checkpoint_name
+    from megatron.training.checkpointing import _write_tracker_atomically, get_rng_state
 
     maybe_finalize_async_save(blocking=True)  # one pending save at a time, in order
     print_rank_0(
@@ -312,7 +312,9 @@ def _load_plan(args, common, checkpoint_dir, release, optimizer) -> Dict[str, An
     run_tp_pp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     layout_changed = ckpt_tp_pp != run_tp_pp
     fresh = release or args.finetune
-    load_optim = not fresh and not args.no_load_optim and not getattr(ckpt_args, 'no_save_optim', False)
+    load_optim = (
+        not fresh and not args.no_load_optim and not getattr(ckpt_args, 'no_save_optim', False)
+    )
     load_rng = not fresh and not args.no_load_rng and not getattr(ckpt_args, 'no_save_rng', False)
     if load_rng and args.data_parallel_random_init:
         ckpt_dp = getattr(ckpt_args, 'data_parallel_size', args.data_parallel_size)
@@ -431,8 +433,15 @@ def load_dist_checkpoint(
 
     rng = _sharded_rng_state(get_rng_state()) if plan['load_rng'] else None
     state_dict = generate_sharded_state_dict(
-        args, model, optimizer, opt_param_scheduler, rng, None, is_loading=True,
-        with_optimizer=plan['load_optim'], sharding_type=plan['sharding_type'],
+        args,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        rng,
+        None,
+        is_loading=True,
+        with_optimizer=plan['load_optim'],
+        sharding_type=plan['sharding_type'],
     )
     stored = get_default_load_sharded_strategy(checkpoint_dir).stored_keys(checkpoint_dir)
     no_fp32_copies = _drop_optional_absent(state_dict, stored)

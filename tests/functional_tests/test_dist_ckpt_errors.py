@@ -35,9 +35,14 @@ def test_dp_zero_optimizer_state_does_not_reshard():
     from megatron.training import checkpointing_dist
 
     args = argparse.Namespace(
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, finetune=False,
-        no_load_optim=False, no_load_rng=True, data_parallel_random_init=False,
-        data_parallel_size=1, seed=1,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        finetune=False,
+        no_load_optim=False,
+        no_load_rng=True,
+        data_parallel_random_init=False,
+        data_parallel_size=1,
+        seed=1,
     )
     saved = argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
     common = {

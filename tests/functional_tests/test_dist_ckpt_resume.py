@@ -5,13 +5,14 @@ One harness pool of 4 gloo ranks runs every job (pretrain() in-process, tiny GPT
 - an uninterrupted reference run at TP2 x PP2 with the distributed optimizer;
 - the same command stopped by `--exit-interval` (saves `--use-dist-ckpt`), then resumed at the
   same layout: the resumed losses equal the reference's bit for bit;
-- the same checkpoint resumed with no conversion at TP1 x PP1 x DP4, TP4, TP1 x PP4 (with and
-  without the distributed optimizer): the losses equal the reference's within reduction noise
+- the same checkpoint resumed with no conversion at TP1 x PP1 x DP4 (fully parallel load), TP4
+  (non-distributed optimizer), TP1 x PP4: the losses equal the reference's within reduction noise
   (other summation orders), while `--no-load-optim` gives a trajectory that the same check
   rejects;
 - a checkpoint saved at PP2 x VP2 x DP2 (distributed optimizer) resumes at TP2 x PP2 without VP
   and at TP1 x PP4;
-- with dropout on, a same-layout resume is bitwise: the RNG states are restored.
+- with dropout on, a same-layout resume is bitwise: the RNG states are restored (with async
+  saves at every iteration, cached plans, and the dp_zero distributed-optimizer format).
 """
 
 import os
@@ -87,7 +88,7 @@ def test_dist_ckpt_resume_matrix(tmp_path):
         common + _layout(2, 2) + distopt + ['--save', str(tmp_path / 'ref')],
         common + _layout(2, 2) + distopt + ['--save', ckpt, '--exit-interval', str(STOP_AT)],
         common + _layout(2, 2) + distopt + ['--load', ckpt],
-        common + _layout(1, 1) + distopt + ['--load', ckpt],
+        common + _layout(1, 1) + distopt + ['--load', ckpt, '--ckpt-fully-parallel-load'],
         common + _layout(4, 1) + ['--load', ckpt],
         common + _layout(1, 4) + distopt + ['--load', ckpt],
         common + _layout(1, 1) + distopt + ['--load', ckpt, '--no-load-optim'],
@@ -95,7 +96,10 @@ def test_dist_ckpt_resume_matrix(tmp_path):
     outs = _merged(run_distributed(_jobs, world_size=4, args=(jobs,), timeout=900))
     reference, stopped, same, *resharded, no_optim = outs
     files = sorted(os.listdir(os.path.join(ckpt, f'iter_{STOP_AT:07d}')))
-    assert files[:2] == ['.metadata', '__0_0.distcp'] and files[-2:] == ['common.pt', 'metadata.json']
+    assert files[:2] == ['.metadata', '__0_0.distcp'] and files[-2:] == [
+        'common.pt',
+        'metadata.json',
+    ]
     assert not any(f.startswith('mp_rank') for f in files)
     assert sorted(reference) == list(range(1, TRAIN_ITERS + 1))
     assert stopped == {it: reference[it] for it in range(1, STOP_AT + 1)}
@@ -117,7 +121,9 @@ def test_dist_ckpt_resume_from_vp2_dp2(tmp_path):
         common + _layout(2, 2) + ['--load', ckpt],
         common + _layout(1, 4) + ['--use-distributed-optimizer', '--load', ckpt],
     ]
-    reference, _, *resharded = _merged(run_distributed(_jobs, world_size=4, args=(jobs,), timeout=900))
+    reference, _, *resharded = _merged(
+        run_distributed(_jobs, world_size=4, args=(jobs,), timeout=900)
+    )
     for losses in resharded:
         assert sorted(losses) == list(range(STOP_AT + 1, TRAIN_ITERS + 1))
         for it, value in losses.items():
@@ -134,7 +140,9 @@ def test_dist_ckpt_same_layout_async_dp_zero_restores_rng(tmp_path):
     ckpt = str(tmp_path / 'ckpt')
     jobs = [
         common + ['--save', str(tmp_path / 'ref')],
-        common + ['--save', ckpt, '--exit-interval', '2', '--async-save', '--save-interval', '1'],
+        common
+        + ['--save', ckpt, '--exit-interval', '2', '--async-save', '--save-interval', '1']
+        + ['--ckpt-assume-constant-structure'],
         common + ['--load', ckpt, '--async-save', '--save', ckpt],
     ]
     reference, stopped, resumed = _merged(
@@ -145,7 +153,10 @@ def test_dist_ckpt_same_layout_async_dp_zero_restores_rng(tmp_path):
     with open(os.path.join(ckpt, 'latest_checkpointed_iteration.txt')) as f:
         assert f.read() == '4'
     assert sorted(os.listdir(ckpt)) == [
-        'iter_0000001', 'iter_0000002', 'iter_0000004', 'latest_checkpointed_iteration.txt'
+        'iter_0000001',
+        'iter_0000002',
+        'iter_0000004',
+        'latest_checkpointed_iteration.txt',
     ]
 
 
@@ -165,7 +176,10 @@ def _t5_jobs(jobs):
     from tests.functional_tests.t5_utils import run_pretrain_t5
 
     return [
-        {int(it): float(v['lm loss']).hex() for it, v in run_pretrain_t5(args)['train_losses'].items()}
+        {
+            int(it): float(v['lm loss']).hex()
+            for it, v in run_pretrain_t5(args)['train_losses'].items()
+        }
         for args in jobs
     ]
 
@@ -179,9 +193,21 @@ def _check_reshard(reference, resumed):
 def test_bert_dist_ckpt_tp2_pp2_to_tp1_dp2(tmp_path, bert_data_prefix):
     # Same micro-batch size: BERT's loss is a per-micro-batch masked mean.
     common = [
-        '--train-iters', str(TRAIN_ITERS), '--global-batch-size', '4', '--eval-iters', '1',
-        '--data-path', bert_data_prefix, '--data-cache-path', str(tmp_path / 'cache'),
-        '--save-interval', '1000', '--use-dist-ckpt', '--micro-batch-size', '2',
+        '--train-iters',
+        str(TRAIN_ITERS),
+        '--global-batch-size',
+        '4',
+        '--eval-iters',
+        '1',
+        '--data-path',
+        bert_data_prefix,
+        '--data-cache-path',
+        str(tmp_path / 'cache'),
+        '--save-interval',
+        '1000',
+        '--use-dist-ckpt',
+        '--micro-batch-size',
+        '2',
     ]
     saved = common + _layout(2, 2)
     ckpt = str(tmp_path / 'ckpt')
@@ -190,15 +216,29 @@ def test_bert_dist_ckpt_tp2_pp2_to_tp1_dp2(tmp_path, bert_data_prefix):
         saved + ['--save', ckpt, '--exit-interval', str(STOP_AT)],
         common + _layout(1, 2) + ['--load', ckpt],
     ]
-    reference, _, resumed = _merged(run_distributed(_bert_jobs, world_size=4, args=(jobs,), timeout=900))
+    reference, _, resumed = _merged(
+        run_distributed(_bert_jobs, world_size=4, args=(jobs,), timeout=900)
+    )
     _check_reshard(reference, resumed)
 
 
 def test_t5_dist_ckpt_tp2_pp2_split_to_tp1(tmp_path, t5_data_prefix):
     common = [
-        '--train-iters', str(TRAIN_ITERS), '--global-batch-size', '8', '--micro-batch-size', '2',
-        '--eval-iters', '1', '--data-path', t5_data_prefix, '--data-cache-path',
-        str(tmp_path / 'cache'), '--save-interval', '1000', '--use-dist-ckpt',
+        '--train-iters',
+        str(TRAIN_ITERS),
+        '--global-batch-size',
+        '8',
+        '--micro-batch-size',
+        '2',
+        '--eval-iters',
+        '1',
+        '--data-path',
+        t5_data_prefix,
+        '--data-cache-path',
+        str(tmp_path / 'cache'),
+        '--save-interval',
+        '1000',
+        '--use-dist-ckpt',
     ]
     saved = common + _layout(2, 2) + ['--pipeline-model-parallel-split-rank', '1']
     ckpt = str(tmp_path / 'ckpt')
@@ -207,5 +247,7 @@ def test_t5_dist_ckpt_tp2_pp2_split_to_tp1(tmp_path, t5_data_prefix):
         saved + ['--save', ckpt, '--exit-interval', str(STOP_AT)],
         common + _layout(1, 1) + ['--load', ckpt],
     ]
-    reference, _, resumed = _merged(run_distributed(_t5_jobs, world_size=4, args=(jobs,), timeout=900))
+    reference, _, resumed = _merged(
+        run_distributed(_t5_jobs, world_size=4, args=(jobs,), timeout=900)
+    )
     _check_reshard(reference, resumed)

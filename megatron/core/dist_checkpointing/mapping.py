@@ -291,16 +291,20 @@ def flat_range_boxes(shape: Tuple[int, ...], start: int, stop: int):
         if hi <= lo:
             return
         inner = math.prod(shape[dim + 1 :])
-        first, last = lo // inner, (hi - 1) // inner
+        first = lo // inner
         if dim == len(shape) - 1:
-            boxes.append(
-                _Chunk(base + lo, base + hi, prefix + (lo,), (hi - lo,))
-            )
+            boxes.append(_Chunk(base + lo, base + hi, prefix + (lo,), (hi - lo,)))
             return
         # A partial leading row.
         if lo % inner:
             end = min(hi, (first + 1) * inner)
-            rec(lo - first * inner, end - first * inner, dim + 1, prefix + (first,), base + first * inner)
+            rec(
+                lo - first * inner,
+                end - first * inner,
+                dim + 1,
+                prefix + (first,),
+                base + first * inner,
+            )
             first += 1
             lo = end
         if lo >= hi:

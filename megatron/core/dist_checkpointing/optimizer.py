@@ -63,11 +63,15 @@ def make_sharded_optimizer_tensor(model_param, optim_param: torch.Tensor, prefix
     return dataclasses.replace(model_param, key=key, data=optim_param, dtype=optim_param.dtype)
 
 
-def make_flattened_optimizer_tensor(model_param, flat: torch.Tensor, prefix: str, start: int, stop: int):
+def make_flattened_optimizer_tensor(
+    model_param, flat: torch.Tensor, prefix: str, start: int, stop: int
+):
     """A distributed-optimizer slice [start, stop) of the flattened parameter's state."""
     rid = model_param.replica_id
     if not (isinstance(rid, tuple) and len(rid) == 3):
-        raise ValueError(f'Expected replica_id format (PP, TP, DP), got {rid} for {model_param.key}')
+        raise ValueError(
+            f'Expected replica_id format (PP, TP, DP), got {rid} for {model_param.key}'
+        )
     return dataclasses.replace(
         model_param,
         key=f'{prefix}.{model_param.key}',
@@ -89,7 +93,9 @@ def _shared_step(state: Dict) -> Optional[torch.Tensor]:
 
 
 def optim_state_to_sharding_state(
-    optim_state_dict: Dict, param_index_to_sharded: Dict[int, Any], exclude_keys: Iterable = ('step',)
+    optim_state_dict: Dict,
+    param_index_to_sharded: Dict[int, Any],
+    exclude_keys: Iterable = ('step',),
 ) -> None:
     """A torch optimizer's `state_dict()` -> sharded, in place (Megatron's layout).
 
@@ -172,7 +178,9 @@ def non_distributed_sharded_state_dict(
 
 
 def distributed_sharded_state_dict(
-    dist_optimizer, model_sharded_state_dict, is_loading: bool = False,
+    dist_optimizer,
+    model_sharded_state_dict,
+    is_loading: bool = False,
     sharding_type: str = FULLY_SHARDED_MODEL_SPACE,
 ) -> Dict:
     """DistributedOptimizer state as a sharded state dict (see the module docstring)."""

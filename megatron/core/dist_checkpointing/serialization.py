@@ -263,11 +263,15 @@ def _handle_strictness(sharded_part, checkpoint_dir, strategy, strict: StrictHan
     """Drop / log / raise / return key mismatches; returns (sharded_part, missing, unexpected)."""
     if not StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         return sharded_part, [], []
-    requested = [sh for sh in nested_values(sharded_part) if isinstance(sh, (ShardedTensor, ShardedObject))]
+    requested = [
+        sh for sh in nested_values(sharded_part) if isinstance(sh, (ShardedTensor, ShardedObject))
+    ]
     stored = strategy.stored_keys(checkpoint_dir)
     global_requested = None
     if StrictHandling.requires_global_app_metadata(strict):
-        local_keys = {sh.unique_key if isinstance(sh, ShardedObject) else sh.key for sh in requested}
+        local_keys = {
+            sh.unique_key if isinstance(sh, ShardedObject) else sh.key for sh in requested
+        }
         if torch.distributed.is_initialized():
             gathered = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(gathered, local_keys)
@@ -284,8 +288,10 @@ def _handle_strictness(sharded_part, checkpoint_dir, strategy, strict: StrictHan
         drop = set(unexpected)
         _, sharded_part = extract_matching_values(
             sharded_part,
-            lambda x: isinstance(x, (ShardedTensor, ShardedObject))
-            and (x.unique_key if isinstance(x, ShardedObject) else x.key) in drop,
+            lambda x: (
+                isinstance(x, (ShardedTensor, ShardedObject))
+                and (x.unique_key if isinstance(x, ShardedObject) else x.key) in drop
+            ),
         )
     return sharded_part, missing, unexpected
 

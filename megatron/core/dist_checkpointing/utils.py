@@ -168,7 +168,7 @@ def replace_prefix_for_sharding(
     for sh in _sharded_leaves(sharded_state_dict):
         if not sh.key.startswith(old_prefix):
             raise ValueError(f'expected {sh.key} to start with {old_prefix}')
-        sh.key = f'{new_prefix}{sh.key[len(old_prefix):]}'
+        sh.key = f'{new_prefix}{sh.key[len(old_prefix) :]}'
 
 
 def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: Dict[str, str]) -> None:
@@ -176,7 +176,7 @@ def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: Dict[
     for sh in _sharded_leaves(sharded_state_dict):
         for old, new in prefix_map.items():
             if sh.key.startswith(old):
-                sh.key = f'{new}{sh.key[len(old):]}'
+                sh.key = f'{new}{sh.key[len(old) :]}'
                 break
 
 

@@ -129,7 +129,9 @@ def _tensor_shard_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) ->
         numel = math.prod(sh.local_shape)
         volume += math.prod(sh.local_chunk_shape)
         if not entries:
-            problems.append(f'Invalid access pattern for {key}: chunk at {offset} has no main replica')
+            problems.append(
+                f'Invalid access pattern for {key}: chunk at {offset} has no main replica'
+            )
             continue
         ranges = [r for _, r in entries]
         if all(r is None for r in ranges):
@@ -165,7 +167,8 @@ def _tensor_shard_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) ->
 def validate_sharding_integrity(sharded_state_dict, group=None) -> None:
     """Collective: raise CheckpointingException on every rank if the sharding is inconsistent."""
     local = [
-        sh.without_data() for sh in nested_values(sharded_state_dict)
+        sh.without_data()
+        for sh in nested_values(sharded_state_dict)
         if isinstance(sh, (ShardedTensor, ShardedObject))
     ]
     gathered = _gather(local, group)

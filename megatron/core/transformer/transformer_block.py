@@ -161,7 +161,9 @@ class TransformerBlock(MegatronModule):
         for name, module in self.named_children():
             if module is not self.layers:
                 sharded_state_dict.update(
-                    sharded_state_dict_default(module, f'{prefix}{name}.', sharded_offsets, metadata)
+                    sharded_state_dict_default(
+                        module, f'{prefix}{name}.', sharded_offsets, metadata
+                    )
                 )
         return sharded_state_dict
 

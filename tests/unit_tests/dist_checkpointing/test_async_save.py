@@ -16,9 +16,7 @@ import time
 
 import torch
 
-REPO = os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 JOB = r'''
 import os, socket, sys, threading, time, torch
@@ -68,7 +66,10 @@ def test_sigkill_during_async_write_keeps_previous_checkpoint(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
     proc = subprocess.Popen(
         [sys.executable, '-c', JOB, save_dir],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     lines, trackers = [], []
     deadline = time.time() + 120

@@ -30,21 +30,42 @@ def _expected(pp, tp):
     rows = {}
     if pp == 0:
         rows['embedding.word_embeddings.weight'] = (
-            'embedding.word_embeddings.weight', (128, 64), (64, 64), (64 * tp, 0), (0, 0, 0),
-            (2, 1), True,
+            'embedding.word_embeddings.weight',
+            (128, 64),
+            (64, 64),
+            (64 * tp, 0),
+            (0, 0, 0),
+            (2, 1),
+            True,
         )
         rows['embedding.position_embeddings.weight'] = (
-            'embedding.position_embeddings.weight', (32, 64), (32, 64), (0, 0), (0, tp, 0),
-            (1, 1), False,
+            'embedding.position_embeddings.weight',
+            (32, 64),
+            (32, 64),
+            (0, 0),
+            (0, tp, 0),
+            (1, 1),
+            False,
         )
     else:
         rows['output_layer.weight'] = (
-            'embedding.word_embeddings.weight', (128, 64), (64, 64), (64 * tp, 0), (1, 0, 0),
-            (2, 1), True,
+            'embedding.word_embeddings.weight',
+            (128, 64),
+            (64, 64),
+            (64 * tp, 0),
+            (1, 0, 0),
+            (2, 1),
+            True,
         )
         for name in ('weight', 'bias'):
             rows[f'decoder.final_layernorm.{name}'] = (
-                f'decoder.final_layernorm.{name}', (64,), (64,), (0,), (0, tp, 0), (1,), False
+                f'decoder.final_layernorm.{name}',
+                (64,),
+                (64,),
+                (0,),
+                (0, tp, 0),
+                (1,),
+                False,
             )
     d = 'decoder.layers.0.'
     for local_name, key in (
@@ -57,27 +78,58 @@ def _expected(pp, tp):
     ):
         rows[d + local_name] = (L + key, (2, 64), (64,), (g, 0), (0, tp, 0), (2, 1), False)
     rows[d + 'self_attention.linear_qkv.weight'] = (
-        L + 'self_attention.linear_qkv.weight', (2, 192, 64), (96, 64), (g, 96 * tp, 0),
-        (0, 0, 0), (2, 2, 1), False,
+        L + 'self_attention.linear_qkv.weight',
+        (2, 192, 64),
+        (96, 64),
+        (g, 96 * tp, 0),
+        (0, 0, 0),
+        (2, 2, 1),
+        False,
     )
     rows[d + 'self_attention.linear_qkv.bias'] = (
-        L + 'self_attention.linear_qkv.bias', (2, 192), (96,), (g, 96 * tp), (0, 0, 0), (2, 2),
+        L + 'self_attention.linear_qkv.bias',
+        (2, 192),
+        (96,),
+        (g, 96 * tp),
+        (0, 0, 0),
+        (2, 2),
         False,
     )
     rows[d + 'self_attention.linear_proj.weight'] = (
-        L + 'self_attention.linear_proj.weight', (2, 64, 64), (64, 32), (g, 0, 32 * tp),
-        (0, 0, 0), (2, 1, 2), False,
+        L + 'self_attention.linear_proj.weight',
+        (2, 64, 64),
+        (64, 32),
+        (g, 0, 32 * tp),
+        (0, 0, 0),
+        (2, 1, 2),
+        False,
     )
     rows[d + 'mlp.linear_fc1.weight'] = (
-        L + 'mlp.linear_fc1.weight', (2, 256, 64), (128, 64), (g, 128 * tp, 0), (0, 0, 0),
-        (2, 2, 1), False,
+        L + 'mlp.linear_fc1.weight',
+        (2, 256, 64),
+        (128, 64),
+        (g, 128 * tp, 0),
+        (0, 0, 0),
+        (2, 2, 1),
+        False,
     )
     rows[d + 'mlp.linear_fc1.bias'] = (
-        L + 'mlp.linear_fc1.bias', (2, 256), (128,), (g, 128 * tp), (0, 0, 0), (2, 2), False,
+        L + 'mlp.linear_fc1.bias',
+        (2, 256),
+        (128,),
+        (g, 128 * tp),
+        (0, 0, 0),
+        (2, 2),
+        False,
     )
     rows[d + 'mlp.linear_fc2.weight'] = (
-        L + 'mlp.linear_fc2.weight', (2, 64, 256), (64, 128), (g, 0, 128 * tp), (0, 0, 0),
-        (2, 1, 2), False,
+        L + 'mlp.linear_fc2.weight',
+        (2, 64, 256),
+        (64, 128),
+        (g, 0, 128 * tp),
+        (0, 0, 0),
+        (2, 1, 2),
+        False,
     )
     return rows
 
@@ -85,7 +137,8 @@ def _expected(pp, tp):
 def _expected_objects(pp, tp):
     return {
         f'decoder.layers.0.{m}._extra_state': (
-            f'decoder.layers.{m}._extra_state/shard_{pp}_2', (0, tp, 0)
+            f'decoder.layers.{m}._extra_state/shard_{pp}_2',
+            (0, tp, 0),
         )
         for m in (
             'self_attention.linear_qkv',
@@ -109,8 +162,13 @@ def _worked_example_entries():
         if isinstance(sh, ShardedTensor):
             assert sh.data is dict(model.named_parameters())[name]  # the Parameter itself
             tensors[name] = (
-                sh.key, sh.global_shape, sh.local_shape, sh.global_offset, sh.replica_id,
-                sh.axis_fragmentations, sh.allow_shape_mismatch,
+                sh.key,
+                sh.global_shape,
+                sh.local_shape,
+                sh.global_offset,
+                sh.replica_id,
+                sh.axis_fragmentations,
+                sh.allow_shape_mismatch,
             )
         else:
             assert isinstance(sh, ShardedObject) and sh.data is None
@@ -195,9 +253,7 @@ def test_reshard_on_load_keeps_every_weight(tmp_path, arch, save_layout, load_la
     ckpt = str(tmp_path / 'ckpt')
     tp, pp = save_layout
     saved = _merge_stages(
-        run_distributed(
-            _save_or_load, world_size=WORLD, tp=tp, pp=pp, args=('save', arch, ckpt, 1)
-        )
+        run_distributed(_save_or_load, world_size=WORLD, tp=tp, pp=pp, args=('save', arch, ckpt, 1))
     )
     for tp, pp in load_layouts:
         world = WORLD if tp * pp <= WORLD else tp * pp

@@ -8,7 +8,6 @@ metadata.json after finalization).
 """
 
 import io
-import json
 import os
 import pickle
 
@@ -66,8 +65,13 @@ def test_save_layout_and_reshard_on_load(tmp_path):
     ckpt = str(tmp_path / 'ckpt')
     files = run_distributed(_save_rows, world_size=2, args=(ckpt,))[0]
     assert files == [
-        '.metadata', '__0_0.distcp', '__0_1.distcp', '__1_0.distcp', '__1_1.distcp',
-        'common.pt', 'metadata.json',
+        '.metadata',
+        '__0_0.distcp',
+        '__0_1.distcp',
+        '__1_0.distcp',
+        '__1_1.distcp',
+        'common.pt',
+        'metadata.json',
     ]
     with open(os.path.join(ckpt, 'metadata.json')) as f:
         assert f.read() == (
@@ -82,8 +86,9 @@ def test_save_layout_and_reshard_on_load(tmp_path):
         assert out['common'] == {'iteration': 7, 'rank': 0}  # rank 0's common state
 
     # Plain PyTorch DCP reads the same files (global tensors; objects as a one-element list).
-    from megatron.core.dist_checkpointing.strategies.torch import SafeFileSystemReader
     import torch.distributed.checkpoint as dcp
+
+    from megatron.core.dist_checkpointing.strategies.torch import SafeFileSystemReader
 
     state = {'w': torch.zeros(6, 8), 'opt.w': torch.zeros(6, 8), 'grid/shard_1_2': io.BytesIO()}
     dcp.load(state, storage_reader=SafeFileSystemReader(ckpt), no_dist=True)

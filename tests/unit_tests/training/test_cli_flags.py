@@ -30,6 +30,7 @@ OUR_EXTRA_FLAGS = {
     '--non-persistent-global-ckpt-dir',
     '--non-persistent-save-interval',
     '--renormalize-blend-weights',
+    '--ckpt-format',  # core_r0.9.0's checkpoint format flag (torch | torch_dist here)
 }
 
 # Flags of this package only (no Megatron version has them).

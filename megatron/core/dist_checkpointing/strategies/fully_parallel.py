@@ -19,7 +19,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedStateDict,
+    ShardedTensor,
+    is_main_replica,
+)
 from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
@@ -106,9 +110,10 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         self.cached_distribution: Optional[Dict] = None
 
     def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
-        if self.parallelization_group is None or torch.distributed.get_world_size(
-            self.parallelization_group
-        ) == 1:
+        if (
+            self.parallelization_group is None
+            or torch.distributed.get_world_size(self.parallelization_group) == 1
+        ):
             return
         if self.do_cache_distribution and self.cached_distribution is not None:
             assignment = self.cached_distribution

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
     LoadPlanner,
     ReadItem,
@@ -52,7 +53,6 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -162,9 +162,7 @@ def _tensor_chunks(sh: ShardedTensor) -> List[Tuple[Tuple[int, ...], Tuple[int, 
     out = []
     base = sh.flattened_range.start
     for box in flat_range_boxes(sh.local_shape, sh.flattened_range.start, sh.flattened_range.stop):
-        offset = tuple(
-            g + b for g, b in zip(sh.global_offset, (0,) * n + tuple(box.offset))
-        )
+        offset = tuple(g + b for g, b in zip(sh.global_offset, (0,) * n + tuple(box.offset)))
         size = (1,) * n + tuple(box.shape)
         data = None
         if sh.data is not None:
@@ -199,7 +197,8 @@ class MCoreSavePlanner(SavePlanner):
     def create_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:
         plans, metadata = create_default_global_save_plan(all_plans, rewrite_index_hints=False)
         metadata.mcore_data = {
-            key: {} for key, md in metadata.state_dict_metadata.items()
+            key: {}
+            for key, md in metadata.state_dict_metadata.items()
             if isinstance(md, TensorStorageMetadata)
         }
         return plans, metadata
@@ -239,7 +238,9 @@ def build_write_items(sharded_state_dict: ShardedStateDict, stage: bool = False)
             if not is_main_replica(sh.replica_id):
                 continue
             data = _object_bytes(sh.data) if stage else sh.data
-            items.append((WriteItem(index=MetadataIndex(sh.unique_key), type=WriteItemType.BYTE_IO), data))
+            items.append(
+                (WriteItem(index=MetadataIndex(sh.unique_key), type=WriteItemType.BYTE_IO), data)
+            )
     return items
 
 
@@ -281,8 +282,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         planner = MCoreSavePlanner(items)
         planner.set_up_planner(is_coordinator=coordinator)
         writer = FileSystemWriter(
-            checkpoint_dir, single_file_per_rank=True, thread_count=self.thread_count,
-            sync_files=True, overwrite=False,
+            checkpoint_dir,
+            single_file_per_rank=True,
+            thread_count=self.thread_count,
+            sync_files=True,
+            overwrite=False,
         )
         writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
         central_plan, metadata = self._global_plan(planner, writer, coordinator)
@@ -502,7 +506,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if isinstance(md, TensorStorageMetadata):
                 shape = tuple(md.size)
                 out[key] = ShardedTensor(
-                    key, None, md.properties.dtype, shape, shape, (0,) * len(shape),
+                    key,
+                    None,
+                    md.properties.dtype,
+                    shape,
+                    shape,
+                    (0,) * len(shape),
                     (1,) * len(shape),
                 )
         return out
@@ -510,4 +519,3 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def stored_keys(self, checkpoint_dir: str) -> set:
         """Every tensor key and object unique key in the checkpoint."""
         return set(read_metadata(checkpoint_dir).state_dict_metadata)
-

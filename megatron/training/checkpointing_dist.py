@@ -237,7 +237,7 @@ def save_dist_checkpoint(
     )
     state_dict['num_floating_point_operations_so_far'] = num_floating_point_operations_so_far
     request = dist_checkpointing.save(
-        state_dict, checkpoint_dir, _save_strategy(args), async_sharded_save=True
+        state_dict, checkpoint_dir, _save_strategy(args), async_sharded_save=bool(args.async_save)
     )
 
     def move_tracker():
@@ -250,14 +250,14 @@ def save_dist_checkpoint(
         )
         _barrier()
 
-    request.add_finalize_fn(move_tracker)
     if args.async_save:
+        request.add_finalize_fn(move_tracker)
         _ASYNC_QUEUE.schedule_async_request(request)
         print_rank_0(
             f'  scheduled an async checkpoint save at iteration {iteration:7d} to {args.save}'
         )
-    else:
-        request.execute_sync()
+    else:  # the files and metadata.json are complete on every rank (save ends in a barrier)
+        move_tracker()
 
 
 def maybe_finalize_async_save(blocking: bool = False, announce: bool = False) -> None:

@@ -2,9 +2,9 @@
 
 One harness pool of 4 gloo ranks runs every job (pretrain() in-process, tiny GPT, mock data):
 
-- an uninterrupted reference run at TP2 x PP2 with the distributed optimizer;
-- the same command stopped by `--exit-interval` (saves `--use-dist-ckpt`), then resumed at the
-  same layout: the resumed losses equal the reference's bit for bit;
+- an uninterrupted reference run at TP2 x PP2 with the distributed optimizer, which also saves
+  `--use-dist-ckpt` at iteration 3; resumed from there (`--ckpt-step 3`) at the same layout, the
+  losses equal the reference's bit for bit;
 - the same checkpoint resumed with no conversion at TP1 x PP1 x DP4 (fully parallel load), TP4
   (non-distributed optimizer), TP1 x PP4: the losses equal the reference's within reduction noise
   (other summation orders), while `--no-load-optim` gives a trajectory that the same check
@@ -21,6 +21,9 @@ from tests.functional_tests.test_resume import RESUME_ARGS, _hex_losses
 from tests.unit_tests.dist_utils import run_distributed
 
 TRAIN_ITERS, STOP_AT = 6, 3
+#: The reference run saves at STOP_AT (and at the end); resumed runs load STOP_AT.
+SAVE_AT_STOP = ['--save-interval', str(STOP_AT)]
+RESUME = ['--ckpt-step', str(STOP_AT)]
 #: Relative tolerance for another layout: fp32 with other reduction orders (measured up to
 #: 1.2e-7); without the optimizer state the losses move by 6e-4 and more.
 RTOL = 1e-5
@@ -85,16 +88,15 @@ def test_dist_ckpt_resume_matrix(tmp_path):
     ckpt = str(tmp_path / 'ckpt')
     distopt = ['--use-distributed-optimizer']
     jobs = [
-        common + _layout(2, 2) + distopt + ['--save', str(tmp_path / 'ref')],
-        common + _layout(2, 2) + distopt + ['--save', ckpt, '--exit-interval', str(STOP_AT)],
-        common + _layout(2, 2) + distopt + ['--load', ckpt],
-        common + _layout(1, 1) + distopt + ['--load', ckpt, '--ckpt-fully-parallel-load'],
-        common + _layout(4, 1) + ['--load', ckpt],
-        common + _layout(1, 4) + distopt + ['--load', ckpt],
-        common + _layout(1, 1) + distopt + ['--load', ckpt, '--no-load-optim'],
+        common + _layout(2, 2) + distopt + ['--save', ckpt] + SAVE_AT_STOP,
+        common + _layout(2, 2) + distopt + ['--load', ckpt] + RESUME,
+        common + _layout(1, 1) + distopt + ['--load', ckpt, '--ckpt-fully-parallel-load'] + RESUME,
+        common + _layout(4, 1) + ['--load', ckpt] + RESUME,
+        common + _layout(1, 4) + distopt + ['--load', ckpt] + RESUME,
+        common + _layout(1, 1) + distopt + ['--load', ckpt, '--no-load-optim'] + RESUME,
     ]
     outs = _merged(run_distributed(_jobs, world_size=4, args=(jobs,), timeout=900))
-    reference, stopped, same, *resharded, no_optim = outs
+    reference, same, *resharded, no_optim = outs
     files = sorted(os.listdir(os.path.join(ckpt, f'iter_{STOP_AT:07d}')))
     assert files[:2] == ['.metadata', '__0_0.distcp'] and files[-2:] == [
         'common.pt',
@@ -102,7 +104,6 @@ def test_dist_ckpt_resume_matrix(tmp_path):
     ]
     assert not any(f.startswith('mp_rank') for f in files)
     assert sorted(reference) == list(range(1, TRAIN_ITERS + 1))
-    assert stopped == {it: reference[it] for it in range(1, STOP_AT + 1)}
     assert same == {it: reference[it] for it in range(STOP_AT + 1, TRAIN_ITERS + 1)}
     for layout, losses in zip(['TP1 DP4', 'TP4', 'PP4'], resharded):
         assert sorted(losses) == list(range(STOP_AT + 1, TRAIN_ITERS + 1)), layout
@@ -116,12 +117,11 @@ def test_dist_ckpt_resume_from_vp2_dp2(tmp_path):
     ckpt = str(tmp_path / 'ckpt')
     saved_layout = _layout(1, 2, vp=2) + ['--use-distributed-optimizer']
     jobs = [
-        common + saved_layout + ['--save', str(tmp_path / 'ref')],
-        common + saved_layout + ['--save', ckpt, '--exit-interval', str(STOP_AT)],
-        common + _layout(2, 2) + ['--load', ckpt],
-        common + _layout(1, 4) + ['--use-distributed-optimizer', '--load', ckpt],
+        common + saved_layout + ['--save', ckpt] + SAVE_AT_STOP,
+        common + _layout(2, 2) + ['--load', ckpt] + RESUME,
+        common + _layout(1, 4) + ['--use-distributed-optimizer', '--load', ckpt] + RESUME,
     ]
-    reference, _, *resharded = _merged(
+    reference, *resharded = _merged(
         run_distributed(_jobs, world_size=4, args=(jobs,), timeout=900)
     )
     for losses in resharded:
@@ -212,11 +212,10 @@ def test_bert_dist_ckpt_tp2_pp2_to_tp1_dp2(tmp_path, bert_data_prefix):
     saved = common + _layout(2, 2)
     ckpt = str(tmp_path / 'ckpt')
     jobs = [
-        saved + ['--save', str(tmp_path / 'ref')],
-        saved + ['--save', ckpt, '--exit-interval', str(STOP_AT)],
-        common + _layout(1, 2) + ['--load', ckpt],
+        saved + ['--save', ckpt, '--save-interval', str(STOP_AT)],
+        common + _layout(1, 2) + ['--load', ckpt] + RESUME,
     ]
-    reference, _, resumed = _merged(
+    reference, resumed = _merged(
         run_distributed(_bert_jobs, world_size=4, args=(jobs,), timeout=900)
     )
     _check_reshard(reference, resumed)
@@ -243,11 +242,10 @@ def test_t5_dist_ckpt_tp2_pp2_split_to_tp1(tmp_path, t5_data_prefix):
     saved = common + _layout(2, 2) + ['--pipeline-model-parallel-split-rank', '1']
     ckpt = str(tmp_path / 'ckpt')
     jobs = [
-        saved + ['--save', str(tmp_path / 'ref')],
-        saved + ['--save', ckpt, '--exit-interval', str(STOP_AT)],
-        common + _layout(1, 1) + ['--load', ckpt],
+        saved + ['--save', ckpt, '--save-interval', str(STOP_AT)],
+        common + _layout(1, 1) + ['--use-distributed-optimizer', '--load', ckpt] + RESUME,
     ]
-    reference, _, resumed = _merged(
+    reference, resumed = _merged(
         run_distributed(_t5_jobs, world_size=4, args=(jobs,), timeout=900)
     )
     _check_reshard(reference, resumed)

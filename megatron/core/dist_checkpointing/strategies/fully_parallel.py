@@ -131,6 +131,10 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         self.apply_saving_parallelization(sharded_state_dict)
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
 
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> None:
+        self.apply_saving_parallelization(sharded_state_dict)
+        self.base_strategy.save(sharded_state_dict, checkpoint_dir)
+
 
 class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     """Read each shard the whole DP group needs once and broadcast it (see above).

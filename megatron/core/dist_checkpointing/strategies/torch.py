@@ -213,8 +213,15 @@ class MCoreSavePlanner(SavePlanner):
         return data.detach()
 
 
-def build_write_items(sharded_state_dict: ShardedStateDict, stage: bool = False):
-    """(write item, data) for every main replica of the dict; `stage` copies tensors to CPU."""
+def build_write_items(
+    sharded_state_dict: ShardedStateDict, stage: bool = False, staging: Optional[Dict] = None
+):
+    """(write item, data) for every main replica of the dict.
+
+    `stage` snapshots every tensor on the CPU (for a background write while training changes
+    the parameters); buffers in `staging` (keyed by chunk) are reused across saves, so a
+    steady-state snapshot is a memcpy into warm pages rather than fresh allocations.
+    """
     items = []
     for sh in nested_values(sharded_state_dict):
         if isinstance(sh, ShardedTensor):
@@ -223,7 +230,7 @@ def build_write_items(sharded_state_dict: ShardedStateDict, stage: bool = False)
             props = TensorProperties(dtype=sh.dtype)
             for offset, size, data in _tensor_chunks(sh):
                 if stage:
-                    data = data.detach().to('cpu', copy=True)
+                    data = _stage(data, (sh.key, offset), staging)
                 item = WriteItem(
                     index=MetadataIndex(sh.key, torch.Size(offset)),
                     type=WriteItemType.SHARD,
@@ -242,6 +249,17 @@ def build_write_items(sharded_state_dict: ShardedStateDict, stage: bool = False)
                 (WriteItem(index=MetadataIndex(sh.unique_key), type=WriteItemType.BYTE_IO), data)
             )
     return items
+
+
+def _stage(data: torch.Tensor, key, staging: Optional[Dict]) -> torch.Tensor:
+    if staging is None:
+        return data.detach().to('cpu', copy=True)
+    buf = staging.get(key)
+    if buf is None or buf.shape != data.shape or buf.dtype != data.dtype:
+        buf = torch.empty(data.shape, dtype=data.dtype, device='cpu')
+        staging[key] = buf
+    buf.copy_(data.detach())
+    return buf
 
 
 def _plan_key(plan: SavePlan) -> List[Tuple]:
@@ -273,12 +291,23 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.thread_count = thread_count
         self.use_cached_ckpt_structure = cached_metadata
         self._cached = None  # (local plan key, central plan, metadata)
+        self._staging: Dict = {}  # reused CPU snapshot buffers of asynchronous saves
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> None:
+        """Synchronous save: the tensors are written from where they are (no snapshot)."""
+        self._request(sharded_state_dict, checkpoint_dir, stage=False).execute_sync()
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> AsyncRequest:
-        """Plan (collective) and stage now; the returned request writes and finishes."""
+        """Plan (collective) and snapshot now; the returned request writes and finishes.
+
+        The caller finalizes a request before the next one starts (the snapshot buffers are
+        reused)."""
+        return self._request(sharded_state_dict, checkpoint_dir, stage=True)
+
+    def _request(self, sharded_state_dict, checkpoint_dir: str, stage: bool) -> AsyncRequest:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         coordinator = rank == 0
-        items = build_write_items(sharded_state_dict, stage=True)
+        items = build_write_items(sharded_state_dict, stage=stage, staging=self._staging)
         planner = MCoreSavePlanner(items)
         planner.set_up_planner(is_coordinator=coordinator)
         writer = FileSystemWriter(

@@ -200,10 +200,10 @@ def main_dist(bench):
             f'{saved["ref_load_s"]:7.2f} s   ratio {same["load_s"] / saved["ref_load_s"]:.2f}'
         )
         for it, what in ((2, 'first'), (3, 'steady')):
-            blocked = saved[f'async_blocked_s_{it}']
+            blocked, total = saved[f'async_blocked_s_{it}'], saved[f'async_total_s_{it}']
             print(
                 f'async save ({what}) blocked {blocked:.3f} s = {blocked / saved["save_s"]:.3f} '
-                f'of the sync save; written and finalized after {saved[f"async_total_s_{it}"]:.2f} s'
+                f'of the sync save; written and finalized after {total:.2f} s'
             )
         if bench.load_tp or bench.load_pp:
             other = dict(

@@ -31,7 +31,11 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
 from megatron.core.dist_checkpointing.optimizer import (
     DP_ZERO_GATHER_SCATTER,
     FULLY_SHARDED_MODEL_SPACE,
@@ -353,7 +357,8 @@ def _drop_optional_absent(state_dict, stored: set) -> bool:
     def absent(x):
         if isinstance(x, ShardedObject):
             return x.key.endswith('_extra_state') and x.unique_key not in stored
-        if isinstance(x, ShardedTensor) and '.fp32_param.' in x.key and x.key not in stored:
+        fp32_copy = isinstance(x, (ShardedTensor, ShardedTensorFactory)) and '.fp32_param.' in x.key
+        if fp32_copy and x.key not in stored:
             dropped_fp32.append(x.key)
             return True
         return False

@@ -6,7 +6,8 @@
   megatron-core 0.8.0 writes them.
 - A checkpoint saved at TP2 x PP2 loads at TP1 x PP1, TP4, PP4 and TP1 x PP2 (GPT-2 like) and a
   GQA + SwiGLU model saved at TP2 loads at TP1 / TP4: the full (TP=1) weights equal the saved
-  ones bit for bit (fused QKV with query groups, GLU halves).
+  ones bit for bit (fused QKV with query groups, GLU halves), and the stored global tensors are
+  the TP=1 layout.
 """
 
 import os
@@ -255,6 +256,16 @@ def test_reshard_on_load_keeps_every_weight(tmp_path, arch, save_layout, load_la
     saved = _merge_stages(
         run_distributed(_save_or_load, world_size=WORLD, tp=tp, pp=pp, args=('save', arch, ckpt, 1))
     )
+    # The stored global tensors are the TP=1 layout (Megatron's): fused QKV rows per query
+    # group, GLU fc1 as [W; V], layers stacked along a leading axis.
+    from megatron.core import dist_checkpointing
+
+    plain = dist_checkpointing.load_plain_tensors(ckpt)
+    for name in ('self_attention.linear_qkv.weight', 'mlp.linear_fc1.weight'):
+        stacked = plain[f'decoder.layers.{name}']
+        assert stacked.shape[0] == 4
+        for layer in range(4):
+            assert torch.equal(stacked[layer], saved[f'decoder.layers.{layer}.{name}']), name
     for tp, pp in load_layouts:
         world = WORLD if tp * pp <= WORLD else tp * pp
         outs = run_distributed(

@@ -121,9 +121,7 @@ def test_dist_ckpt_resume_from_vp2_dp2(tmp_path):
         common + _layout(2, 2) + ['--load', ckpt] + RESUME,
         common + _layout(1, 4) + ['--use-distributed-optimizer', '--load', ckpt] + RESUME,
     ]
-    reference, *resharded = _merged(
-        run_distributed(_jobs, world_size=4, args=(jobs,), timeout=900)
-    )
+    reference, *resharded = _merged(run_distributed(_jobs, world_size=4, args=(jobs,), timeout=900))
     for losses in resharded:
         assert sorted(losses) == list(range(STOP_AT + 1, TRAIN_ITERS + 1))
         for it, value in losses.items():
@@ -245,7 +243,5 @@ def test_t5_dist_ckpt_tp2_pp2_split_to_tp1(tmp_path, t5_data_prefix):
         saved + ['--save', ckpt, '--save-interval', str(STOP_AT)],
         common + _layout(1, 1) + ['--use-distributed-optimizer', '--load', ckpt] + RESUME,
     ]
-    reference, resumed = _merged(
-        run_distributed(_t5_jobs, world_size=4, args=(jobs,), timeout=900)
-    )
+    reference, resumed = _merged(run_distributed(_t5_jobs, world_size=4, args=(jobs,), timeout=900))
     _check_reshard(reference, resumed)

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -72,18 +73,19 @@ def test_sigkill_during_async_write_keeps_previous_checkpoint(tmp_path):
         text=True,
     )
     lines, trackers = [], []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     deadline = time.time() + 120
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith('TRACKER'):
-                trackers.append(line.split()[1])
-            if 'WRITTEN' in ''.join(lines) and len(trackers) >= 3:
+        while time.time() < deadline and proc.poll() is None:
+            trackers = [line.split()[1] for line in list(lines) if line.startswith('TRACKER')]
+            if any('WRITTEN' in line for line in list(lines)) and len(trackers) >= 3:
                 break
-            assert time.time() < deadline, ''.join(lines)
+            time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+        reader.join(timeout=10)
     assert trackers and set(trackers) == {'1'}, ''.join(lines)[-3000:]
 
     with open(os.path.join(save_dir, 'latest_checkpointed_iteration.txt')) as f:

@@ -1,13 +1,14 @@
 """End-to-end context parallelism through pretrain_gpt.py: every CP layout reproduces the serial
-losses.
+losses and gradient norms.
 
 All runs start from the same weights (`set_reference_weights`) and read the same global batches,
-with dropout off. `--eod-mask-loss` makes the loss-token counts differ between CP ranks, so the
-loss and gradient scaling must use the CP-wide count (a per-rank mean would drift); gradients are
-clipped (`--clip-grad 1.0`, norms ~1.4), so a gradient scaled cp times too large changes the
-losses. Layouts (world size in brackets), each against its serial run:
+with dropout off. The data are short documents (4 to 40 tokens, each ending in EOD) and
+`--eod-mask-loss` is on, so the loss-token counts differ between CP ranks: the loss and gradient
+scaling must use the CP-wide count (a per-rank mean would differ). The gradient norm of every
+iteration is compared too (clipping and Adam hide a global gradient scale from the losses, the
+norm does not). Layouts (world size in brackets), each against its serial run:
 
-- CP2, ring (p2p), full recompute [2]; later resumed at CP1 from its iteration-2 checkpoint [1]
+- CP2, ring (p2p), full recompute [2]; then resumed at CP1 from its iteration-2 checkpoint [1]
 - CP4, RoPE + GQA (4 heads, 2 groups: too few for a2a over 4 ranks), one comm type per layer:
   p2p, a2a+p2p (hierarchical [2, 2]), all_gather (spelled allgather), p2p [4]
 - CP2 x TP2 with sequence parallelism, all_gather [4]
@@ -17,11 +18,13 @@ losses. Layouts (world size in brackets), each against its serial run:
 - CP2 in bf16 against serial bf16 [2]
 
 Tolerance: relative 1e-5 per iteration in fp32 (measured <= 3e-7 on CPU, torch 2.13); 2e-2 in
-bf16.
+bf16. Gradient norms are logged with 3 decimals: absolute 1.5e-3.
 """
 
 import os
+import re
 
+import numpy
 import pytest
 
 from tests.functional_tests.gpt_utils import run_pretrain
@@ -29,6 +32,11 @@ from tests.unit_tests.dist_utils import run_distributed
 
 ITERS = 4
 RTOL = 1e-5
+#: Std of the reference QKV weights: sharp enough attention that positions (RoPE, the CP layout)
+#: change the losses well beyond RTOL (with 0.02 the attention is near uniform and RoPE built
+#: from local positions moved the loss by only 5e-6; with 0.2 by 1e-4). Much sharper (0.5) makes
+#: the first Adam steps amplify float32 noise (TP2 alone then drifts from serial by 2e-4).
+QKV_STD = 0.2
 BASE = [
     '--num-layers',
     '4',
@@ -57,11 +65,15 @@ def _run(world, extra, data_prefix, cache, **layout):
         run_pretrain,
         world_size=world,
         args=(args,),
-        kwargs={'reference_weights': True},
+        kwargs={'reference_weights': QKV_STD, 'capture_stdout': True},
         timeout=600,
         **layout,
     )
     return results[-1]  # the last rank is on the last pipeline stage and holds the losses
+
+
+def _grad_norms(result):
+    return [float(x) for x in re.findall(r'grad norm: ([0-9.]+) \|', result['stdout'])]
 
 
 def _losses(result, first=1):
@@ -71,6 +83,22 @@ def _losses(result, first=1):
 @pytest.fixture(scope='module')
 def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp('cp_cache'))
+
+
+@pytest.fixture(scope='module')
+def data_prefix(tmp_path_factory):
+    """Short documents of GPT-2 ids (a skewed draw from the first 1000, so there is something to
+    learn), each ending in the EOD id 50256."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path_factory.mktemp('cp_data') / 'short_docs_text_document')
+    rng = numpy.random.default_rng(0)
+    builder = IndexedDatasetBuilder(prefix + '.bin', dtype=numpy.uint16)
+    for _ in range(600):
+        ids = (rng.zipf(1.5, rng.integers(3, 40)) % 1000).tolist() + [50256]
+        builder.add_document(ids, [len(ids)])
+    builder.finalize(prefix + '.idx')
+    return prefix
 
 
 _SERIAL = {}
@@ -87,13 +115,16 @@ def _serial(name, data_prefix, cache):
 def _assert_same(result, reference, rtol=RTOL, first=1):
     assert result['iteration'] == ITERS
     assert _losses(result, first) == pytest.approx(_losses(reference, first), rel=rtol)
+    norms, ref_norms = _grad_norms(result), _grad_norms(reference)[first - 1 :]
+    assert len(norms) == ITERS - first + 1
+    assert norms == pytest.approx(ref_norms, abs=1.5e-3 if rtol == RTOL else 5e-2)
     assert result['valid_losses']['lm loss'] == pytest.approx(
         reference['valid_losses']['lm loss'], rel=rtol
     )
 
 
-def test_cp2_ring_with_recompute_then_resume_at_cp1(gpt_data_prefix, cache, tmp_path):
-    reference = _serial('learned', gpt_data_prefix, cache)
+def test_cp2_ring_with_recompute_then_resume_at_cp1(data_prefix, cache, tmp_path):
+    reference = _serial('learned', data_prefix, cache)
     assert _losses(reference)[-1] < _losses(reference)[0]
     save = str(tmp_path / 'ckpt')
     cp2 = _run(
@@ -112,7 +143,7 @@ def test_cp2_ring_with_recompute_then_resume_at_cp1(gpt_data_prefix, cache, tmp_
             '--save-interval',
             '2',
         ],
-        gpt_data_prefix,
+        data_prefix,
         cache,
         cp=2,
     )
@@ -120,18 +151,18 @@ def test_cp2_ring_with_recompute_then_resume_at_cp1(gpt_data_prefix, cache, tmp_
     # The CP2 checkpoint of iteration 2, resumed without CP, continues the serial run.
     with open(os.path.join(save, 'latest_checkpointed_iteration.txt'), 'w') as f:
         f.write('2')
-    resumed = _run(1, ['--load', save], gpt_data_prefix, cache)
+    resumed = _run(1, ['--load', save], data_prefix, cache)
     _assert_same(resumed, reference, first=3)
 
 
-def test_cp2_bf16(gpt_data_prefix, cache):
-    reference = _serial('bf16', gpt_data_prefix, cache)
-    cp2 = _run(2, ['--bf16', '--context-parallel-size', '2'], gpt_data_prefix, cache, cp=2)
+def test_cp2_bf16(data_prefix, cache):
+    reference = _serial('bf16', data_prefix, cache)
+    cp2 = _run(2, ['--bf16', '--context-parallel-size', '2'], data_prefix, cache, cp=2)
     _assert_same(cp2, reference, rtol=2e-2)
 
 
-def test_cp4_rope_gqa_every_comm_type(gpt_data_prefix, cache):
-    reference = _serial('rope_gqa', gpt_data_prefix, cache)
+def test_cp4_rope_gqa_every_comm_type(data_prefix, cache):
+    reference = _serial('rope_gqa', data_prefix, cache)
     cp4 = _run(
         4,
         ROPE_GQA
@@ -147,7 +178,7 @@ def test_cp4_rope_gqa_every_comm_type(gpt_data_prefix, cache):
             '2',
             '2',
         ],
-        gpt_data_prefix,
+        data_prefix,
         cache,
         cp=4,
     )
@@ -185,8 +216,8 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize('layout', sorted(LAYOUTS))
-def test_cp2_layouts_match_serial(layout, gpt_data_prefix, cache):
-    reference = _serial('learned', gpt_data_prefix, cache)
+def test_cp2_layouts_match_serial(layout, data_prefix, cache):
+    reference = _serial('learned', data_prefix, cache)
     groups, extra = LAYOUTS[layout]
-    result = _run(4, ['--context-parallel-size', '2'] + extra, gpt_data_prefix, cache, **groups)
+    result = _run(4, ['--context-parallel-size', '2'] + extra, data_prefix, cache, **groups)
     _assert_same(result, reference)

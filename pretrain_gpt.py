@@ -139,9 +139,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     torch.distributed.all_reduce(reporting_loss, group=mpu.get_data_parallel_group())
 
     if args.calculate_per_token_loss:
-        return loss[0], loss[1].clone().detach().to(torch.int), {
-            'lm loss': (reporting_loss[0], reporting_loss[1])
-        }
+        return (
+            loss[0],
+            loss[1].clone().detach().to(torch.int),
+            {'lm loss': (reporting_loss[0], reporting_loss[1])},
+        )
     num_tokens = reduced[1].to(torch.int)
     return (
         loss[0] * args.context_parallel_size,

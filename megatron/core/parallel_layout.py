@@ -210,9 +210,7 @@ def hierarchical_context_parallel_groups(
             span = below * size
             for start in range(0, len(ranks), span):
                 for offset in range(below):
-                    levels[level].append(
-                        [ranks[start + offset + i * below] for i in range(size)]
-                    )
+                    levels[level].append([ranks[start + offset + i * below] for i in range(size)])
             below = span
     return levels
 

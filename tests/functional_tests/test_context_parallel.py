@@ -8,13 +8,15 @@ scaling must use the CP-wide count (a per-rank mean would differ). The gradient 
 iteration is compared too (clipping and Adam hide a global gradient scale from the losses, the
 norm does not). Layouts (world size in brackets), each against its serial run:
 
-- CP2, ring (p2p), full recompute [2]; then resumed at CP1 from its iteration-2 checkpoint [1]
+- CP2, ring (p2p), full recompute, distributed optimizer (sharded over the 2 CP ranks) [2];
+  then resumed at CP1 from its iteration-2 checkpoint [1]
 - CP4, RoPE + GQA (4 heads, 2 groups: too few for a2a over 4 ranks), one comm type per layer:
   p2p, a2a+p2p (hierarchical [2, 2]), all_gather (spelled allgather), p2p [4]
 - CP2 x TP2 with sequence parallelism, all_gather [4]
 - CP2 x PP2, interleaved (2 virtual stages), a2a [4]
 - CP2 x PP2, 1F1B, selective recompute, p2p [4]
-- CP2 x DP2 with the distributed optimizer, p2p [4]
+- CP2 x DP2 with the distributed optimizer and --calculate-per-token-loss (token counts summed
+  over DP x CP), p2p [4], against a serial per-token-loss run
 - CP2 in bf16 against serial bf16 [2]
 
 Tolerance: relative 1e-5 per iteration in fp32 (measured <= 3e-7 on CPU, torch 2.13); 2e-2 in
@@ -107,7 +109,12 @@ _SERIAL = {}
 def _serial(name, data_prefix, cache):
     """The serial run of a model variant ('learned', 'rope_gqa', 'bf16'), run once."""
     if name not in _SERIAL:
-        extra = {'learned': [], 'rope_gqa': ROPE_GQA, 'bf16': ['--bf16']}[name]
+        extra = {
+            'learned': [],
+            'rope_gqa': ROPE_GQA,
+            'bf16': ['--bf16'],
+            'per_token': ['--calculate-per-token-loss'],
+        }[name]
         _SERIAL[name] = _run(1, extra, data_prefix, cache)
     return _SERIAL[name]
 
@@ -123,7 +130,7 @@ def _assert_same(result, reference, rtol=RTOL, first=1):
     )
 
 
-def test_cp2_ring_with_recompute_then_resume_at_cp1(data_prefix, cache, tmp_path):
+def test_cp2_ring_recompute_dist_opt_then_resume_at_cp1(data_prefix, cache, tmp_path):
     reference = _serial('learned', data_prefix, cache)
     assert _losses(reference)[-1] < _losses(reference)[0]
     save = str(tmp_path / 'ckpt')
@@ -138,6 +145,7 @@ def test_cp2_ring_with_recompute_then_resume_at_cp1(data_prefix, cache, tmp_path
             'uniform',
             '--recompute-num-layers',
             '1',
+            '--use-distributed-optimizer',
             '--save',
             save,
             '--save-interval',
@@ -151,7 +159,7 @@ def test_cp2_ring_with_recompute_then_resume_at_cp1(data_prefix, cache, tmp_path
     # The CP2 checkpoint of iteration 2, resumed without CP, continues the serial run.
     with open(os.path.join(save, 'latest_checkpointed_iteration.txt'), 'w') as f:
         f.write('2')
-    resumed = _run(1, ['--load', save], data_prefix, cache)
+    resumed = _run(1, ['--load', save, '--use-distributed-optimizer'], data_prefix, cache)
     _assert_same(resumed, reference, first=3)
 
 
@@ -211,13 +219,16 @@ LAYOUTS = {
         dict(cp=2, pp=2),
         ['--pipeline-model-parallel-size', '2', '--recompute-activations'],
     ),
-    'cp2_dp2_distributed_optimizer': (dict(cp=2), ['--use-distributed-optimizer']),
+    'cp2_dp2_distributed_optimizer_per_token_loss': (
+        dict(cp=2),
+        ['--use-distributed-optimizer', '--calculate-per-token-loss'],
+    ),
 }
 
 
 @pytest.mark.parametrize('layout', sorted(LAYOUTS))
 def test_cp2_layouts_match_serial(layout, data_prefix, cache):
-    reference = _serial('learned', data_prefix, cache)
+    reference = _serial('per_token' if 'per_token' in layout else 'learned', data_prefix, cache)
     groups, extra = LAYOUTS[layout]
     result = _run(4, ['--context-parallel-size', '2'] + extra, data_prefix, cache, **groups)
     _assert_same(result, reference)

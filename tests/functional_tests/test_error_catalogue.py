@@ -61,6 +61,22 @@ ELSEWHERE = {
     'fp16-real-nan': 'tests/functional_tests/test_fp16_default_loss_scale.py',
     'frozen-rank': 'tests/functional_tests/test_faults_torchrun.py',
     'launcher-dead': 'tests/functional_tests/test_faults_torchrun.py',
+    **{
+        f'cp-{case}': 'tests/unit_tests/test_context_parallel_layout.py'
+        for case in (
+            'seq-length',
+            'a2a-heads',
+            'comm-type',
+            'comm-type-count',
+            'hierarchy-missing',
+            'hierarchy-sizes',
+            'reset-attention-mask',
+            'tp-pp-dp-mapping',
+            'sequence-parallel',
+            'entry-point',
+        )
+    },
+    'cp-mask-type': 'tests/unit_tests/transformer/test_context_parallel_attention.py',
 }
 
 

@@ -70,6 +70,13 @@ class DotProductAttention(MegatronModule):
             required = ("tp", "cp", "hcp") if self.cp_comm_type == "a2a+p2p" else ("tp", "cp")
             self.pg_collection = resolve_process_groups(pg_collection, required)
             self.cp_groups = context_parallel_groups(config, self.pg_collection)
+            if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+                raise ValueError(
+                    f"context_parallel_size ({config.context_parallel_size}): {attention_type} "
+                    f"attention with a {attn_mask_type.name} mask cannot be split over the "
+                    "sequence; context parallelism supports causal and no_mask attention only "
+                    "(GPT), not padding masks (BERT, T5) or --reset-attention-mask"
+                )
 
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type

@@ -442,9 +442,7 @@ class TransformerConfig(ModelParallelConfig):
         hierarchy = self.hierarchical_context_parallel_sizes
         for comm_type in comm_types:
             if comm_type == "a2a+p2p" and hierarchy is None and self.context_parallel_size > 1:
-                raise ValueError(
-                    "cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes"
-                )
+                raise ValueError("cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes")
             check_cp_attention_shapes(
                 comm_type,
                 self.context_parallel_size,

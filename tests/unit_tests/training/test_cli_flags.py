@@ -30,6 +30,8 @@ OUR_EXTRA_FLAGS = {
     '--non-persistent-global-ckpt-dir',
     '--non-persistent-save-interval',
     '--renormalize-blend-weights',
+    '--cp-comm-type',  # context parallel attention communication (core_r0.10)
+    '--hierarchical-context-parallel-sizes',  # a2a+p2p context parallelism (core_r0.10)
 }
 
 # Flags of this package only (no Megatron version has them).

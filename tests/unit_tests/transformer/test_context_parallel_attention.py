@@ -283,3 +283,60 @@ def test_a2a_head_split_refused_with_p2p_hint():
         check_cp_attention_shapes("ring", 2, 8, 8)
     check_cp_attention_shapes("p2p", 4, 8, 2)  # the ring splits the sequence, not the heads
     check_cp_attention_shapes("a2a+p2p", 4, 8, 2, a2a_size=2)
+
+
+# --------------------------------------------------------------------------------------------
+# The attention layer and RoPE on a real CP group
+
+
+def _layer_checks():
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.context_parallel import slice_for_cp_rank
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)
+    full = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, cp_group=None)
+    full.cp_group = None  # the same table without CP slicing
+    rope_error = (rope(32) - slice_for_cp_rank(full(32), 0, cp, rank)).abs().max().item()
+
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        context_parallel_size=cp,
+        cp_comm_type=["a2a", "p2p"],
+        attention_dropout=0.0,
+    )
+    layers = [DotProductAttention(config, n, AttnMaskType.causal, "self") for n in (1, 2)]
+    refusals = []
+    for mask in (AttnMaskType.padding, AttnMaskType.arbitrary):
+        try:
+            DotProductAttention(config, 1, mask, "self")
+        except ValueError as error:
+            refusals.append(str(error))
+    # The layer's output equals the op's; [s/cp, b, np, hn] in, [s/cp, b, hp] out.
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(8, 2, 4, 8, generator=gen)
+    kv = torch.randn(8, 2, 2, 8, generator=gen)
+    outs = [layer(q, kv, kv, None).shape for layer in layers]
+    return rope_error, [layer.cp_comm_type for layer in layers], refusals, outs
+
+
+def test_layer_dispatch_rope_slice_and_mask_refusal():
+    for rope_error, comm_types, refusals, shapes in run_distributed(
+        _layer_checks, world_size=4, cp=2
+    ):
+        assert rope_error == 0.0
+        assert comm_types == ["a2a", "p2p"]  # one comm type per layer
+        assert shapes == [torch.Size([8, 2, 32])] * 2
+        assert len(refusals) == 2
+        assert refusals[0] == (
+            "context_parallel_size (2): self attention with a padding mask cannot be split over "
+            "the sequence; context parallelism supports causal and no_mask attention only (GPT), "
+            "not padding masks (BERT, T5) or --reset-attention-mask"
+        )

@@ -99,9 +99,7 @@ def check_cp_attention_shapes(
         a2a_size: size of the all-to-all level for 'a2a+p2p' (cp_size for 'a2a').
     """
     if comm_type not in CP_COMM_TYPES:
-        raise ValueError(
-            f"--cp-comm-type {comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}"
-        )
+        raise ValueError(f"--cp-comm-type {comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
     if comm_type not in ("a2a", "a2a+p2p"):
         return
     size = cp_size if comm_type == "a2a" or a2a_size is None else a2a_size

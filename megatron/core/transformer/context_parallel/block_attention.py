@@ -31,7 +31,9 @@ import torch
 from torch import Tensor
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_CPU_FLASH_BWD = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,7 @@ def merge_block_output(
     """
     old_out, old_lse = out[:, :, rows], lse[:, :, rows]
     new_lse = torch.logaddexp(old_lse, block_lse)
-    out[:, :, rows] = old_out * torch.exp(old_lse - new_lse).unsqueeze(-1) + block_out.to(out.dtype) * (
-        torch.exp(block_lse - new_lse).unsqueeze(-1)
-    )
+    out[:, :, rows] = old_out * torch.exp(old_lse - new_lse).unsqueeze(-1) + block_out.to(
+        out.dtype
+    ) * (torch.exp(block_lse - new_lse).unsqueeze(-1))
     lse[:, :, rows] = new_lse

@@ -15,6 +15,11 @@ Traffic per layer: forward (P-1) x |KV| received; backward (P-1) x |KV| received
 
 import torch
 
+from megatron.core.tensor_parallel.utils import (
+    all_gather_into_tensor,
+    reduce_scatter_tensor,
+)
+
 from .block_attention import (
     BlockDropout,
     accumulation_dtype,
@@ -28,7 +33,7 @@ def _gather_kv_natural(kv, group, size):
     """[2, b, hkv, 2c, d] per rank -> [2, b, hkv, 2Pc, d] in natural sequence order."""
     # Collectives concatenate along dim 0: [P * 2, b, hkv, 2c, d] -> [P, 2, b, hkv, 2c, d].
     gathered = torch.empty((size * kv.size(0),) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
-    torch.distributed.all_gather_into_tensor(gathered, kv, group=group)
+    all_gather_into_tensor(gathered, kv, group=group)
     gathered = gathered.view(size, *kv.shape)
     chunks = [None] * (2 * size)
     for rank in range(size):
@@ -46,7 +51,7 @@ def _scatter_dkv_to_owners(dkv_natural, group, size):
     mine = torch.empty(per_rank.shape[1:], dtype=per_rank.dtype, device=per_rank.device)
     # [P, 2, b, hkv, 2c, d] -> [P * 2, b, hkv, 2c, d]: rank g's part is rows [2g, 2g + 2).
     flat = per_rank.reshape(-1, *per_rank.shape[2:])
-    torch.distributed.reduce_scatter_tensor(mine, flat, group=group)
+    reduce_scatter_tensor(mine, flat, group=group)
     return mine
 
 

@@ -324,13 +324,54 @@ def _layer_checks():
     q = torch.randn(8, 2, 4, 8, generator=gen)
     kv = torch.randn(8, 2, 2, 8, generator=gen)
     outs = [layer(q, kv, kv, None).shape for layer in layers]
-    return rope_error, [layer.cp_comm_type for layer in layers], refusals, outs
+    return rope_error, [layer.cp_comm_type for layer in layers], refusals, outs, _dropout_replay()
 
 
-def test_layer_dispatch_rope_slice_and_mask_refusal():
-    for rope_error, comm_types, refusals, shapes in run_distributed(
+def _dropout_replay():
+    """Attention dropout under CP: recompute (tensor_parallel.checkpoint, which restores the RNG
+    states) replays the same masks, so its gradients equal those of the plain run; a second call
+    draws new masks."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        attention_dropout=0.5,
+    )
+    layer = DotProductAttention(config, 1, AttnMaskType.causal, "self").train()
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(8, 2, 4, 8, generator=gen) for _ in "qkv")
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    states = (torch.get_rng_state(), tracker.get_states())
+    grads = []
+    for recompute in (False, True):
+        torch.set_rng_state(states[0])
+        tracker.set_states(states[1])
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        if recompute:
+            out = tensor_parallel.checkpoint(lambda *x: layer(*x, None), False, *inputs)
+        else:
+            out = layer(*inputs, None)
+        out.sum().backward()
+        grads.append([t.grad for t in inputs])
+    again = layer(q, k, v, None)
+    return {
+        "replay": max((a - b).abs().max().item() for a, b in zip(*grads)),
+        "new_masks": (again - out.detach()).abs().max().item(),
+    }
+
+
+def test_layer_dispatch_rope_slice_mask_refusal_and_dropout_recompute():
+    for rope_error, comm_types, refusals, shapes, dropout in run_distributed(
         _layer_checks, world_size=4, cp=2
     ):
+        assert dropout["replay"] == 0.0 and dropout["new_masks"] > 1e-3
         assert rope_error == 0.0
         assert comm_types == ["a2a", "p2p"]  # one comm type per layer
         assert shapes == [torch.Size([8, 2, 32])] * 2

@@ -8,8 +8,10 @@ not depend on CP and is left out):
 - CP2 p2p / all_gather / a2a: two processes, one thread each, the sequence split in the
   load-balanced dual-chunk layout.
 
-Printed per sequence length: ms/step and tokens/s (median of the timed steps), the tokens/s ratio
-CP2 / CP1 (goal >= 1.6 on two free cores), the activation memory per rank (bytes autograd saves
+Printed per sequence length: ms/step and tokens/s (median of the timed steps and rounds), the
+tokens/s ratio CP2 / CP1 (goal >= 1.6 on two free cores) and, robust to other load on the
+machine, the same ratio of the main thread's CPU time per step (the compute each rank does,
+without the time it waits), the activation memory per rank (bytes autograd saves
 for backward during one forward, counted once per storage; CPU has no allocator statistics) and
 its ratio to CP1 (about 1 / cp), the share of the step a rank spends in CP communication calls
 (ring waits, all-gather / reduce-scatter, all-to-all; gradient all-reduce reported apart) and the
@@ -22,7 +24,7 @@ their agreement.
 
 Usage: python benchmarks/bench_context_parallel.py [--seq-lengths 4096 8192] [--steps 3]
        [--num-layers 2 --hidden-size 256 --num-attention-heads 8 --vocab 1024]
-       [--comm-types p2p all_gather a2a] [--device cpu|cuda]
+       [--comm-types p2p all_gather a2a] [--repeats 1] [--device cpu|cuda]
 """
 
 import argparse
@@ -167,32 +169,32 @@ def _rank_main(rank, world, comm, port, bench, seq, result_file):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     step()  # warm-up
-    times, comm, grad = [], [], []
+    times, cpu, comm, grad = [], [], [], []
     for _ in range(bench.steps):
         comm_timer.seconds = grad_timer.seconds = 0.0
         if cuda:
             torch.cuda.synchronize()
         torch.distributed.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         step()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
         comm.append(comm_timer.seconds)
         grad.append(grad_timer.seconds)
     peak = torch.cuda.max_memory_allocated() - base if cuda else saved
     # The slowest rank sets the pace.
-    stats = torch.tensor(
-        [statistics.median(times), statistics.median(comm), statistics.median(grad)]
-    )
+    stats = torch.tensor([statistics.median(x) for x in (times, cpu, comm, grad)])
     torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX)
     if rank == 0:
         with open(result_file, 'w') as f:
             json.dump(
                 {
                     'step': stats[0].item(),
-                    'comm': stats[1].item(),
-                    'grad': stats[2].item(),
+                    'cpu': stats[1].item(),
+                    'comm': stats[2].item(),
+                    'grad': stats[3].item(),
                     'memory': peak,
                     'loss': total.item(),
                 },
@@ -212,30 +214,42 @@ def _run_layout(world, comm, bench, seq, tmp):
         return json.load(f)
 
 
+def _median_results(runs):
+    """Per-key median over repeated runs of one layout (loss and memory do not vary)."""
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
 def _cpu_or_multi_gpu(bench, world):
     print(
         f'GPT {bench.num_layers} layers, hidden {bench.hidden_size}, '
         f'{bench.num_attention_heads} heads, vocab {bench.vocab}, batch 1, fp32, '
-        f'device {bench.device}, CP{world} as {world} processes x 1 thread'
+        f'device {bench.device}, CP{world} as {world} processes x 1 thread; median of '
+        f'{bench.steps} steps x {bench.repeats} rounds (layouts alternate)'
     )
     memory_name = 'saved for backward' if bench.device == 'cpu' else 'peak allocated'
+    layouts = [(1, 'p2p')] + [(world, comm) for comm in bench.comm_types]
     with tempfile.TemporaryDirectory() as tmp:
         for seq in bench.seq_lengths:
-            ref = _run_layout(1, 'p2p', bench, seq, tmp)
+            runs = {layout: [] for layout in layouts}
+            for _ in range(bench.repeats):
+                for layout in layouts:
+                    runs[layout].append(_run_layout(*layout, bench, seq, tmp))
+            ref = _median_results(runs[layouts[0]])
             print(f'\nseq {seq}')
             print(
                 f'  CP1             : {ref["step"] * 1e3:9.1f} ms/step '
                 f'{seq / ref["step"]:8.1f} tokens/s  {memory_name} {ref["memory"] / 2**20:7.1f} MiB'
             )
-            for comm in bench.comm_types:
-                res = _run_layout(world, comm, bench, seq, tmp)
+            for layout in layouts[1:]:
+                res = _median_results(runs[layout])
                 print(
-                    f'  CP{world} {comm:<11}: {res["step"] * 1e3:9.1f} ms/step '
+                    f'  CP{world} {layout[1]:<11}: {res["step"] * 1e3:9.1f} ms/step '
                     f'{seq / res["step"]:8.1f} tokens/s  {memory_name} '
                     f'{res["memory"] / 2**20:7.1f} MiB/rank'
                 )
                 print(
-                    f'      ratio tokens/s CP{world}/CP1 {ref["step"] / res["step"]:.3f}   '
+                    f'      ratio tokens/s CP{world}/CP1 {ref["step"] / res["step"]:.3f} '
+                    f'(main-thread CPU time per step: {ref["cpu"] / res["cpu"]:.3f})   '
                     f'memory/rank CP{world}/CP1 {res["memory"] / ref["memory"]:.3f}   '
                     f'attention comm wait {100 * res["comm"] / res["step"]:.1f}% of the step, '
                     f'grad all-reduce {100 * res["grad"] / res["step"]:.1f}%   '
@@ -305,6 +319,7 @@ def main():
     parser.add_argument('--num-attention-heads', type=int, default=8)
     parser.add_argument('--vocab', type=int, default=1024)
     parser.add_argument('--steps', type=int, default=3, help='timed steps after one warm-up')
+    parser.add_argument('--repeats', type=int, default=1, help='rounds over the layouts')
     parser.add_argument('--comm-types', nargs='+', default=['p2p', 'all_gather', 'a2a'])
     parser.add_argument('--device', choices=['cpu', 'cuda'], default='cpu')
     bench = parser.parse_args()

@@ -248,7 +248,8 @@ def _cpu_or_multi_gpu(bench, world):
                     f'{res["memory"] / 2**20:7.1f} MiB/rank'
                 )
                 print(
-                    f'      ratio tokens/s CP{world}/CP1 {ref["step"] / res["step"]:.3f} '
+                    f'RESULT context parallel: seq {seq} CP{world} {layout[1]}: '
+                    f'ratio tokens/s CP{world}/CP1 {ref["step"] / res["step"]:.3f} '
                     f'(main-thread CPU time per step: {ref["cpu"] / res["cpu"]:.3f})   '
                     f'memory/rank CP{world}/CP1 {res["memory"] / ref["memory"]:.3f}   '
                     f'attention comm wait {100 * res["comm"] / res["step"]:.1f}% of the step, '
@@ -304,8 +305,10 @@ def _single_gpu_kernels(bench):
                 (a.float() - b.float()).abs().max().item() for a, b in zip((o1,) + g1, (o2,) + g2)
             )
             kind = 'flash' if dtype == torch.bfloat16 else 'explicit'
+            # RESULT lines are what benchmarks/gpu/run_all.sh collects into its summary.
             print(
-                f'seq {seq} {str(dtype):>14} ({kind} block): {t_ours * 1e3:8.2f} ms fwd+bwd, '
+                f'RESULT context parallel: seq {seq} {str(dtype)} ({kind} block): '
+                f'{t_ours * 1e3:.2f} ms fwd+bwd, '
                 f'torch SDPA {t_ref * 1e3:8.2f} ms, ratio {t_ref / t_ours:.3f}, '
                 f'max abs diff {err:.1e}'
             )

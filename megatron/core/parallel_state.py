@@ -26,6 +26,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from megatron.core.device import get_current_device
 from megatron.core.parallel_layout import (  # noqa: F401 (re-exported, as in Megatron)
     RankGenerator,
     default_embedding_ranks,
@@ -908,8 +909,6 @@ class GlobalMemoryBuffer:
     def get_tensor(self, tensor_shape, dtype, name):
         """A tensor of `tensor_shape` and `dtype` backed by the buffer `name` (contents
         undefined)."""
-        from megatron.core.utils import get_current_device
-
         required_len = 1
         for dim in tensor_shape:
             required_len *= dim

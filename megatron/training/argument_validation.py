@@ -5,11 +5,15 @@ derives the values the rest of the training layer reads (`data_parallel_size`, `
 Re-exported by `arguments.py`, where Megatron users import it from.
 """
 
+import math
+
 import torch
 
 from megatron.core.utils import uses_cuda
+from megatron.training.argument_validation_sft_fim import validate_sft_and_fim_args
 from megatron.training.arguments_unsupported import check_unsupported_flags
 from megatron.training.context_parallel_checks import validate_context_parallel_args
+from megatron.training.observability_args import validate_observability_args
 
 
 def _note(args, message):
@@ -33,9 +37,10 @@ def validate_args(args, defaults={}):
         args, modified in place.
     """
     # Flags of features this package does not have: refuse any non-default value first.
-    from megatron.training.arguments import get_args_parser
+    from megatron.training.arguments_parser import get_args_parser
 
     check_unsupported_flags(args, get_args_parser())
+    validate_observability_args(args)
 
     # Model-parallel sizes against the world size.
     if args.tensor_model_parallel_size < 1 or args.pipeline_model_parallel_size < 1:
@@ -443,6 +448,7 @@ def validate_args(args, defaults={}):
         raise ValueError(f'--num-experts must be positive, got {args.num_experts}')
 
     _validate_megatron_r08_extras(args)
+    validate_sft_and_fim_args(args)
 
     if args.timing_log_level not in (0, 1, 2):
         raise ValueError(f'--timing-log-level must be 0, 1 or 2, got {args.timing_log_level}')
@@ -551,4 +557,15 @@ def validate_encoder_decoder_args(args):
             f'--vocab-extra-ids ({args.vocab_extra_ids}) must be > 0 for T5 data: the '
             'span-corruption sentinels <extra_id_i> come from it (Megatron uses 100)'
         )
+    if has_data:
+        # Each masked span takes one sentinel; a sample of L tokens (the encoder length minus
+        # [BOS] and [EOS]) has at most ceil(mask_prob x L) masked tokens, hence spans.
+        spans = max(1, math.ceil(args.mask_prob * (args.encoder_seq_length - 2)))
+        if args.vocab_extra_ids < spans:
+            raise ValueError(
+                f'--vocab-extra-ids ({args.vocab_extra_ids}) is fewer than the masked spans a T5 '
+                f'sample can have: up to ceil(--mask-prob {args.mask_prob} x '
+                f'(--encoder-seq-length {args.encoder_seq_length} - 2)) = {spans}, one sentinel '
+                f'each; pass --vocab-extra-ids {spans} or more (Megatron uses 100)'
+            )
     return args

@@ -519,6 +519,7 @@ def _add_tokenizer_args(parser):
             'SentencePieceTokenizer',
             'GPTSentencePieceTokenizer',
             'HuggingFaceTokenizer',
+            'SFTTokenizer',
             'Llama2Tokenizer',
             'Llama3Tokenizer',
             'MistralTokenizer',

@@ -19,7 +19,8 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.utils import uses_cuda
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.global_vars import get_args, set_global_variables
+from megatron.training.global_vars import get_args, set_global_variables, set_wandb_writer
+from megatron.training.scalar_writers import build_wandb_writer
 from megatron.training.startup_checks import check_output_directories
 from megatron.training.watchdog import exit_when_launcher_dies
 
@@ -60,11 +61,14 @@ def initialize_megatron(
             raise ValueError('--use-checkpoint-args requires --load')
         from megatron.training.checkpointing import load_args_from_checkpoint
 
-        load_args_from_checkpoint(args)
+        _, checkpoint_args = load_args_from_checkpoint(args)
+        if checkpoint_args is None:
+            _refuse_missing_checkpoint_args(args)
     validate_args(args, args_defaults)
     check_output_directories(args)
 
     set_global_variables(args)
+    set_wandb_writer(build_wandb_writer(args))
     setup_logging()
 
     if skip_mpu_initialization:
@@ -76,6 +80,22 @@ def initialize_megatron(
     _set_random_seed(args.seed, args.data_parallel_random_init)
     _compile_dependencies()
     return None
+
+
+def _refuse_missing_checkpoint_args(args) -> None:
+    """--use-checkpoint-args found no checkpoint to take the model's shape from: say so, rather
+    than "--num-layers is required" for the first flag it did not give."""
+    missing = [
+        '--' + name.replace('_', '-')
+        for name in ('num_layers', 'hidden_size', 'num_attention_heads', 'max_position_embeddings')
+        if getattr(args, name, None) is None
+    ]
+    if missing:
+        raise ValueError(
+            f'--use-checkpoint-args: no checkpoint in --load {args.load} (no '
+            f'latest_checkpointed_iteration.txt there) to take {", ".join(missing)} from; check '
+            f'the --load path, or give those flags'
+        )
 
 
 def setup_logging() -> None:

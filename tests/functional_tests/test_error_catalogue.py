@@ -83,6 +83,22 @@ ELSEWHERE = {
     'fim-sentinel': 'tests/functional_tests/test_sft_fim_errors.py',
     'sft-bad-json': 'tests/unit_tests/data/test_sft_dataset.py',
     'fim-tokenizer': 'tests/unit_tests/data/test_fim.py',
+    **{
+        f'cp-{case}': 'tests/unit_tests/test_context_parallel_layout.py'
+        for case in (
+            'seq-length',
+            'a2a-heads',
+            'comm-type',
+            'comm-type-count',
+            'hierarchy-missing',
+            'hierarchy-sizes',
+            'reset-attention-mask',
+            'tp-pp-dp-mapping',
+            'sequence-parallel',
+            'entry-point',
+        )
+    },
+    'cp-mask-type': 'tests/unit_tests/transformer/test_context_parallel_attention.py',
 }
 #: Rows of the other entry points, exercised by the tests at the end of this file.
 OTHER_ENTRY_POINTS = {

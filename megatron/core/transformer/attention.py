@@ -249,18 +249,27 @@ class Attention(MegatronModule, ABC):
             key_value_states: [sk, b, h] memory for cross attention.
             inference_params (InferenceParams): KV cache for autoregressive inference (self
                 attention only); the keys and values of this call are appended to it and the
-                attention runs over every cached position.
+                attention runs over every cached position. A DynamicInferenceContext
+                (is_dynamic_batching()) runs its own paged attention instead.
             rotary_pos_emb: [s, 1, 1, d] angles, or a (query, key) pair of them (with
                 inference_params: angles for every position up to max_sequence_length).
-            packed_seq_params: packed sequences (not supported; must be None).
+            packed_seq_params: packed sequences: each segment attends only to itself (the
+                rotary angles must already restart per segment, see GPTModel).
         """
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed_seq_params is not supported by Attention")
+        if packed_seq_params is not None and inference_params is not None:
+            raise NotImplementedError("packed sequences are not supported with a KV cache")
 
         # query: [sq, b, np, hn], key / value: [sk, b, ng, hn]
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
 
         if inference_params is not None and self.attention_type == "self":
+            if inference_params.is_dynamic_batching():
+                # Packed requests over a paged KV cache: the context attends each request over
+                # its own blocks (megatron/core/inference/contexts/dynamic_context.py).
+                core_attn_out = inference_params.attention(
+                    self.layer_number, query, key, value, rotary_pos_emb, self.config
+                )
+                return self.linear_proj(core_attn_out)
             if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
                 rotary_pos_emb = (rotary_pos_emb,) * 2
             q_pos_emb, key, value, attn_mask_type = self._adjust_key_value_for_inference(
@@ -287,11 +296,21 @@ class Attention(MegatronModule, ABC):
 
         if self.checkpoint_core_attention and self.training:
             core_attn_out = self._checkpointed_attention_forward(
-                query, key, value, attention_mask, attn_mask_type=self.attn_mask_type
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=self.attn_mask_type,
+                packed_seq_params=packed_seq_params,
             )
         else:
             core_attn_out = self.core_attention(
-                query, key, value, attention_mask, attn_mask_type=self.attn_mask_type
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=self.attn_mask_type,
+                packed_seq_params=packed_seq_params,
             )
 
         # [sq, b, hp] -> [sq, b, h]

@@ -2,6 +2,7 @@
 
 `--tokenizer-type` picks one of: BertWordPieceLowerCase, BertWordPieceCase, GPT2BPETokenizer,
 SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, HuggingFaceTokenizer,
+SFTTokenizer (a HuggingFaceTokenizer with a chat prompt format, `sft_tokenizer.py`),
 NullTokenizer. `build_tokenizer` also sets `args.padded_vocab_size` (vocabulary rounded up to a
 multiple of make_vocab_size_divisible_by x tensor_model_parallel_size) and prints it as Megatron
 does.
@@ -16,6 +17,7 @@ from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
 from .bert_tokenization import FullTokenizer as FullBertTokenizer
 from .fast_encoders import build_fast_wordpiece_encode
 from .gpt2_tokenization import GPT2Tokenizer
+from .hf_tokenizer import _HuggingFaceTokenizer  # noqa: F401  (re-exported: its old home)
 
 TOKENIZER_TYPES = (
     "BertWordPieceLowerCase",
@@ -25,6 +27,7 @@ TOKENIZER_TYPES = (
     "GPTSentencePieceTokenizer",
     "Llama2Tokenizer",
     "HuggingFaceTokenizer",
+    "SFTTokenizer",
     "NullTokenizer",
 )
 
@@ -78,6 +81,15 @@ def build_tokenizer(args, **kwargs) -> MegatronTokenizer:
                 "--tokenizer-model is required for --tokenizer-type HuggingFaceTokenizer"
             )
         tokenizer = _HuggingFaceTokenizer(args.tokenizer_model, **kwargs)
+    elif tokenizer_type == "SFTTokenizer":
+        if args.tokenizer_model is None:
+            raise ValueError("--tokenizer-model is required for --tokenizer-type SFTTokenizer")
+        from .sft_tokenizer import SFTTokenizer
+
+        tokenizer = SFTTokenizer(
+            args.tokenizer_model,
+            getattr(args, "sft_tokenizer_prompt_format", None) or "nemotron-h-aligned",
+        )
     elif tokenizer_type == "NullTokenizer":
         if getattr(args, "vocab_size", None) is None:
             raise ValueError("--vocab-size is required for --tokenizer-type NullTokenizer")
@@ -113,70 +125,6 @@ def _vocab_size_with_padding(orig_vocab_size: int, args, logging_enabled: bool =
             flush=True,
         )
     return after
-
-
-class _HuggingFaceTokenizer(MegatronTokenizer):
-    """A `transformers.AutoTokenizer` from a local directory (never downloads)."""
-
-    def __init__(self, pretrained_model_name_or_path: str, **kwargs):
-        super().__init__(pretrained_model_name_or_path, **kwargs)
-        try:
-            import transformers
-        except ImportError as exc:
-            raise ImportError(
-                "--tokenizer-type HuggingFaceTokenizer needs the optional package `transformers` "
-                "(pip install transformers)"
-            ) from exc
-        if not os.path.exists(pretrained_model_name_or_path):
-            raise FileNotFoundError(
-                f"--tokenizer-model: no such local directory or file: "
-                f"{pretrained_model_name_or_path} "
-                "(HuggingFaceTokenizer loads local files only)"
-            )
-        kwargs.setdefault("local_files_only", True)
-        self._tokenizer = transformers.AutoTokenizer.from_pretrained(
-            pretrained_model_name_or_path=pretrained_model_name_or_path, **kwargs
-        )
-        self._vocab = self._tokenizer.get_vocab()
-        self._inv_vocab = {token_id: token for token, token_id in self._vocab.items()}
-
-    @property
-    def vocab_size(self):
-        return len(self._tokenizer)
-
-    @property
-    def vocab(self):
-        return self._vocab
-
-    @property
-    def inv_vocab(self):
-        return self._inv_vocab
-
-    @property
-    def decoder(self):
-        return self._inv_vocab
-
-    def tokenize(self, text, **kwargs):
-        return self._tokenizer(text, **kwargs).input_ids
-
-    def detokenize(self, token_ids, **kwargs):
-        return self._tokenizer.decode(token_ids, **kwargs)
-
-    @property
-    def bos(self):
-        return self._tokenizer.bos_token_id
-
-    @property
-    def eod(self):
-        return self._tokenizer.eos_token_id
-
-    @property
-    def eos(self):
-        return self._tokenizer.eos_token_id
-
-    @property
-    def pad(self):
-        return self._tokenizer.pad_token_id
 
 
 class _BertWordPieceTokenizer(MegatronTokenizer):

@@ -31,12 +31,39 @@ OUR_EXTRA_FLAGS = {
     '--non-persistent-save-interval',
     '--renormalize-blend-weights',
     '--ckpt-format',  # core_r0.9.0's checkpoint format flag (torch | torch_dist here)
+    '--cp-comm-type',  # context parallel attention communication (core_r0.10)
+    '--hierarchical-context-parallel-sizes',  # a2a+p2p context parallelism (core_r0.10)
+    '--use-pytorch-profiler',
+    # Dynamic-batching inference engine (megatron/core/inference, docs/inference_engine.md).
+    '--inference-dynamic-batching',
+    '--inference-max-seq-length',
+    '--inference-dynamic-batching-buffer-size-gb',
+    '--inference-dynamic-batching-block-size',
+    '--inference-dynamic-batching-max-requests',
+    '--inference-dynamic-batching-max-tokens',
+    '--enable-chunked-prefill',
+    # Supervised fine-tuning and fill-in-the-middle (core_v0.13 / core_v0.16).
+    '--sft',
+    '--sft-tokenizer-prompt-format',
+    '--fim-data',
+    '--fim-rate',
+    '--fim-spm-rate',
+    '--fim-split-sample',
+    '--fim-fragment-rate',
+    '--fim-no-prefix',
+    '--fim-prefix-token',
+    '--fim-middle-token',
+    '--fim-suffix-token',
+    '--fim-pad-token',
+    '--fim-eod-token',
 }
 
 # Flags of this package only (no Megatron version has them).
 OUR_OWN_FLAGS = {
     '--watchdog-timeout',  # the hang watchdog (megatron/training/watchdog.py)
     '--torch-compile',  # torch.compile of the transformer layers (megatron/training/training.py)
+    '--sft-one-row-per-sample',  # Megatron's SFT packing (training/datasets/sft_dataset.py)
+    '--sft-long-conversations',  # truncate or refuse data longer than a sample (same file)
 }
 
 

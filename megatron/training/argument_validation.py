@@ -12,8 +12,8 @@ import torch
 from megatron.core.utils import uses_cuda
 from megatron.training.argument_validation_sft_fim import validate_sft_and_fim_args
 from megatron.training.arguments_unsupported import check_unsupported_flags
-from megatron.training.dist_checkpoint_args import validate_dist_checkpoint_args
 from megatron.training.context_parallel_checks import validate_context_parallel_args
+from megatron.training.dist_checkpoint_args import validate_dist_checkpoint_args
 from megatron.training.observability_args import validate_observability_args
 
 

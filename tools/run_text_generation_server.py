@@ -31,6 +31,7 @@ from megatron.inference.text_generation_server import (
 )
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.checkpointing import load_checkpoint
+from megatron.training.context_parallel_checks import refuse_context_parallel
 from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args
 from megatron.training.initialize import initialize_megatron
@@ -144,6 +145,7 @@ def main(args_list=None):
         args_list=args_list,
     )
     args = get_args()
+    refuse_context_parallel(args, 'text generation')
     if args.num_layers_per_virtual_pipeline_stage is not None:
         print("Interleaved pipeline schedule is not yet supported for text generation.")
         sys.exit(1)

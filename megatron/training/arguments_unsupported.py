@@ -128,8 +128,6 @@ UNSUPPORTED_FLAGS = {
     '--adlr-autoresume': 'ADLR autoresume (a cluster-internal service) is not available',
     '--adlr-autoresume-interval': 'ADLR autoresume (a cluster-internal service) is not available',
     '--s3-cache-path': 'S3 dataset loading is not implemented',
-    '--dist-ckpt-strictness': 'distributed (torch_dist/zarr) checkpoint loading is not '
-    'implemented; the torch format loads strictly',
     '--yaml-cfg': 'the experimental YAML run configuration is not implemented (pass flags; '
     'megatron.training.yaml_arguments.core_transformer_config_from_yaml reads the model part)',
     '--use-flash-attn': 'the FlashAttention kernels are not used (attention is plain PyTorch)',

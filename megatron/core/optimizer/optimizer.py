@@ -156,6 +156,21 @@ class MegatronOptimizer(ABC):
     def load_state_dict(self, state_dict: Dict):
         """Restore from `state_dict()`."""
 
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """Distributed-checkpoint view of the optimizer state, keyed by the model's parameter
+        keys (megatron/core/dist_checkpointing/optimizer.py); with `is_loading` the state
+        tensors are created first so they can be loaded in place."""
+        from megatron.core.dist_checkpointing.optimizer import non_distributed_sharded_state_dict
+
+        return non_distributed_sharded_state_dict(self, model_sharded_state_dict, is_loading)
+
+    def load_sharded_state_dict(self, state_dict: Dict) -> None:
+        """Finish a distributed-checkpoint load: the state tensors were filled in place; apply
+        the hyperparameters, step and loss scaler (whichever optimizer kind saved them)."""
+        from megatron.core.dist_checkpointing.optimizer import restore_after_sharded_load
+
+        restore_after_sharded_load(self, state_dict)
+
     @abstractmethod
     def prepare_grads(self) -> bool:
         """Move model grads to main grads (unscaling); return True if any is inf/nan."""
@@ -559,6 +574,21 @@ class ChainedOptimizer(MegatronOptimizer):
             )
         for optimizer, sd in zip(self.chained_optimizers, state_dict):
             optimizer.load_state_dict(sd)
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """Sub-optimizer k under dict key k, every checkpoint key prefixed `chained_{k}.`."""
+        from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+        state_dict = {}
+        for index, optimizer in enumerate(self.chained_optimizers):
+            sub = optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+            add_prefix_for_sharding(sub, f'chained_{index}.')
+            state_dict[index] = sub
+        return state_dict
+
+    def load_sharded_state_dict(self, state_dict) -> None:
+        for index, optimizer in enumerate(self.chained_optimizers):
+            optimizer.load_sharded_state_dict(state_dict[index])
 
     def prepare_grads(self) -> bool:
         found_inf_flag = False

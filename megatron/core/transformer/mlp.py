@@ -91,6 +91,21 @@ class MLP(MegatronModule):
             tp_group=self.pg_collection.tp,
         )
 
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint; with a gated linear unit fc1 is stored as [W; V] (the TP=1
+        layout, see apply_swiglu_sharded_factory), so it reshards across TP."""
+        from megatron.core.dist_checkpointing.utils import apply_swiglu_sharded_factory
+
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.config.gated_linear_unit:
+            for name in ('weight', 'bias'):
+                key = f'{prefix}linear_fc1.{name}'
+                if key in sharded_state_dict:
+                    sharded_state_dict[key] = apply_swiglu_sharded_factory(
+                        sharded_state_dict[key], sharded_offsets
+                    )
+        return sharded_state_dict
+
     def forward(self, hidden_states: torch.Tensor):
         """hidden_states [s, b, h] -> (output [s, b, h], output_bias [h] or None)."""
         # [s, b, h] -> [s, b, f/p] (2f/p when gated)

@@ -111,6 +111,7 @@ class GPTModel(LanguageModule):
                 rotary_interleaved=self.config.rotary_interleaved,
                 seq_len_interpolation_factor=seq_len_interpolation_factor,
                 rotary_base=rotary_base,
+                cp_group=self.pg_collection.cp,
             )
 
         self.decoder = TransformerBlock(
@@ -137,6 +138,14 @@ class GPTModel(LanguageModule):
 
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
+
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint (see LanguageModule); the output layer's empty extra state is
+        not stored, as in Megatron."""
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        extra = sharded_state_dict.pop(f'{prefix}output_layer._extra_state', None)
+        assert extra is None or extra.data is None, 'output layer extra state is not empty'
+        return sharded_state_dict
 
     def set_input_tensor(self, input_tensor) -> None:
         """Set the input of this pipeline stage (the previous stage's output [s, b, h]).
@@ -180,6 +189,12 @@ class GPTModel(LanguageModule):
             ([b, s, v] with parallel_output=False). Other stages: hidden states [s, b, h]
             ([s/p, b, h] under sequence parallelism).
         """
+        if inference_params is not None and self.config.context_parallel_size > 1:
+            raise ValueError(
+                f"inference / text generation with context_parallel_size "
+                f"({self.config.context_parallel_size}) > 1 is not supported; load the checkpoint "
+                "with --context-parallel-size 1 (checkpoints do not depend on it)"
+            )
         # Decoder embedding.
         if decoder_input is not None:
             pass

@@ -117,6 +117,11 @@ def main(argv=None) -> int:
         print(f'error: {exc}', file=sys.stderr)
         return 2
 
+    # The saver (a forked child) shares stdout: block buffers flushed at any byte would cut each
+    # other's lines, so both write whole lines.
+    if hasattr(sys.stdout, 'reconfigure'):
+        sys.stdout.flush()
+        sys.stdout.reconfigure(line_buffering=True)
     queue = mp.Queue(maxsize=args.max_queue_size)
     print('Starting saver...')
     saver_proc = mp.Process(target=saver.save_checkpoint, args=(queue, args))

@@ -51,10 +51,11 @@ class DotProductAttention(MegatronModule):
             (default: the global tensor model parallel group); with context_parallel_size > 1
             its `cp` group (and `hcp` for 'a2a+p2p') splits the sequence.
 
-    With context parallelism each rank holds s/cp tokens in the dual-chunk layout and the
-    attention runs over the CP group (`config.cp_comm_type`: ring, all-gather or all-to-all;
-    see megatron/core/transformer/context_parallel); only causal and no_mask layers are exact
-    there, other mask types raise ValueError.
+    With context parallelism each rank holds s/cp tokens in the dual-chunk layout (packed
+    sequences: the per-sequence layout, with this rank's PackedSeqParams) and the attention runs
+    over the CP group (`config.cp_comm_type`: ring, all-gather or all-to-all; see
+    megatron/core/transformer/context_parallel); only causal and no_mask layers are exact there,
+    other mask types raise ValueError.
     """
 
     def __init__(
@@ -217,7 +218,8 @@ class DotProductAttention(MegatronModule):
 
         With packed_seq_params (cu_seqlens over the b * sq stream, see PackedSeqParams) the
         passed mask is ignored and every segment attends only to itself: one fused call per
-        segment where `_can_use_sdpa` allows, else the masked path with a block-diagonal mask.
+        segment where `_can_use_sdpa` allows, else the masked path with a block-diagonal mask;
+        padding rows inside a segment (cu_seqlens_q_padded) get a zero output.
         """
         attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if self.cp_groups is not None:

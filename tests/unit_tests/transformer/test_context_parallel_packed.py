@@ -152,21 +152,19 @@ def _local(t, indices):
     return torch.stack([t[index, i] for i, index in enumerate(indices)], dim=1)
 
 
-def _errors(groups, comm, cp_layout):
-    """Max abs errors (out, dq, dk, dv) of this rank's share: the op against the reference, and
-    the two negative controls' output errors."""
+def _share(data_cp, cp, rank, cp_layout="per_sequence"):
+    """Inputs, reference, per-sample indices and PackedSeqParams of CP rank `rank` of `cp`, on
+    the samples padded for `data_cp` (SAMPLES[data_cp], HEADS[data_cp])."""
     from megatron.core.transformer.context_parallel import (
-        context_parallel_attention,
         get_thd_batch_on_this_cp_rank,
         sample_boundaries,
         slice_for_cp_rank,
         thd_partitioned_indices,
     )
 
-    cp, rank = groups.cp.size(), groups.cp.rank()
-    samples, (hq, hkv) = SAMPLES[cp], HEADS[cp]
-    q, k, v, dout = _inputs(samples, hq, hkv)
-    ref = _reference(samples, q, k, v, dout)
+    samples, (hq, hkv) = SAMPLES[data_cp], HEADS[data_cp]
+    inputs = _inputs(samples, hq, hkv)
+    ref = _reference(samples, *inputs)
     cu, unpadded = _cu_rows(samples)
     length = cu.shape[1] - 1
     if cp_layout == "plain":  # the mutation: the whole-sample dual-chunk split
@@ -176,17 +174,73 @@ def _errors(groups, comm, cp_layout):
     _, params = get_thd_batch_on_this_cp_rank(
         {"cu_seqlens": cu, "cu_seqlens_unpadded": unpadded}, cp, rank
     )
+    return inputs, ref, indices, params
+
+
+def _max_errors(attention, inputs, ref, indices):
+    """Max abs errors (out, dq, dk, dv) of `attention` on this rank's share."""
+    q, k, v, dout = inputs
     local = [_local(t, indices).float().requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(
-        *local, groups=groups, comm_type=comm, causal=True, scale=D**-0.5, packed_seq_params=params
-    )
+    out = attention(*local)
     out.backward(_local(dout, indices).float())
     got = [out] + [t.grad for t in local]
-    errors = [(g.double() - _local(r, indices)).abs().max().item() for g, r in zip(got, ref)]
+    return [(g.double() - _local(r, indices)).abs().max().item() for g, r in zip(got, ref)]
+
+
+def _errors(groups, comm, cp_layout):
+    """Max abs errors (out, dq, dk, dv) of the op on this rank's share; for p2p also the error
+    of the negative control that leaks across conversations."""
+    from megatron.core.transformer.context_parallel import context_parallel_attention
+
+    cp, rank = groups.cp.size(), groups.cp.rank()
+    inputs, ref, indices, params = _share(cp, cp, rank, cp_layout)
+
+    def attention(q, k, v):
+        return context_parallel_attention(
+            q,
+            k,
+            v,
+            groups=groups,
+            comm_type=comm,
+            causal=True,
+            scale=D**-0.5,
+            packed_seq_params=params,
+        )
+
+    errors = _max_errors(attention, inputs, ref, indices)
     if cp_layout == "per_sequence" and comm == "p2p":
-        leaked = _reference(samples, q, k, v, dout, leak=True)[0]
+        leaked = _reference(SAMPLES[cp], *inputs, leak=True)[0]
         errors.append((_local(leaked, indices) - _local(ref[0], indices)).abs().max().item())
     return errors
+
+
+def _layer_errors(cp, masked=False):
+    """The same through DotProductAttention: with context parallelism (comm type p2p), or at
+    CP 1 on the whole packed batch (segments at the padded offsets) on its fused per-segment
+    path or its masked block-diagonal path."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    data_cp = ps.get_context_parallel_world_size()
+    hq, hkv = HEADS[data_cp]
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=hq * D,
+        num_attention_heads=hq,
+        num_query_groups=hkv,
+        context_parallel_size=cp,
+        attention_dropout=0.0,
+    )
+    layer = DotProductAttention(config, 1, AttnMaskType.causal, "self")
+    if masked:
+        layer._can_use_sdpa = lambda *args: False
+    rank = ps.get_context_parallel_rank() if cp > 1 else 0
+    inputs, ref, indices, params = _share(data_cp, cp, rank)
+    return _max_errors(
+        lambda q, k, v: layer(q, k, v, None, packed_seq_params=params), inputs, ref, indices
+    )
 
 
 def _run_cases(comms, hierarchical):
@@ -206,6 +260,9 @@ def _run_cases(comms, hierarchical):
         groups = ContextParallelGroups(ps.get_context_parallel_group())
     results = {comm: _errors(groups, comm, "per_sequence") for comm in comms}
     results["plain_split"] = _errors(groups, "p2p", "plain")
+    results["layer"] = _layer_errors(cp)
+    results["layer_cp1_fused"] = _layer_errors(1)
+    results["layer_cp1_masked"] = _layer_errors(1, masked=True)
     return results
 
 
@@ -230,6 +287,15 @@ def test_packed_cp_attention_equals_each_conversation_alone(cp, comm):
     for rank, results in enumerate(_results(cp)):
         errors = results[comm][:4]
         assert max(errors) < TOL, (rank, dict(zip(("out", "dq", "dk", "dv"), errors)))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("case", ["layer", "layer_cp1_fused", "layer_cp1_masked"])
+def test_dot_product_attention_layer_packed(cp, case):
+    """DotProductAttention with packed params: at CP > 1 (this rank's params) and at CP 1 (the
+    whole batch; padding rows inside conversations give zero there too)."""
+    for rank, results in enumerate(_results(cp)):
+        assert max(results[case]) < TOL, (rank, case, results[case])
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -15,6 +15,7 @@ from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import uses_cuda
 from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
+from megatron.training.training_log_moe import log_moe_metrics
 from megatron.training.utils import num_floating_point_operations, print_rank_last, report_memory
 
 _TIMERS_TO_LOG = [
@@ -183,6 +184,7 @@ def training_log(
                 'mem-allocated-bytes', mem_stats['allocated_bytes.all.current'], iteration
             )
             writer.add_scalar('mem-allocated-count', mem_stats['allocation.all.current'], iteration)
+    log_moe_metrics(args, iteration, writer, total_loss_dict)
     if args.log_timers_to_tensorboard and (iteration % args.tensorboard_log_interval == 0):
         # reset=False: the log line below still reports these timers (Megatron resets here, so
         # its log line shows zeros with --log-timers-to-tensorboard).

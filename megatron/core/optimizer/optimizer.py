@@ -105,8 +105,14 @@ class MegatronOptimizer(ABC):
                 grads_for_norm.append(grad)
         return grads_for_norm
 
+    #: Set on the optimizer of expert-parallel parameters (see get_megatron_optimizer).
+    is_expert_optimizer = False
+
     def get_model_parallel_group(self) -> Optional[torch.distributed.ProcessGroup]:
-        """Group the grad norm, zero count and inf check are reduced over (TP x PP)."""
+        """Group the grad norm, zero count and inf check are reduced over: TP x PP, or
+        TP x EP x PP for expert parameters (each expert lives on one expert-parallel rank)."""
+        if self.is_expert_optimizer:
+            return parallel_state.get_model_parallel_group(with_expert_parallel=True)
         return parallel_state.get_model_parallel_group()
 
     def get_grad_norm(self) -> float:

@@ -30,6 +30,16 @@ OUR_EXTRA_FLAGS = {
     '--non-persistent-global-ckpt-dir',
     '--non-persistent-save-interval',
     '--renormalize-blend-weights',
+    # MoE flags of later Megatron versions (megatron/core/transformer/moe).
+    '--moe-router-score-function',
+    '--moe-router-topk-scaling-factor',
+    '--moe-router-enable-expert-bias',
+    '--moe-router-bias-update-rate',
+    '--moe-router-dtype',
+    '--moe-ffn-hidden-size',
+    '--moe-shared-expert-intermediate-size',
+    '--moe-shared-expert-gate',
+    '--moe-layer-freq',
 }
 
 # Flags of this package only (no Megatron version has them).

@@ -847,7 +847,20 @@ def load_checkpoint(
         try:
             if optimizer is not None:
                 optimizer.load_state_dict(state_dict['optimizer'])
-                if args.use_distributed_optimizer:
+                if (
+                    args.use_distributed_optimizer
+                    and mpu.get_expert_model_parallel_world_size() > 1
+                ):
+                    shards = distrib_optim_shards.load_expert_parallel_shards(
+                        checkpoint_name,
+                        _torch_load,
+                        mpu.get_expert_model_parallel_world_size(),
+                        mpu.get_expert_model_parallel_rank(),
+                    )
+                    if shards is None:
+                        raise KeyError(distrib_optim_shards.shard_name(checkpoint_name, 0))
+                    optimizer.load_parameter_state_from_shards(shards[0], shards)
+                elif args.use_distributed_optimizer:
                     shards = distrib_optim_shards.load_shards(checkpoint_name, _torch_load)
                     if shards is not None:
                         optimizer.load_parameter_state_from_shards(shards)

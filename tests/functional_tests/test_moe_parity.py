@@ -40,6 +40,7 @@ MOE_ARGS = [
     str(TRAIN_ITERS),
     '--eval-iters',
     '1',
+    '--log-params-norm',
 ]
 
 #: name: (world size, tp, pp, ep, extra flags)
@@ -110,6 +111,12 @@ def _losses(result):
     return [result['train_losses'][i]['lm loss'] for i in range(1, TRAIN_ITERS + 1)]
 
 
+def _logged(result, field):
+    """Per-iteration values of a log-line field ('grad norm', 'params norm', ...)."""
+    lines = [line for line in result['stdout'].splitlines() if 'consumed samples:' in line]
+    return [float(line.split(f' {field}: ')[1].split(' ')[0]) for line in lines]
+
+
 @pytest.fixture(scope='module')
 def reference(gpt_data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp('moe_cache'))
@@ -131,6 +138,10 @@ def test_layouts_match_serial(reference, gpt_data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp('moe_cache'))
     results = {}
     for name, (world, tp, pp, ep, extra) in LAYOUTS.items():
-        results[name] = _run(world, tp, pp, ep, extra, gpt_data_prefix, cache)
+        results[name] = _run(world, tp, pp, ep, extra, gpt_data_prefix, cache, True)
         assert _losses(results[name]) == pytest.approx(_losses(reference), rel=RTOL), name
+        # Every expert is counted once in the gradient norm (clipping) and the parameter norm.
+        for field in ('grad norm', 'params norm', 'load_balancing_loss', 'z_loss'):
+            expected = _logged(reference, field)
+            assert _logged(results[name], field) == pytest.approx(expected, rel=1e-3), field
     assert _losses(results['ep2_allgather']) == _losses(results['ep2_alltoall'])

@@ -617,11 +617,18 @@ class ChainedOptimizer(MegatronOptimizer):
             ]
         }
 
-    def load_parameter_state_from_shards(self, shards: List[Dict]):
-        """Load every saved rank's `get_parameter_state_shard` into each distributed optimizer."""
+    def load_parameter_state_from_shards(
+        self, shards: List[Dict], per_optimizer_shards: Optional[List[List[Dict]]] = None
+    ):
+        """Load every saved rank's `get_parameter_state_shard` into each distributed optimizer.
+
+        `per_optimizer_shards` gives each optimizer its own list of saved shards (with expert
+        parallelism the expert optimizer's data-parallel group is a subset of the dense one's).
+        """
         for index, optimizer in enumerate(self.chained_optimizers):
             if hasattr(optimizer, 'load_parameter_state_from_shards'):
-                optimizer.load_parameter_state_from_shards([s['chained'][index] for s in shards])
+                own = shards if per_optimizer_shards is None else per_optimizer_shards[index]
+                optimizer.load_parameter_state_from_shards([s['chained'][index] for s in own])
 
     def load_parameter_state(self, filename: str):
         """Load what `save_parameter_state` wrote into every distributed optimizer."""

@@ -27,11 +27,6 @@ def validate_moe_args(args):
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     if experts < 0:
         raise ValueError(f'--num-experts must be positive, got {experts}')
-    if args.use_legacy_models:
-        raise ValueError(
-            f'--num-experts {experts} needs megatron-core models: drop --use-legacy-models '
-            '(the legacy SwitchMLP is not included)'
-        )
     if args.spec is not None:
         raise ValueError('Model Spec must be None when using MoEs (drop --spec)')
     if not 1 <= topk <= experts:

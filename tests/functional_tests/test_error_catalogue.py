@@ -61,6 +61,20 @@ ELSEWHERE = {
     'fp16-real-nan': 'tests/functional_tests/test_fp16_default_loss_scale.py',
     'frozen-rank': 'tests/functional_tests/test_faults_torchrun.py',
     'launcher-dead': 'tests/functional_tests/test_faults_torchrun.py',
+    **{
+        case: 'tests/unit_tests/training/test_moe_arguments.py'
+        for case in (
+            'moe-topk',
+            'moe-ep-experts',
+            'moe-ep-dp',
+            'moe-ep-tp-sp',
+            'moe-tp-sp',
+            'moe-capacity',
+            'moe-legacy',
+            'moe-dispatcher',
+            'moe-config',
+        )
+    },
 }
 
 

@@ -10,6 +10,32 @@ import types
 from megatron.core.transformer.moe.moe_config_checks import check_moe_config
 
 
+#: Args that define an MoE model, restored by --use-checkpoint-args (Megatron r0.8 restores none:
+#: a converted Mixtral needed every MoE flag and --rotary-base again at run time). The
+#: dispatcher and the capacity settings change which tokens are dropped, so they travel too.
+MOE_CHECKPOINT_ARGS = (
+    'num_experts',
+    'expert_model_parallel_size',
+    'moe_router_topk',
+    'moe_router_pre_softmax',
+    'moe_router_score_function',
+    'moe_router_topk_scaling_factor',
+    'moe_router_enable_expert_bias',
+    'moe_router_load_balancing_type',
+    'moe_router_dtype',
+    'moe_ffn_hidden_size',
+    'moe_shared_expert_intermediate_size',
+    'moe_shared_expert_gate',
+    'moe_layer_freq',
+    'moe_grouped_gemm',
+    'moe_token_dispatcher_type',
+    'moe_expert_capacity_factor',
+    'moe_pad_expert_input_to_capacity',
+    'moe_token_drop_policy',
+    'moe_extended_tp',
+)
+
+
 def _is_training(args) -> bool:
     return bool(args.train_iters or args.train_samples)
 

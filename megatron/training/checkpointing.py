@@ -724,6 +724,11 @@ def load_args_from_checkpoint(
         'openai_gelu',
     ):
         _set_arg(name, force=True)
+    if getattr(checkpoint_args, 'num_experts', None):
+        from megatron.training.argument_validation_moe import MOE_CHECKPOINT_ARGS
+
+        for name in MOE_CHECKPOINT_ARGS:
+            _set_arg(name, force=True)
     _set_arg('tokenizer_type')
     _set_arg('padded_vocab_size')
     _set_arg('apply_query_key_layer_scaling', force=True)

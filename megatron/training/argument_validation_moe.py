@@ -9,7 +9,6 @@ import types
 
 from megatron.core.transformer.moe.moe_config_checks import check_moe_config
 
-
 #: Args that define an MoE model, restored by --use-checkpoint-args (Megatron r0.8 restores none:
 #: a converted Mixtral needed every MoE flag and --rotary-base again at run time). The
 #: dispatcher and the capacity settings change which tokens are dropped, so they travel too.

@@ -1,7 +1,7 @@
 """Saver plugin: a Hugging Face model directory (GPT-2 or Llama family; Mixtral or Qwen2-MoE for
-MoE models) that transformers' `from_pretrained` loads: config.json, model.safetensors and, with --hf-tokenizer-dir, the
-tokenizer files. The vocabulary padding is removed (true size from the loader, else the one the
-checkpoint records, else the padded table is kept).
+MoE models) that transformers' `from_pretrained` loads: config.json, model.safetensors and, with
+--hf-tokenizer-dir, the tokenizer files. The vocabulary padding is removed (true size from the
+loader, else the one the checkpoint records, else the padded table is kept).
 """
 
 import os

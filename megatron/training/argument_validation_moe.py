@@ -61,7 +61,7 @@ def validate_moe_args(args):
     factor = args.moe_expert_capacity_factor
     if factor is not None and factor <= 0:
         raise ValueError(f'--moe-expert-capacity-factor must be positive, got {factor}')
-    if ep > 1 and tp > 1 and not args.sequence_parallel:
+    if ep > 1 and tp > 1 and not args.sequence_parallel and _is_training(args):
         raise ValueError(
             f'--expert-model-parallel-size {ep} with --tensor-model-parallel-size {tp} needs '
             '--sequence-parallel'

@@ -129,7 +129,8 @@ def test_reference_learns_and_logs_moe_losses(reference):
     lines = [line for line in reference['stdout'].splitlines() if 'consumed samples:' in line]
     assert len(lines) == TRAIN_ITERS
     for line in lines:
-        assert ' z_loss: ' in line and ' load_balancing_loss: ' in line, line
+        # Megatron's order: z_loss (computed first), then load_balancing_loss.
+        assert 0 < line.index(' z_loss: ') < line.index(' load_balancing_loss: '), line
         balance = float(line.split(' load_balancing_loss: ')[1].split(' ')[0])
         assert 0.9 < balance < 2.0, line  # 1.0 = perfect balance
 

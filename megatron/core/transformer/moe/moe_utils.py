@@ -316,6 +316,12 @@ _MOE_LAYER_WISE_LOGGING_TRACKER: Dict[str, dict] = {}
 EXPERT_LOAD = "tokens_per_expert"
 
 
+def _tracker_order(name: str):
+    """Deterministic order on every rank; z_loss before load_balancing_loss, as Megatron logs
+    them (z_loss is computed first)."""
+    return ({"z_loss": 0, "load_balancing_loss": 1}.get(name, 2), name)
+
+
 def get_moe_layer_wise_logging_tracker() -> Dict[str, dict]:
     """The tracker dict (Megatron keeps it in parallel_state; the content is the same)."""
     return _MOE_LAYER_WISE_LOGGING_TRACKER
@@ -378,7 +384,7 @@ def reduce_aux_losses_tracker_across_ranks(
     """Sum every entry over the pipeline stages (each holds its own layers), then over its
     reduce group, then average it over its avg group and over `dp_group` (the data-parallel
     replicas). Every rank must call it with the same entries (see `track_moe_metrics`)."""
-    for name in sorted(_MOE_LAYER_WISE_LOGGING_TRACKER):
+    for name in sorted(_MOE_LAYER_WISE_LOGGING_TRACKER, key=_tracker_order):
         entry = _MOE_LAYER_WISE_LOGGING_TRACKER[name]
         values = entry["values"]
         if pp_group is not None and pp_group.size() > 1:
@@ -433,7 +439,7 @@ def track_moe_metrics(
     reduce_aux_losses_tracker_across_ranks(pp_group, dp_group)
 
     means = {}
-    for name in sorted(tracker):
+    for name in sorted(tracker, key=_tracker_order):
         values = tracker[name]["values"]
         if name == EXPERT_LOAD:
             if writer is not None and log_expert_load:

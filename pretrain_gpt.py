@@ -2,6 +2,8 @@
 
 Thin entry script: the model provider, the batch getter, the loss, the forward step and the dataset
 provider; `pretrain()` does the rest. Run with torchrun, e.g. `bash examples/quickstart.sh`.
+`--sft` trains on chat JSONL with packed conversations and `--fim-data` rewrites GPT data for
+fill-in-the-middle (docs/sft.md, `bash examples/sft/finetune_llama.sh`).
 """
 
 import copy
@@ -23,8 +25,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import StragglerDetector
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
+from megatron.training.datasets.sft_dataset import SFTDataset, SFTDatasetConfig
 from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
+from megatron.training.sft_batch import get_sft_batch
 from megatron.training.training import pretrain
 from megatron.training.utils import (
     get_batch_on_this_cp_rank,
@@ -146,26 +151,45 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model: GPTModel):
-    """Forward one micro-batch; returns (per-token losses or hidden states, loss function)."""
+    """Forward one micro-batch; returns (per-token losses or hidden states, loss function).
+
+    With --sft the micro-batch is packed conversations: the model gets their boundaries
+    (packed_seq_params) instead of an attention mask, and the loss mask covers answer tokens only.
+    """
     timers = get_timers()
     timers('batch-generator', log_level=2).start()
+    packed_seq_params = None
     with stimer(bdata=True):
-        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+        if get_args().sft:
+            tokens, labels, loss_mask, position_ids, packed_seq_params = get_sft_batch(
+                data_iterator
+            )
+            attention_mask = None
+        else:
+            tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
     timers('batch-generator').stop()
     with stimer:
-        output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+        output_tensor = model(
+            tokens,
+            position_ids,
+            attention_mask,
+            labels=labels,
+            packed_seq_params=packed_seq_params,
+        )
     return output_tensor, partial(loss_func, loss_mask)
 
 
 def is_dataset_built_on_rank():
-    """Datasets are read on TP rank 0 of the first and last pipeline stages."""
-    return (
-        mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage()
-    ) and mpu.get_tensor_model_parallel_rank() == 0
+    """Datasets are read on TP rank 0 of the first and last pipeline stages (of every stage with
+    --sft: the middle ones need the packed-sequence boundaries too)."""
+    if mpu.get_tensor_model_parallel_rank() != 0:
+        return False
+    return get_args().sft or mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage()
 
 
-def core_gpt_dataset_config_from_args(args):
-    """GPTDatasetConfig from args (the one place args become a dataset config)."""
+def core_gpt_dataset_config_from_args(args, config_class=GPTDatasetConfig):
+    """The dataset config (GPTDatasetConfig, or the SFT / FIM one) from args: the one place args
+    become a dataset config."""
     kwargs = dict(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -185,9 +209,24 @@ def core_gpt_dataset_config_from_args(args):
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
+        context_parallel_size=args.context_parallel_size,
+        one_row_per_sample=args.sft_one_row_per_sample,
+        long_conversations=args.sft_long_conversations,
+        fim_rate=args.fim_rate,
+        fim_spm_rate=args.fim_spm_rate,
+        fim_split_sample=args.fim_split_sample,
+        fim_fragment_rate=args.fim_fragment_rate,
+        fim_no_prefix=args.fim_no_prefix,
+        fim_extra_tokens={
+            'prefix': args.fim_prefix_token,
+            'middle': args.fim_middle_token,
+            'suffix': args.fim_suffix_token,
+            'pad': args.fim_pad_token,
+            'eod': args.fim_eod_token,
+        },
     )
-    fields = {f.name for f in dataclasses.fields(GPTDatasetConfig)}
-    return GPTDatasetConfig(**{k: v for k, v in kwargs.items() if k in fields})
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    return config_class(**{k: v for k, v in kwargs.items() if k in fields})
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
@@ -197,8 +236,14 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         train_val_test_num_samples: samples wanted for each split.
     """
     args = get_args()
-    config = core_gpt_dataset_config_from_args(args)
-    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    if args.sft:
+        dataset_type, config_class = SFTDataset, SFTDatasetConfig
+    elif args.fim_data:
+        dataset_type, config_class = GPTFIMDataset, GPTFIMDatasetConfig
+    else:
+        dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+        config_class = GPTDatasetConfig
+    config = core_gpt_dataset_config_from_args(args, config_class)
     print_rank_0('> building train, validation, and test datasets for GPT ...')
     train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
         dataset_type, train_val_test_num_samples, is_dataset_built_on_rank, config

@@ -2,12 +2,20 @@
 
 Megatron's public type (`from megatron.core.packed_seq_params import PackedSeqParams`), the type of
 the `packed_seq_params` argument of GPTModel / TransformerBlock / TransformerLayer / Attention /
-DotProductAttention forwards. As in Megatron core_r0.8.0, only Transformer Engine's attention
-consumes packed sequences; the local DotProductAttention (the only one here) rejects them.
+DotProductAttention forwards.
+
+The segments are described on the batch-major token stream of a micro-batch of b samples of
+length s: sample i's tokens are positions i*s .. (i+1)*s - 1 of the stream, and `cu_seqlens`
+(int32, from 0 to b*s) marks where each segment starts, every i*s among them. With b = 1 this is
+Megatron's 'thd' layout after its `flatten_batch_for_packed_sequences`; for b > 1 the
+activations keep their [s, b, h] shape (so pipeline stages exchange the usual tensors) and the
+attention reads the stream through a transpose. Each segment attends only to itself (causally for
+causal layers), and rotary position embeddings restart at every segment start.
 """
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 
@@ -29,3 +37,42 @@ class PackedSeqParams:
 
     max_seqlen_kv: Tensor = None
     """Longest key/value sequence."""
+
+
+def packed_seq_params_from_samples(cu_seqlens: Tensor, max_seqlen: Tensor) -> PackedSeqParams:
+    """PackedSeqParams of a micro-batch whose samples each carry their own segment starts.
+
+    Args:
+        cu_seqlens: int [b, s + 1]: per sample, its segment starts then s, right-filled with s
+            (the dataset's layout, so samples collate).
+        max_seqlen: int [b]: each sample's longest segment.
+
+    Returns:
+        'thd' params over the batch-major stream of b*s tokens (see the module docstring).
+    """
+    b, s = cu_seqlens.shape[0], cu_seqlens.shape[1] - 1
+    offsets = torch.arange(b, device=cu_seqlens.device, dtype=cu_seqlens.dtype) * s
+    starts = (cu_seqlens + offsets[:, None])[cu_seqlens < s]  # [num_seqs], increasing
+    total = torch.tensor([b * s], device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    cu = torch.cat((starts, total)).to(torch.int32)
+    longest = max_seqlen.max().to(torch.int32)
+    return PackedSeqParams(
+        qkv_format='thd',
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+
+
+def packed_segment_ids(cu_seqlens: Tensor, total: int) -> Tensor:
+    """The segment of every position of a stream of `total` tokens: int64 [total]."""
+    positions = torch.arange(total, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].to(torch.int64), positions, right=True)
+
+
+def packed_position_ids(cu_seqlens: Tensor, total: int) -> Tensor:
+    """Positions restarting at every segment start: int64 [total]."""
+    segment = packed_segment_ids(cu_seqlens, total)
+    positions = torch.arange(total, device=cu_seqlens.device)
+    return positions - cu_seqlens.to(torch.int64)[segment]

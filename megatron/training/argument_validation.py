@@ -9,6 +9,7 @@ import torch
 
 from megatron.core.utils import uses_cuda
 from megatron.training.argument_validation_moe import validate_moe_args
+from megatron.training.argument_validation_sft_fim import validate_sft_and_fim_args
 from megatron.training.arguments_unsupported import check_unsupported_flags
 
 
@@ -445,6 +446,7 @@ def validate_args(args, defaults={}):
     validate_moe_args(args)
 
     _validate_megatron_r08_extras(args)
+    validate_sft_and_fim_args(args)
 
     if args.timing_log_level not in (0, 1, 2):
         raise ValueError(f'--timing-log-level must be 0, 1 or 2, got {args.timing_log_level}')

@@ -42,6 +42,7 @@ from megatron.training.arguments_run import (
     _add_tokenizer_args,
     _add_validation_args,
 )
+from megatron.training.arguments_sft_fim import add_sft_and_fim_args
 from megatron.training.arguments_unsupported import (
     add_biencoder_args,
     add_one_logger_args,
@@ -106,6 +107,7 @@ def get_args_parser(extra_args_provider=None):
     parser = _add_validation_args(parser)
     parser = _add_data_args(parser)
     parser = _add_tokenizer_args(parser)
+    parser = add_sft_and_fim_args(parser)
     parser = _add_autoresume_args(parser)
     parser = add_biencoder_args(parser)
     parser = add_vision_args(parser)

@@ -502,6 +502,7 @@ def _add_tokenizer_args(parser):
             'SentencePieceTokenizer',
             'GPTSentencePieceTokenizer',
             'HuggingFaceTokenizer',
+            'SFTTokenizer',
             'Llama2Tokenizer',
             'Llama3Tokenizer',
             'MistralTokenizer',

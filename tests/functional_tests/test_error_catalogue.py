@@ -75,6 +75,21 @@ ELSEWHERE = {
             'moe-config',
         )
     },
+    'sft-no-messages': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-unknown-role': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-no-assistant': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-prompt-format': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-format-tokens': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-no-chat-template': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-too-long': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-truncated': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-tokenizer': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-incompatible': 'tests/functional_tests/test_sft_fim_errors.py',
+    'fim-split-no-rate': 'tests/functional_tests/test_sft_fim_errors.py',
+    'fim-rate': 'tests/functional_tests/test_sft_fim_errors.py',
+    'fim-sentinel': 'tests/functional_tests/test_sft_fim_errors.py',
+    'sft-bad-json': 'tests/unit_tests/data/test_sft_dataset.py',
+    'fim-tokenizer': 'tests/unit_tests/data/test_fim.py',
 }
 
 

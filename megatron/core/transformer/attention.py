@@ -252,10 +252,11 @@ class Attention(MegatronModule, ABC):
                 attention runs over every cached position.
             rotary_pos_emb: [s, 1, 1, d] angles, or a (query, key) pair of them (with
                 inference_params: angles for every position up to max_sequence_length).
-            packed_seq_params: packed sequences (not supported; must be None).
+            packed_seq_params: packed sequences: each segment attends only to itself (the
+                rotary angles must already restart per segment, see GPTModel).
         """
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed_seq_params is not supported by Attention")
+        if packed_seq_params is not None and inference_params is not None:
+            raise NotImplementedError("packed sequences are not supported with a KV cache")
 
         # query: [sq, b, np, hn], key / value: [sk, b, ng, hn]
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
@@ -287,11 +288,21 @@ class Attention(MegatronModule, ABC):
 
         if self.checkpoint_core_attention and self.training:
             core_attn_out = self._checkpointed_attention_forward(
-                query, key, value, attention_mask, attn_mask_type=self.attn_mask_type
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=self.attn_mask_type,
+                packed_seq_params=packed_seq_params,
             )
         else:
             core_attn_out = self.core_attention(
-                query, key, value, attention_mask, attn_mask_type=self.attn_mask_type
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=self.attn_mask_type,
+                packed_seq_params=packed_seq_params,
             )
 
         # [sq, b, hp] -> [sq, b, h]

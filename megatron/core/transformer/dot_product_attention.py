@@ -12,7 +12,7 @@ from torch import Tensor
 
 from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
-from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.packed_seq_params import PackedSeqParams, packed_segment_ids
 from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -34,7 +34,8 @@ class DotProductAttention(MegatronModule):
         config (TransformerConfig): the model config.
         layer_number (int): 1-based global layer number (query-key layer scaling uses it).
         attn_mask_type (AttnMaskType): causal: fused causal attention, any passed mask ignored
-            (see `_can_use_sdpa`); other types apply the passed mask.
+            (see `_can_use_sdpa`); other types apply the passed mask. With packed sequences
+            (PackedSeqParams) each packed segment attends only to itself.
         attention_type (str): "self" or "cross".
         attention_dropout (float, optional): overrides config.attention_dropout.
         pg_collection (ProcessGroupCollection, optional): its `tp` group splits the heads
@@ -111,6 +112,30 @@ class DotProductAttention(MegatronModule):
             return False
         return True
 
+    def _packed_sdpa(self, query, key, value, cu_seqlens: Tensor, causal: bool) -> Tensor:
+        """One fused scaled_dot_product_attention call per packed segment.
+
+        The segments index the batch-major stream of the b samples (see PackedSeqParams).
+        """
+        sq, b, np_, hn = query.shape
+        # [sq, b, np, hn] -> [b * sq, np, hn]
+        q, k, v = (t.transpose(0, 1).reshape(b * sq, np_, hn) for t in (query, key, value))
+        bounds = cu_seqlens.tolist()
+        assert bounds[0] == 0 and bounds[-1] == b * sq, (bounds[-1], b, sq)
+        pieces = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            # [n, np, hn] -> [np, n, hn] -> attention -> [n, np, hn]
+            piece = torch.nn.functional.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1),
+                k[start:end].transpose(0, 1),
+                v[start:end].transpose(0, 1),
+                is_causal=causal and end - start > 1,
+                scale=1.0 / math.sqrt(hn),
+            )
+            pieces.append(piece.transpose(0, 1))
+        context = torch.cat(pieces).view(b, sq, self.hidden_size_per_partition)  # [b, sq, hp]
+        return context.transpose(0, 1).contiguous()  # [b, sq, hp] -> [sq, b, hp]
+
     def forward(
         self,
         query: Tensor,
@@ -121,13 +146,12 @@ class DotProductAttention(MegatronModule):
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> Tensor:
         """query [sq, b, np, hn], key / value [sk, b, ng, hn], attention_mask bool [b, 1, sq, sk]
-        (True = masked out) or None -> context [sq, b, hp]."""
-        if packed_seq_params is not None:
-            # Megatron's local DotProductAttention refuses them too (only TE handles 'thd').
-            raise NotImplementedError(
-                "Packed sequence is not supported by DotProductAttention. "
-                "Please use TEDotProductAttention instead."
-            )
+        (True = masked out) or None -> context [sq, b, hp].
+
+        With packed_seq_params (cu_seqlens over the b * sq stream, see PackedSeqParams) the
+        passed mask is ignored and every segment attends only to itself: one fused call per
+        segment where `_can_use_sdpa` allows, else the masked path with a block-diagonal mask.
+        """
         attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
 
         # Expand key/value heads to one per query head (grouped-query attention).
@@ -138,6 +162,16 @@ class DotProductAttention(MegatronModule):
 
         sq, b, np_, hn = query.shape
         sk = key.size(0)
+
+        if packed_seq_params is not None:
+            # Each packed segment attends to itself only.
+            assert sq == sk, "packed sequences need self attention over the whole sequence"
+            causal = attn_mask_type == AttnMaskType.causal
+            if self._can_use_sdpa(query, None, attn_mask_type):
+                return self._packed_sdpa(query, key, value, packed_seq_params.cu_seqlens_q, causal)
+            # Dropout or a 16-bit softmax in fp32: the exact masked path, segments masked apart.
+            attention_mask = packed_attention_mask(packed_seq_params.cu_seqlens_q, sq, b, causal)
+            attn_mask_type = AttnMaskType.arbitrary
 
         if self._can_use_sdpa(query, attention_mask, attn_mask_type):
             q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
@@ -183,3 +217,15 @@ class DotProductAttention(MegatronModule):
         context = context.view(b, np_, sq, hn)  # [b * np, sq, hn] -> [b, np, sq, hn]
         context = context.permute(2, 0, 1, 3).contiguous()  # [b, np, sq, hn] -> [sq, b, np, hn]
         return context.view(sq, b, self.hidden_size_per_partition)  # [sq, b, np, hn] -> [sq, b, hp]
+
+
+def packed_attention_mask(cu_seqlens: Tensor, s: int, b: int, causal: bool) -> Tensor:
+    """Block-diagonal mask of packed segments: bool [b, 1, s, s], True = masked out.
+
+    cu_seqlens index the batch-major stream of b samples of length s (see PackedSeqParams).
+    """
+    segment = packed_segment_ids(cu_seqlens, b * s).view(b, s)
+    mask = segment[:, :, None] != segment[:, None, :]  # [b, s, s]
+    if causal:
+        mask = mask | torch.ones(s, s, dtype=torch.bool, device=mask.device).triu(1)
+    return mask.unsqueeze(1)

@@ -2,6 +2,7 @@
 
 `--tokenizer-type` picks one of: BertWordPieceLowerCase, BertWordPieceCase, GPT2BPETokenizer,
 SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, HuggingFaceTokenizer,
+SFTTokenizer (a HuggingFaceTokenizer with a chat prompt format, `sft_tokenizer.py`),
 NullTokenizer. `build_tokenizer` also sets `args.padded_vocab_size` (vocabulary rounded up to a
 multiple of make_vocab_size_divisible_by x tensor_model_parallel_size) and prints it as Megatron
 does.
@@ -25,6 +26,7 @@ TOKENIZER_TYPES = (
     "GPTSentencePieceTokenizer",
     "Llama2Tokenizer",
     "HuggingFaceTokenizer",
+    "SFTTokenizer",
     "NullTokenizer",
 )
 
@@ -78,6 +80,15 @@ def build_tokenizer(args, **kwargs) -> MegatronTokenizer:
                 "--tokenizer-model is required for --tokenizer-type HuggingFaceTokenizer"
             )
         tokenizer = _HuggingFaceTokenizer(args.tokenizer_model, **kwargs)
+    elif tokenizer_type == "SFTTokenizer":
+        if args.tokenizer_model is None:
+            raise ValueError("--tokenizer-model is required for --tokenizer-type SFTTokenizer")
+        from .sft_tokenizer import SFTTokenizer
+
+        tokenizer = SFTTokenizer(
+            args.tokenizer_model,
+            getattr(args, "sft_tokenizer_prompt_format", None) or "nemotron-h-aligned",
+        )
     elif tokenizer_type == "NullTokenizer":
         if getattr(args, "vocab_size", None) is None:
             raise ValueError("--vocab-size is required for --tokenizer-type NullTokenizer")

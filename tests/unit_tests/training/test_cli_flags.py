@@ -40,12 +40,28 @@ OUR_EXTRA_FLAGS = {
     '--moe-shared-expert-intermediate-size',
     '--moe-shared-expert-gate',
     '--moe-layer-freq',
+    # Supervised fine-tuning and fill-in-the-middle (core_v0.13 / core_v0.16).
+    '--sft',
+    '--sft-tokenizer-prompt-format',
+    '--fim-data',
+    '--fim-rate',
+    '--fim-spm-rate',
+    '--fim-split-sample',
+    '--fim-fragment-rate',
+    '--fim-no-prefix',
+    '--fim-prefix-token',
+    '--fim-middle-token',
+    '--fim-suffix-token',
+    '--fim-pad-token',
+    '--fim-eod-token',
 }
 
 # Flags of this package only (no Megatron version has them).
 OUR_OWN_FLAGS = {
     '--watchdog-timeout',  # the hang watchdog (megatron/training/watchdog.py)
     '--torch-compile',  # torch.compile of the transformer layers (megatron/training/training.py)
+    '--sft-one-row-per-sample',  # Megatron's SFT packing (training/datasets/sft_dataset.py)
+    '--sft-long-conversations',  # truncate or refuse data longer than a sample (same file)
 }
 
 

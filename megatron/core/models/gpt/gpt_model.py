@@ -13,7 +13,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
-from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.packed_seq_params import PackedSeqParams, packed_position_ids
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -170,7 +170,9 @@ class GPTModel(LanguageModule):
             labels: [b, s] targets; when given, the per-token loss is returned.
             inference_params (InferenceParams): KV cache for autoregressive inference: the
                 tokens of this call follow the `sequence_len_offset` cached positions.
-            packed_seq_params: packed sequences (rejected by the local attention, as in Megatron).
+            packed_seq_params: packed sequences (PackedSeqParams over the batch-major b * s
+                stream): each segment attends only to itself and its rotary positions restart
+                at its start (learned absolute positions come from position_ids).
             extra_block_kwargs: extra keyword arguments for the TransformerBlock.
 
         Returns:
@@ -200,6 +202,8 @@ class GPTModel(LanguageModule):
                 inference_params, self.decoder, decoder_input, self.config
             )
             rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len)
+            if packed_seq_params is not None:
+                rotary_pos_emb = _restart_per_segment(rotary_pos_emb, packed_seq_params)
 
         # Run decoder.
         hidden_states = self.decoder(
@@ -234,3 +238,13 @@ class GPTModel(LanguageModule):
 
         loss = self.compute_language_model_loss(labels, logits)
         return loss
+
+
+def _restart_per_segment(rotary_pos_emb: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
+    """Rotary angles [s, 1, 1, d] of positions 0..s-1 -> angles [s, b, 1, d] of each token's
+    position within its packed segment."""
+    s = rotary_pos_emb.size(0)
+    cu_seqlens = packed_seq_params.cu_seqlens_q
+    b = int(cu_seqlens[-1]) // s
+    positions = packed_position_ids(cu_seqlens, b * s).view(b, s).t()  # [s, b]
+    return rotary_pos_emb[:, 0, 0, :][positions].unsqueeze(2)  # [s, b, d] -> [s, b, 1, d]

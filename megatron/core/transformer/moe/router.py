@@ -113,6 +113,25 @@ class TopKRouter(Router):
             self.expert_bias = None
             self.local_tokens_per_expert = None
 
+    def _apply(self, fn, recurse=True):
+        """Keep the expert bias and its token counts in fp32 through `.bfloat16()` / `.half()`
+        (Float16Module casts every buffer): a bf16 bias would round the small updates away and
+        bf16 counts above 256 are inexact."""
+        saved = {
+            name: buffer
+            for name, buffer in (
+                ("expert_bias", self.expert_bias),
+                ("local_tokens_per_expert", self.local_tokens_per_expert),
+            )
+            if buffer is not None
+        }
+        module = super()._apply(fn, recurse)
+        for name, old in saved.items():
+            new = self._buffers[name]
+            if new.dtype != torch.float32:
+                self._buffers[name] = old.to(device=new.device, dtype=torch.float32)
+        return module
+
     # ------------------------------------------------------------------ groups
 
     @property

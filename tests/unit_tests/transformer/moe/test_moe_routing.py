@@ -224,3 +224,31 @@ def test_router_losses_gradient_and_logs():
     assert fractions == pytest.approx([3 / 8, 3 / 8, 1 / 8, 1 / 8])
     assert out["scalars"]["moe/max_expert_fraction/layer_1"] == pytest.approx(3 / 8)
     assert not math.isnan(out["scalars"]["load_balancing_loss"])
+
+
+def _expert_bias_body():
+    from megatron.core.transformer.moe.router import TopKRouter, update_expert_bias
+    from tests.unit_tests.transformer.moe.moe_test_utils import moe_config
+
+    config = moe_config(
+        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.25, bf16=True
+    )
+    router = TopKRouter(config).bfloat16()  # as Float16Module casts the model
+    dtypes = (router.weight.dtype, router.expert_bias.dtype, router.local_tokens_per_expert.dtype)
+    router.local_tokens_per_expert.copy_(torch.tensor([300.0, 100.0, 200.0, 200.0]))
+    update_expert_bias([router], group=None)
+    first = router.expert_bias.clone()
+    router.local_tokens_per_expert.copy_(torch.tensor([300.0, 100.0, 200.0, 200.0]))
+    update_expert_bias([router], group=None)
+    return dict(
+        dtypes=dtypes, first=first, second=router.expert_bias, counts=router.local_tokens_per_expert
+    )
+
+
+def test_expert_bias_update_and_fp32_buffers():
+    out = run_distributed(_expert_bias_body, 1)[0]
+    assert out["dtypes"] == (torch.bfloat16, torch.float32, torch.float32)
+    # bias += rate * sign(mean - count): mean 200; overloaded expert 0 down, expert 1 up.
+    assert out["first"].tolist() == [-0.25, 0.25, 0.0, 0.0]
+    assert out["second"].tolist() == [-0.5, 0.5, 0.0, 0.0]
+    assert out["counts"].tolist() == [0.0, 0.0, 0.0, 0.0]  # reset once per global batch

@@ -176,11 +176,14 @@ def sequential_to_grouped(state: StateDict, num_local_experts: int) -> StateDict
         prefix, e, suffix = match.groups()
         blocks.setdefault((prefix, suffix), {})[int(e)] = tensor
     for (prefix, suffix), by_expert in blocks.items():
-        ordered = [by_expert[e].t() for e in range(num_local_experts)]
+        # GroupedMLP reads weight1 [h, nle g f'] as the raw view [nle, h, g f'] (and weight2
+        # [nle f', h] as [nle, f', h]): expert e is the e-th contiguous block of either.
+        stacked = torch.stack([by_expert[e].t() for e in range(num_local_experts)])
         if suffix == 'linear_fc1.weight':
-            out[prefix + 'weight1'] = torch.cat(ordered, dim=1).contiguous()  # [h, nle g f']
+            hidden = stacked.shape[1]
+            out[prefix + 'weight1'] = stacked.reshape(hidden, -1).contiguous()
         elif suffix == 'linear_fc2.weight':
-            out[prefix + 'weight2'] = torch.cat(ordered, dim=0).contiguous()  # [nle f', h]
+            out[prefix + 'weight2'] = stacked.reshape(-1, stacked.shape[-1]).contiguous()
         else:
             raise ValueError(f'grouped experts have no {suffix}')
     return out

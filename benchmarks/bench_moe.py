@@ -2,7 +2,8 @@
 
 Parts (each prints ours, the reference and the ratio from one run; the two sides of a comparison
 alternate step by step in the same process(es), so load from other processes hits both alike; the
-figure is the median over the timed steps):
+figure is the median over the timed steps, and the ratio of the best steps, which a loaded
+shared machine disturbs least):
 
 1. `hf`: training step (forward, backward, AdamW) of a Mixtral-style model (8 experts, top-2,
    SwiGLU experts, RMSNorm, RoPE, GQA, untied output; ~100M parameters with the default shape) in
@@ -253,7 +254,8 @@ def _report(cli, med, times, tokens, a, b, label):
             mfu = _flops_per_token(cli) * tokens / med[name] / (cli.peak_tflops * 1e12)
             line += f'  MFU {100 * mfu:.1f}%'
         print(line)
-    print(f'ratio {label} (tokens/s): {med[b] / med[a]:.3f}')
+    best = min(times[b]) / min(times[a])
+    print(f'ratio {label} (tokens/s): {med[b] / med[a]:.3f} (median), {best:.3f} (best steps)')
 
 
 # ---------------------------------------------------------------------------------------------

@@ -241,6 +241,53 @@ def topk_softmax_with_capacity(
 # permutation
 
 
+def pair_rows_inverse(pairs: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    """[T k] row of each (token, slot) pair in a row list built from `pairs` (the flat pair index
+    of each row), or len(pairs) for pairs not in the list."""
+    row_of_pair = torch.full((num_pairs,), pairs.numel(), dtype=torch.long, device=pairs.device)
+    row_of_pair[pairs] = torch.arange(pairs.numel(), device=pairs.device)
+    return row_of_pair
+
+
+def _sum_pairs(rows: torch.Tensor, row_of_pair: torch.Tensor, num_tokens: int, topk: int):
+    """out[t] = sum over slots j of rows[row_of_pair[t k + j]] (a missing pair adds 0), summed
+    in slot order: [N, h] -> [T, h]."""
+    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])  # [N + 1, h]
+    return padded.index_select(0, row_of_pair).view(num_tokens, topk, -1).sum(dim=1)
+
+
+class GatherPairRows(torch.autograd.Function):
+    """rows = tokens[token_of_row] ([T, h] -> [N, h]); backward sums each token's rows back
+    through the inverse map with gathers (no scatter-add, which is slow on the CPU)."""
+
+    @staticmethod
+    def forward(ctx, tokens, token_of_row, row_of_pair, topk):
+        ctx.save_for_backward(row_of_pair)
+        ctx.num_tokens, ctx.topk = tokens.shape[0], topk
+        return tokens.index_select(0, token_of_row)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (row_of_pair,) = ctx.saved_tensors
+        grad = _sum_pairs(grad_rows.contiguous(), row_of_pair, ctx.num_tokens, ctx.topk)
+        return grad, None, None, None
+
+
+class CombinePairRows(torch.autograd.Function):
+    """The inverse direction: [N, h] rows -> [T, h], each token the sum of its rows in slot
+    order; backward gathers each row's token gradient."""
+
+    @staticmethod
+    def forward(ctx, rows, token_of_row, row_of_pair, num_tokens, topk):
+        ctx.save_for_backward(token_of_row)
+        return _sum_pairs(rows, row_of_pair, num_tokens, topk)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (token_of_row,) = ctx.saved_tensors
+        return grad_out.contiguous().index_select(0, token_of_row), None, None, None, None
+
+
 def permute(
     tokens: torch.Tensor,
     indices: torch.Tensor,
@@ -271,7 +318,9 @@ def permute(
     sorted_indices = torch.argsort(flatten_indices, stable=True)
     if num_out_tokens is not None:
         sorted_indices = sorted_indices[:num_out_tokens]
-    permuted_tokens = tokens.index_select(0, torch.div(sorted_indices, topk, rounding_mode="floor"))
+    token_of_row = torch.div(sorted_indices, topk, rounding_mode="floor")
+    row_of_pair = pair_rows_inverse(sorted_indices, flatten_indices.numel())
+    permuted_tokens = GatherPairRows.apply(tokens, token_of_row, row_of_pair, topk)
     return permuted_tokens, sorted_indices
 
 

@@ -25,7 +25,14 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_last_dim_to_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron.core.transformer.moe.moe_utils import count_tokens_per_expert, permute, unpermute
+from megatron.core.transformer.moe.moe_utils import (
+    CombinePairRows,
+    GatherPairRows,
+    count_tokens_per_expert,
+    pair_rows_inverse,
+    permute,
+    unpermute,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -65,10 +72,10 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
     Forward: the hidden states [T, h], probs and expert ids of the tp x ep group are all-gathered
     ([T x tp x ep, h]; backward: reduce-scatter, which sums the gradients the tp ranks' expert
     shards and the ep ranks' experts produce); each rank picks the pairs routed to its experts.
-    Unpermutation: each pair's output x prob is added into zeros [T x tp x ep, h] at its token and
-    the result is reduce-scattered over tp x ep, which sums the tp partials of the experts' second
-    linear layer and the other ep ranks' experts ([T, h]; backward: all-gather). Memory grows
-    with tp x ep.
+    Unpermutation: each token's outputs x probs are summed (slot order; pairs of other ranks'
+    experts add 0) into [T x tp x ep, h] and the result is reduce-scattered over tp x ep, which
+    sums the tp partials of the experts' second linear layer and the other ep ranks' experts
+    ([T, h]; backward: all-gather). Memory grows with tp x ep.
 
     Args:
         num_local_experts: nle.
@@ -115,9 +122,13 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         # Pairs of my experts, expert-major, then (rank, token, slot) order.
         self.pairs = selected.index_select(0, order)
         self.token_rows = torch.div(self.pairs, topk, rounding_mode="floor")
+        self.row_of_pair = pair_rows_inverse(self.pairs, flat.numel())
+        self.topk = topk
         self.global_probs = global_probs
         tokens_per_expert = torch.bincount(local_ids, minlength=self.num_local_experts)
-        permuted = global_hidden.index_select(0, self.token_rows)  # [N, h]
+        permuted = GatherPairRows.apply(
+            global_hidden, self.token_rows, self.row_of_pair, topk
+        )  # [N, h]
         return permuted, tokens_per_expert.cpu()
 
     def token_unpermutation(
@@ -127,11 +138,10 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
             raise ValueError("the experts add their bias themselves; got a separate bias")
         probs = self.global_probs.reshape(-1).index_select(0, self.pairs)  # [N]
         weighted = hidden_states * probs.unsqueeze(1).to(hidden_states.dtype)
-        output = torch.zeros(
-            (self.num_global_tokens, hidden_states.shape[-1]),
-            dtype=hidden_states.dtype,
-            device=hidden_states.device,
-        ).index_add(0, self.token_rows, weighted)  # [T * tp * ep, h]
+        # Each token's rows summed in slot order (a pair of another rank's expert adds 0).
+        output = CombinePairRows.apply(
+            weighted, self.token_rows, self.row_of_pair, self.num_global_tokens, self.topk
+        )  # [T * tp * ep, h]
         if self.tp_ep_group.size() > 1:
             output = reduce_scatter_to_sequence_parallel_region(output, group=self.tp_ep_group)
         self.global_probs = None

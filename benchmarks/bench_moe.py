@@ -256,6 +256,12 @@ def _report(cli, med, times, tokens, a, b, label):
         print(line)
     best = min(times[b]) / min(times[a])
     print(f'ratio {label} (tokens/s): {med[b] / med[a]:.3f} (median), {best:.3f} (best steps)')
+    # One summary line per comparison for benchmarks/gpu/run_all.sh, which collects RESULT lines.
+    summary = f'RESULT bench_moe {cli.device} {cli.dtype}: {label} tokens/s {med[b] / med[a]:.3f}'
+    if cli.device == 'cuda':
+        mfu = _flops_per_token(cli) * tokens / med[a] / (cli.peak_tflops * 1e12)
+        summary += f', MFU {a} {100 * mfu:.1f}%'
+    print(summary)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -293,7 +293,6 @@ class TopKRouter(Router):
 
     def forward(self, input: torch.Tensor):
         """[s, b, h] -> (probs, indices) of every routed token, see `routing`."""
-        self.hidden = input.shape[-1]
         input = self.apply_input_jitter(input)
         logits = self.gating(input)
         logits = logits.view(-1, self.num_experts)  # [s * b, E]

@@ -66,6 +66,10 @@ setup(
         "tokenizers",
     ],
     extras_require={
+        # --wandb-project (megatron/training/scalar_writers.py).
+        "wandb": ["wandb"],
+        # tools/plot_logs.py.
+        "plot": ["matplotlib"],
         "test": [
             "pytest>=7",
             "pytest-timeout",
@@ -77,6 +81,9 @@ setup(
             "ruff>=0.17,<0.18",
             "requests",
             "openai",
+            # The W&B (offline) and plot tests run in CI; both install in seconds from wheels.
+            "wandb",
+            "matplotlib",
         ],
     },
     ext_modules=ext_modules,

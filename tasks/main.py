@@ -11,6 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron.training.context_parallel_checks import refuse_context_parallel  # noqa: E402
 from megatron.training.errors import run_main  # noqa: E402
 from megatron.training.global_vars import get_args  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
@@ -59,6 +60,13 @@ def get_tasks_args(parser):
     )
     group.add_argument(
         '--strict-lambada', action='store_true', help='Use more difficult formulation of lambada.'
+    )
+    group.add_argument(
+        '--random-weights',
+        action='store_true',
+        help='Evaluate randomly initialized weights (a baseline). Without it, a task that only '
+        'evaluates (the zero-shot tasks, or --epochs 0) needs a checkpoint in --load (or '
+        '--pretrained-checkpoint).',
     )
     # Retriever args (parsed for command-line compatibility; the retrieval tasks are not built).
     group.add_argument(
@@ -133,11 +141,53 @@ def task_name(args_list=None):
     return known.task
 
 
+#: Zero-shot tasks: they only evaluate.
+ZERO_SHOT = ('LAMBADA', 'WIKITEXT103')
+
+
+def check_weights_to_evaluate(task, args_list=None):
+    """A task that only evaluates reports its number on the checkpoint it is given: refuse to
+    run on random weights unless --random-weights asks for them (before any start-up work).
+
+    Raises:
+        ValueError: naming the flag and the directory.
+    """
+    from megatron.training.checkpoint_layout import checkpoint_exists
+
+    parser = argparse.ArgumentParser(add_help=False)
+    for flag in ('--load', '--pretrained-checkpoint'):
+        parser.add_argument(flag, type=str, default=None)
+    parser.add_argument('--epochs', type=int, default=None)
+    parser.add_argument('--random-weights', action='store_true')
+    known, _ = parser.parse_known_args(args_list)
+    evaluation_only = task in ZERO_SHOT or known.epochs == 0
+    if not evaluation_only or known.random_weights:
+        return
+    sources = [('--load', known.load)]
+    if task not in ZERO_SHOT:  # fine-tuning also starts from --pretrained-checkpoint
+        sources.append(('--pretrained-checkpoint', known.pretrained_checkpoint))
+    given = [(flag, path) for flag, path in sources if path is not None]
+    if any(checkpoint_exists(d) for _, d in given):
+        return
+    if given:
+        where = ' and '.join(f'{f} {d}' for f, d in given)
+        raise ValueError(
+            f'--task {task} evaluates a model, but {where} holds no checkpoint (no '
+            f'latest_checkpointed_iteration.txt); give the checkpoint to evaluate, or pass '
+            f'--random-weights to evaluate random weights'
+        )
+    raise ValueError(
+        f'--task {task} evaluates a model, but no checkpoint is given: pass it with --load, or '
+        f'--random-weights to evaluate random weights'
+    )
+
+
 def main(args_list=None):
     """Initialize Megatron with the tasks flags and run the task; returns the task's result."""
     import importlib
 
     task = task_name(args_list)
+    check_weights_to_evaluate(task, args_list)
     module_name, tokenizer_type = TASKS[task]
     initialize_megatron(
         extra_args_provider=get_tasks_args,
@@ -150,6 +200,7 @@ def main(args_list=None):
             '--num-layers-per-virtual-pipeline-stage: the interleaved schedule is not '
             'supported for downstream tasks'
         )
+    refuse_context_parallel(args, 'downstream task evaluation (tasks/main.py)')
     return importlib.import_module(module_name).main()
 
 

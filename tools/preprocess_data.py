@@ -244,7 +244,7 @@ def _remove_tmp(prefix):
     for ext in (".bin", ".idx"):
         try:
             os.remove(prefix + _TMP_SUFFIX + ext)
-        except FileNotFoundError:
+        except OSError:  # absent, or its directory is not one
             pass
 
 
@@ -366,15 +366,50 @@ def _input_files(args):
     return paths
 
 
+def _all_prefixes(args, level):
+    """Every output prefix of the run: the final ones, and each partition's."""
+    prefixes = [_output_prefix(args, key, level) for key in args.json_keys]
+    if args.partitions > 1:
+        for i in range(args.partitions):
+            prefixes += [_output_prefix(args, key, level, partition=i) for key in args.json_keys]
+    return prefixes
+
+
+def _check_outputs(args, level, inputs):
+    """The output files can be written, and no two of them (nor an input) are the same file:
+    one line before any work (PreprocessError)."""
+    directory = os.path.dirname(os.path.abspath(args.output_prefix))
+    if not os.path.isdir(directory):
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise PreprocessError(f"--output-prefix {args.output_prefix}: {directory} {what}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PreprocessError(f"--output-prefix {args.output_prefix}: {directory} is not writable")
+    if len(set(args.json_keys)) != len(args.json_keys):
+        raise PreprocessError(
+            f"--json-keys {' '.join(args.json_keys)}: a key is repeated, its datasets would "
+            f"overwrite each other"
+        )
+    inputs = {os.path.realpath(p) for p in inputs}
+    for prefix in _all_prefixes(args, level):
+        for name in (prefix + ".bin", prefix + ".idx"):
+            if os.path.realpath(name) in inputs:
+                raise PreprocessError(f"--output-prefix {args.output_prefix}: {name} is an input")
+            if os.path.isdir(name):
+                raise PreprocessError(
+                    f"--output-prefix {args.output_prefix}: {name} is a directory"
+                )
+
+
 def run(args):
     """Preprocess as configured by `args`; returns the number of documents."""
     paths = _input_files(args)
+    level = "sentence" if args.split_sentences else "document"
+    _check_outputs(args, level, paths)
     if not any(True for _ in _read_lines(paths)):
         raise PreprocessError(f"--input {', '.join(paths)}: empty input (no JSON lines)")
     if args.split_sentences:
         _load_sentence_splitter(args.lang, args.keep_newlines)  # fail fast with a clear message
     tokenizer = build_tokenizer(args)
-    level = "sentence" if args.split_sentences else "document"
     final_prefixes = {key: _output_prefix(args, key, level) for key in args.json_keys}
 
     if args.partitions == 1:
@@ -413,7 +448,13 @@ def main(argv=None):
     args = get_args(argv)
     try:
         count = run(args)
-    except (PreprocessError, FileNotFoundError, ValueError) as exc:
+    except (PreprocessError, OSError, ValueError) as exc:
+        # Whatever stopped the run, no temporary file stays behind.
+        level = "sentence" if args.split_sentences else "document"
+        for prefix in _all_prefixes(args, level):
+            _remove_tmp(prefix)
+        if isinstance(exc, OSError) and exc.filename is not None:
+            raise SystemExit(f"error: {exc.strerror}: {exc.filename}") from None
         raise SystemExit(f"error: {exc}") from None
     level = "sentence" if args.split_sentences else "document"
     for key in args.json_keys:

@@ -10,10 +10,14 @@ Start it with the model-parallel flags of the checkpoint, e.g. (see examples/inf
 Global rank 0 serves on --host:--port; every other rank waits for its broadcasts.
 """
 
+import errno
 import os
+import socket
 import sys
 
 sys.path.append(os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
@@ -21,6 +25,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
 )
+from megatron.core.utils import get_current_device
 from megatron.inference.text_generation_server import (
     MAX_PROMPTS,
     MAX_REQUEST_BYTES,
@@ -29,6 +34,8 @@ from megatron.inference.text_generation_server import (
 )
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.checkpointing import load_checkpoint
+from megatron.training.context_parallel_checks import refuse_context_parallel
+from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args
 from megatron.training.initialize import initialize_megatron
 from megatron.training.training import get_model
@@ -85,12 +92,45 @@ def add_text_generate_args(parser):
         help='Largest request body accepted, in bytes (larger: HTTP 400).',
     )
     group.add_argument(
+        '--random-weights',
+        action='store_true',
+        help='Serve randomly initialized weights when no --load is given (a smoke test); '
+        'without it the server refuses to start without a checkpoint.',
+    )
+    group.add_argument(
         '--served-model-name',
         type=str,
         default=None,
         help='Model name reported by GET /v1/models (default: the --load directory name).',
     )
     return parser
+
+
+def _bind_error(host, port):
+    """The errno of binding host:port here (0: it can be served)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except socket.gaierror:
+        return errno.EADDRNOTAVAIL
+    except OSError as exc:
+        return exc.errno or errno.EADDRNOTAVAIL
+    return 0
+
+
+def check_address(host, port):
+    """Rank 0 can listen on host:port, checked before the model is built (a port in use or a host
+    that is not this machine's is one line, not werkzeug's exit after all the work). Every rank
+    learns the verdict and refuses together, so no rank is left in a collective."""
+    code = _bind_error(host, port) if torch.distributed.get_rank() == 0 else 0
+    verdict = torch.tensor([code], dtype=torch.long, device=get_current_device())
+    torch.distributed.broadcast(verdict, 0)
+    if verdict.item():
+        raise ValueError(
+            f'--host {host} --port {port}: cannot serve there ({os.strerror(verdict.item())})'
+        )
 
 
 #: Script defaults for flags left unset. Generation batches prompts itself, so the training
@@ -111,6 +151,7 @@ def main(args_list=None):
         args_list=args_list,
     )
     args = get_args()
+    refuse_context_parallel(args, 'text generation')
     if args.num_layers_per_virtual_pipeline_stage is not None:
         print("Interleaved pipeline schedule is not yet supported for text generation.")
         sys.exit(1)
@@ -127,6 +168,13 @@ def main(args_list=None):
             f'--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x '
             f'--pipeline-model-parallel-size ({args.pipeline_model_parallel_size})'
         )
+    if args.load is None and not args.random_weights:
+        # A server without weights answers with the words of a random model.
+        raise ValueError(
+            'the text generation server needs --load (the checkpoint to serve); pass '
+            '--random-weights to serve randomly initialized weights'
+        )
+    check_address(args.host, args.port)
     print_rank_0("WARNING: Forcing exit_on_missing_checkpoint to True for text generation.")
     args.exit_on_missing_checkpoint = True
 
@@ -151,4 +199,4 @@ def main(args_list=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -5,10 +5,12 @@
 Loops: reads a prompt and a number of tokens, PUTs {"prompts": [prompt], "tokens_to_generate": n}
 to http://<host:port>/api and prints the text. Unlike Megatron's client it reads the number with
 int() rather than eval(), prints the server's validation errors (bare JSON strings) instead of
-crashing on them, and exits cleanly at end of input.
+crashing on them, exits with one `error:` line when the server cannot be reached, and exits
+cleanly at end of input.
 """
 
 import json
+import re
 import sys
 
 import requests
@@ -44,7 +46,18 @@ def main(argv):
             print(f"Error: the number of tokens must be an integer, got {tokens_text!r}")
             continue
         data = {"prompts": [sentence], "tokens_to_generate": tokens_to_generate}
-        response = requests.put(url, data=json.dumps(data), headers=headers)
+        try:
+            response = requests.put(url, data=json.dumps(data), headers=headers)
+        except requests.RequestException as exc:
+            # The innermost reason ("Connection refused"), not urllib3's nested repr.
+            found = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(exc))
+            reason = found.group(1) if found else type(exc).__name__
+            print(
+                f"error: cannot reach the text generation server at {url}: {reason}; is it "
+                f"running?",
+                file=sys.stderr,
+            )
+            return 1
 
         body = None
         if response.status_code == 200:

@@ -34,6 +34,13 @@ class InferenceParams:
         self.key_value_memory_dict = {}
         self.materialize_only_last_token_logits = False
 
+    def is_static_batching(self) -> bool:
+        """One padded batch in a dense cache (the dynamic engine's context says False)."""
+        return True
+
+    def is_dynamic_batching(self) -> bool:
+        return False
+
     def swap_key_value_dict(self, batch_idx):
         """Reorder the batch rows of every layer's cache: row i becomes old row batch_idx[i]
         (beam search keeps the caches of the beams it continues)."""

@@ -25,6 +25,8 @@ from typing import List, Tuple
 
 import torch
 
+from megatron.core.device import get_current_device, uses_cuda
+
 logger = logging.getLogger('megatron.core.utils')
 
 # Per-rank values exchanged by report(), in this order.
@@ -32,9 +34,6 @@ _FIELDS = ('rtt_ms', 'drtt_ms', 'etpt_tflops', 'power_w', 'temp_c', 'util_pct', 
 
 
 def _uses_cuda() -> bool:
-    # Imported here: megatron.core.utils imports this module at its top (re-export).
-    from megatron.core.utils import uses_cuda
-
     return uses_cuda()
 
 
@@ -200,8 +199,6 @@ class StragglerDetector:
             return [values]
         if torch.distributed.get_world_size() == 1:
             return [values]
-        from megatron.core.utils import get_current_device
-
         local = torch.tensor(values, dtype=torch.float64, device=get_current_device())
         gathered = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(gathered, local)

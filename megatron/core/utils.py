@@ -1,7 +1,8 @@
 """Small utilities shared by every part of megatron.core.
 
-The single source of the compute device lives here (`get_current_device`): core code never calls
-`.cuda()` directly, so the same code runs on CPU with gloo and on GPU with NCCL.
+The device policy (`uses_cuda`, `get_current_device`) lives in `megatron.core.device` and is
+re-exported here, where Megatron's code looks for it: core code never calls `.cuda()` directly,
+so the same code runs on CPU with gloo and on GPU with NCCL.
 """
 
 import hashlib
@@ -11,43 +12,14 @@ from typing import Any, List, Optional, Union
 
 import torch
 
+from megatron.core.device import (  # noqa: F401 (re-exported)
+    get_current_device,
+    get_current_device_type,
+    uses_cuda,
+)
 from megatron.core.straggler_detector import StragglerDetector  # noqa: F401 (Megatron's home)
 
 logger = logging.getLogger(__name__)
-
-
-def uses_cuda(backend: Optional[str] = None) -> bool:
-    """The one device rule of the package: compute runs on CUDA iff a CUDA device exists and the
-    torch.distributed backend is not gloo.
-
-    gloo means CPU everywhere, also on a host that has GPUs: model, activations, collectives,
-    timers, RNG and memory reports all stay on the CPU, so a gloo run on a GPU host behaves like
-    one on a CPU host (gloo cannot run every collective on CUDA tensors). NCCL (or no process
-    group at all) on a CUDA host means the current CUDA device.
-
-    Args:
-        backend: the backend to decide for (e.g. `--distributed-backend` before the process
-            group exists). None: the default process group's backend, or none when
-            torch.distributed is not initialized.
-    """
-    if not torch.cuda.is_available():
-        return False
-    if backend is None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        backend = torch.distributed.get_backend()
-    return backend != "gloo"
-
-
-def get_current_device() -> torch.device:
-    """The device tensors are created on, by the rule of `uses_cuda`: the current CUDA device,
-    or the CPU."""
-    if uses_cuda():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def get_current_device_type() -> str:
-    """'cuda' or 'cpu', matching `get_current_device()`."""
-    return get_current_device().type
 
 
 def ensure_divisibility(numerator: int, denominator: int) -> None:

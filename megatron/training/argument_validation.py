@@ -5,12 +5,16 @@ derives the values the rest of the training layer reads (`data_parallel_size`, `
 Re-exported by `arguments.py`, where Megatron users import it from.
 """
 
+import math
+
 import torch
 
 from megatron.core.utils import uses_cuda
 from megatron.training.argument_validation_moe import validate_moe_args
 from megatron.training.argument_validation_sft_fim import validate_sft_and_fim_args
 from megatron.training.arguments_unsupported import check_unsupported_flags
+from megatron.training.context_parallel_checks import validate_context_parallel_args
+from megatron.training.observability_args import validate_observability_args
 
 
 def _note(args, message):
@@ -34,9 +38,10 @@ def validate_args(args, defaults={}):
         args, modified in place.
     """
     # Flags of features this package does not have: refuse any non-default value first.
-    from megatron.training.arguments import get_args_parser
+    from megatron.training.arguments_parser import get_args_parser
 
     check_unsupported_flags(args, get_args_parser())
+    validate_observability_args(args)
 
     # Model-parallel sizes against the world size.
     if args.tensor_model_parallel_size < 1 or args.pipeline_model_parallel_size < 1:
@@ -421,11 +426,7 @@ def validate_args(args, defaults={}):
         args.sequence_parallel = False
     if args.sequence_parallel:
         args.async_tensor_model_parallel_allreduce = False
-    if args.context_parallel_size > 1:
-        raise ValueError(
-            f'--context-parallel-size {args.context_parallel_size}: context parallelism is not '
-            'implemented by this package\'s attention; use 1'
-        )
+    validate_context_parallel_args(args)
 
     # Data.
     if args.data_path is not None and args.split is None:
@@ -555,4 +556,15 @@ def validate_encoder_decoder_args(args):
             f'--vocab-extra-ids ({args.vocab_extra_ids}) must be > 0 for T5 data: the '
             'span-corruption sentinels <extra_id_i> come from it (Megatron uses 100)'
         )
+    if has_data:
+        # Each masked span takes one sentinel; a sample of L tokens (the encoder length minus
+        # [BOS] and [EOS]) has at most ceil(mask_prob x L) masked tokens, hence spans.
+        spans = max(1, math.ceil(args.mask_prob * (args.encoder_seq_length - 2)))
+        if args.vocab_extra_ids < spans:
+            raise ValueError(
+                f'--vocab-extra-ids ({args.vocab_extra_ids}) is fewer than the masked spans a T5 '
+                f'sample can have: up to ceil(--mask-prob {args.mask_prob} x '
+                f'(--encoder-seq-length {args.encoder_seq_length} - 2)) = {spans}, one sentinel '
+                f'each; pass --vocab-extra-ids {spans} or more (Megatron uses 100)'
+            )
     return args

@@ -10,44 +10,17 @@ and derives the values the rest of the training layer reads (`data_parallel_size
 `core_transformer_config_from_args(args)` is the one place where args become a `TransformerConfig`.
 """
 
-import argparse
 import dataclasses
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.utils import openai_gelu, squared_relu
 from megatron.training.argument_validation import validate_args  # noqa: F401 (re-exported)
-from megatron.training.arguments_model import (
-    _add_experimental_args,
-    _add_inference_args,
-    _add_initialization_args,
-    _add_learning_rate_args,
-    _add_mixed_precision_args,
-    _add_moe_args,
-    _add_network_size_args,
-    _add_regularization_args,
-    _add_training_args,
-    _add_transformer_engine_args,
-)
-from megatron.training.arguments_run import (
-    _add_autoresume_args,
-    _add_checkpointing_args,
-    _add_data_args,
-    _add_distributed_args,
-    _add_logging_args,
-    _add_straggler_detector_args,
-    _add_tokenizer_args,
-    _add_validation_args,
-)
-from megatron.training.arguments_sft_fim import add_sft_and_fim_args
-from megatron.training.arguments_unsupported import (
-    add_biencoder_args,
-    add_one_logger_args,
-    add_retro_args,
-    add_vision_args,
+from megatron.training.arguments_parser import (  # noqa: F401 (re-exported)
+    _OneLineErrorParser,
+    get_args_parser,
 )
 
 
@@ -78,50 +51,6 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args_list=No
     if args.local_rank is None:
         args.local_rank = int(os.getenv('LOCAL_RANK', '0'))
     return args
-
-
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but a parse error prints one line (not the full usage of every flag), once for
-    the job (global rank 0), and exits with argparse's code 2."""
-
-    def error(self, message):
-        from megatron.training.errors import global_rank
-
-        if global_rank() == 0:
-            sys.stderr.write(f'{self.prog}: error: {message}\n')
-            sys.stderr.flush()
-        sys.exit(2)
-
-
-def get_args_parser(extra_args_provider=None):
-    """The full argparse parser (all `_add_*_args` groups plus the script's extra flags)."""
-    parser = _OneLineErrorParser(description='Megatron-LM Arguments', allow_abbrev=False)
-    parser = _add_network_size_args(parser)
-    parser = _add_regularization_args(parser)
-    parser = _add_training_args(parser)
-    parser = _add_initialization_args(parser)
-    parser = _add_learning_rate_args(parser)
-    parser = _add_checkpointing_args(parser)
-    parser = _add_mixed_precision_args(parser)
-    parser = _add_distributed_args(parser)
-    parser = _add_validation_args(parser)
-    parser = _add_data_args(parser)
-    parser = _add_tokenizer_args(parser)
-    parser = add_sft_and_fim_args(parser)
-    parser = _add_autoresume_args(parser)
-    parser = add_biencoder_args(parser)
-    parser = add_vision_args(parser)
-    parser = _add_moe_args(parser)
-    parser = _add_logging_args(parser)
-    parser = _add_straggler_detector_args(parser)
-    parser = _add_inference_args(parser)
-    parser = _add_transformer_engine_args(parser)
-    parser = add_retro_args(parser)
-    parser = _add_experimental_args(parser)
-    parser = add_one_logger_args(parser)
-    if extra_args_provider is not None:
-        parser = extra_args_provider(parser)
-    return parser
 
 
 def core_transformer_config_from_args(args, config_class=None):

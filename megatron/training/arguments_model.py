@@ -299,7 +299,19 @@ def _add_training_args(parser):
             'If not set, clone the output of the scatter in embedding layer to GC original tensor.'
         ),
     )
-    group.add_argument('--profile', action='store_true', help='Enable torch profiling.')
+    group.add_argument(
+        '--profile',
+        action='store_true',
+        help='Enable nsys profiling (a CUDA profiler range over the profiled steps; run under '
+        'nsys profile --capture-range=cudaProfilerApi). With --use-pytorch-profiler, the torch '
+        'profiler writes a trace (CPU and GPU) to --tensorboard-dir instead.',
+    )
+    group.add_argument(
+        '--use-pytorch-profiler',
+        action='store_true',
+        help='Use the built-in pytorch profiler with --profile: one Chrome trace per profiled '
+        'rank in --tensorboard-dir (open it in Perfetto or TensorBoard).',
+    )
     group.add_argument(
         '--profile-step-start', type=int, default=10, help='Global step to start profiling.'
     )
@@ -754,6 +766,50 @@ def _add_inference_args(parser):
         default='megatron',
         choices=['megatron', 'huggingface'],
         help='Select either Megatron or Huggingface as the Bert embedder.',
+    )
+    # Dynamic batching (later Megatron's flag names; see docs/inference_engine.md).
+    group.add_argument(
+        '--inference-dynamic-batching',
+        action='store_true',
+        help='Serve / generate with the dynamic (continuous) batching engine over a paged KV '
+        'cache instead of static batches.',
+    )
+    group.add_argument(
+        '--inference-max-seq-length',
+        type=int,
+        default=None,
+        help='Longest request (prompt + generated tokens) of the dynamic engine '
+        '(default: --max-position-embeddings).',
+    )
+    group.add_argument(
+        '--inference-dynamic-batching-buffer-size-gb',
+        type=float,
+        default=1.0,
+        help='KV cache memory per rank, in GiB (Megatron defaults to 40 on GPUs).',
+    )
+    group.add_argument(
+        '--inference-dynamic-batching-block-size',
+        type=int,
+        default=256,
+        help='Tokens per KV cache block.',
+    )
+    group.add_argument(
+        '--inference-dynamic-batching-max-requests',
+        type=int,
+        default=None,
+        help='Most requests holding KV blocks at once (default: the number of blocks, at most '
+        'the token budget and 256).',
+    )
+    group.add_argument(
+        '--inference-dynamic-batching-max-tokens',
+        type=int,
+        default=None,
+        help='Most tokens in one forward of the dynamic engine (default 16384).',
+    )
+    group.add_argument(
+        '--enable-chunked-prefill',
+        action='store_true',
+        help='Split prompts that do not fit the remaining token budget of a step into chunks.',
     )
     return parser
 

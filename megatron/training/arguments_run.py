@@ -290,6 +290,23 @@ def _add_distributed_args(parser):
         '--context-parallel-size', type=int, default=1, help='Degree of context parallelism.'
     )
     group.add_argument(
+        '--cp-comm-type',
+        nargs='+',
+        type=str,
+        default=['p2p'],
+        help='Inter-rank communication of context parallel attention: p2p (ring), all_gather '
+        '(also spelled allgather), a2a (Ulysses) or a2a+p2p. One value for all layers, or one '
+        'per layer, e.g. --cp-comm-type p2p p2p a2a a2a.',
+    )
+    group.add_argument(
+        '--hierarchical-context-parallel-sizes',
+        nargs='+',
+        type=int,
+        default=None,
+        help='Two sizes whose product is --context-parallel-size, for --cp-comm-type a2a+p2p: '
+        'all-to-all inside groups of the first size, ring across groups of the second.',
+    )
+    group.add_argument(
         '--use-cpu-initialization',
         action='store_true',
         default=None,

@@ -19,7 +19,6 @@ _BIENCODER = 'ICT / biencoder (REALM-style retriever) models are not included'
 _RETRO = 'Retro models are not included'
 _ONE_LOGGER = 'one_logger (an NVIDIA-internal E2E metrics tool) is not available'
 _HYBRID = 'hybrid (Mamba) models are not included'
-_PROFILE = 'the nsys/torch profiler hooks of the training loop are not implemented'
 
 #: flag -> why it cannot take a non-default value here. Audited list: nothing else is refused
 #: at start-up for being unimplemented, and code that reads one of these (e.g. num_experts for
@@ -120,13 +119,6 @@ UNSUPPORTED_FLAGS = {
     'implemented',
     '--lazy-mpu-init': 'lazy model-parallel initialization is not implemented',
     '--onnx-safe': 'ONNX export workarounds are not implemented',
-    '--wandb-project': 'Weights & Biases logging is not implemented',
-    '--wandb-exp-name': 'Weights & Biases logging is not implemented',
-    '--wandb-save-dir': 'Weights & Biases logging is not implemented',
-    '--profile': _PROFILE,
-    '--profile-step-start': _PROFILE,
-    '--profile-step-end': _PROFILE,
-    '--profile-ranks': _PROFILE,
     '--non-persistent-save-interval': 'non-persistent checkpoints are not implemented',
     '--non-persistent-ckpt-type': 'non-persistent checkpoints are not implemented',
     '--non-persistent-global-ckpt-dir': 'non-persistent checkpoints are not implemented',

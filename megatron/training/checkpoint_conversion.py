@@ -26,6 +26,7 @@ import math
 import os
 import re
 import types
+import zipfile
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -33,6 +34,11 @@ import torch
 from megatron.core.models.gpt.hf_weight_mapping import (
     merge_tensor_parallel_state_dicts,
     split_state_dict_for_tensor_parallel,
+)
+from megatron.training.checkpoint_layout import (
+    check_single_layout,
+    commit_staged_checkpoint,
+    staging_root,
 )
 from megatron.training.checkpointing import (
     CHECKPOINT_VERSION,
@@ -173,15 +179,25 @@ def message_to_layer(message: Dict[str, torch.Tensor], swiglu: bool) -> StateDic
 
 
 def torch_load_weights_only(filename: str, mmap: bool = True) -> dict:
-    """Load a checkpoint file with weights_only=True (tensors memory-mapped when possible)."""
+    """Load a checkpoint file with weights_only=True (tensors memory-mapped when possible).
+
+    Raises:
+        ValueError: naming the file, when it is truncated, corrupt or holds more than tensors and
+            plain data.
+    """
     with torch.serialization.safe_globals(SAFE_GLOBALS):
         try:
-            return torch.load(filename, map_location='cpu', weights_only=True, mmap=mmap)
-        except RuntimeError:
-            if not mmap:
-                raise
+            if mmap and zipfile.is_zipfile(filename):
+                return torch.load(filename, map_location='cpu', weights_only=True, mmap=True)
             # Files not in the zip format cannot be memory-mapped.
             return torch.load(filename, map_location='cpu', weights_only=True)
+        except Exception as exc:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            reason = lines[0] if lines else type(exc).__name__
+            raise ValueError(
+                f'checkpoint file {filename} cannot be read (truncated, corrupt, or not tensors '
+                f'and plain data): {reason}'
+            ) from exc
 
 
 def _read_tracker(load_dir: str) -> Tuple[int, bool]:
@@ -245,6 +261,7 @@ class CheckpointReader:
                 if 'args' not in state:
                     raise ValueError(f'{name}: the checkpoint holds no args; cannot convert it')
                 args = state['args']
+                check_single_layout(base, args)
                 self.model_keys = sorted(state.get('model', state.get('model0', {})))
                 return args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args
         present = sorted(os.listdir(base)) if os.path.isdir(base) else 'nothing'
@@ -373,12 +390,18 @@ class CheckpointWriter:
     Each rank file holds `args`, `checkpoint_version`, `iteration`, `model` and
     `num_floating_point_operations_so_far` (0): no optimizer, scheduler or RNG state, so the
     checkpoint is loaded with --finetune (or --no-load-optim --no-load-rng).
+
+    The stages are written into a staging directory inside `save_dir`; `finish` then replaces
+    the checkpoint `save_dir` held (if any) as a whole, so an overwrite never leaves the rank
+    folders of two layouts in one iteration, and a conversion killed half-way leaves the old
+    checkpoint as it was.
     """
 
     def __init__(self, save_dir: str, iteration: int, tp: int, pp: int, args, swiglu: bool):
         self.save_dir, self.iteration, self.tp, self.pp = save_dir, iteration, tp, pp
         self.args = args
         self.swiglu = types.SimpleNamespace(gated_linear_unit=swiglu)
+        self.staging = staging_root(save_dir)
 
     def write_stage(self, pp_rank: int, stage: StateDict, has_output_layer: bool) -> List[str]:
         """Split one stage's full state dict (stage-local layer numbers) and save each TP rank.
@@ -390,7 +413,7 @@ class CheckpointWriter:
         names = []
         for tp_rank, shard in enumerate(shards):
             name = get_checkpoint_name(
-                self.save_dir,
+                self.staging,
                 self.iteration,
                 pipeline_parallel=self.pp > 1,
                 tensor_rank=tp_rank,
@@ -427,9 +450,6 @@ class CheckpointWriter:
         return shards
 
     def finish(self) -> None:
-        """Write the tracker file last, so a partial conversion is never taken as a checkpoint."""
-        tracker = get_checkpoint_tracker_filename(self.save_dir)
-        tmp = f'{tracker}.tmp.{os.getpid()}'
-        with open(tmp, 'w') as f:
-            f.write(str(self.iteration))
-        os.replace(tmp, tracker)
+        """Switch `save_dir` to the staged checkpoint; the tracker is written last, so a partial
+        conversion is never taken as a checkpoint."""
+        commit_staged_checkpoint(self.save_dir, self.staging, self.iteration)

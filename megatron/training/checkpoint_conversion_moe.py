@@ -21,6 +21,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from megatron.training import checkpoint_conversion as cc
+from megatron.training.checkpoint_layout import check_single_layout
 from megatron.training.checkpointing import find_checkpoint_rank_0, get_checkpoint_name
 
 StateDict = Dict[str, torch.Tensor]
@@ -212,6 +213,10 @@ class MoECheckpointReader(cc.CheckpointReader):
         if 'args' not in state:
             raise ValueError(f'{name}: the checkpoint holds no args; cannot convert it')
         args = state['args']
+        base = get_checkpoint_name(
+            self.load_dir, self.iteration, self.release, return_base_dir=True
+        )
+        check_single_layout(base, args)
         self.model_keys = sorted(state.get('model', state.get('model0', {})))
         self.ep = getattr(args, 'expert_model_parallel_size', 1) or 1
         self.num_experts = getattr(args, 'num_experts', None)
@@ -342,7 +347,7 @@ class MoECheckpointWriter(cc.CheckpointWriter):
         for ep_rank, part in enumerate(per_ep):
             for tp_rank, shard in enumerate(self._split_consuming(part)):
                 name = get_checkpoint_name(
-                    self.save_dir,
+                    self.staging,  # switched into save_dir as a whole by finish()
                     self.iteration,
                     pipeline_parallel=self.pp > 1,
                     tensor_rank=tp_rank,

@@ -7,6 +7,8 @@ described in checkpointing.py, which re-exports every name defined here.
 """
 
 import os
+import re
+import shutil
 from typing import Optional, Tuple
 
 import torch
@@ -147,3 +149,109 @@ def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
             )
         iteration = max_iter
     return iteration, release
+
+
+# ---------------------------------------------------------------------------------------------
+# one layout per iteration directory, and replacing a checkpoint as a whole
+
+_RANK_DIR_RE = re.compile(r'^mp_rank_\d{2}((?:_\d{3}){0,2})$')
+
+
+def check_single_layout(iteration_dir: str, checkpoint_args=None) -> None:
+    """Refuse an iteration directory holding the rank folders of more than one parallel layout
+    (another layout written over it in place), which a loader would read as the old model.
+
+    Folders differ in layout when they carry a different number of rank fields
+    (`mp_rank_TT`, `mp_rank_TT_PPP`, `mp_rank_TT_PPP_EEE`), or when there are more of them than
+    the layout recorded in `checkpoint_args` has ranks. A directory without rank folders (a
+    distributed checkpoint) is left alone.
+
+    Raises:
+        ValueError: one line naming the directory, its folders and the recorded layout.
+    """
+    if not os.path.isdir(iteration_dir):
+        return
+    folders = sorted(n for n in os.listdir(iteration_dir) if _RANK_DIR_RE.match(n))
+    if not folders:
+        return
+    kinds = {_RANK_DIR_RE.match(n).group(1).count('_') for n in folders}
+    expected = None
+    if checkpoint_args is not None:
+        sizes = [
+            getattr(checkpoint_args, name, None) or 1
+            for name in (
+                'tensor_model_parallel_size',
+                'pipeline_model_parallel_size',
+                'expert_model_parallel_size',
+            )
+        ]
+        expected = sizes[0] * sizes[1] * sizes[2]
+    if len(kinds) == 1 and (expected is None or len(folders) <= expected):
+        return
+    recorded = ''
+    if expected is not None:
+        recorded = (
+            f'; its args record TP{sizes[0]} x PP{sizes[1]}'
+            + (f' x EP{sizes[2]}' if sizes[2] > 1 else '')
+            + f' ({expected} rank folders)'
+        )
+    shown = ', '.join(folders[:8]) + (f', ... ({len(folders)} in all)' if len(folders) > 8 else '')
+    raise ValueError(
+        f'checkpoint directory {iteration_dir} holds rank folders of more than one parallel '
+        f'layout ({shown}){recorded}: another layout was written over it in place, so its '
+        f'files mix two models; write the checkpoint again into an empty directory'
+    )
+
+
+def staging_root(save_dir: str) -> str:
+    """A private directory inside `save_dir` where a whole checkpoint is written before it
+    replaces the current one (same file system, so the switch is a rename)."""
+    return os.path.join(save_dir, f'.staging.{os.getpid()}')
+
+
+def remove_stale_staging(save_dir: str) -> None:
+    """Remove the staging directories that killed writers left behind in `save_dir`."""
+    if not os.path.isdir(save_dir):
+        return
+    for name in os.listdir(save_dir):
+        if name.startswith('.staging.'):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+
+
+def commit_staged_checkpoint(save_dir: str, staging: str, iteration: int) -> None:
+    """Make the checkpoint written under `staging` the checkpoint of `save_dir`, as a whole.
+
+    The new iteration directory is renamed into place and the tracker written last, so a reader
+    sees the old checkpoint or the new one. When the new iteration has the old one's name, the
+    tracker is removed first and the old directory renamed aside, so that for the instant of the
+    swap a reader finds no checkpoint rather than a mix. The replaced iteration directories (the
+    one of the same name and the one the old tracker named) are deleted afterwards.
+    """
+    name = os.path.basename(get_checkpoint_name(save_dir, iteration, return_base_dir=True))
+    final = os.path.join(save_dir, name)
+    tracker = get_checkpoint_tracker_filename(save_dir)
+    replaced = []
+    if os.path.isfile(tracker):
+        try:
+            old_iteration, old_release = _parse_tracker(tracker)
+            old = get_checkpoint_name(save_dir, old_iteration, old_release, return_base_dir=True)
+            if old != final and os.path.isdir(old):
+                replaced.append(old)
+        except ValueError:
+            pass
+    if os.path.exists(final):
+        if os.path.isfile(tracker):
+            os.remove(tracker)
+        aside = os.path.join(staging, '.replaced')
+        os.rename(final, aside)
+        replaced.append(aside)
+    os.rename(os.path.join(staging, name), final)
+    tmp = f'{tracker}.tmp.{os.getpid()}'
+    with open(tmp, 'w') as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, tracker)
+    for path in replaced:
+        shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)

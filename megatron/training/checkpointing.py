@@ -60,6 +60,7 @@ from megatron.training.checkpoint_layout import (  # noqa: F401
     MODEL_CHECKPOINT_BASENAME,
     TRACKER_FILENAME,
     _parse_tracker,
+    check_single_layout,
     checkpoint_exists,
     ensure_directory_exists,
     find_checkpoint_rank_0,
@@ -553,6 +554,8 @@ def _load_base_checkpoint(
             f'checkpoint file {checkpoint_name} cannot be loaded as weights only (tensors and '
             f'plain data): {reason}'
         ) from exc
+    # Rank folders of two layouts in one iteration: the files of this rank may be another model's.
+    check_single_layout(os.path.dirname(os.path.dirname(checkpoint_name)), state_dict.get('args'))
     return state_dict, checkpoint_name, release
 
 
@@ -591,9 +594,16 @@ def check_checkpoint_args(checkpoint_args, checkpoint_name: str = 'checkpoint') 
             checkpoint_value = getattr(checkpoint_args, ckpt_arg_name)
         args_value = getattr(args, arg_name)
         if checkpoint_value != args_value:
+            hint = ''
+            if arg_name == 'tokenizer_type':
+                hint = (
+                    f' The checkpoint was made with {checkpoint_value}: start with '
+                    f'--tokenizer-type {checkpoint_value} and its files, or pass --finetune to '
+                    f'load only its weights with your tokenizer.'
+                )
             lines.append(
                 f'{arg_name} value from checkpoint ({checkpoint_value}) is not equal to the input '
-                f'argument value ({args_value}).'
+                f'argument value ({args_value}).{hint}'
             )
 
     _compare('num_layers')
@@ -644,6 +654,19 @@ def _check_model_state_dict(module, model_state_dict, key: str, checkpoint_name:
             f"(tensor-parallel rank {mpu.get_tensor_model_parallel_rank()}, pipeline rank "
             f"{mpu.get_pipeline_model_parallel_rank()}):\n  " + '\n  '.join(lines)
         )
+
+
+def _take_recorded_tokenizer_files(args, checkpoint_args) -> None:
+    """The tokenizer files a converted checkpoint records (tokenizer_model, vocab_file,
+    merge_file) for flags the user left unset, when the run uses the checkpoint's tokenizer type
+    and the files still exist."""
+    if args.tokenizer_type != getattr(checkpoint_args, 'tokenizer_type', None):
+        return
+    for name in ('tokenizer_model', 'vocab_file', 'merge_file'):
+        recorded = getattr(checkpoint_args, name, None)
+        if getattr(args, name, None) is None and recorded and os.path.exists(recorded):
+            print_rank_0(f'Setting {name} to {recorded} from checkpoint')
+            setattr(args, name, recorded)
 
 
 def load_args_from_checkpoint(
@@ -730,6 +753,7 @@ def load_args_from_checkpoint(
         for name in MOE_CHECKPOINT_ARGS:
             _set_arg(name, force=True)
     _set_arg('tokenizer_type')
+    _take_recorded_tokenizer_files(args, checkpoint_args)
     _set_arg('padded_vocab_size')
     _set_arg('apply_query_key_layer_scaling', force=True)
     if checkpoint_version < 3.0:

@@ -14,6 +14,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import get_current_device
 from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers
+from megatron.training.scalar_writers import get_scalar_writer
 from megatron.training.time_limit import _exit_flag, get_train_start_time
 from megatron.training.utils import empty_unused_memory, print_rank_0, print_rank_last
 from megatron.training.watchdog import watch
@@ -141,7 +142,7 @@ def evaluate_and_print_results(
         {key: float} on the last pipeline stage, {} elsewhere, None if the time limit was hit.
     """
     args = get_args()
-    writer = get_tensorboard_writer() if write_to_tensorboard else None
+    writer = get_scalar_writer() if write_to_tensorboard else None
 
     with watch('evaluation', iteration):
         total_loss_dict, collected_non_loss_data, timelimit = evaluate(
@@ -163,8 +164,10 @@ def evaluate_and_print_results(
                 writer.add_scalar(
                     '{} validation ppl vs samples'.format(key), ppl, args.consumed_train_samples
                 )
-    if process_non_loss_data_func is not None and writer and collected_non_loss_data is not None:
-        process_non_loss_data_func(collected_non_loss_data, iteration, writer)
+    tensorboard = get_tensorboard_writer() if write_to_tensorboard else None
+    collected = collected_non_loss_data is not None
+    if process_non_loss_data_func is not None and tensorboard and collected:
+        process_non_loss_data_func(collected_non_loss_data, iteration, tensorboard)
 
     length = len(string) + 1
     print_rank_last('-' * length)

@@ -45,8 +45,15 @@ def get_tensorboard_writer():
 
 
 def get_wandb_writer():
-    """Weights & Biases is not supported here: always None."""
+    """The `wandb` module after `wandb.init` (last rank, with --wandb-project) or None."""
     return _GLOBAL_WANDB_WRITER
+
+
+def set_wandb_writer(writer):
+    """Set the W&B writer (`scalar_writers.build_wandb_writer`); None for none."""
+    global _GLOBAL_WANDB_WRITER
+    _ensure_var_is_not_initialized(_GLOBAL_WANDB_WRITER, 'wandb writer')
+    _GLOBAL_WANDB_WRITER = writer
 
 
 def get_one_logger():
@@ -145,13 +152,16 @@ def _set_timers(args):
 
 
 def destroy_global_vars():
-    """Reset every global (closing the TensorBoard writer and the signal handler)."""
+    """Reset every global (closing the TensorBoard writer, the W&B run and the signal
+    handler)."""
     global _GLOBAL_ARGS, _GLOBAL_TOKENIZER, _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_WANDB_WRITER
     global _GLOBAL_ONE_LOGGER, _GLOBAL_ADLR_AUTORESUME, _GLOBAL_TIMERS, _GLOBAL_SIGNAL_HANDLER
     if _GLOBAL_TENSORBOARD_WRITER is not None:
         _GLOBAL_TENSORBOARD_WRITER.close()
     if _GLOBAL_SIGNAL_HANDLER is not None:
         _GLOBAL_SIGNAL_HANDLER.__exit__(None, None, None)
+    if _GLOBAL_WANDB_WRITER is not None:
+        _GLOBAL_WANDB_WRITER.finish()
     _GLOBAL_ARGS = None
     _GLOBAL_TOKENIZER = None
     _GLOBAL_TENSORBOARD_WRITER = None

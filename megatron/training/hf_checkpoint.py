@@ -87,8 +87,14 @@ def read_hf_config(hf_dir: str) -> dict:
         raise ValueError(
             f'--load-dir {hf_dir}: no {CONFIG_NAME} (not a Hugging Face model directory)'
         )
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except ValueError as exc:
+        raise ValueError(f'{path}: not valid JSON ({exc})') from None
+    if not isinstance(config, dict):
+        raise ValueError(f'{path}: not a JSON object')
+    return config
 
 
 def hf_family(config: dict) -> str:
@@ -118,6 +124,25 @@ def hf_config_namespace(config: dict) -> types.SimpleNamespace:
     values.update(config)
     if values.get('num_key_value_heads', 0) is None:
         values['num_key_value_heads'] = values['num_attention_heads']
+    sizes = (
+        ('vocab_size', 'n_positions', 'n_embd', 'n_layer', 'n_head')
+        if defaults is _GPT2_DEFAULTS
+        else (
+            'vocab_size',
+            'hidden_size',
+            'intermediate_size',
+            'num_hidden_layers',
+            'num_attention_heads',
+            'num_key_value_heads',
+            'max_position_embeddings',
+        )
+    )
+    for key in sizes:
+        value = values[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(
+                f'Hugging Face config: {key} must be a positive integer, got {value!r}'
+            )
     if defaults is _LLAMA_DEFAULTS:
         # transformers >= 5 writes RoPE settings as rope_parameters, older versions rope_theta.
         rope = values.get('rope_parameters') or {}
@@ -127,40 +152,170 @@ def hf_config_namespace(config: dict) -> types.SimpleNamespace:
     return types.SimpleNamespace(**values)
 
 
-def load_hf_state_dict(hf_dir: str) -> Dict[str, torch.Tensor]:
-    """Every tensor of model.safetensors (or of the shards its index lists)."""
-    from safetensors.torch import load_file
-
+def _weight_files(hf_dir: str) -> List[str]:
+    """The safetensors files of a model directory (the single file, or the index's shards)."""
     single = os.path.join(hf_dir, SAFETENSORS_NAME)
     if os.path.isfile(single):
-        return load_file(single)
+        return [single]
     index = os.path.join(hf_dir, SAFETENSORS_INDEX_NAME)
     if not os.path.isfile(index):
         raise ValueError(
             f'--load-dir {hf_dir}: neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}'
         )
-    with open(index) as f:
-        shards = sorted(set(json.load(f)['weight_map'].values()))
-    state_dict = {}
-    for shard in shards:
-        state_dict.update(load_file(os.path.join(hf_dir, shard)))
-    return state_dict
+    try:
+        with open(index) as f:
+            shards = sorted(set(json.load(f)['weight_map'].values()))
+    except (ValueError, KeyError, AttributeError) as exc:
+        raise ValueError(f'{index}: not a safetensors index ({type(exc).__name__}: {exc})')
+    return [os.path.join(hf_dir, shard) for shard in shards]
 
 
 def check_hf_files(hf_dir: str) -> None:
     """The weights a config.json promises are present (missing shards named)."""
-    if os.path.isfile(os.path.join(hf_dir, SAFETENSORS_NAME)):
-        return
-    index = os.path.join(hf_dir, SAFETENSORS_INDEX_NAME)
-    if not os.path.isfile(index):
-        raise ValueError(
-            f'--load-dir {hf_dir}: neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}'
-        )
-    with open(index) as f:
-        shards = sorted(set(json.load(f)['weight_map'].values()))
-    missing = [s for s in shards if not os.path.isfile(os.path.join(hf_dir, s))]
+    missing = [os.path.basename(p) for p in _weight_files(hf_dir) if not os.path.isfile(p)]
     if missing:
         raise ValueError(f'--load-dir {hf_dir}: partial model, shards missing: {missing}')
+
+
+def _unreadable(path: str, exc: Exception) -> ValueError:
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return ValueError(f'{path}: cannot be read as safetensors (truncated or corrupt?): {reason}')
+
+
+def load_hf_state_dict(hf_dir: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of model.safetensors (or of the shards its index lists)."""
+    from safetensors.torch import load_file
+
+    state_dict = {}
+    for path in _weight_files(hf_dir):
+        try:
+            state_dict.update(load_file(path))
+        except Exception as exc:
+            raise _unreadable(path, exc) from exc
+    return state_dict
+
+
+def hf_tensor_shapes(hf_dir: str) -> Dict[str, tuple]:
+    """{tensor name: (shape, file)} from the safetensors headers alone (no tensor is read);
+    a truncated or corrupt file is a ValueError naming it."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in _weight_files(hf_dir):
+        try:
+            with safe_open(path, 'pt') as f:
+                for name in f.keys():
+                    shapes[name] = (tuple(f.get_slice(name).get_shape()), path)
+        except Exception as exc:
+            raise _unreadable(path, exc) from exc
+    return shapes
+
+
+def expected_hf_shapes(config: dict) -> Dict[str, tuple]:
+    """{tensor name: shape} that config.json describes (Hugging Face names; GPT-2 without its
+    "transformer." prefix). An untied output layer is listed as "lm_head.weight"."""
+    c = hf_config_namespace(config)
+    if hf_family(config) == 'gpt2':
+        h, ffn, vocab = c.n_embd, c.n_inner or 4 * c.n_embd, c.vocab_size
+        shapes = {'wte.weight': (vocab, h), 'wpe.weight': (c.n_positions, h)}
+        per_layer = {
+            'ln_1.weight': (h,),
+            'ln_1.bias': (h,),
+            'attn.c_attn.weight': (h, 3 * h),
+            'attn.c_attn.bias': (3 * h,),
+            'attn.c_proj.weight': (h, h),
+            'attn.c_proj.bias': (h,),
+            'ln_2.weight': (h,),
+            'ln_2.bias': (h,),
+            'mlp.c_fc.weight': (h, ffn),
+            'mlp.c_fc.bias': (ffn,),
+            'mlp.c_proj.weight': (ffn, h),
+            'mlp.c_proj.bias': (h,),
+        }
+        layers, prefix = c.n_layer, 'h.{}.'
+        final = {'ln_f.weight': (h,), 'ln_f.bias': (h,)}
+    else:
+        h, ffn, vocab = c.hidden_size, c.intermediate_size, c.vocab_size
+        head_dim = c.head_dim or h // c.num_attention_heads
+        q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+        shapes = {'model.embed_tokens.weight': (vocab, h)}
+        per_layer = {
+            'input_layernorm.weight': (h,),
+            'self_attn.q_proj.weight': (q, h),
+            'self_attn.k_proj.weight': (kv, h),
+            'self_attn.v_proj.weight': (kv, h),
+            'self_attn.o_proj.weight': (h, q),
+            'post_attention_layernorm.weight': (h,),
+            'mlp.gate_proj.weight': (ffn, h),
+            'mlp.up_proj.weight': (ffn, h),
+            'mlp.down_proj.weight': (h, ffn),
+        }
+        if c.attention_bias:
+            per_layer.update(
+                {
+                    'self_attn.q_proj.bias': (q,),
+                    'self_attn.k_proj.bias': (kv,),
+                    'self_attn.v_proj.bias': (kv,),
+                    'self_attn.o_proj.bias': (h,),
+                }
+            )
+        if c.mlp_bias:
+            per_layer.update(
+                {
+                    'mlp.gate_proj.bias': (ffn,),
+                    'mlp.up_proj.bias': (ffn,),
+                    'mlp.down_proj.bias': (h,),
+                }
+            )
+        layers, prefix = c.num_hidden_layers, 'model.layers.{}.'
+        final = {'model.norm.weight': (h,)}
+    for i in range(layers):
+        shapes.update({prefix.format(i) + k: v for k, v in per_layer.items()})
+    shapes.update(final)
+    if not c.tie_word_embeddings:
+        shapes['lm_head.weight'] = (vocab, h)
+    return shapes
+
+
+#: Buffers some Hugging Face saves carry besides the weights (attention masks, RoPE tables).
+_IGNORED_HF_TENSORS = ('.attn.bias', '.attn.masked_bias', '.rotary_emb.inv_freq')
+
+
+def check_hf_shapes(hf_dir: str, config: dict) -> None:
+    """Every tensor config.json describes is there with its shape, and no other weight is.
+
+    Raises:
+        ValueError: one line naming the file, the tensor, both shapes and the config values.
+    """
+    found = hf_tensor_shapes(hf_dir)
+    expected = expected_hf_shapes(config)
+    if hf_family(config) == 'gpt2':
+        found = {
+            k[len('transformer.') :] if k.startswith('transformer.') else k: v
+            for k, v in found.items()
+        }
+        # A tied GPT-2 may still store lm_head.weight (the same table).
+        if 'lm_head.weight' in found and 'lm_head.weight' not in expected:
+            expected['lm_head.weight'] = expected['wte.weight']
+    config_path = os.path.join(hf_dir, CONFIG_NAME)
+    for name, shape in expected.items():
+        if name not in found:
+            raise ValueError(
+                f'--load-dir {hf_dir}: tensor {name} (shape {list(shape)}, from {config_path}) '
+                f'is missing from the weights'
+            )
+        got, path = found[name]
+        if got != shape:
+            raise ValueError(
+                f'{path}: tensor {name} has shape {list(got)} but {config_path} describes '
+                f'{list(shape)}'
+            )
+    extra = sorted(n for n in found if n not in expected and not n.endswith(_IGNORED_HF_TENSORS))
+    if extra:
+        raise ValueError(
+            f'{found[extra[0]][1]}: holds weights {config_path} does not describe: '
+            f'{", ".join(extra[:5])}' + (f' ... ({len(extra)} in all)' if len(extra) > 5 else '')
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +327,8 @@ def megatron_args_list(
     tokenizer_type: str,
     seq_length: Optional[int] = None,
     tokenizer_model: Optional[str] = None,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
 ) -> List[str]:
     """pretrain_gpt.py flags that build the architecture of a Hugging Face config."""
     c = hf_config_namespace(config)
@@ -253,8 +410,13 @@ def megatron_args_list(
         if not c.tie_word_embeddings:
             args.append('--untie-embeddings-and-output-weights')
     args += ['--tokenizer-type', tokenizer_type, '--micro-batch-size', 1, '--mock-data']
-    if tokenizer_model is not None:
-        args += ['--tokenizer-model', tokenizer_model]
+    for flag, value in (
+        ('--tokenizer-model', tokenizer_model),
+        ('--vocab-file', vocab_file),
+        ('--merge-file', merge_file),
+    ):
+        if value is not None:
+            args += [flag, value]
     return [str(a) for a in args]
 
 
@@ -410,18 +572,56 @@ def hf_state_dict_from_full(config: dict, full: Dict[str, torch.Tensor]) -> Dict
     return out
 
 
+def _write_atomically(path: str, write) -> None:
+    """write(tmp) then rename over `path`: a reader sees the old file or the new one."""
+    tmp = f'{path}.tmp.{os.getpid()}'
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _remove_stale_weights(hf_dir: str) -> None:
+    """An earlier sharded save's index and shards (a single model.safetensors replaces them)."""
+    index = os.path.join(hf_dir, SAFETENSORS_INDEX_NAME)
+    if not os.path.isfile(index):
+        return
+    try:
+        with open(index) as f:
+            shards = set(json.load(f)['weight_map'].values())
+    except (ValueError, KeyError, AttributeError):
+        shards = set()
+    os.remove(index)
+    for shard in shards:
+        path = os.path.join(hf_dir, shard)
+        if os.path.isfile(path) and os.path.basename(path) != SAFETENSORS_NAME:
+            os.remove(path)
+
+
 def save_hf_dir(hf_dir: str, config: dict, state_dict, tokenizer_dir: Optional[str] = None):
-    """Write config.json, model.safetensors and (from tokenizer_dir) the tokenizer files."""
+    """Write model.safetensors, config.json and (from tokenizer_dir) the tokenizer files.
+
+    Each file is written under a temporary name and renamed over the old one, the weights
+    before the config, so an overwrite killed half-way never pairs a config with weights that
+    are neither the old nor the new ones (a shape mismatch is refused by transformers).
+    """
     from safetensors.torch import save_file
 
     os.makedirs(hf_dir, exist_ok=True)
-    with open(os.path.join(hf_dir, CONFIG_NAME), 'w') as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    save_file(
-        {k: v.contiguous() for k, v in state_dict.items()},
+    tensors = {k: v.contiguous() for k, v in state_dict.items()}
+    _write_atomically(
         os.path.join(hf_dir, SAFETENSORS_NAME),
-        metadata={'format': 'pt'},
+        lambda tmp: save_file(tensors, tmp, metadata={'format': 'pt'}),
     )
+    _remove_stale_weights(hf_dir)
+
+    def write_config(tmp):
+        with open(tmp, 'w') as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+
+    _write_atomically(os.path.join(hf_dir, CONFIG_NAME), write_config)
     copied = []
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:

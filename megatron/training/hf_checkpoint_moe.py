@@ -128,6 +128,8 @@ def megatron_args_list_moe(
     tokenizer_type: str,
     seq_length: Optional[int] = None,
     tokenizer_model: Optional[str] = None,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
 ) -> List[str]:
     """pretrain_gpt.py flags that build the architecture of a Mixtral / Qwen2-MoE config."""
     c = hf_moe_config_namespace(config)
@@ -187,8 +189,13 @@ def megatron_args_list_moe(
         if not all(c.moe_layer_pattern):
             args += ['--moe-layer-freq', str(c.moe_layer_pattern).replace(' ', '')]
     args += ['--tokenizer-type', tokenizer_type, '--micro-batch-size', 1, '--mock-data']
-    if tokenizer_model is not None:
-        args += ['--tokenizer-model', tokenizer_model]
+    for flag, value in (
+        ('--tokenizer-model', tokenizer_model),
+        ('--vocab-file', vocab_file),
+        ('--merge-file', merge_file),
+    ):
+        if value is not None:
+            args += [flag, value]
     return [str(a) for a in args]
 
 

@@ -19,9 +19,16 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.utils import uses_cuda
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.global_vars import get_args, set_global_variables
+from megatron.training.global_vars import get_args, set_global_variables, set_wandb_writer
+from megatron.training.scalar_writers import build_wandb_writer
 from megatron.training.startup_checks import check_output_directories
 from megatron.training.watchdog import exit_when_launcher_dies
+
+
+def _hierarchical_cp_sizes():
+    """Sizes of the existing hierarchical context parallel groups (None if there are none)."""
+    groups = mpu.get_hierarchical_context_parallel_groups(check_initialized=False)
+    return None if groups is None else [group.size() for group in groups]
 
 
 def initialize_megatron(
@@ -54,11 +61,14 @@ def initialize_megatron(
             raise ValueError('--use-checkpoint-args requires --load')
         from megatron.training.checkpointing import load_args_from_checkpoint
 
-        load_args_from_checkpoint(args)
+        _, checkpoint_args = load_args_from_checkpoint(args)
+        if checkpoint_args is None:
+            _refuse_missing_checkpoint_args(args)
     validate_args(args, args_defaults)
     check_output_directories(args)
 
     set_global_variables(args)
+    set_wandb_writer(build_wandb_writer(args))
     setup_logging()
 
     if skip_mpu_initialization:
@@ -70,6 +80,22 @@ def initialize_megatron(
     _set_random_seed(args.seed, args.data_parallel_random_init)
     _compile_dependencies()
     return None
+
+
+def _refuse_missing_checkpoint_args(args) -> None:
+    """--use-checkpoint-args found no checkpoint to take the model's shape from: say so, rather
+    than "--num-layers is required" for the first flag it did not give."""
+    missing = [
+        '--' + name.replace('_', '-')
+        for name in ('num_layers', 'hidden_size', 'num_attention_heads', 'max_position_embeddings')
+        if getattr(args, name, None) is None
+    ]
+    if missing:
+        raise ValueError(
+            f'--use-checkpoint-args: no checkpoint in --load {args.load} (no '
+            f'latest_checkpointed_iteration.txt there) to take {", ".join(missing)} from; check '
+            f'the --load path, or give those flags'
+        )
 
 
 def setup_logging() -> None:
@@ -136,12 +162,14 @@ def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ran
             mpu.get_pipeline_model_parallel_world_size(),
             mpu.get_virtual_pipeline_model_parallel_world_size(),
             mpu.get_context_parallel_world_size(),
+            _hierarchical_cp_sizes(),
         )
         want = (
             args.tensor_model_parallel_size,
             args.pipeline_model_parallel_size,
             args.virtual_pipeline_model_parallel_size,
             args.context_parallel_size,
+            args.hierarchical_context_parallel_sizes,
         )
         if have != want:
             # Groups from an earlier run in this process: rebuild them for this run's sizes.
@@ -162,6 +190,7 @@ def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ran
             order='tp-cp-ep-dp-pp' if not args.use_tp_pp_dp_mapping else 'tp-pp-dp',
             get_embedding_ranks=get_embedding_ranks,
             get_position_embedding_ranks=get_position_embedding_ranks,
+            hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         )
         if args.rank == 0:
             print(

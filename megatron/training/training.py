@@ -40,6 +40,9 @@ from megatron.training.initialize import (
     set_jit_fusion_options,
     write_args_to_tensorboard,
 )
+from megatron.training.profiling import IterationProfiler
+from megatron.training.progress_log import compute_throughputs_and_append_to_progress_log
+from megatron.training.scalar_writers import finish_wandb
 from megatron.training.time_limit import _exit_flag, get_train_start_time, set_train_start_time
 from megatron.training.training_log import training_log
 from megatron.training.utils import (
@@ -197,6 +200,8 @@ def _pretrain(
     )
     torch.distributed.all_reduce(start_time_tensor, op=torch.distributed.ReduceOp.MIN)
     set_train_start_time(start_time_tensor.item())
+    if args.log_progress:
+        append_to_progress_log('Starting job')
     print_rank_0(
         'time to initialize megatron (seconds): {:.3f}'.format(time.time() - get_train_start_time())
     )
@@ -277,46 +282,56 @@ def _pretrain(
         iteration = args.iteration
     result['iteration'] = iteration
 
-    if args.do_valid:
-        prefix = (
-            f'iteration {iteration} on {args.eval_iters * args.global_batch_size}'
-            '-sample draw from validation set'
-        )
-        result['valid_losses'] = evaluate_and_print_results(
-            prefix,
-            forward_step_func,
-            valid_data_iterator,
-            model,
-            iteration,
-            process_non_loss_data_func,
-            config,
-            verbose=True,
-            write_to_tensorboard=not args.skip_train,
-        )
-    if args.do_test:
-        prefix = (
-            f'iteration {iteration} on {args.eval_iters * args.global_batch_size}'
-            '-sample draw from test set'
-        )
-        result['test_losses'] = evaluate_and_print_results(
-            prefix,
-            forward_step_func,
-            test_data_iterator,
-            model,
-            iteration,
-            process_non_loss_data_func,
-            config,
-            verbose=True,
-            write_to_tensorboard=not args.skip_train,
-        )
-
+    result['valid_losses'], result['test_losses'] = _final_evaluation(
+        forward_step_func,
+        (valid_data_iterator, test_data_iterator),
+        model,
+        iteration,
+        process_non_loss_data_func,
+        config,
+    )
     writer = get_tensorboard_writer()
     if writer:
         writer.flush()
     if args.tensorboard_dir:
         print_rank_last(f'TensorBoard logs written to {args.tensorboard_dir}')
+    finish_wandb()
     stop_watchdog()
     return result
+
+
+def _final_evaluation(
+    forward_step_func, iterators, model, iteration, process_non_loss_data_func, config
+):
+    """Validation and test after training (--eval-iters batches each); returns their losses
+    ({key: float} on the last rank, None when the split is not evaluated)."""
+    args = get_args()
+    losses = []
+    for name, enabled, iterator in (
+        ('validation', args.do_valid, iterators[0]),
+        ('test', args.do_test, iterators[1]),
+    ):
+        if not enabled:
+            losses.append(None)
+            continue
+        prefix = (
+            f'iteration {iteration} on {args.eval_iters * args.global_batch_size}'
+            f'-sample draw from {name} set'
+        )
+        losses.append(
+            evaluate_and_print_results(
+                prefix,
+                forward_step_func,
+                iterator,
+                model,
+                iteration,
+                process_non_loss_data_func,
+                config,
+                verbose=True,
+                write_to_tensorboard=not args.skip_train,
+            )
+        )
+    return tuple(losses)
 
 
 def update_train_iters(args):
@@ -614,21 +629,31 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     empty_unused_memory(args, level=2)
 
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
-        loss_reduced = {}
-        for key in losses_reduced[0].keys():
-            numerator = 0
-            denominator = 0
-            for x in losses_reduced:
-                val = x[key]
-                if isinstance(val, (tuple, list)):
-                    numerator += val[0]
-                    denominator += val[1]
-                else:
-                    numerator += val
-                    denominator += 1
-            loss_reduced[key] = numerator / denominator
+        loss_reduced = reduce_losses_over_microbatches(losses_reduced)
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def reduce_losses_over_microbatches(losses_reduced):
+    """The iteration's value of each key of the loss functions' dicts (Megatron's rule).
+
+    A (numerator, denominator) pair (the 3-tuple loss functions' token sums) is summed over the
+    micro-batches, then divided; a tensor is averaged over the micro-batches.
+    """
+    loss_reduced = {}
+    for key in losses_reduced[0].keys():
+        numerator = 0
+        denominator = 0
+        for x in losses_reduced:
+            val = x[key]
+            if isinstance(val, (tuple, list)):
+                numerator += val[0]
+                denominator += val[1]
+            else:
+                numerator += val
+                denominator += 1
+        loss_reduced[key] = numerator / denominator
+    return loss_reduced
 
 
 # Iteration of the last checkpoint this process saved (None: none yet).
@@ -653,7 +678,9 @@ def save_checkpoint_and_time(
     timers('save-checkpoint').stop(barrier=True)
     timers.log(['save-checkpoint'])
     if args.log_progress:
-        append_to_progress_log(f'Saved checkpoint\tIteration: {iteration}', barrier=False)
+        compute_throughputs_and_append_to_progress_log(
+            iteration, num_floating_point_operations_so_far
+        )
 
 
 def _check_overflow_is_not_a_real_nan(args, iteration, skipped_iter, scale_before_step):
@@ -669,37 +696,12 @@ def _check_overflow_is_not_a_real_nan(args, iteration, skipped_iter, scale_befor
         )
 
 
-def train(
-    forward_step_func,
-    model,
-    optimizer,
-    opt_param_scheduler,
-    train_data_iterator,
-    valid_data_iterator,
-    process_non_loss_data_func,
-    config,
-    train_losses=None,
-):
-    """The training loop. Returns (iteration, num_floating_point_operations_so_far).
-
-    Args:
-        train_losses: optional dict filled with {iteration: {key: loss}} (last pipeline stage).
-    """
+def _install_schedule_hooks(config, model, optimizer, args):
+    """The hooks the schedules call: loss scaling, timers, grad/param sync, grad finalization."""
     from megatron.core.distributed import finalize_model_grads
 
-    args = get_args()
-    timers = get_timers()
-
-    for model_module in model:
-        model_module.train()
-
-    total_loss_dict = {}
-    iteration = args.iteration
-    num_floating_point_operations_so_far = args.num_floating_point_operations_so_far
-
-    # Hooks the schedules use.
     config.grad_scale_func = optimizer.scale_loss
-    config.timers = timers
+    config.timers = get_timers()
     if args.overlap_grad_reduce and hasattr(model[0], 'no_sync'):
         # Grad all-reduces are launched by DDP's hooks during the last micro-batch's backward;
         # the schedules disable them for the other micro-batches.
@@ -723,145 +725,199 @@ def train(
             config.param_sync_func = config.param_sync_func[0]
     config.finalize_model_grads_func = finalize_model_grads
 
+
+def _current_learning_rate(optimizer):
+    """The learning rate of the last param group that is not a decoupled one."""
+    learning_rate = None
+    for param_group in optimizer.param_groups:
+        if not param_group.get('is_decoupled_lr', False):
+            learning_rate = param_group['lr']
+    return learning_rate
+
+
+def _save_and_check_exit(iteration, model, optimizer, opt_param_scheduler, flops_so_far):
+    """Save on --save-interval, on a received signal, on --exit-duration-in-mins and on
+    --exit-interval (once per iteration); returns True when training must stop now."""
+    args = get_args()
+
+    def save():
+        save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
+
+    if args.exit_signal_handler and any(get_signal_handler().signals_received()):
+        save()
+        print_datetime('exiting program after receiving SIGTERM.')
+        return True
+    saved_checkpoint = False
+    if args.save and args.save_interval and iteration % args.save_interval == 0:
+        save()
+        saved_checkpoint = True
+    if args.exit_duration_in_mins:
+        train_time = (time.time() - get_train_start_time()) / 60.0
+        if _exit_flag(train_time > args.exit_duration_in_mins):
+            if args.save and not saved_checkpoint:
+                save()
+            print_datetime('exiting program after {} minutes'.format(train_time))
+            return True
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        if args.save and not saved_checkpoint:
+            save()
+        torch.distributed.barrier()
+        print_datetime('exiting program at iteration {}'.format(iteration))
+        return True
+    return False
+
+
+def _evaluate_during_training(
+    iteration, forward_step_func, valid_data_iterator, model, process_non_loss_data_func, config
+):
+    """Validation every --eval-interval iterations (with --manual-gc-eval collections)."""
+    args = get_args()
+    if not (args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid):
+        return
+    if args.manual_gc and args.manual_gc_eval:
+        gc.collect()  # everything, before evaluation
+    evaluate_and_print_results(
+        'iteration {}'.format(iteration),
+        forward_step_func,
+        valid_data_iterator,
+        model,
+        iteration,
+        process_non_loss_data_func,
+        config,
+        False,
+    )
+    if args.manual_gc and args.manual_gc_eval:
+        gc.collect(generation=0)  # only the objects evaluation created
+
+
+class _LoopState:
+    """What the training loop carries from one iteration to the next."""
+
+    def __init__(self, args):
+        self.iteration = args.iteration
+        self.flops_so_far = args.num_floating_point_operations_so_far
+        self.flops_since_report = 0.0  # straggler report
+        self.total_loss_dict = {}
+        self.report_memory_flag = True
+
+
+def _run_iteration(
+    state, forward_step_func, model, optimizer, opt_param_scheduler, iterator, config
+):
+    """One training iteration and its bookkeeping: step, samples and FLOPs, weight-hash check,
+    the log line. Returns the iteration's loss dict."""
+    args = get_args()
+    update_num_microbatches(args.consumed_train_samples, consistency_check=True)
+    args.curr_iteration = state.iteration
+    # The iteration's deadline covers the step and what follows it (logging, saving).
+    progress('training iteration', state.iteration + 1)
+    scale_before_step = optimizer.get_loss_scale().item()
+    loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
+        forward_step_func, iterator, model, optimizer, opt_param_scheduler, config
+    )
+    _check_overflow_is_not_a_real_nan(args, state.iteration + 1, skipped_iter, scale_before_step)
+    state.iteration += 1
+    batch_size = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
+    args.consumed_train_samples += batch_size
+    num_fp_ops = num_floating_point_operations(args, batch_size)
+    state.flops_so_far += num_fp_ops
+    state.flops_since_report += num_fp_ops
+    check_weight_hashes(args, state.iteration, model)
+
+    params_norm = calc_params_l2_norm(model) if args.log_params_norm else None
+    state.report_memory_flag = training_log(
+        loss_dict,
+        state.total_loss_dict,
+        _current_learning_rate(optimizer),
+        state.iteration,
+        optimizer.get_loss_scale().item(),
+        state.report_memory_flag,
+        skipped_iter,
+        grad_norm,
+        params_norm,
+        num_zeros_in_grad,
+    )
+    if args.log_straggler and state.iteration % args.log_interval == 0:
+        stimer.report(state.flops_since_report, args.log_interval)
+        state.flops_since_report = 0.0
+    return loss_dict
+
+
+def train(
+    forward_step_func,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    train_data_iterator,
+    valid_data_iterator,
+    process_non_loss_data_func,
+    config,
+    train_losses=None,
+):
+    """The training loop. Returns (iteration, num_floating_point_operations_so_far).
+
+    Each iteration: `_run_iteration` (step and log line), validation every --eval-interval,
+    then `_save_and_check_exit` (checkpoints and the exit conditions); --profile brackets the
+    iterations of its window.
+
+    Args:
+        train_losses: optional dict filled with {iteration: {key: loss}} (last pipeline stage).
+    """
+    args = get_args()
+    timers = get_timers()
+    for model_module in model:
+        model_module.train()
+    state = _LoopState(args)
+    _install_schedule_hooks(config, model, optimizer, args)
     if args.log_straggler:
         configure_straggler_detector(args)
-    total_flops = 0.0
+    profiler = IterationProfiler(args, torch.distributed.get_rank())
 
     timers('interval-time', log_level=0).start(barrier=True)
     print_datetime('before the start of training step')
-    report_memory_flag = True
     exit = False
-
     if args.manual_gc:
         gc.disable()
         gc.collect()
-
-    while iteration < args.train_iters:
-        update_num_microbatches(args.consumed_train_samples, consistency_check=True)
-        args.curr_iteration = iteration
-        # The iteration's deadline covers the step and what follows it (logging, saving).
-        progress('training iteration', iteration + 1)
-        scale_before_step = optimizer.get_loss_scale().item()
-        loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config
-        )
-        _check_overflow_is_not_a_real_nan(args, iteration + 1, skipped_iter, scale_before_step)
-        iteration += 1
-        batch_size = (
-            mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
-        )
-        args.consumed_train_samples += batch_size
-        num_fp_ops = num_floating_point_operations(args, batch_size)
-        num_floating_point_operations_so_far += num_fp_ops
-        total_flops += num_fp_ops
-        if train_losses is not None and loss_dict:
-            train_losses[iteration] = {k: float(v) for k, v in loss_dict.items()}
-        check_weight_hashes(args, iteration, model)
-
-        loss_scale = optimizer.get_loss_scale().item()
-        params_norm = None
-        if args.log_params_norm:
-            params_norm = calc_params_l2_norm(model)
-        learning_rate = None
-        for param_group in optimizer.param_groups:
-            if not param_group.get('is_decoupled_lr', False):
-                learning_rate = param_group['lr']
-        report_memory_flag = training_log(
-            loss_dict,
-            total_loss_dict,
-            learning_rate,
-            iteration,
-            loss_scale,
-            report_memory_flag,
-            skipped_iter,
-            grad_norm,
-            params_norm,
-            num_zeros_in_grad,
-        )
-        if args.log_straggler and iteration % args.log_interval == 0:
-            stimer.report(total_flops, args.log_interval)
-            total_flops = 0.0
-
-        if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
-            if args.manual_gc and args.manual_gc_eval:
-                gc.collect()  # everything, before evaluation
-            prefix = 'iteration {}'.format(iteration)
-            evaluate_and_print_results(
-                prefix,
+    try:
+        while state.iteration < args.train_iters:
+            profiler.begin_iteration(state.iteration)
+            loss_dict = _run_iteration(
+                state,
                 forward_step_func,
-                valid_data_iterator,
-                model,
-                iteration,
-                process_non_loss_data_func,
-                config,
-                False,
-            )
-            if args.manual_gc and args.manual_gc_eval:
-                gc.collect(generation=0)  # only the objects evaluation created
-
-        # Checkpointing and exiting.
-        saved_checkpoint = False
-        if args.exit_signal_handler:
-            signal_handler = get_signal_handler()
-            if any(signal_handler.signals_received()):
-                save_checkpoint_and_time(
-                    iteration,
-                    model,
-                    optimizer,
-                    opt_param_scheduler,
-                    num_floating_point_operations_so_far,
-                )
-                print_datetime('exiting program after receiving SIGTERM.')
-                exit = True
-                break
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save_checkpoint_and_time(
-                iteration,
                 model,
                 optimizer,
                 opt_param_scheduler,
-                num_floating_point_operations_so_far,
+                train_data_iterator,
+                config,
             )
-            saved_checkpoint = True
-        if args.exit_duration_in_mins:
-            train_time = (time.time() - get_train_start_time()) / 60.0
-            if _exit_flag(train_time > args.exit_duration_in_mins):
-                if args.save and not saved_checkpoint:
-                    save_checkpoint_and_time(
-                        iteration,
-                        model,
-                        optimizer,
-                        opt_param_scheduler,
-                        num_floating_point_operations_so_far,
-                    )
-                print_datetime('exiting program after {} minutes'.format(train_time))
-                exit = True
+            profiler.end_iteration(state.iteration - 1)
+            if train_losses is not None and loss_dict:
+                train_losses[state.iteration] = {k: float(v) for k, v in loss_dict.items()}
+            _evaluate_during_training(
+                state.iteration,
+                forward_step_func,
+                valid_data_iterator,
+                model,
+                process_non_loss_data_func,
+                config,
+            )
+            exit = _save_and_check_exit(
+                state.iteration, model, optimizer, opt_param_scheduler, state.flops_so_far
+            )
+            if exit:
                 break
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            if args.save and not saved_checkpoint:
-                save_checkpoint_and_time(
-                    iteration,
-                    model,
-                    optimizer,
-                    opt_param_scheduler,
-                    num_floating_point_operations_so_far,
-                )
-            torch.distributed.barrier()
-            print_datetime('exiting program at iteration {}'.format(iteration))
-            exit = True
-            break
-        if (
-            args.manual_gc
-            and args.manual_gc_interval != 0
-            and iteration % args.manual_gc_interval == 0
-        ):
-            gc.collect()
+            if args.manual_gc and args.manual_gc_interval != 0:
+                if state.iteration % args.manual_gc_interval == 0:
+                    gc.collect()
+    finally:
+        profiler.close()
 
-    progress('after training', iteration, deadline=False)
+    progress('after training', state.iteration, deadline=False)
     timers('interval-time').stop()
     if args.manual_gc:
         gc.enable()
     if exit:
         args.do_valid = False
         args.do_test = False
-    return iteration, num_floating_point_operations_so_far
+    return state.iteration, state.flops_so_far

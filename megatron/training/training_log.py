@@ -3,7 +3,7 @@
 `training_log` is called by the training loop (`megatron.training.training.train`) after every
 iteration; it accumulates the losses and, every --log-interval iterations, prints the line built by
 `format_log_line` (Megatron core_v0.8.0 format) and the timers. Every --tensorboard-log-interval
-iterations it writes the TensorBoard scalars.
+iterations it writes the scalars to TensorBoard and W&B (`scalar_writers.py`).
 """
 
 import math
@@ -13,10 +13,17 @@ import torch
 
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import uses_cuda
-from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers
+from megatron.training.global_vars import get_args, get_timers
+from megatron.training.scalar_writers import get_scalar_writer
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
 from megatron.training.training_log_moe import log_moe_metrics
-from megatron.training.utils import num_floating_point_operations, print_rank_last, report_memory
+from megatron.training.utils import (
+    _max_rss_bytes,
+    _rss_bytes,
+    num_floating_point_operations,
+    print_rank_last,
+    report_memory,
+)
 
 _TIMERS_TO_LOG = [
     'forward-backward',
@@ -118,7 +125,7 @@ def training_log(
     """Accumulate losses and, every --log-interval iterations, print the log line and TB scalars."""
     args = get_args()
     timers = get_timers()
-    writer = get_tensorboard_writer()
+    writer = get_scalar_writer()  # TensorBoard and/or W&B, last rank only
 
     advanced_iters_key = 'advanced iterations'
     skipped_iters_key = 'skipped iterations'
@@ -184,6 +191,10 @@ def training_log(
                 'mem-allocated-bytes', mem_stats['allocated_bytes.all.current'], iteration
             )
             writer.add_scalar('mem-allocated-count', mem_stats['allocation.all.current'], iteration)
+        elif args.log_memory_to_tensorboard:
+            # CPU run: no caching allocator; the process's resident set is what grows.
+            writer.add_scalar('mem-rss-bytes', _rss_bytes(), iteration)
+            writer.add_scalar('mem-max-rss-bytes', _max_rss_bytes(), iteration)
     log_moe_metrics(args, iteration, writer, total_loss_dict)
     if args.log_timers_to_tensorboard and (iteration % args.tensorboard_log_interval == 0):
         # reset=False: the log line below still reports these timers (Megatron resets here, so

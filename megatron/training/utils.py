@@ -13,6 +13,9 @@ from datetime import datetime
 import torch
 
 from megatron.core import parallel_state as mpu
+from megatron.core.transformer.context_parallel.layout import (
+    get_batch_on_this_cp_rank as core_get_batch_on_this_cp_rank,
+)
 from megatron.core.utils import (  # noqa: F401
     StragglerDetector,
     check_param_hashes_across_dp_replicas,
@@ -290,8 +293,17 @@ def get_batch_on_this_tp_rank(data_iterator):
 
 
 def get_batch_on_this_cp_rank(batch):
-    """Context parallelism is not implemented here (validate_args requires size 1): identity."""
-    return batch
+    """Slice a micro-batch to this context parallel rank's part of the sequence.
+
+    The sequence is viewed as 2 x cp chunks; CP rank r keeps chunks r and 2cp-1-r (in that
+    order), which balances causal attention work over the ranks. tokens, labels, loss_mask and
+    position_ids [b, s] are sliced along dim 1, attention_mask [b, 1, s, s] along its query rows
+    (dim 2). CP ranks read the same samples; no data moves between them. Size 1: unchanged.
+    """
+    cp_size = mpu.get_context_parallel_world_size()
+    if cp_size <= 1:
+        return batch
+    return core_get_batch_on_this_cp_rank(batch, cp_size, mpu.get_context_parallel_rank())
 
 
 def num_floating_point_operations(args, batch_size):

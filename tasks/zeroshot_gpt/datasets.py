@@ -94,8 +94,17 @@ class LambadaDataset(torch.utils.data.Dataset):
         self.labels = []
         with open(path, 'r', encoding='utf-8') as f:
             for row, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
                 text = _lambada_text(path, row, line)
                 tokens, labels = self.get_tokens(text)
+                if not tokens:
+                    # The first token is never predicted: with no context the target would
+                    # count as correct whatever the model says.
+                    raise ValueError(
+                        f'{path}: row {row}: passage {text!r} has no context before its target; '
+                        f'a LAMBADA passage needs at least one word before the last'
+                    )
                 if len(tokens) + len(labels) > seq_len + 1:
                     raise ValueError(
                         f'{path}: row {row}: passage has {len(tokens) + len(labels)} tokens, more '
@@ -103,6 +112,8 @@ class LambadaDataset(torch.utils.data.Dataset):
                     )
                 self.tokens.append(tokens)
                 self.labels.append(labels)
+        if not self.tokens:
+            raise ValueError(f'{path}: no passages (an empty LAMBADA file)')
 
     def get_tokens(self, text):
         """(context ids, target ids): the last BPE token, or with strict the whole last word."""
@@ -171,6 +182,12 @@ def _build_wikitext103_dataset(args, tokenizer):
     entire_data = detokenizer(entire_data)
     tokenized_data = tokenizer.tokenize(entire_data)
     num_tokenized_tokens = len(tokenized_data)
+    if num_tokenized_tokens < 2 or num_original_tokens < 2:
+        # Perplexity averages over the tokens after the first (and rescales by the words).
+        raise ValueError(
+            f'--valid-data {path}: {num_original_tokens} word(s), {num_tokenized_tokens} '
+            f'token(s); a perplexity needs at least 2 of each'
+        )
     val_dataset = LMDataset(
         tokenized_data,
         args.seq_length,

@@ -122,7 +122,7 @@ def prepare_data(work_dir):
     )
 
 
-def set_reference_weights(model_chunk, num_layers, layer_offset):
+def set_reference_weights(model_chunk, num_layers, layer_offset, qkv_std=0.02):
     """Overwrite every parameter with values that depend only on its *global* name.
 
     Each full (unsharded) tensor is drawn from a generator seeded by crc32 of the global name and
@@ -130,7 +130,9 @@ def set_reference_weights(model_chunk, num_layers, layer_offset):
     Layer indices are made global with `layer_offset`, MoE expert indices with the expert-parallel
     rank, and a last-stage `output_layer.weight` of a tied model gets the word embedding's
     values, so every TP/PP/EP layout starts from the same model. Grouped experts get the values of
-    the equivalent sequential experts.
+    the equivalent sequential experts. Values are N(0, 0.02) (norm weights 1 + 5 x that), the
+    fused QKV weights N(0, qkv_std): a larger qkv_std makes the attention sharp enough for
+    positions to matter.
     """
     from megatron.core import parallel_state as mpu
 
@@ -157,15 +159,16 @@ def set_reference_weights(model_chunk, num_layers, layer_offset):
             partitioned = getattr(param, 'tensor_model_parallel', False)
             if partitioned:
                 full_shape[param.partition_dim] *= tp
-            full = _reference_tensor(global_name, full_shape)
+            full = _reference_tensor(global_name, full_shape, qkv_std)
             if partitioned:
                 full = _tp_slice(full, param.partition_dim, tp, tp_rank, gated, global_name)
             param.copy_(full.to(param.dtype))
 
 
-def _reference_tensor(global_name, full_shape):
+def _reference_tensor(global_name, full_shape, qkv_std=0.02):
     gen = torch.Generator().manual_seed(zlib.crc32(global_name.encode()))
-    full = torch.randn(full_shape, generator=gen) * 0.02
+    std = qkv_std if 'linear_qkv.weight' in global_name else 0.02
+    full = torch.randn(full_shape, generator=gen) * std
     if 'norm' in global_name and global_name.endswith('weight'):
         full = 1.0 + 5.0 * full
     return full
@@ -227,11 +230,13 @@ def _reference_model_provider(pre_process=True, post_process=True):
         # Interleaved: chunk v of stage p holds layers [v * L/vp + p * L/vp/pp, ...).
         vp_rank = mpu.get_virtual_pipeline_model_parallel_rank()
         offset = vp_rank * (args.num_layers // vp) + pp_rank * (args.num_layers // vp // pp)
-    set_reference_weights(model, args.num_layers, offset)
+    set_reference_weights(model, args.num_layers, offset, qkv_std=_REFERENCE['qkv_std'])
     return model
 
 
 _INJECT_AT = {'iteration': None}
+#: The std of the QKV weights of `set_reference_weights` in this worker's run.
+_REFERENCE = {'qkv_std': 0.02}
 
 
 def _forward_step_with_overflow(data_iterator, model):
@@ -263,7 +268,8 @@ def run_pretrain(
 
     Args:
         extra_args: flags added to `base_args`.
-        reference_weights: start from `set_reference_weights` instead of Megatron's init.
+        reference_weights: start from `set_reference_weights` instead of Megatron's init; a
+            float is the std of the QKV weights there (default 0.02).
         inject_overflow_at: iteration whose backward loss is made inf (fp16 skip test, GPT only).
         capture_stdout: return what this rank printed as result['stdout'].
         script: the pretrain_*.py module (its providers and forward_step are used).
@@ -288,6 +294,7 @@ def run_pretrain(
         args_defaults = {'tokenizer_type': 'GPT2BPETokenizer'}
     destroy_global_vars()
     _INJECT_AT['iteration'] = inject_overflow_at
+    _REFERENCE['qkv_std'] = 0.02 if isinstance(reference_weights, bool) else reference_weights
     forward_step = _forward_step_with_overflow if inject_overflow_at else module.forward_step
     buffer = io.StringIO()
     redirect = contextlib.redirect_stdout(buffer) if capture_stdout else contextlib.nullcontext()

@@ -80,11 +80,13 @@ def test_hf_import_export(tmp_path, arch):
     os.makedirs(tok_dir)
     for name in ('vocab.json', 'merges.txt'):
         src = os.path.join(cu.REPO, 'data', 'gpt2', 'gpt2-' + name.replace('.', '-', 0))
-        with (
-            open(src if os.path.exists(src) else os.devnull) as f,
-            open(os.path.join(tok_dir, name), 'w') as g,
-        ):
-            g.write(f.read())
+        # The tokenizer files beside the export's source and in the model directory itself.
+        for directory in (tok_dir, hf_dir):
+            with (
+                open(src if os.path.exists(src) else os.devnull) as f,
+                open(os.path.join(directory, name), 'w') as g,
+            ):
+                g.write(f.read())
 
     ours = {layout: str(tmp_path / f'ours_{layout}') for layout in ('tp2pp2', 'tp1')}
     cu.convert(
@@ -142,6 +144,12 @@ def test_hf_import_export(tmp_path, arch):
     state = cu.read_rank_file(ours['tp1'], 0, 0, pp=1)
     assert state['iteration'] == 1
     args = state['args']
+    # The model directory's own tokenizer files are recorded (GPT-2 BPE: vocab.json + merges.txt).
+    assert (args.tokenizer_type, args.vocab_file, args.merge_file) == (
+        'GPT2BPETokenizer',
+        os.path.join(os.path.abspath(hf_dir), 'vocab.json'),
+        os.path.join(os.path.abspath(hf_dir), 'merges.txt'),
+    )
     if arch == 'llama':
         assert (args.rotary_base, args.num_query_groups, args.norm_epsilon) == (5000, 2, 1e-6)
     else:
@@ -158,7 +166,19 @@ def test_loader_llama_mistral_matches_loader_hf(tmp_path):
     hf_dir = str(tmp_path / 'hf')
     _hf_model('llama').save_pretrained(hf_dir, safe_serialization=True)
     via_hf, via_llama = str(tmp_path / 'via_hf'), str(tmp_path / 'via_llama')
-    cu.convert('--loader', 'hf', '--saver', 'mcore', '--load-dir', hf_dir, '--save-dir', via_hf)
+    # The directory has no tokenizer files: the loader is told which tokenizer to record.
+    cu.convert(
+        '--loader',
+        'hf',
+        '--saver',
+        'mcore',
+        '--load-dir',
+        hf_dir,
+        '--save-dir',
+        via_hf,
+        '--hf-tokenizer-type',
+        'GPT2BPETokenizer',
+    )
     common = ['--loader', 'llama_mistral', '--saver', 'mcore', '--load-dir', hf_dir]
     common += ['--model-size', 'llama2-7B', '--tokenizer-model', '/models/tokenizer.model']
     meta = cu.convert(*common, '--checkpoint-type', 'meta', '--save-dir', via_llama, check=False)

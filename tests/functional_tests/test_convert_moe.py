@@ -98,7 +98,7 @@ def mixtral(tmp_path_factory):
     cu.convert(
         *('--loader', 'hf', '--saver', 'mcore', '--load-dir', dirs['hf']),
         *('--save-dir', dirs['tp2ep2'], '--target-tensor-parallel-size', '2'),
-        *('--target-expert-parallel-size', '2'),
+        *('--target-expert-parallel-size', '2', '--hf-tokenizer-type', 'GPT2BPETokenizer'),
     )
     cu.convert(
         *('--loader', 'mcore', '--saver', 'mcore', '--load-dir', dirs['tp2ep2']),
@@ -147,7 +147,7 @@ def test_qwen2_moe_round_trip_and_logits(tmp_path):
     hf.save_pretrained(hf_dir)
     cu.convert(
         *('--loader', 'hf', '--saver', 'mcore', '--load-dir', hf_dir, '--save-dir', ours),
-        *('--target-expert-parallel-size', '2'),
+        *('--target-expert-parallel-size', '2', '--hf-tokenizer-type', 'GPT2BPETokenizer'),
     )
     cu.convert('--loader', 'mcore', '--saver', 'hf', '--load-dir', ours, '--save-dir', export)
     _assert_identical_files(hf_dir, export)

@@ -42,6 +42,40 @@ def test_argument_error_is_one_line_once_under_torchrun(tmp_path):
     assert 'pretrain_gpt.py", line' not in text and '[rank' not in text, text
 
 
+def test_refusal_is_printed_even_when_rank_0_is_late(tmp_path):
+    """Every rank refuses the arguments, but rank 0 is held back (SIGSTOP, as a slow or loaded
+    rank 0 is): another rank prints the line, once, before the launcher stops the job (rank 0
+    alone printed it, and torchrun killed it first when rank 1 exited before it)."""
+    run = Launcher(
+        _standalone(2, free_port()),
+        ['--global-batch-size', '4', '--train-iters', '2', '--tensor-model-parallel-size', '3'],
+        str(tmp_path / 'log'),
+    )
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                rank0 = run.worker_pid(0)
+                break
+            except AssertionError:
+                assert time.time() < deadline, run.output()
+                time.sleep(0.02)
+        os.kill(rank0, signal.SIGSTOP)
+        # Rank 1 refuses and exits; torchrun then stops the job (rank 0 cannot react while
+        # stopped: it gets the launcher's SIGTERM once continued).
+        run.wait_for(r'closing signal SIGTERM|Sending process \d+ closing signal', 120)
+        os.kill(rank0, signal.SIGCONT)
+        assert run.wait(120) == 1
+    finally:
+        run.kill()
+    text = run.output()
+    expected = (
+        'error: world size (2) is not divisible by --tensor-model-parallel-size (3) x '
+        '--pipeline-model-parallel-size (1) x --context-parallel-size (1) = 3'
+    )
+    assert [line for line in text.splitlines() if 'error:' in line] == [expected], text
+
+
 def test_frozen_rank_is_reported_by_the_watchdog(tmp_path):
     run = Launcher(
         _standalone(2, free_port()),

@@ -104,6 +104,7 @@ def main(argv=None) -> int:
 
     # Every check that can fail on the flags or the source runs here, before any process starts.
     try:
+        utils.check_save_dir(args.save_dir)
         source = loader.check_arguments(args) if hasattr(loader, 'check_arguments') else None
         if hasattr(saver, 'check_arguments'):
             saver.check_arguments(args, source)
@@ -118,13 +119,18 @@ def main(argv=None) -> int:
     utils.set_saver_process(saver_proc)
 
     print('Starting loader...')
+    loader_failed = False
     try:
         loader.load_checkpoint(queue, args)
     except (utils.SaverExited, ValueError) as exc:
+        # One line for the user; the saver was told to exit ("exit" on the queue).
         print(f'error: {exc}', file=sys.stderr)
+        loader_failed = True
     finally:
         print('Waiting for saver to complete...')
         saver_proc.join()
+    if loader_failed:
+        return 1
     if saver_proc.exitcode != 0:
         print(f'error: the saver exited with code {saver_proc.exitcode}', file=sys.stderr)
         return 1

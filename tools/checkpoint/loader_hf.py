@@ -41,8 +41,60 @@ def add_arguments(parser):
     )
 
 
+#: Files that make a directory loadable by transformers' AutoTokenizer.
+HF_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'tokenizer.model')
+GPT2_BPE_FILES = ('vocab.json', 'merges.txt')
+
+
+def _present(hf_dir, names):
+    return [n for n in names if os.path.isfile(os.path.join(hf_dir, n))]
+
+
 def default_tokenizer_type(family):
     return 'GPT2BPETokenizer' if family == 'gpt2' else 'HuggingFaceTokenizer'
+
+
+def tokenizer_args(hf_dir, family, requested=None):
+    """(tokenizer type, {tokenizer file args}) that the checkpoint records, from the tokenizer
+    files the Hugging Face directory holds, so that a checkpoint started with
+    --use-checkpoint-args finds a tokenizer that exists.
+
+    - --hf-tokenizer-type given: that type, with the directory's files when it has them;
+    - else tokenizer.json / tokenizer_config.json / tokenizer.model: HuggingFaceTokenizer;
+    - else vocab.json + merges.txt: GPT2BPETokenizer with those files;
+    - else a GPT-2: GPT2BPETokenizer (give --vocab-file / --merge-file at run time);
+    - else refused, naming the flag to pass.
+    """
+    hf_files = _present(hf_dir, HF_TOKENIZER_FILES)
+    has_bpe = len(_present(hf_dir, GPT2_BPE_FILES)) == 2
+    bpe = {
+        'vocab_file': os.path.join(os.path.abspath(hf_dir), 'vocab.json'),
+        'merge_file': os.path.join(os.path.abspath(hf_dir), 'merges.txt'),
+    }
+    kind = requested
+    if kind is None:
+        if hf_files:
+            kind = 'HuggingFaceTokenizer'
+        elif has_bpe or family == 'gpt2':
+            kind = 'GPT2BPETokenizer'
+        else:
+            raise ValueError(
+                f'--load-dir {hf_dir} holds no tokenizer files ({", ".join(HF_TOKENIZER_FILES)}, '
+                f'or vocab.json + merges.txt): copy the model\'s tokenizer files there, or pass '
+                f'--hf-tokenizer-type (e.g. --hf-tokenizer-type GPT2BPETokenizer, then give '
+                f'--vocab-file and --merge-file when you start from the checkpoint)'
+            )
+    if kind == 'HuggingFaceTokenizer':
+        if not hf_files:
+            raise ValueError(
+                f'--hf-tokenizer-type HuggingFaceTokenizer: --load-dir {hf_dir} holds none of '
+                f'{", ".join(HF_TOKENIZER_FILES)}; copy them there or pass another '
+                f'--hf-tokenizer-type'
+            )
+        return kind, {'tokenizer_model': os.path.abspath(hf_dir)}
+    if kind == 'GPT2BPETokenizer' and has_bpe:
+        return kind, bpe
+    return kind, {}
 
 
 def metadata(args, config, margs, dtype):
@@ -87,6 +139,8 @@ def _config_dtype(config):
 
 
 def build_metadata(args, tokenizer_type=None):
+    """(config, metadata); every check of the source (files, shapes against config.json, the
+    tokenizer to record) runs here, reading only the safetensors headers."""
     if args.model_type != 'GPT':
         raise ValueError(f'--model-type {args.model_type}: Hugging Face imports are GPT models')
     config = hfc.read_hf_config(args.load_dir)
@@ -95,12 +149,11 @@ def build_metadata(args, tokenizer_type=None):
     hfc.check_hf_files(args.load_dir)
     if moe:
         hfc_moe.check_moe_hf_tensors(args.load_dir, config)
-    tokenizer_type = tokenizer_type or args.hf_tokenizer_type or default_tokenizer_type(family)
-    tokenizer_model = args.load_dir if tokenizer_type == 'HuggingFaceTokenizer' else None
+    else:
+        hfc.check_hf_shapes(args.load_dir, config)
+    kind, files = tokenizer_args(args.load_dir, family, tokenizer_type or args.hf_tokenizer_type)
     to_args = hfc_moe.megatron_args_from_hf_moe if moe else hfc.megatron_args_from_hf
-    margs = to_args(
-        config, tokenizer_type, seq_length=args.seq_length, tokenizer_model=tokenizer_model
-    )
+    margs = to_args(config, kind, seq_length=args.seq_length, **files)
     margs.params_dtype = _config_dtype(config)
     return config, metadata(args, config, margs, margs.params_dtype)
 

@@ -108,6 +108,7 @@ def _build(args):
             f'{config.get("model_type")!r} model, not Llama or Mistral'
         )
     hfc.check_hf_files(args.load_dir)
+    hfc.check_hf_shapes(args.load_dir, config)
     margs = hfc.megatron_args_from_hf(
         config,
         _tokenizer_type(args.model_size),

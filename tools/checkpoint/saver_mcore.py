@@ -16,6 +16,7 @@ utils.add_megatron_path()
 
 from megatron.training import checkpoint_conversion as cc  # noqa: E402
 from megatron.training import checkpoint_conversion_moe as cc_moe  # noqa: E402
+from megatron.training.checkpoint_layout import remove_stale_staging  # noqa: E402
 from megatron.training.checkpointing import checkpoint_exists  # noqa: E402
 
 DEFAULT_TRANSFORMER_IMPL = 'transformer_engine'
@@ -89,6 +90,12 @@ def check_arguments(args, md):
     if md is None:
         return
     tp, pp = target_sizes(args, md)
+    for flag, size in (
+        ('--target-tensor-parallel-size', tp),
+        ('--target-pipeline-parallel-size', pp),
+    ):
+        if size < 1:
+            raise ValueError(f'{flag} must be at least 1, got {size}')
     margs = md.checkpoint_args
     _check_expert_parallel(args, md, tp)
     heads = md.num_attention_heads
@@ -268,6 +275,8 @@ def _save(queue, args):
         f'Setting consumed_train_samples to {margs.consumed_train_samples} and '
         f'consumed_valid_samples to {margs.consumed_valid_samples}'
     )
+    # Staging directories of conversions killed before they finished: never a checkpoint.
+    remove_stale_staging(args.save_dir)
     if getattr(md, 'num_experts', None):
         writer = cc_moe.MoECheckpointWriter(
             args.save_dir, md.iteration, tp, pp, margs, md.swiglu, _target_ep(args)

@@ -23,6 +23,19 @@ def add_megatron_path(megatron_path=None) -> None:
             sys.path.insert(0, path)
 
 
+def check_save_dir(save_dir) -> None:
+    """--save-dir is a directory that can be created and written (ValueError, one line)."""
+    existing = save_dir
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing.rstrip(os.sep)) or '.'
+    if existing != save_dir and not os.path.isdir(existing):
+        raise ValueError(f'--save-dir {save_dir}: {existing} is a file, not a directory')
+    if existing == save_dir and not os.path.isdir(save_dir):
+        raise ValueError(f'--save-dir {save_dir} is a file, not a directory')
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f'--save-dir {save_dir}: {existing} is not writable')
+
+
 def set_saver_process(process) -> None:
     """Let `queue_put` notice a saver that died (instead of blocking on a full queue forever)."""
     global _SAVER_PROCESS

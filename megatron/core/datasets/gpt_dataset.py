@@ -55,7 +55,16 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
     add_extra_token_to_sequence: bool = True
     """Read sequence_length + 1 tokens so tokens and labels both have sequence_length."""
 
+    s3_cache_path: str = None
+    """Where Megatron caches the index files of data read from S3 (--s3-cache-path). S3 data is
+    not read here: the keyword is accepted (Megatron's scripts pass it) and refused when set."""
+
     def __post_init__(self) -> None:
+        if self.s3_cache_path is not None:
+            raise ValueError(
+                f"GPTDatasetConfig.s3_cache_path={self.s3_cache_path!r} (--s3-cache-path): "
+                "reading datasets from S3 is not supported; use a local or mounted --data-path"
+            )
         super().__post_init__()
         if self.tokenizer is None:
             raise ValueError("GPTDatasetConfig.tokenizer is required (the EOD id comes from it)")

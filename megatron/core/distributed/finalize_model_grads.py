@@ -162,10 +162,11 @@ def finalize_model_grads(
         model: the model chunks of this rank (one per virtual pipeline stage).
         num_tokens: total tokens of the step on this pipeline's last stage when the loss is
             normalised per token (`calculate_per_token_loss`); None otherwise.
-        pg_collection: the tp, pp, embd, pos_embd and dp groups (None: the global ones).
+        pg_collection: the tp, pp, embd, pos_embd and dp_cp (data x context parallel) groups
+            (None: the global ones).
     """
     config = get_model_config(model[0])
-    pgs = resolve_process_groups(pg_collection, ("tp", "pp", "embd", "pos_embd", "dp"))
+    pgs = resolve_process_groups(pg_collection, ("tp", "pp", "embd", "pos_embd", "dp_cp"))
 
     def start(name):
         if config.timers is not None:
@@ -208,8 +209,9 @@ def finalize_model_grads(
             src=torch.distributed.get_process_group_ranks(pgs.pp)[-1],
             group=pgs.pp,
         )
-        # All-reduce across DP ranks.
-        torch.distributed.all_reduce(num_tokens, group=pgs.dp)
+        # All-reduce across DP ranks and context-parallel ranks (each counted its own tokens;
+        # the gradients were summed over the same DP x CP group).
+        torch.distributed.all_reduce(num_tokens, group=pgs.dp_cp)
         for model_chunk in model:
             if num_tokens > 0:
                 _scale_gradients(model_chunk, 1.0 / num_tokens.item())

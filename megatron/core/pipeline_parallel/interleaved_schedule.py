@@ -169,7 +169,9 @@ class _InterleavedSchedule:
         state,
         collect_non_loss_data,
         first_val_step,
+        pp_group,
     ):
+        self.pp_group = pp_group
         self.forward_step_func = forward_step_func
         self.data_iterator = data_iterator
         self.model = model
@@ -183,6 +185,20 @@ class _InterleavedSchedule:
         # Per-chunk hooks; config itself is left untouched.
         self.grad_sync_func = _per_chunk(config.grad_sync_func, model)
         self.param_sync_func = _per_chunk(config.param_sync_func, model)
+
+    # -- stages: from pp_group's rank and size and the chunk, never the global pipeline group ----
+
+    def _first_rank(self) -> bool:
+        return self.layout.pp_rank == 0
+
+    def _last_rank(self) -> bool:
+        return self.layout.pp_rank == self.layout.pp_size - 1
+
+    def _first_virtual_stage(self, chunk: int) -> bool:
+        return self._first_rank() and chunk == 0
+
+    def _last_virtual_stage(self, chunk: int) -> bool:
+        return self._last_rank() and chunk == self.layout.num_chunks - 1
 
     # -- grad sync -------------------------------------------------------------------------------
 
@@ -244,7 +260,7 @@ class _InterleavedSchedule:
         if self.param_sync_func is not None:
             self._launch_param_sync(k)
 
-        if parallel_state.is_pipeline_first_stage():
+        if self._first_virtual_stage(chunk):
             if len(state.input_tensors[chunk]) == len(state.output_tensors[chunk]):
                 state.input_tensors[chunk].append(None)
         input_tensor = state.input_tensors[chunk][-1]
@@ -263,6 +279,7 @@ class _InterleavedSchedule:
                 self.first_val_step, layout.forward_only, layout.is_first_microbatch_for_chunk(k)
             ),
             current_microbatch=layout.microbatch_in_chunk(k),
+            pp_group=self.pp_group,
         )
         state.output_tensors[chunk].append(output_tensor)
         state.total_num_tokens += torch.as_tensor(num_tokens).to(state.total_num_tokens.device)
@@ -284,14 +301,19 @@ class _InterleavedSchedule:
             self.enable_grad_sync()
             state.synchronized_chunks.add(chunk)
 
-        if parallel_state.is_pipeline_last_stage():
+        if self._last_virtual_stage(chunk):
             if len(state.output_tensor_grads[chunk]) == 0:
                 state.output_tensor_grads[chunk].append(None)
         input_tensor = state.input_tensors[chunk].pop(0)
         output_tensor = state.output_tensors[chunk].pop(0)
         output_tensor_grad = state.output_tensor_grads[chunk].pop(0)
         input_tensor_grad = backward_step(
-            input_tensor, output_tensor, output_tensor_grad, self.model_type, self.config
+            input_tensor,
+            output_tensor,
+            output_tensor_grad,
+            self.model_type,
+            self.config,
+            pp_group=self.pp_group,
         )
 
         if self.grad_sync_func is not None:
@@ -303,13 +325,15 @@ class _InterleavedSchedule:
 
     def output_to_send(self, k: int, output_tensor):
         """The forward output of step k, or None where the last virtual stage has no next."""
-        parallel_state.set_virtual_pipeline_model_parallel_rank(self.layout.chunk_id(k, True))
-        return None if parallel_state.is_pipeline_last_stage() else output_tensor
+        chunk = self.layout.chunk_id(k, True)
+        parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
+        return None if self._last_virtual_stage(chunk) else output_tensor
 
     def grad_to_send(self, k: int, input_tensor_grad):
         """The input gradient of backward step k, or None on the first virtual stage."""
-        parallel_state.set_virtual_pipeline_model_parallel_rank(self.layout.chunk_id(k, False))
-        return None if parallel_state.is_pipeline_first_stage() else input_tensor_grad
+        chunk = self.layout.chunk_id(k, False)
+        parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
+        return None if self._first_virtual_stage(chunk) else input_tensor_grad
 
     def next_forward_receive(self, forward_k: int):
         """(recv_prev, chunk that receives it) for the steady-state step running forward_k.
@@ -318,7 +342,7 @@ class _InterleavedSchedule:
         chunk (pp - 1) steps back, and nothing arrives when that chunk is the last one.
         """
         layout = self.layout
-        if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+        if self._first_rank():
             chunk = layout.chunk_id(forward_k - (layout.pp_size - 1), forward=True)
             return chunk != layout.num_chunks - 1, chunk + 1
         return True, layout.chunk_id(forward_k + 1, forward=True)
@@ -329,7 +353,7 @@ class _InterleavedSchedule:
         Mirror of next_forward_receive: the last stage runs (pp - 1) backwards ahead of the first.
         """
         layout = self.layout
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        if self._last_rank():
             chunk = layout.chunk_id(backward_k - (layout.pp_size - 1), forward=False)
             return chunk != 0, chunk - 1
         return True, layout.chunk_id(backward_k + 1, forward=False)
@@ -338,9 +362,7 @@ class _InterleavedSchedule:
         """(recv_prev, chunk receiving it) after warm-up forward k."""
         layout = self.layout
         next_chunk = layout.chunk_id(k + 1, forward=True)
-        recv_prev = not (
-            parallel_state.is_pipeline_first_stage(ignore_virtual=True) and next_chunk == 0
-        )
+        recv_prev = not (self._first_rank() and next_chunk == 0)
         if k == layout.total - 1:
             recv_prev = False
         return recv_prev, next_chunk
@@ -377,7 +399,9 @@ class _InterleavedSchedule:
     def receive_first_input(self):
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
         self.state.input_tensors[0].append(
-            p2p_communication.recv_forward(self.layout.tensor_shape, self.config)
+            p2p_communication.recv_forward(
+                self.layout.tensor_shape, self.config, pp_group=self.pp_group
+            )
         )
 
     def warmup_step(self, k: int):
@@ -386,12 +410,10 @@ class _InterleavedSchedule:
         layout, state, config = self.layout, self.state, self.config
         last_chunk = layout.num_chunks - 1
         self.wait_forward_handles()
-        output_tensor = self.forward(k)
+        output_tensor = self.output_to_send(k, self.forward(k))
         recv_prev, next_chunk = self._warmup_receives(k)
-        if parallel_state.is_pipeline_last_stage():
-            output_tensor = None
         state.output_tensor = output_tensor
-        recv_next = not parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        recv_next = not self._last_rank()
 
         if config.overlap_p2p_comm:
             input_tensor, state.fwd_wait_handles = p2p_communication.send_forward_recv_forward(
@@ -400,6 +422,7 @@ class _InterleavedSchedule:
                 tensor_shape=layout.tensor_shape,
                 config=config,
                 overlap_p2p_comm=True,
+                pp_group=self.pp_group,
             )
             state.output_tensor_in_flight = output_tensor
             if self._starts_steady_state(k):
@@ -410,6 +433,7 @@ class _InterleavedSchedule:
                         tensor_shape=layout.tensor_shape,
                         config=config,
                         overlap_p2p_comm=True,
+                        pp_group=self.pp_group,
                     )
                 )
                 state.output_tensor_grads[last_chunk].append(output_tensor_grad)
@@ -425,12 +449,17 @@ class _InterleavedSchedule:
                     recv_next=recv_next,
                     tensor_shape=layout.tensor_shape,
                     config=config,
+                    pp_group=self.pp_group,
                 )
             )
             state.output_tensor_grads[last_chunk].append(output_tensor_grad)
         else:
             input_tensor = p2p_communication.send_forward_recv_forward(
-                output_tensor, recv_prev=recv_prev, tensor_shape=layout.tensor_shape, config=config
+                output_tensor,
+                recv_prev=recv_prev,
+                tensor_shape=layout.tensor_shape,
+                config=config,
+                pp_group=self.pp_group,
             )
         state.input_tensors[next_chunk].append(input_tensor)
         deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
@@ -459,6 +488,7 @@ class _InterleavedSchedule:
                 recv_next=recv_next,
                 tensor_shape=layout.tensor_shape,
                 config=config,
+                pp_group=self.pp_group,
             )
         )
         deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
@@ -484,6 +514,7 @@ class _InterleavedSchedule:
             tensor_shape=layout.tensor_shape,
             config=config,
             overlap_p2p_comm=True,
+            pp_group=self.pp_group,
         )
         state.output_tensor_in_flight = output_tensor
 
@@ -496,6 +527,7 @@ class _InterleavedSchedule:
             tensor_shape=layout.tensor_shape,
             config=config,
             overlap_p2p_comm=True,
+            pp_group=self.pp_group,
         )
         if recv_prev:
             state.input_tensors[next_forward_chunk].append(input_tensor)
@@ -512,7 +544,9 @@ class _InterleavedSchedule:
     def receive_first_grad(self):
         """With every forward in warm-up, the first output gradient is received here."""
         self.state.output_tensor_grads[self.layout.num_chunks - 1].append(
-            p2p_communication.recv_backward(self.layout.tensor_shape, config=self.config)
+            p2p_communication.recv_backward(
+                self.layout.tensor_shape, config=self.config, pp_group=self.pp_group
+            )
         )
 
     def cooldown_step(self, k: int):
@@ -521,9 +555,8 @@ class _InterleavedSchedule:
         input_tensor_grad = self.backward(k)
         next_chunk = layout.chunk_id(k + 1, forward=False)
         recv_next = True
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            if next_chunk == layout.num_chunks - 1:
-                recv_next = False
+        if self._last_rank() and next_chunk == layout.num_chunks - 1:
+            recv_next = False
         if k == layout.total - 1:
             recv_next = False
         self.state.output_tensor_grads[next_chunk].append(
@@ -532,6 +565,7 @@ class _InterleavedSchedule:
                 recv_next=recv_next,
                 tensor_shape=layout.tensor_shape,
                 config=self.config,
+                pp_group=self.pp_group,
             )
         )
 
@@ -564,10 +598,9 @@ def _check_config(model, config, num_microbatches, seq_length, decoder_seq_lengt
 
 
 def _make_layout(
-    config, num_chunks, num_microbatches, seq_length, micro_batch_size, forward_only
+    config, num_chunks, num_microbatches, seq_length, micro_batch_size, forward_only, pp_group
 ) -> _Layout:
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_size, pp_rank = pp_group.size(), pp_group.rank()
     # [s, b, h], the sequence split by context parallel (and by TP under sequence parallelism).
     tensor_shape = [seq_length, micro_batch_size, config.hidden_size]
     tensor_shape[0] = tensor_shape[0] // parallel_state.get_context_parallel_world_size()
@@ -604,6 +637,7 @@ def forward_backward_pipelining_with_interleaving(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: Optional[bool] = None,
+    pp_group: Optional[torch.distributed.ProcessGroup] = None,
 ):
     """Interleaved 1F1B schedule over virtual pipeline stages (model chunks).
 
@@ -611,6 +645,11 @@ def forward_backward_pipelining_with_interleaving(
     Micro-batches go through the chunks in groups of pp: the k-th forward step runs chunk
     (k mod (pp * v)) // pp, the k-th backward step the mirrored chunk. `model` and
     `data_iterator` are lists with one entry per chunk.
+
+    The pipeline is `pp_group` (None: the global pipeline group): its rank and size place this
+    rank's stages, and every send and receive goes to its neighbours there (the last stage's
+    output wraps to the first stage's next chunk). The current chunk is still published as the
+    global virtual pipeline rank, which the model chunks and the loss step read.
 
     Returns:
         The list of loss-reduction dicts on the last stage, [] on the others.
@@ -621,8 +660,9 @@ def forward_backward_pipelining_with_interleaving(
     start_timer(config, 'forward-backward')
 
     num_chunks = len(model)
+    pp_group = parallel_state.get_pipeline_model_parallel_group_if_none(pp_group)
     layout = _make_layout(
-        config, num_chunks, num_microbatches, seq_length, micro_batch_size, forward_only
+        config, num_chunks, num_microbatches, seq_length, micro_batch_size, forward_only, pp_group
     )
     state = _State(
         input_tensors=[[] for _ in range(num_chunks)],
@@ -639,6 +679,7 @@ def forward_backward_pipelining_with_interleaving(
         state=state,
         collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step,
+        pp_group=pp_group,
     )
 
     schedule.disable_grad_sync()

@@ -291,6 +291,229 @@ def get_num_warmup_microbatches_without_interleaving(
     return min(pipeline_parallel_size - pipeline_parallel_rank - 1, num_microbatches)
 
 
+class _GradSync:
+    """Asynchronous grad reductions (DDP hooks) held off with `config.no_sync_func` until the
+    micro-batch whose backward should launch them."""
+
+    def __init__(self, config):
+        self.no_sync_func = config.no_sync_func or contextlib.nullcontext
+        self.context = None
+
+    def disable(self):
+        if self.context is None:
+            self.context = self.no_sync_func()
+            self.context.__enter__()
+
+    def enable(self):
+        if self.context is not None:
+            self.context.__exit__(None, None, None)
+            self.context = None
+
+
+class _OneFOneB:
+    """The state and named steps of the 1F1B schedule on one stage (see
+    `forward_backward_pipelining_without_interleaving`)."""
+
+    def __init__(
+        self,
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches,
+        config,
+        collect_non_loss_data,
+        first_val_step,
+        forward_only,
+        pp_group,
+    ):
+        self.forward_step_func = forward_step_func
+        self.data_iterator = data_iterator
+        self.model = model
+        self.num_microbatches = num_microbatches
+        self.config = config
+        self.collect_non_loss_data = collect_non_loss_data
+        self.first_val_step = first_val_step
+        self.forward_only = forward_only
+        self.pp_group = pp_group
+        self.model_type = get_model_type(model)
+        self.grad_sync = _GradSync(config)
+        if pp_group is None:
+            # Megatron's group-less call: the global pipeline rank (which tests may override).
+            self.rank = parallel_state.get_pipeline_model_parallel_rank()
+            pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        else:
+            self.rank, pp_size = pp_group.rank(), pp_group.size()
+        self.num_warmup = get_num_warmup_microbatches_without_interleaving(
+            pp_size, self.rank, num_microbatches
+        )
+        self.num_remaining = num_microbatches - self.num_warmup
+        # Checkpoint the activations of partial Transformer layers in a number of micro-batches
+        # within the maximum outstanding micro-batch backpropagations.
+        self.max_outstanding_backprops = None
+        if config.num_microbatches_with_partial_activation_checkpoints is not None:
+            self.max_outstanding_backprops = self.num_warmup + 1
+        # Input and output tensors are kept for the backward passes only.
+        self.input_tensors = [] if not forward_only else None
+        self.output_tensors = [] if not forward_only else None
+        self.forward_data_store = []
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=get_current_device())
+        self.recv_tensor_shapes = None
+        self.send_tensor_shapes = None
+
+    def set_tensor_shapes(self, seq_length, micro_batch_size, decoder_seq_length):
+        """Shapes received from the previous stage (rank - 1) and sent to the next (rank)."""
+        config, model_type, pp_group, rank = self.config, self.model_type, self.pp_group, self.rank
+        recv_tensor_shapes = get_tensor_shapes(
+            rank=rank - 1,
+            model_type=model_type,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            decoder_seq_length=decoder_seq_length,
+            config=config,
+            pp_group=pp_group,
+        )
+        send_tensor_shapes = get_tensor_shapes(
+            rank=rank,
+            model_type=model_type,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            decoder_seq_length=decoder_seq_length,
+            config=config,
+            pp_group=pp_group,
+        )
+        self.recv_tensor_shapes, self.send_tensor_shapes = recv_tensor_shapes, send_tensor_shapes
+
+    def _checkpoint_flag(self, microbatch_index):
+        if self.max_outstanding_backprops is None:
+            return None
+        return (
+            microbatch_index % self.max_outstanding_backprops
+            >= self.config.num_microbatches_with_partial_activation_checkpoints
+        )
+
+    def forward(self, microbatch, input_tensor, is_first_step):
+        """Forward one micro-batch; counts its tokens and returns its output tensor(s)."""
+        output_tensor, num_tokens = forward_step(
+            self.forward_step_func,
+            self.data_iterator,
+            self.model,
+            self.num_microbatches,
+            input_tensor,
+            self.forward_data_store,
+            self.config,
+            self.collect_non_loss_data,
+            self._checkpoint_flag(microbatch),
+            check_first_val_step(self.first_val_step, self.forward_only, is_first_step),
+            current_microbatch=microbatch,
+            pp_group=self.pp_group,
+        )
+        self.total_num_tokens += torch.as_tensor(num_tokens).to(self.total_num_tokens.device)
+        return output_tensor
+
+    def keep_for_backward(self, input_tensor, output_tensor):
+        self.input_tensors.append(input_tensor)
+        self.output_tensors.append(output_tensor)
+        deallocate_output_tensor(output_tensor[0], self.config.deallocate_pipeline_outputs)
+
+    def backward_oldest(self, output_tensor_grad):
+        """Backward the oldest kept micro-batch; returns its input gradient."""
+        input_tensor = self.input_tensors.pop(0)
+        output_tensor = self.output_tensors.pop(0)
+        return backward_step(
+            input_tensor,
+            output_tensor,
+            output_tensor_grad,
+            self.model_type,
+            self.config,
+            self.pp_group,
+        )
+
+    def _enable_grad_sync_for_last_backward(self):
+        # With a custom grad sync function only the first stage launches the reduction here;
+        # the other stages reduce during the pipeline bubble.
+        if self.config.grad_sync_func is None or self.rank == 0:
+            self.grad_sync.enable()
+
+    def warmup(self):
+        """Forwards of the first `num_warmup` micro-batches, each sent on at once."""
+        config, pp_group = self.config, self.pp_group
+        for i in range(self.num_warmup):
+            input_tensor = recv_forward(self.recv_tensor_shapes, config, pp_group)
+            output_tensor = self.forward(i, input_tensor, i == 0)
+            send_forward(output_tensor, self.send_tensor_shapes, config, pp_group)
+            if not self.forward_only:
+                self.keep_for_backward(input_tensor, output_tensor)
+
+    def steady(self):
+        """One forward and one backward per step for the remaining micro-batches."""
+        config, pp_group = self.config, self.pp_group
+        recv_shapes, send_shapes = self.recv_tensor_shapes, self.send_tensor_shapes
+        # With every micro-batch in warm-up / cool-down nothing more is received here.
+        input_tensor = None
+        if self.num_remaining > 0:
+            input_tensor = recv_forward(recv_shapes, config, pp_group)
+        for i in range(self.num_remaining):
+            last_iteration = i == self.num_remaining - 1
+            output_tensor = self.forward(
+                i + self.num_warmup, input_tensor, i == 0 and self.num_warmup == 0
+            )
+            if self.forward_only:
+                send_forward(output_tensor, send_shapes, config, pp_group)
+                if not last_iteration:
+                    input_tensor = recv_forward(recv_shapes, config, pp_group)
+                continue
+            output_tensor_grad = send_forward_recv_backward(
+                output_tensor, send_shapes, config, pp_group
+            )
+            self.keep_for_backward(input_tensor, output_tensor)
+            # The full backward completes here when there is no warm-up: sync on the last one.
+            if self.num_warmup == 0 and last_iteration:
+                self._enable_grad_sync_for_last_backward()
+            input_tensor_grad = self.backward_oldest(output_tensor_grad)
+            if last_iteration:
+                input_tensor = None
+                send_backward(input_tensor_grad, recv_shapes, config, pp_group)
+            else:
+                input_tensor = send_backward_recv_forward(
+                    input_tensor_grad, recv_shapes, config, pp_group
+                )
+
+    def cooldown(self):
+        """The backwards of the warm-up micro-batches; the last one launches the grad sync."""
+        config, pp_group = self.config, self.pp_group
+        for i in range(self.num_warmup):
+            if i == self.num_warmup - 1:
+                self._enable_grad_sync_for_last_backward()
+            output_tensor_grad = recv_backward(self.send_tensor_shapes, config, pp_group)
+            input_tensor_grad = self.backward_oldest(output_tensor_grad)
+            send_backward(input_tensor_grad, self.recv_tensor_shapes, config, pp_group)
+
+    def finish_grad_sync(self):
+        """Launch the grad reductions still held off (all of them after forward only)."""
+        if self.forward_only:
+            self.grad_sync.enable()
+            return
+        if self.grad_sync.context is not None:
+            self.grad_sync.enable()
+            if self.config.grad_sync_func is not None:
+                self.config.grad_sync_func(self.model.parameters())
+
+
+def _single_chunk(model, data_iterator):
+    """The one model chunk and data iterator of a non-interleaved schedule."""
+    if isinstance(model, list):
+        assert len(model) == 1, (
+            "non-interleaved pipeline parallelism does not support model chunking"
+        )
+        model = model[0]
+    if isinstance(data_iterator, list):
+        assert len(data_iterator) == 1, (
+            "non-interleaved pipeline parallelism does not support model chunking"
+        )
+        data_iterator = data_iterator[0]
+    return model, data_iterator
+
+
 def forward_backward_pipelining_without_interleaving(
     *,
     forward_step_func,
@@ -309,7 +532,7 @@ def forward_backward_pipelining_without_interleaving(
 
     Stage r runs min(pp - r - 1, num_microbatches) warm-up forwards, then alternates forward and
     backward, then drains the remaining backwards. Gradient sync (no_sync) is enabled only for the
-    last micro-batch's backward.
+    last micro-batch's backward. The steps are the methods of `_OneFOneB`.
 
     Args:
         pp_group: the pipeline group the stages communicate over (None: the global pipeline
@@ -319,229 +542,36 @@ def forward_backward_pipelining_without_interleaving(
     Returns:
         The list of loss-reduction dicts on the last stage, [] on the others.
     """
-    if isinstance(model, list):
-        assert len(model) == 1, (
-            "non-interleaved pipeline parallelism does not support model chunking"
-        )
-        model = model[0]
-    if isinstance(data_iterator, list):
-        assert len(data_iterator) == 1, (
-            "non-interleaved pipeline parallelism does not support model chunking"
-        )
-        data_iterator = data_iterator[0]
-
+    model, data_iterator = _single_chunk(model, data_iterator)
     config = get_model_config(model)
     if config.overlap_p2p_comm:
         raise ValueError(
             "Non-interleaved pipeline parallelism does not support overlapping p2p communication"
         )
     validate_pipeline_config(config, num_microbatches)
-    model_type = get_model_type(model)
-    if model_type == ModelType.encoder_and_decoder and decoder_seq_length is None:
+    if get_model_type(model) == ModelType.encoder_and_decoder and decoder_seq_length is None:
         raise ValueError("decoder_seq_length must be given for an encoder_and_decoder model")
 
     start_timer(config, 'forward-backward')
-
-    # Disable async grad reductions
-    no_sync_func = config.no_sync_func
-    if no_sync_func is None:
-        no_sync_func = contextlib.nullcontext
-    no_sync_context = None
-
-    def disable_grad_sync():
-        """Disable asynchronous grad reductions"""
-        nonlocal no_sync_context
-        if no_sync_context is None:
-            no_sync_context = no_sync_func()
-            no_sync_context.__enter__()
-
-    def enable_grad_sync():
-        """Enable asynchronous grad reductions"""
-        nonlocal no_sync_context
-        if no_sync_context is not None:
-            no_sync_context.__exit__(None, None, None)
-            no_sync_context = None
-
-    disable_grad_sync()
-
-    # Compute number of warmup microbatches.
-    if pp_group is None:
-        # Megatron's group-less call: the global pipeline rank (which tests may override).
-        rank = parallel_state.get_pipeline_model_parallel_rank()
-        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    else:
-        rank, pp_size = pp_group.rank(), pp_group.size()
-    num_warmup_microbatches = get_num_warmup_microbatches_without_interleaving(
-        pp_size, rank, num_microbatches
+    schedule = _OneFOneB(
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches,
+        config,
+        collect_non_loss_data,
+        first_val_step,
+        forward_only,
+        pp_group,
     )
-    num_microbatches_remaining = num_microbatches - num_warmup_microbatches
-
-    # Checkpoint the activations of partial Transformer layers in a number of micro-batches
-    # within the maximum outstanding micro-batch backpropagations.
-    max_outstanding_backprops = None
-    if config.num_microbatches_with_partial_activation_checkpoints is not None:
-        max_outstanding_backprops = num_warmup_microbatches + 1
-
-    recv_tensor_shapes = get_tensor_shapes(
-        rank=rank - 1,
-        model_type=model_type,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length,
-        config=config,
-        pp_group=pp_group,
-    )
-    send_tensor_shapes = get_tensor_shapes(
-        rank=rank,
-        model_type=model_type,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length,
-        config=config,
-        pp_group=pp_group,
-    )
-
-    # Input, output tensors only need to be saved when doing backward passes
-    input_tensors = None
-    output_tensors = None
-    total_num_tokens = torch.zeros([], dtype=torch.int, device=get_current_device())
-
+    schedule.grad_sync.disable()
+    schedule.set_tensor_shapes(seq_length, micro_batch_size, decoder_seq_length)
+    schedule.warmup()
+    schedule.steady()
     if not forward_only:
-        input_tensors = []
-        output_tensors = []
-    forward_data_store = []
+        schedule.cooldown()
+    schedule.finish_grad_sync()
 
-    def checkpoint_flag(microbatch_index):
-        if max_outstanding_backprops is None:
-            return None
-        return (
-            microbatch_index % max_outstanding_backprops
-            >= config.num_microbatches_with_partial_activation_checkpoints
-        )
-
-    # Run warmup forward passes.
-    for i in range(num_warmup_microbatches):
-        input_tensor = recv_forward(recv_tensor_shapes, config, pp_group)
-        output_tensor, num_tokens = forward_step(
-            forward_step_func,
-            data_iterator,
-            model,
-            num_microbatches,
-            input_tensor,
-            forward_data_store,
-            config,
-            collect_non_loss_data,
-            checkpoint_flag(i),
-            check_first_val_step(first_val_step, forward_only, i == 0),
-            current_microbatch=i,
-            pp_group=pp_group,
-        )
-        send_forward(output_tensor, send_tensor_shapes, config, pp_group)
-        total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
-
-        if not forward_only:
-            input_tensors.append(input_tensor)
-            output_tensors.append(output_tensor)
-            deallocate_output_tensor(output_tensor[0], config.deallocate_pipeline_outputs)
-
-    # Before running 1F1B, need to receive first forward tensor.
-    # If all microbatches are run in warmup / cooldown phase, then no need to
-    # receive this tensor here.
-    if num_microbatches_remaining > 0:
-        input_tensor = recv_forward(recv_tensor_shapes, config, pp_group)
-
-    # Run 1F1B in steady state.
-    for i in range(num_microbatches_remaining):
-        last_iteration = i == (num_microbatches_remaining - 1)
-
-        output_tensor, num_tokens = forward_step(
-            forward_step_func,
-            data_iterator,
-            model,
-            num_microbatches,
-            input_tensor,
-            forward_data_store,
-            config,
-            collect_non_loss_data,
-            checkpoint_flag(i + num_warmup_microbatches),
-            check_first_val_step(
-                first_val_step, forward_only, (i == 0) and (num_warmup_microbatches == 0)
-            ),
-            current_microbatch=i + num_warmup_microbatches,
-            pp_group=pp_group,
-        )
-        total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
-
-        if forward_only:
-            send_forward(output_tensor, send_tensor_shapes, config, pp_group)
-
-            if not last_iteration:
-                input_tensor = recv_forward(recv_tensor_shapes, config, pp_group)
-
-        else:
-            output_tensor_grad = send_forward_recv_backward(
-                output_tensor, send_tensor_shapes, config, pp_group
-            )
-
-            # Add input_tensor and output_tensor to end of list.
-            input_tensors.append(input_tensor)
-            output_tensors.append(output_tensor)
-            deallocate_output_tensor(output_tensor[0], config.deallocate_pipeline_outputs)
-
-            # Pop input_tensor and output_tensor from the start of the list for
-            # the backward pass.
-            input_tensor = input_tensors.pop(0)
-            output_tensor = output_tensors.pop(0)
-
-            # Enable grad sync for the last microbatch in the batch if the full
-            # backward pass completes in the 1F1B stage.
-            if num_warmup_microbatches == 0 and last_iteration:
-                if config.grad_sync_func is None or rank == 0:
-                    enable_grad_sync()
-
-            input_tensor_grad = backward_step(
-                input_tensor, output_tensor, output_tensor_grad, model_type, config, pp_group
-            )
-
-            if last_iteration:
-                input_tensor = None
-                send_backward(input_tensor_grad, recv_tensor_shapes, config, pp_group)
-            else:
-                input_tensor = send_backward_recv_forward(
-                    input_tensor_grad, recv_tensor_shapes, config, pp_group
-                )
-
-    # Run cooldown backward passes.
-    if not forward_only:
-        for i in range(num_warmup_microbatches):
-            # Enable async grad reduction in the last backward pass
-            # Note: If grad sync function is provided, only enable
-            # async grad reduction in first pipeline stage. Other
-            # pipeline stages do grad reduction during pipeline
-            # bubble.
-            if i == num_warmup_microbatches - 1:
-                if config.grad_sync_func is None or rank == 0:
-                    enable_grad_sync()
-
-            input_tensor = input_tensors.pop(0)
-            output_tensor = output_tensors.pop(0)
-
-            output_tensor_grad = recv_backward(send_tensor_shapes, config, pp_group)
-
-            input_tensor_grad = backward_step(
-                input_tensor, output_tensor, output_tensor_grad, model_type, config, pp_group
-            )
-
-            send_backward(input_tensor_grad, recv_tensor_shapes, config, pp_group)
-
-        # Launch any remaining grad reductions.
-        if no_sync_context is not None:
-            enable_grad_sync()
-            if config.grad_sync_func is not None:
-                config.grad_sync_func(model.parameters())
-    else:
-        enable_grad_sync()
-
-    finalize_model_grads_if_training(config, [model], forward_only, total_num_tokens)
+    finalize_model_grads_if_training(config, [model], forward_only, schedule.total_num_tokens)
     stop_timer(config, 'forward-backward')
-    return forward_data_store
+    return schedule.forward_data_store

@@ -249,7 +249,8 @@ class Attention(MegatronModule, ABC):
             key_value_states: [sk, b, h] memory for cross attention.
             inference_params (InferenceParams): KV cache for autoregressive inference (self
                 attention only); the keys and values of this call are appended to it and the
-                attention runs over every cached position.
+                attention runs over every cached position. A DynamicInferenceContext
+                (is_dynamic_batching()) runs its own paged attention instead.
             rotary_pos_emb: [s, 1, 1, d] angles, or a (query, key) pair of them (with
                 inference_params: angles for every position up to max_sequence_length).
             packed_seq_params: packed sequences: each segment attends only to itself (the
@@ -262,6 +263,13 @@ class Attention(MegatronModule, ABC):
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
 
         if inference_params is not None and self.attention_type == "self":
+            if inference_params.is_dynamic_batching():
+                # Packed requests over a paged KV cache: the context attends each request over
+                # its own blocks (megatron/core/inference/contexts/dynamic_context.py).
+                core_attn_out = inference_params.attention(
+                    self.layer_number, query, key, value, rotary_pos_emb, self.config
+                )
+                return self.linear_proj(core_attn_out)
             if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
                 rotary_pos_emb = (rotary_pos_emb,) * 2
             q_pos_emb, key, value, attn_mask_type = self._adjust_key_value_for_inference(

@@ -261,6 +261,14 @@ class TransformerConfig(ModelParallelConfig):
     """Recompute the MoE layers in backward (activation checkpointing)."""
 
     ####################
+    # context parallelism
+    ####################
+    cp_comm_type: Optional[Union[str, List[str]]] = None
+    """How attention communicates under context parallelism: 'p2p' (ring, the default when
+    None), 'all_gather', 'a2a' (Ulysses) or 'a2a+p2p' (needs hierarchical_context_parallel_sizes);
+    one value for every layer or a list with one value per layer."""
+
+    ####################
     # miscellaneous
     ####################
     clone_scatter_output_in_embedding: bool = True
@@ -351,6 +359,8 @@ class TransformerConfig(ModelParallelConfig):
 
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
+
+        self._check_context_parallel()
 
         if self.expert_model_parallel_size > 1 and self.num_moe_experts is None:
             raise ValueError(
@@ -445,4 +455,32 @@ class TransformerConfig(ModelParallelConfig):
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(
                 self.init_method_std, self.num_layers
+            )
+
+    def _check_context_parallel(self) -> None:
+        """cp_comm_type values, their per-layer list length and the a2a head split."""
+        from megatron.core.transformer.context_parallel.attention import (
+            check_cp_attention_shapes,
+        )
+
+        if self.cp_comm_type is None:
+            return
+        comm_types = self.cp_comm_type
+        if isinstance(comm_types, str):
+            comm_types = [comm_types]
+        elif len(comm_types) != self.num_layers:
+            raise ValueError(
+                f"cp_comm_type has {len(comm_types)} values; give one, or one per layer "
+                f"(num_layers = {self.num_layers})"
+            )
+        hierarchy = self.hierarchical_context_parallel_sizes
+        for comm_type in comm_types:
+            if comm_type == "a2a+p2p" and hierarchy is None and self.context_parallel_size > 1:
+                raise ValueError("cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes")
+            check_cp_attention_shapes(
+                comm_type,
+                self.context_parallel_size,
+                self.num_attention_heads // self.tensor_model_parallel_size,
+                self.num_query_groups // self.tensor_model_parallel_size,
+                a2a_size=hierarchy[0] if hierarchy else None,
             )

@@ -121,3 +121,24 @@ def broadcast_float_list(size, float_list=None, rank=0):
     """Broadcast a list of floats (as float32, so ints above 2**24 lose precision) from global
     rank `rank`."""
     return broadcast_list(size, torch.float32, list_values=float_list, rank=rank)
+
+
+def broadcast_int64_list(size, int_list=None, rank=0):
+    """Broadcast a list of ints exactly (int64) from global rank `rank`; returns a list."""
+    return broadcast_list(size, torch.int64, list_values=int_list, rank=rank).tolist()
+
+
+def broadcast_float64_list(size, float_list=None, rank=0):
+    """Broadcast a list of floats exactly (float64) from global rank `rank`; returns a list."""
+    return broadcast_list(size, torch.float64, list_values=float_list, rank=rank).tolist()
+
+
+def failed_ranks(failed):
+    """All-reduce over the default group of whether each rank failed; every rank gets the list
+    of the global ranks that did (empty: all succeeded). Every rank must call it."""
+    flags = torch.zeros(
+        torch.distributed.get_world_size(), dtype=torch.int64, device=get_current_device()
+    )
+    flags[torch.distributed.get_rank()] = int(bool(failed))
+    torch.distributed.all_reduce(flags)
+    return [rank for rank, flag in enumerate(flags.tolist()) if flag]

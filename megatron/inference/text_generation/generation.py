@@ -104,6 +104,7 @@ def generate_tokens_probs_and_return_on_first_stage(
     stop_on_eol=False,
     prevent_newline_after_colon=True,
     step_callback=None,
+    host_stop=False,
 ):
     """Generate tokens into the padding of `tokens`, in place.
 
@@ -125,7 +126,10 @@ def generate_tokens_probs_and_return_on_first_stage(
         stop_on_double_eol, stop_on_eol: end rows on newlines rather than the termination id.
         prevent_newline_after_colon: forbid "\\n" right after ":".
         step_callback: called as step_callback(tokens, context_length) on the first stage once
-            column `context_length` is there (streaming).
+            column `context_length` is there (streaming); with host_stop, a truthy return on
+            global rank 0 ends the loop on every rank (stop sequences, a client gone).
+        host_stop: every rank follows global rank 0's stop verdict after each step (one
+            1-element broadcast per step over the default group); all ranks must agree on it.
 
     Returns:
         (tokens [b, context + 1], lengths [b], log probs [b, context] or None, None) on the first
@@ -200,47 +204,35 @@ def generate_tokens_probs_and_return_on_first_stage(
                 tokens[started, context_length] = new_sample[started]
 
                 if return_output_log_probs:
-                    log_probs = F.log_softmax(logits, dim=2)
-                    # The next token of each fed position: [b, width, 1]
-                    indices = torch.unsqueeze(
-                        tokens[:, (prev_context_length + 1) : (context_length + 1)], 2
+                    _store_log_probs(
+                        output_log_probs, logits, tokens, prev_context_length, context_length
                     )
-                    output_log_probs[:, prev_context_length:context_length] = torch.gather(
-                        log_probs, 2, indices
-                    ).squeeze(2)
 
             # The first stage needs the new column as its next input.
             copy_from_last_to_first_pipeline_stage(
                 batch_size, torch.int64, tokens[:, context_length]
             )
             prev_context_length = context_length
-            if step_callback is not None and mpu.is_pipeline_first_stage():
-                step_callback(tokens, context_length)
+            stop_requested = _call_step_callback(step_callback, tokens, context_length)
 
             done = None
             if mpu.is_pipeline_last_stage():
-                started_u8 = started.byte()
-                if stop_on_double_eol:
-                    hit_double_eol = (new_sample == DOUBLE_EOL_ID).byte() & started_u8
-                    hit_two_eols = (
-                        (new_sample == EOL_ID).byte()
-                        & (tokens[:, context_length - 1] == EOL_ID).byte()
-                        & started_u8
-                    )
-                    done_token = hit_double_eol | hit_two_eols
-                elif stop_on_eol:
-                    hit_double_eol = (new_sample == DOUBLE_EOL_ID).byte() & started_u8
-                    hit_eol = (new_sample == EOL_ID).byte() & started_u8
-                    done_token = hit_double_eol | hit_eol
-                else:
-                    done_token = (new_sample == termination_id).byte() & started_u8
-
+                done_token = _rows_ending_here(
+                    new_sample,
+                    tokens[:, context_length - 1],
+                    started,
+                    termination_id,
+                    stop_on_double_eol,
+                    stop_on_eol,
+                )
                 just_finished = (done_token & ~is_generation_done).bool()
                 generated_sequence_lengths[just_finished.view(-1)] = context_length + 1
                 is_generation_done = is_generation_done | done_token
                 done = torch.all(is_generation_done).to(torch.uint8).view(1)
             done = broadcast_from_last_pipeline_stage(1, torch.uint8, tensor=done)
             if use_eod_token_for_early_termination and bool(done):
+                break
+            if host_stop and _stop_verdict_from_rank_0(stop_requested):
                 break
 
     # Cut to the columns actually generated.
@@ -258,6 +250,53 @@ def generate_tokens_probs_and_return_on_first_stage(
             output_log_probs_size, torch.float32, output_log_probs
         )
     return tokens, generated_sequence_lengths, output_log_probs, None
+
+
+def _store_log_probs(output_log_probs, logits, tokens, prev_context_length, context_length):
+    """log P(next token) of the fed positions [prev, context), from the raw logits [b, width, v]
+    (temperature 1, no filtering), into output_log_probs[:, prev:context]."""
+    log_probs = F.log_softmax(logits, dim=2)
+    # The next token of each fed position: [b, width, 1]
+    indices = torch.unsqueeze(tokens[:, (prev_context_length + 1) : (context_length + 1)], 2)
+    output_log_probs[:, prev_context_length:context_length] = torch.gather(
+        log_probs, 2, indices
+    ).squeeze(2)
+
+
+def _rows_ending_here(
+    new_sample, previous, started, termination_id, stop_on_double_eol, stop_on_eol
+):
+    """uint8 [b]: started rows whose new token ends them. With stop_on_double_eol: "\\n\\n", or
+    "\\n" after "\\n"; with stop_on_eol: either newline; otherwise the termination id."""
+    started_u8 = started.byte()
+    if stop_on_double_eol:
+        hit_double_eol = (new_sample == DOUBLE_EOL_ID).byte() & started_u8
+        hit_two_eols = (new_sample == EOL_ID).byte() & (previous == EOL_ID).byte() & started_u8
+        return hit_double_eol | hit_two_eols
+    if stop_on_eol:
+        hit_double_eol = (new_sample == DOUBLE_EOL_ID).byte() & started_u8
+        hit_eol = (new_sample == EOL_ID).byte() & started_u8
+        return hit_double_eol | hit_eol
+    return (new_sample == termination_id).byte() & started_u8
+
+
+def _call_step_callback(step_callback, tokens, context_length):
+    """The callback's stop verdict (first stage only). Its exceptions are the caller's (e.g. a
+    closed stream): they stop this request instead of leaving this rank out of step."""
+    if step_callback is None or not mpu.is_pipeline_first_stage():
+        return False
+    try:
+        return bool(step_callback(tokens, context_length))
+    except Exception as exc:
+        print(f'step callback failed, stopping the generation: {type(exc).__name__}: {exc}')
+        return True
+
+
+def _stop_verdict_from_rank_0(stop_requested):
+    """Global rank 0's stop verdict on every rank (a 1-element broadcast, default group)."""
+    flag = torch.tensor([int(bool(stop_requested))], dtype=torch.uint8, device=get_current_device())
+    torch.distributed.broadcast(flag, 0)
+    return bool(flag.item())
 
 
 def beam_search_and_return_on_first_stage(
@@ -335,6 +374,9 @@ def beam_search_and_return_on_first_stage(
                 vocab_size = logits.size(2)
                 log_probs = F.log_softmax(logits, dim=2)
                 new_scores = log_probs[:, -1, :] + scores
+                # Ids of the vocabulary padding have no text: never pick them (Megatron did,
+                # and detokenizing them then failed).
+                new_scores[:, tokenizer.vocab_size :] = float('-inf')
 
                 if tokens2use.size(1) == prompt_length:  # if this is the first one
                     sorted_scores, indices = torch.sort(new_scores[0, :], descending=True)

@@ -32,6 +32,21 @@ def modify_logits_for_top_p_filtering(logits, top_p):
     logits.masked_fill_(filter_, float('-Inf'))
 
 
+def _finite_probs(logits, raw_logits):
+    """softmax(logits) without NaN. A row whose scaled logits overflowed (a temperature so small
+    that logits / temperature is infinite) or hold no finite value at all samples its largest
+    raw logit: the limit of the distribution as the temperature goes to 0."""
+    probs = logits.softmax(dim=-1)
+    bad = ~torch.isfinite(probs).all(dim=-1) | ~torch.isfinite(logits).any(dim=-1)
+    if bad.any():
+        finite_max = torch.finfo(raw_logits.dtype).max
+        raw = torch.nan_to_num(raw_logits[bad], nan=-finite_max, posinf=finite_max)
+        greedy = torch.zeros_like(probs[bad])
+        greedy.scatter_(1, raw.argmax(dim=-1, keepdim=True), 1.0)
+        probs[bad] = greedy
+    return probs
+
+
 def sample(logits, top_k=0, top_p=0.0, temperature=1.0, vocab_size=None):
     """Sample one token per row of logits [b, v] (fp32).
 
@@ -51,6 +66,7 @@ def sample(logits, top_k=0, top_p=0.0, temperature=1.0, vocab_size=None):
         assert top_p == 0.0, 'cannot set both greedy and top-p samplings.'
         samples = torch.argmax(logits, dim=-1)
     else:
+        raw_logits = logits
         # Clone so that when we modify for top-p we do not change the logits.
         logits = logits.clone()
         if temperature != 1.0:
@@ -66,7 +82,7 @@ def sample(logits, top_k=0, top_p=0.0, temperature=1.0, vocab_size=None):
             assert top_p <= 1.0, 'top-p should be in (0, 1].'
             modify_logits_for_top_p_filtering(logits, top_p)
 
-        probs = logits.softmax(dim=-1)
+        probs = _finite_probs(logits, raw_logits)
         samples = torch.multinomial(probs, num_samples=1).view(-1)
 
     # If vocab size is provided, make sure the samples are in the range [0, vocab_size).

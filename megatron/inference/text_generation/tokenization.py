@@ -41,6 +41,33 @@ def _token_string(tokenizer, token_id, byte_decoder):
     return bytearray([byte_decoder[c] for c in word]).decode('utf-8', errors='replace')
 
 
+def tokenize_batch(tokenizer, prompts, tokens_to_generate: int, add_BOS: bool):
+    """Token rows of the prompts (EOD prepended with add_BOS: GPT tokenizers have no BOS) and
+    their lengths; ValueError if a prompt yields no token (the loop needs one to start)."""
+    eod = eod_id(tokenizer)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids = list(tokenizer.tokenize(prompt))
+        except Exception as exc:  # a tokenizer refusing the text is the request's fault
+            raise ValueError(
+                f'prompts[{i}] cannot be tokenized by {type(tokenizer).__name__}: '
+                f'{type(exc).__name__}: {exc}'
+            ) from None
+        if add_BOS:
+            ids = [eod] + ids
+        if not ids:
+            raise ValueError(
+                f'prompts[{i}] ({prompt!r}) has no tokens; give a non-empty prompt or add_BOS=true'
+            )
+        rows.append(ids)
+    lengths = [len(ids) for ids in rows]
+    width = max(lengths) + tokens_to_generate
+    for ids in rows:
+        ids.extend([eod] * (width - len(ids)))
+    return rows, lengths
+
+
 def detokenize_generations(tokens_gpu_tensor, lengths_gpu_tensor, return_segments):
     """Cut each row to its length and detokenize it.
 
@@ -66,57 +93,42 @@ def detokenize_generations(tokens_gpu_tensor, lengths_gpu_tensor, return_segment
     return tokens, prompts_plus_generations
 
 
+def broadcast_batch(tokens=None, lengths=None, rank=0):
+    """Broadcast the padded batch from global rank `rank` to every rank of the default group:
+    its sizes [b, s], the tokens [b, s] and the prompt lengths [b] (all int64).
+
+    Returns:
+        (tokens [b, s], lengths [b]) on every rank.
+    """
+    sizes_list = None
+    if torch.distributed.get_rank() == rank:
+        sizes_list = [tokens.size(0), tokens.size(1)]  # batch size, sequence length
+    sizes = broadcast_int_list(2, int_list=sizes_list, rank=rank).tolist()
+    tokens = broadcast_tensor(sizes, torch.int64, tensor=tokens, rank=rank)
+    lengths = broadcast_tensor(sizes[0], torch.int64, tensor=lengths, rank=rank)
+    return tokens, lengths
+
+
 def tokenize_prompts(prompts=None, tokens_to_generate=None, add_BOS=None, rank=0):
     """Tokenize and pad the prompts on `rank`, then broadcast them to every rank.
 
     Returns:
         (tokens [b, max_prompt_len + tokens_to_generate] int64, prompt lengths [b] int64).
     """
-    # Only `rank` holds the prompts; the others learn the sizes first, then receive the data.
-    prompts_tokens_cuda_long_tensor = None
-    prompts_length_cuda_long_tensor = None
-    sizes_list = None
+    tokens = lengths = None
     if torch.distributed.get_rank() == rank:
         assert prompts is not None
         assert tokens_to_generate is not None
-        prompts_tokens_cuda_long_tensor, prompts_length_cuda_long_tensor = (
-            _tokenize_prompts_and_batch(prompts, tokens_to_generate, add_BOS)
-        )
-        sizes_list = [
-            prompts_tokens_cuda_long_tensor.size(0),  # batch size
-            prompts_tokens_cuda_long_tensor.size(1),  # sequence length
-        ]
-
-    sizes_tensor = broadcast_int_list(2, int_list=sizes_list, rank=rank)
-    sizes = sizes_tensor.tolist()
-    prompts_tokens_cuda_long_tensor = broadcast_tensor(
-        sizes, torch.int64, tensor=prompts_tokens_cuda_long_tensor, rank=rank
-    )
-    prompts_length_cuda_long_tensor = broadcast_tensor(
-        sizes[0], torch.int64, tensor=prompts_length_cuda_long_tensor, rank=rank
-    )
-    return prompts_tokens_cuda_long_tensor, prompts_length_cuda_long_tensor
+        tokens, lengths = _tokenize_prompts_and_batch(prompts, tokens_to_generate, add_BOS)
+    return broadcast_batch(tokens, lengths, rank=rank)
 
 
 def _tokenize_prompts_and_batch(prompts, tokens_to_generate, add_BOS):
     """Tokenize the prompts (with add_BOS, the end-of-document id is prepended: GPT tokenizers
     have no BOS) and right-pad them with that id to max prompt length + tokens_to_generate, so a
     shorter prompt gets more than tokens_to_generate new tokens."""
-    tokenizer = get_tokenizer()
-    eod = eod_id(tokenizer)
-    if add_BOS:
-        prompts_tokens = [[eod] + tokenizer.tokenize(prompt) for prompt in prompts]
-    else:
-        prompts_tokens = [tokenizer.tokenize(prompt) for prompt in prompts]
-
-    prompts_length = [len(prompt_tokens) for prompt_tokens in prompts_tokens]
-    max_prompt_len = max(prompts_length)
-    samples_length = max_prompt_len + tokens_to_generate
-    for prompt_tokens, prompt_length in zip(prompts_tokens, prompts_length):
-        padding_size = samples_length - prompt_length
-        prompt_tokens.extend([eod] * padding_size)
-
+    rows, lengths = tokenize_batch(get_tokenizer(), prompts, tokens_to_generate, add_BOS)
     device = get_current_device()
-    prompts_tokens_tensor = torch.tensor(prompts_tokens, dtype=torch.long, device=device)
-    prompts_length_tensor = torch.tensor(prompts_length, dtype=torch.long, device=device)
+    prompts_tokens_tensor = torch.tensor(rows, dtype=torch.long, device=device)
+    prompts_length_tensor = torch.tensor(lengths, dtype=torch.long, device=device)
     return prompts_tokens_tensor, prompts_length_tensor

@@ -30,7 +30,7 @@ from typing import List, Sequence, Tuple
 
 import numpy
 
-from megatron.training.tokenizer.tokenizer import _HuggingFaceTokenizer
+from megatron.training.tokenizer.hf_tokenizer import _HuggingFaceTokenizer
 
 PROMPT_FORMATS = ("nemotron-h-aligned", "nemotron-nano-v2", "identity", "default")
 

@@ -16,7 +16,7 @@ VOCAB_SIZE = 50257
 MAX_POSITIONS = 64
 
 
-def build_hf_model(arch, seed=0):
+def build_hf_model(arch, seed=0, max_positions=MAX_POSITIONS):
     """A random tiny GPT2LMHeadModel ("gpt2") or LlamaForCausalLM with GQA ("llama"), eval mode.
 
     Weights are drawn with a larger spread than HF's init so that greedy choices are decided by
@@ -28,7 +28,7 @@ def build_hf_model(arch, seed=0):
     if arch == "gpt2":
         config = GPT2Config(
             vocab_size=VOCAB_SIZE,
-            n_positions=MAX_POSITIONS,
+            n_positions=max_positions,
             n_embd=32,
             n_layer=2,
             n_head=4,
@@ -46,7 +46,7 @@ def build_hf_model(arch, seed=0):
             num_hidden_layers=2,
             num_attention_heads=8,
             num_key_value_heads=2,
-            max_position_embeddings=MAX_POSITIONS,
+            max_position_embeddings=max_positions,
             rms_norm_eps=1e-6,
             tie_word_embeddings=False,
             rope_theta=10000.0,

@@ -76,3 +76,52 @@ def _check_cross_entropy():
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_vocab_parallel_cross_entropy_matches_torch(tp):
     assert all(run_distributed(_check_cross_entropy, 4, tp=tp))
+
+
+H = 8
+
+
+def _check_logits_from_linear_layer(inplace: bool):
+    """Logits straight out of a ColumnParallelLinear (the output layer's graph: the GEMM's output,
+    no other op in between) into the cross entropy, then backward into the layer's weight and
+    input, against the unsharded reference. With `inplace` the softmax overwrites the logits; the
+    tensor saved for backward (scaled in place there) must not be the view the softmax was
+    written into, or autograd's view / in-place check fails the model's backward."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    group = ps.get_tensor_model_parallel_group()
+    r, n = group.rank(), group.size()
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(V, H, generator=gen) * 0.5
+    x_full = torch.randn(S, B, H, generator=gen)
+    target = torch.randint(0, V, (S, B), generator=gen)
+
+    ref_x = x_full.clone().requires_grad_(True)
+    ref_w = weight.clone().requires_grad_(True)
+    ref_loss = F.cross_entropy(
+        F.linear(ref_x, ref_w).view(-1, V), target.view(-1), reduction="none"
+    ).view(S, B)
+    ref_loss.sum().backward()
+
+    config = ModelParallelConfig(tensor_model_parallel_size=n, use_cpu_initialization=True)
+    layer = ColumnParallelLinear(
+        H, V, config=config, init_method=torch.nn.init.zeros_, bias=False, tp_group=group
+    )
+    with torch.no_grad():
+        layer.weight.copy_(weight.chunk(n, dim=0)[r])
+    x = x_full.clone().requires_grad_(True)
+    logits, _ = layer(x)  # [s, b, v/tp]
+    loss = vocab_parallel_cross_entropy(logits, target, inplace=inplace)
+    loss.sum().backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        layer.weight.grad, ref_w.grad.chunk(n, dim=0)[r], rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-5, atol=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_logits_from_a_linear_layer(inplace):
+    assert all(run_distributed(_check_logits_from_linear_layer, 2, tp=2, args=(inplace,)))

@@ -40,6 +40,17 @@ OUR_EXTRA_FLAGS = {
     '--moe-shared-expert-intermediate-size',
     '--moe-shared-expert-gate',
     '--moe-layer-freq',
+    '--cp-comm-type',  # context parallel attention communication (core_r0.10)
+    '--hierarchical-context-parallel-sizes',  # a2a+p2p context parallelism (core_r0.10)
+    '--use-pytorch-profiler',
+    # Dynamic-batching inference engine (megatron/core/inference, docs/inference_engine.md).
+    '--inference-dynamic-batching',
+    '--inference-max-seq-length',
+    '--inference-dynamic-batching-buffer-size-gb',
+    '--inference-dynamic-batching-block-size',
+    '--inference-dynamic-batching-max-requests',
+    '--inference-dynamic-batching-max-tokens',
+    '--enable-chunked-prefill',
     # Supervised fine-tuning and fill-in-the-middle (core_v0.13 / core_v0.16).
     '--sft',
     '--sft-tokenizer-prompt-format',

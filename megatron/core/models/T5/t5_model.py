@@ -34,6 +34,20 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+def _stage_side_of_split(pp_group) -> tuple:
+    """(before split, after split) of this stage of `pp_group`: which stacks it runs.
+
+    One stage runs both; with several stages, those before `pipeline_model_parallel_split_rank`
+    run the encoder and the others the decoder (no split rank: every stage runs both).
+    """
+    size = torch.distributed.get_world_size(pp_group) if pp_group is not None else 1
+    split = parallel_state.get_pipeline_model_parallel_split_rank()
+    if size == 1 or split is None:
+        return True, True
+    rank = torch.distributed.get_rank(pp_group)
+    return rank < split, rank >= split
+
+
 def t5_extended_attention_mask(
     attention_mask_list: List[Optional[Tensor]],
 ) -> List[Optional[Tensor]]:
@@ -161,8 +175,13 @@ class T5Model(LanguageModule):
         position_embedding_type: 'learned_absolute' or 'rope'.
         rotary_percent (float): fraction of each head rotated by RoPE.
         seq_len_interpolation_factor (float, optional): RoPE position interpolation.
-        add_encoder (bool): this stage runs (part of) the encoder.
-        add_decoder (bool): this stage runs (part of) the decoder.
+        add_encoder (bool, optional): this stage runs (part of) the encoder. None (the default):
+            derived from the pipeline split, True on the stages before
+            `pipeline_model_parallel_split_rank` (always with one stage). Megatron core_r0.8.0's
+            T5Model has no such argument and builds both stacks on every stage, so its own
+            pretrain_t5.py, which does not pass it, gets the right stage here.
+        add_decoder (bool, optional): this stage runs (part of) the decoder. None: True on the
+            stages from the split rank on (always with one stage).
         pg_collection (ProcessGroupCollection, optional): the groups of this model (tp splits
             every layer, pp places the stages, embd / pos_embd tie the embedding copies and the
             LM head); None fields fall back to the global groups.
@@ -183,14 +202,18 @@ class T5Model(LanguageModule):
         position_embedding_type: Literal['learned_absolute', 'rope'] = 'learned_absolute',
         rotary_percent: float = 1.0,
         seq_len_interpolation_factor: Optional[float] = None,
-        add_encoder: bool = True,
-        add_decoder: bool = True,
+        add_encoder: Optional[bool] = None,
+        add_decoder: Optional[bool] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config, pg_collection=pg_collection)
         # LanguageModule resolves tp, pp and embd; the split-rank stage also ties its position
         # table to stage 0's over the position-embedding group.
         self.pg_collection = resolve_process_groups(self.pg_collection, ("pos_embd",))
+        if add_encoder is None or add_decoder is None:
+            before, after = _stage_side_of_split(self.pg_collection.pp)
+            add_encoder = before if add_encoder is None else add_encoder
+            add_decoder = after if add_decoder is None else add_decoder
         if vocab_size % config.tensor_model_parallel_size != 0:
             raise ValueError(
                 f"vocab_size ({vocab_size}) must be a multiple of tensor_model_parallel_size "

@@ -111,6 +111,7 @@ class GPTModel(LanguageModule):
                 rotary_interleaved=self.config.rotary_interleaved,
                 seq_len_interpolation_factor=seq_len_interpolation_factor,
                 rotary_base=rotary_base,
+                cp_group=self.pg_collection.cp,
             )
 
         self.decoder = TransformerBlock(
@@ -180,6 +181,12 @@ class GPTModel(LanguageModule):
             ([b, s, v] with parallel_output=False). Other stages: hidden states [s, b, h]
             ([s/p, b, h] under sequence parallelism).
         """
+        if inference_params is not None and self.config.context_parallel_size > 1:
+            raise ValueError(
+                f"inference / text generation with context_parallel_size "
+                f"({self.config.context_parallel_size}) > 1 is not supported; load the checkpoint "
+                "with --context-parallel-size 1 (checkpoints do not depend on it)"
+            )
         # Decoder embedding.
         if decoder_input is not None:
             pass
@@ -218,7 +225,10 @@ class GPTModel(LanguageModule):
         if not self.post_process:
             return hidden_states
 
-        if (
+        if inference_params is not None and inference_params.is_dynamic_batching():
+            # Packed requests: logits only where the engine samples or scores.
+            hidden_states = inference_params.select_logit_positions(hidden_states)
+        elif (
             inference_params is not None
             and getattr(inference_params, 'materialize_only_last_token_logits', False)
             and labels is None

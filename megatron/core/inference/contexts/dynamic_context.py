@@ -1,0 +1,261 @@
+"""`DynamicInferenceContext`: the paged KV cache of the dynamic engine and the layout of one packed
+step.
+
+Memory: per self-attention layer of this pipeline stage, a key pool and a value pool of
+[num_blocks, B, ng/tp, hn] (B = block_size_tokens tokens per block, ng query groups, hn head
+size), allocated on the layer's first step. Keys are stored after RoPE. A request owns
+ceil(tokens cached / B) blocks, taken from `KVBlockAllocator` as it grows and given back when it
+finishes or is preempted.
+
+Step layout (`build_step`): the scheduled requests' new tokens are packed into one sequence
+[1, T] (decode tokens and prompt chunks alike), with their own positions. The model runs with this
+context as `inference_params`:
+- each self-attention layer calls `attention()` (the hook in
+  `megatron/core/transformer/attention.py`): RoPE by packed position, keys / values written to
+  their slots, then `paged_attention` per request;
+- the output layer calls `select_logit_positions()` (the hook in GPTModel) so that logits are
+  computed only where the engine needs them (each sampling request's last token, and every prompt
+  position of requests that asked for prompt log probs).
+"""
+
+import math
+from typing import Dict, List, NamedTuple, Optional
+
+import torch
+
+from megatron.core.inference.contexts.kv_block_allocator import KVBlockAllocator
+from megatron.core.inference.contexts.paged_attention import (
+    kv_slots,
+    paged_attention,
+    write_to_paged_cache,
+)
+from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
+from megatron.core.utils import get_current_device
+
+#: later megatron-core's default of --inference-dynamic-batching-max-tokens.
+DEFAULT_MAX_TOKENS = 16384
+
+
+class StepChunk(NamedTuple):
+    """One request's part of a packed step.
+
+    Attributes:
+        request_id (str): the request.
+        token_ids (list of int): its new tokens (one decode token, or a prompt chunk).
+        start_position (int): position of the first of them (= tokens already cached).
+        logits (str): "none", "last" (the last token's, to sample from) or "all".
+    """
+
+    request_id: str
+    token_ids: List[int]
+    start_position: int
+    logits: str
+
+
+class DynamicInferenceContext:
+    """Paged KV cache plus the current step's packing.
+
+    Args:
+        model_config (TransformerConfig): the model's config (layers, heads, groups, head size,
+            params_dtype; tensor / pipeline sizes unless pg_collection says otherwise).
+        max_sequence_length (int): longest request (prompt + generated tokens).
+        buffer_size_gb (float): KV cache memory of this rank, in GiB (keys and values of all its
+            layers); sets the number of blocks. Ignored when num_blocks is given.
+        block_size_tokens (int): tokens per block.
+        max_requests (int, optional): most requests holding KV blocks at once (default: the
+            number of blocks, at most max_tokens and 256).
+        max_tokens (int, optional): most tokens in one packed step (default 16384).
+        num_blocks (int, optional): the number of blocks, instead of buffer_size_gb.
+        pg_collection (ProcessGroupCollection, optional): tp / pp groups (default: global).
+    """
+
+    def __init__(
+        self,
+        model_config,
+        max_sequence_length: int,
+        buffer_size_gb: float = 1.0,
+        block_size_tokens: int = 256,
+        max_requests: Optional[int] = None,
+        max_tokens: Optional[int] = None,
+        num_blocks: Optional[int] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        pgs = resolve_process_groups(pg_collection, ("tp", "pp"))
+        tp, pp = pgs.tp.size(), pgs.pp.size()
+        if block_size_tokens < 1:
+            raise ValueError(f"block_size_tokens must be at least 1, got {block_size_tokens}")
+        if max_sequence_length < 2:
+            raise ValueError(f"max_sequence_length must be at least 2, got {max_sequence_length}")
+        self.config = model_config
+        self.max_sequence_length = max_sequence_length
+        self.block_size_tokens = block_size_tokens
+        self.num_query_groups_per_partition = model_config.num_query_groups // tp
+        self.head_dim = model_config.kv_channels
+        self.num_local_layers = math.ceil(model_config.num_layers / pp)
+        dtype = model_config.params_dtype
+        self.block_size_bytes = (
+            2
+            * self.num_local_layers
+            * block_size_tokens
+            * self.num_query_groups_per_partition
+            * self.head_dim
+            * torch.empty((), dtype=dtype).element_size()
+        )
+        if num_blocks is None:
+            num_blocks = int(buffer_size_gb * 1024**3) // self.block_size_bytes
+            if num_blocks < 1:
+                raise ValueError(
+                    f"KV cache buffer of {buffer_size_gb} GiB holds no block of "
+                    f"{self.block_size_bytes} bytes ({block_size_tokens} tokens); raise "
+                    "--inference-dynamic-batching-buffer-size-gb or lower the block size"
+                )
+        self.block_allocator = KVBlockAllocator(num_blocks)
+        self.num_blocks = num_blocks
+        self.max_tokens = max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS
+        if max_requests is None:
+            max_requests = min(num_blocks, self.max_tokens, 256)
+        self.max_requests = max_requests
+        if self.max_requests < 1 or self.max_tokens < 1:
+            raise ValueError(
+                f"max_requests ({self.max_requests}) and max_tokens ({self.max_tokens}) must be "
+                "at least 1"
+            )
+        if self.max_tokens < self.max_requests:
+            raise ValueError(
+                f"max_tokens ({self.max_tokens}) must be at least max_requests "
+                f"({self.max_requests}): every active request decodes one token per step"
+            )
+        self.memory: Dict[int, tuple] = {}
+        self.request_blocks: Dict[str, List[int]] = {}
+        self.request_kv_length: Dict[str, int] = {}
+        # Static-cache fields the model may read.
+        self.sequence_len_offset = 0
+        self.materialize_only_last_token_logits = False
+        self._clear_step()
+
+    # ------------------------------------------------------------------ kind
+    def is_static_batching(self) -> bool:
+        return False
+
+    def is_dynamic_batching(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ blocks
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size_tokens)
+
+    def blocks_needed(self, request_id: str, kv_length: int) -> int:
+        """More blocks `request_id` needs to hold `kv_length` tokens."""
+        have = len(self.request_blocks.get(request_id, ()))
+        return max(0, self.blocks_for(kv_length) - have)
+
+    def grow(self, request_id: str, kv_length: int) -> bool:
+        """Give `request_id` room for `kv_length` tokens; False (nothing taken) if the pool is
+        short."""
+        need = self.blocks_needed(request_id, kv_length)
+        blocks = self.block_allocator.allocate_memory_blocks(need)
+        if blocks is None:
+            return False
+        self.request_blocks.setdefault(request_id, []).extend(blocks)
+        self.request_kv_length.setdefault(request_id, 0)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free every block of `request_id` (finished, cancelled or preempted)."""
+        blocks = self.request_blocks.pop(request_id, [])
+        self.request_kv_length.pop(request_id, None)
+        self.block_allocator.release_memory_blocks(blocks)
+
+    def kv_length(self, request_id: str) -> int:
+        """Tokens of `request_id` in the cache."""
+        return self.request_kv_length.get(request_id, 0)
+
+    def _layer_pools(self, layer_number: int, like: torch.Tensor):
+        if layer_number not in self.memory:
+            shape = (
+                self.num_blocks,
+                self.block_size_tokens,
+                self.num_query_groups_per_partition,
+                self.head_dim,
+            )
+            self.memory[layer_number] = (
+                torch.empty(shape, dtype=like.dtype, device=like.device),
+                torch.empty(shape, dtype=like.dtype, device=like.device),
+            )
+        return self.memory[layer_number]
+
+    # ------------------------------------------------------------------ step layout
+    def _clear_step(self):
+        self.step_chunks: List[StepChunk] = []
+        self.step_input_ids = None
+        self.step_position_ids = None
+        self.slot_mapping = None
+        self.attention_requests = []
+        self.logit_positions = None
+        self.logit_slices: Dict[str, tuple] = {}
+
+    def build_step(self, chunks: List[StepChunk]) -> None:
+        """Pack `chunks` (each request's blocks already grown to hold them) into this step's
+        inputs: input ids and positions [1, T], the slot of every token, each request's rows and
+        block table, and the logit positions."""
+        device = get_current_device()
+        B = self.block_size_tokens
+        ids, positions, slots, logit_positions = [], [], [], []
+        self.attention_requests = []
+        self.logit_slices = {}
+        for chunk in chunks:
+            blocks = self.request_blocks[chunk.request_id]
+            q_start = len(ids)
+            n = len(chunk.token_ids)
+            kv_len = chunk.start_position + n
+            assert self.blocks_for(kv_len) <= len(blocks), "grow() the request first"
+            ids.extend(chunk.token_ids)
+            span = range(chunk.start_position, kv_len)
+            positions.extend(span)
+            slots.extend(blocks[p // B] * B + p % B for p in span)
+            block_table = torch.tensor(blocks[: self.blocks_for(kv_len)], device=device)
+            slots_of_request = kv_slots(block_table, kv_len, B)
+            self.attention_requests.append((q_start, q_start + n, kv_len, slots_of_request))
+            first = len(logit_positions)
+            if chunk.logits == "last":
+                logit_positions.append(q_start + n - 1)
+            elif chunk.logits == "all":
+                logit_positions.extend(range(q_start, q_start + n))
+            self.logit_slices[chunk.request_id] = (first, len(logit_positions))
+            self.request_kv_length[chunk.request_id] = kv_len
+        self.step_chunks = list(chunks)
+        self.step_input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        self.step_position_ids = torch.tensor([positions], dtype=torch.long, device=device)
+        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        self.logit_positions = torch.tensor(logit_positions, dtype=torch.long, device=device)
+
+    # ------------------------------------------------------------------ model hooks
+    def attention(self, layer_number, query, key, value, rotary_pos_emb, config) -> torch.Tensor:
+        """Self attention of the packed step for layer `layer_number`.
+
+        Args:
+            query: [T, 1, np, hn]; key, value: [T, 1, ng, hn] (this rank's heads).
+            rotary_pos_emb: RoPE angles of positions 0..max_sequence_length - 1 ([S, 1, 1, d],
+                or a (query, key) pair), or None.
+            config (TransformerConfig): the layer's config (RoPE layout).
+
+        Returns:
+            context [T, 1, np * hn].
+        """
+        if rotary_pos_emb is not None:
+            if not isinstance(rotary_pos_emb, tuple):
+                rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
+            positions = self.step_position_ids[0]
+            q_emb = rotary_pos_emb[0].index_select(0, positions)  # [T, 1, 1, d]
+            k_emb = rotary_pos_emb[1].index_select(0, positions)
+            query = apply_rotary_pos_emb(query, q_emb, config=config)
+            key = apply_rotary_pos_emb(key, k_emb, config=config)
+        key_pool, value_pool = self._layer_pools(layer_number, key)
+        write_to_paged_cache(key, value, key_pool, value_pool, self.slot_mapping)
+        return paged_attention(query, key_pool, value_pool, self.attention_requests)
+
+    def select_logit_positions(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[T, 1, h] -> [N, 1, h]: the positions whose logits the engine needs."""
+        return hidden_states.index_select(0, self.logit_positions)

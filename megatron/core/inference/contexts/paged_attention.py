@@ -1,0 +1,90 @@
+"""Attention of packed requests over a paged KV cache, in plain PyTorch.
+
+The step's T tokens belong to R requests; request r owns the packed rows [q_start, q_end) (its
+new tokens) and its keys live in its own blocks of the pool: position j of the request is slot
+j % B of block block_ids[j // B]. Each request attends over exactly its own kv_len keys with a
+bottom-right aligned causal mask (new token i of a request with q_len new tokens sees keys
+0 .. kv_len - q_len + i), which covers decode (q_len 1), whole prompts and prompt chunks alike.
+
+Every request's attention is computed on its own: no reduction runs across requests, so a
+request's output does not depend on which other requests share the step (batch invariance up to
+the GEMMs of the surrounding layers).
+"""
+
+import math
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+def write_to_paged_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter the step's keys / values into their slots.
+
+    Args:
+        key, value: [T, 1, ng, hn] (keys already rotated by RoPE).
+        key_pool, value_pool: [num_blocks, B, ng, hn].
+        slot_mapping: [T] int64, block_id * B + offset of each token.
+    """
+    ng, hn = key_pool.shape[-2:]
+    key_pool.view(-1, ng, hn).index_copy_(0, slot_mapping, key.reshape(-1, ng, hn))
+    value_pool.view(-1, ng, hn).index_copy_(0, slot_mapping, value.reshape(-1, ng, hn))
+
+
+def kv_slots(block_ids: torch.Tensor, kv_len: int, block_size: int) -> torch.Tensor:
+    """[kv_len] int64: the flat slot (block * B + offset) of each of a request's positions."""
+    offsets = torch.arange(block_size, device=block_ids.device)
+    return (block_ids[:, None] * block_size + offsets[None, :]).reshape(-1)[:kv_len]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    requests: List[Tuple[int, int, int, torch.Tensor]],
+    softmax_scale: float = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its cached keys.
+
+    Args:
+        query: [T, 1, np, hn] (rotated).
+        key_pool, value_pool: [num_blocks, B, ng, hn], this step's keys already written.
+        requests: per request (q_start, q_end, kv_len, slots [kv_len] int64 from `kv_slots`).
+        softmax_scale: default 1 / sqrt(hn).
+
+    Returns:
+        context [T, 1, np * hn].
+    """
+    num_tokens, _, np_, hn = query.shape
+    ng = key_pool.size(-2)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
+    keys = key_pool.view(-1, ng, hn)  # [num_blocks * B, ng, hn]
+    values = value_pool.view(-1, ng, hn)
+    out = query.new_empty(num_tokens, np_, hn)
+    for q_start, q_end, kv_len, slots in requests:
+        q_len = q_end - q_start
+        q = query[q_start:q_end, 0].transpose(0, 1).unsqueeze(0)  # [1, np, q, hn]
+        k = keys.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, ng, kv, hn]
+        v = values.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        mask = None
+        if 1 < q_len < kv_len:
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(
+                diagonal=kv_len - q_len
+            )
+        ctx = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=1 < q_len == kv_len,
+            scale=scale,
+            enable_gqa=np_ != ng,  # each key head serves np / ng query heads
+        )
+        out[q_start:q_end] = ctx[0].transpose(0, 1)  # [1, np, q, hn] -> [q, np, hn]
+    return out.view(num_tokens, 1, np_ * hn)

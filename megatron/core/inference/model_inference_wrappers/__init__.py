@@ -1,0 +1,1 @@
+"""See megatron/core/inference/__init__.py."""

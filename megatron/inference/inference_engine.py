@@ -1,0 +1,103 @@
+"""Inference engines built from Megatron's command-line args (the training layer's side of
+`megatron.core.inference`, which itself takes configs only).
+
+`get_inference_engine(args, model)` gives the static-batching `MCoreEngine` (core_r0.8.0), or with
+`--inference-dynamic-batching` the `DynamicInferenceEngine` over a paged KV cache sized by the
+`--inference-dynamic-batching-*` flags.
+"""
+
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+from megatron.core.inference.engines.mcore_engine import MCoreEngine
+from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+    GPTInferenceWrapper,
+)
+from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+    InferenceWrapperConfig,
+)
+from megatron.core.inference.text_generation_controllers.simple_text_generation_controller import (
+    SimpleTextGenerationController,
+)
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.global_vars import get_tokenizer
+
+
+def get_inference_wrapper_config(args) -> InferenceWrapperConfig:
+    return InferenceWrapperConfig(
+        hidden_size=args.hidden_size,
+        inference_batch_times_seqlen_threshold=args.inference_batch_times_seqlen_threshold,
+        fp32_residual_connection=args.fp32_residual_connection,
+        params_dtype=args.params_dtype,
+        padded_vocab_size=args.padded_vocab_size,
+    )
+
+
+def get_dynamic_inference_context(args) -> DynamicInferenceContext:
+    """The paged KV cache of the --inference-dynamic-batching-* flags (ValueError naming the flag
+    when a size is out of range)."""
+    max_seq = args.inference_max_seq_length or args.max_position_embeddings
+    if (
+        max_seq > args.max_position_embeddings
+        and args.position_embedding_type == 'learned_absolute'
+    ):
+        raise ValueError(
+            f"--inference-max-seq-length ({max_seq}) exceeds --max-position-embeddings "
+            f"({args.max_position_embeddings}) of a model with learned position embeddings"
+        )
+    for flag, value in (
+        ('--inference-dynamic-batching-block-size', args.inference_dynamic_batching_block_size),
+        ('--inference-dynamic-batching-max-requests', args.inference_dynamic_batching_max_requests),
+        ('--inference-dynamic-batching-max-tokens', args.inference_dynamic_batching_max_tokens),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.inference_dynamic_batching_buffer_size_gb <= 0:
+        raise ValueError(
+            "--inference-dynamic-batching-buffer-size-gb must be > 0, got "
+            f"{args.inference_dynamic_batching_buffer_size_gb}"
+        )
+    return DynamicInferenceContext(
+        core_transformer_config_from_args(args),
+        max_sequence_length=max_seq,
+        buffer_size_gb=args.inference_dynamic_batching_buffer_size_gb,
+        block_size_tokens=args.inference_dynamic_batching_block_size,
+        max_requests=args.inference_dynamic_batching_max_requests,
+        max_tokens=args.inference_dynamic_batching_max_tokens,
+    )
+
+
+def get_inference_engine(
+    args, model, tokenizer=None, max_batch_size=None, random_seed=None, request_source_rank=None
+):
+    """The engine of `model` (one pipeline stage, not a list).
+
+    Args:
+        args: Megatron's args.
+        model: the model of this stage.
+        tokenizer: default `get_tokenizer()`.
+        max_batch_size: the static engine's batch size (default args.max_batch_size or 1).
+        random_seed: engine seed (static: torch.manual_seed at each generate(); dynamic: seeds
+            the requests' generators).
+        request_source_rank: dynamic engine only: the rank whose submissions are broadcast to
+            the others at each step (a server), None when every rank submits the same requests.
+    """
+    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
+    wrapper = GPTInferenceWrapper(model, get_inference_wrapper_config(args))
+    controller = SimpleTextGenerationController(
+        inference_wrapped_model=wrapper, tokenizer=tokenizer
+    )
+    if getattr(args, 'inference_dynamic_batching', False):
+        return DynamicInferenceEngine(
+            controller,
+            get_dynamic_inference_context(args),
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            random_seed=random_seed,
+            request_source_rank=request_source_rank,
+        )
+    if max_batch_size is None:
+        max_batch_size = getattr(args, 'max_batch_size', None) or 1
+    return MCoreEngine(
+        text_generation_controller=controller,
+        max_batch_size=max_batch_size,
+        random_seed=random_seed,
+    )

@@ -1,0 +1,75 @@
+"""Chat prompts: OpenAI-style messages rendered with the tokenizer's own chat template.
+
+Hugging Face tokenizers (`--tokenizer-type HuggingFaceTokenizer`) carry a chat template (the
+`chat_template` of their tokenizer_config.json); an `SFTTokenizer` renders with its
+`--sft-tokenizer-prompt-format` (the format the model was fine-tuned with). For every other
+tokenizer, or one without a template, `ValueError` says so (a server answers it with HTTP 400).
+"""
+
+from typing import List, Optional
+
+
+def get_chat_template(tokenizer) -> Optional[str]:
+    """The tokenizer's chat template (Jinja source), or None."""
+    hf_tokenizer = getattr(tokenizer, "_tokenizer", None)
+    return getattr(hf_tokenizer, "chat_template", None) or None
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string")
+
+
+def _sft_format(tokenizer):
+    """The SFTTokenizer prompt format that is not the tokenizer's own template, or None."""
+    prompt_format = getattr(tokenizer, "prompt_format", None)
+    if prompt_format is not None and prompt_format != "default" and hasattr(tokenizer, "render"):
+        return prompt_format
+    return None
+
+
+def _render(tokenizer, messages, add_generation_prompt, tokenize, template_kwargs):
+    _check_messages(messages)
+    if _sft_format(tokenizer) is not None:
+        text, _ = tokenizer.render(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.tokenize(text) if tokenize else text
+    if get_chat_template(tokenizer) is None:
+        raise ValueError(
+            f"the tokenizer ({type(tokenizer).__name__.lstrip('_')}) has no chat template: chat "
+            "requests need --tokenizer-type HuggingFaceTokenizer with a tokenizer whose "
+            "tokenizer_config.json defines chat_template"
+        )
+    try:
+        return tokenizer._tokenizer.apply_chat_template(
+            messages,
+            tokenize=tokenize,
+            add_generation_prompt=add_generation_prompt,
+            **(template_kwargs or {}),
+        )
+    except Exception as exc:  # the template's own checks (e.g. roles must alternate)
+        raise ValueError(f"the chat template rejected the messages: {exc}") from exc
+
+
+def apply_chat_template(
+    tokenizer, messages: List[dict], add_generation_prompt: bool = True, template_kwargs=None
+) -> str:
+    """The prompt text of `messages` (with the assistant's turn opened when
+    add_generation_prompt)."""
+    return _render(tokenizer, messages, add_generation_prompt, False, template_kwargs)
+
+
+def chat_prompt_token_ids(
+    tokenizer, messages: List[dict], add_generation_prompt: bool = True, template_kwargs=None
+) -> List[int]:
+    """The prompt's token ids, tokenized by the template itself (no second BOS, as tokenizing
+    the rendered text again could add)."""
+    ids = _render(tokenizer, messages, add_generation_prompt, True, template_kwargs)
+    if not isinstance(ids, list):  # newer transformers return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

@@ -117,11 +117,12 @@ def main(argv=None) -> int:
         print(f'error: {exc}', file=sys.stderr)
         return 2
 
-    # The saver (a forked child) shares stdout: block buffers flushed at any byte would cut each
-    # other's lines, so both write whole lines.
+    # The saver (a forked child) shares stdout: both write whole lines, one write each, so that
+    # neither cuts the other's lines (unbuffered, print writes a line and its newline apart; block
+    # buffers are flushed at any byte).
     if hasattr(sys.stdout, 'reconfigure'):
         sys.stdout.flush()
-        sys.stdout.reconfigure(line_buffering=True)
+        sys.stdout.reconfigure(line_buffering=True, write_through=False)
     queue = mp.Queue(maxsize=args.max_queue_size)
     print('Starting saver...')
     saver_proc = mp.Process(target=saver.save_checkpoint, args=(queue, args))

@@ -6,17 +6,19 @@ renumbered globally; a full model is written back at any target TP x PP in the s
 Between the two, each transformer layer travels as one dict whose keys are the names of the
 messages of Megatron's tools/checkpoint protocol ("qkv weight", "mlp l0 weight W", ...).
 
-Parameter rules (megatron-core GPT / BERT names, see
+Parameter rules (megatron-core GPT / BERT / T5 names, see
 `hf_weight_mapping.tensor_parallel_partition_dim`):
 
-- column-parallel, split along dim 0: word embeddings, output layer (and BERT's output bias),
-  linear_qkv (whole query groups per rank), linear_fc1 (per half under SwiGLU: rank r holds
-  [gate_r; up_r]);
-- row-parallel, split along dim 1: linear_proj and linear_fc2 weights;
+- column-parallel, split along dim 0: word embeddings, output layer (and the BERT / T5 output
+  bias), linear_qkv (whole query groups per rank), T5's cross-attention linear_q and linear_kv
+  (whole heads), linear_fc1 (per half under SwiGLU: rank r holds [gate_r; up_r]);
+- row-parallel, split along dim 1: the linear_proj (self and cross attention) and linear_fc2
+  weights;
 - replicated (taken from TP rank 0): norms, position and token-type embeddings, row-parallel
   biases, BERT's pooler, LM-head transform and binary head.
 
-Nothing here needs torch.distributed: files are read and written directly.
+Nothing here needs torch.distributed: files are read and written directly. T5's stage contents
+(encoder and decoder stacks around a pipeline split rank) are in checkpoint_conversion_t5.py.
 """
 
 import argparse
@@ -64,10 +66,14 @@ LAYER_MESSAGE_KEYS = {
     'mlp.linear_fc2.weight': 'mlp l1 weight',
     'mlp.linear_fc2.bias': 'mlp l1 bias',
 }
-#: Modules whose `_extra_state` entry a GPTModel state dict carries (None for local modules).
+#: Parallel linears of a layer, each with an `_extra_state` entry (None for local modules) in a
+#: model state dict; the cross-attention ones exist in T5 decoder layers only.
 _EXTRA_STATE_MODULES = (
     'self_attention.linear_proj',
     'self_attention.linear_qkv',
+    'cross_attention.linear_proj',
+    'cross_attention.linear_q',
+    'cross_attention.linear_kv',
     'mlp.linear_fc1',
     'mlp.linear_fc2',
 )
@@ -139,21 +145,26 @@ def recorded_true_vocab_size(args) -> Optional[int]:
 # messages <-> mcore layer state dicts
 
 
-def layer_to_message(layer: StateDict, swiglu: bool) -> Dict[str, torch.Tensor]:
+def layer_to_message(
+    layer: StateDict, swiglu: bool, keys: Optional[Dict[str, str]] = None
+) -> Dict[str, torch.Tensor]:
     """Full (TP-merged) layer tensors keyed by layer-local mcore names -> message keys.
 
     Under SwiGLU the fc1 weight [gate; up] is sent as "mlp l0 weight W" (gate) and "V" (up).
+    `keys` is the name -> message table (default `LAYER_MESSAGE_KEYS`; T5 decoder layers add
+    their cross attention's).
     """
+    keys = LAYER_MESSAGE_KEYS if keys is None else keys
     message = {}
     for name, tensor in layer.items():
         if name.endswith('_extra_state'):
             continue
-        if name not in LAYER_MESSAGE_KEYS:
+        if name not in keys:
             raise ValueError(
                 f'layer parameter {name!r} has no message in the checkpoint conversion protocol '
-                f'(supported: {sorted(LAYER_MESSAGE_KEYS)})'
+                f'(supported: {sorted(keys)})'
             )
-        key = LAYER_MESSAGE_KEYS[name]
+        key = keys[name]
         if swiglu and name.startswith('mlp.linear_fc1.'):
             gate, up = torch.chunk(tensor, 2, dim=0)
             message[key + ' W'], message[key + ' V'] = gate, up
@@ -162,10 +173,13 @@ def layer_to_message(layer: StateDict, swiglu: bool) -> Dict[str, torch.Tensor]:
     return message
 
 
-def message_to_layer(message: Dict[str, torch.Tensor], swiglu: bool) -> StateDict:
+def message_to_layer(
+    message: Dict[str, torch.Tensor], swiglu: bool, keys: Optional[Dict[str, str]] = None
+) -> StateDict:
     """Inverse of `layer_to_message`: pops the known keys (leftovers stay in `message`)."""
+    keys = LAYER_MESSAGE_KEYS if keys is None else keys
     layer = {}
-    for name, key in LAYER_MESSAGE_KEYS.items():
+    for name, key in keys.items():
         if swiglu and name.startswith('mlp.linear_fc1.'):
             if key + ' W' in message:
                 layer[name] = torch.cat([message.pop(key + ' W'), message.pop(key + ' V')], dim=0)
@@ -272,8 +286,19 @@ class CheckpointReader:
 
     @property
     def model_type(self) -> str:
-        """'BERT' when the model has an encoder block, else 'GPT'."""
-        return 'BERT' if any(k.startswith('encoder.') for k in self.model_keys) else 'GPT'
+        """'T5' for an encoder-decoder model, 'BERT' when the model has an encoder block only,
+        else 'GPT'.
+
+        T5 is told by the model type its args record (stage 0 of a pipelined T5 holds encoder
+        layers only), else by the rank-0 file holding both stacks.
+        """
+        recorded = getattr(self.args, 'model_type', None)
+        if getattr(recorded, 'name', recorded) == 'encoder_and_decoder':
+            return 'T5'
+        encoder = any(k.startswith('encoder.') for k in self.model_keys)
+        if encoder and any(k.startswith('decoder.') for k in self.model_keys):
+            return 'T5'
+        return 'BERT' if encoder else 'GPT'
 
     def rank_file(self, tp_rank: int, pp_rank: int) -> str:
         return get_checkpoint_name(
@@ -292,7 +317,8 @@ class CheckpointReader:
 
         Returns:
             ([(global layer offset, merged chunk state dict)] in chunk order, and the per-TP-rank
-            top-level dicts without their model entries (consumed counters, iteration...)).
+            top-level dicts without their model entries (consumed counters, iteration...)). A
+            T5's offset is None: its stacks are placed by `checkpoint_conversion_t5.t5_stage`.
         """
         swiglu = types.SimpleNamespace(gated_linear_unit=bool(getattr(self.args, 'swiglu', False)))
         files = [torch_load_weights_only(self.rank_file(t, pp_rank)) for t in range(self.tp)]
@@ -304,7 +330,11 @@ class CheckpointReader:
                 merged = dict(files[0][key])
             else:
                 merged = merge_tensor_parallel_state_dicts([f[key] for f in files], swiglu)
-            offset = layer_offset(self.args.num_layers, self.pp, pp_rank, self.vp, vp_rank)
+            offset = (
+                None
+                if self.model_type == 'T5'
+                else layer_offset(self.args.num_layers, self.pp, pp_rank, self.vp, vp_rank)
+            )
             chunks.append((offset, merged))
         others = [{k: v for k, v in f.items() if not k.startswith('model')} for f in files]
         return chunks, others
@@ -347,15 +377,18 @@ def args_for_target(
     save_dir: str,
     iteration: int,
     true_vocab_size: Optional[int] = None,
+    split_rank: Optional[int] = None,
 ) -> argparse.Namespace:
     """The args saved with a converted checkpoint: the source's, at the target layout.
 
     The converted checkpoint is never interleaved; --use-checkpoint-args at load time takes
-    TP, PP and the (absent) virtual pipeline from here.
+    TP, PP, the T5 pipeline split rank (`split_rank`, None for GPT / BERT and one stage) and the
+    (absent) virtual pipeline from here.
     """
     args = copy.copy(source_args)
     args.tensor_model_parallel_size = tp
     args.pipeline_model_parallel_size = pp
+    args.pipeline_model_parallel_split_rank = split_rank
     args.virtual_pipeline_model_parallel_size = None
     args.num_layers_per_virtual_pipeline_stage = None
     args.world_size = tp * pp
@@ -371,16 +404,23 @@ def args_for_target(
 
 
 def add_extra_state_entries(stage: StateDict, has_output_layer: bool) -> StateDict:
-    """The `_extra_state` entries (None) a model state dict lists for each parallel linear."""
+    """The `_extra_state` entries (None) a model state dict lists for each parallel linear.
+
+    A layer's linears are those whose weight the stage holds; T5's LM head is also registered
+    as `lm_head.output_layer`.
+    """
     out = dict(stage)
     layers = sorted(
         {m.group(1, 2) for m in map(_LAYER_RE.match, stage) if m}, key=lambda bl: int(bl[1])
     )
     for block, i in layers:
         for module in _EXTRA_STATE_MODULES:
-            out[f'{block}.layers.{i}.{module}._extra_state'] = None
+            if f'{block}.layers.{i}.{module}.weight' in stage:
+                out[f'{block}.layers.{i}.{module}._extra_state'] = None
     if has_output_layer:
         out['output_layer._extra_state'] = None
+        if any(name.startswith('lm_head.output_layer.') for name in stage):
+            out['lm_head.output_layer._extra_state'] = None
     return out
 
 

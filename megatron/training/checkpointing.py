@@ -416,9 +416,13 @@ def _layout_mismatch_message(checkpoint_args, checkpoint_name: str) -> Optional[
     """Megatron-worded differences of the parallel layout, or None if it matches."""
     args = get_args()
     lines = []
-    for name in ('tensor_model_parallel_size', 'pipeline_model_parallel_size'):
+    for name in (
+        'tensor_model_parallel_size',
+        'pipeline_model_parallel_size',
+        'pipeline_model_parallel_split_rank',  # T5: which stages hold the encoder
+    ):
         ckpt_value = getattr(checkpoint_args, name, None)
-        if ckpt_value is not None and ckpt_value != getattr(args, name):
+        if ckpt_value is not None and ckpt_value != getattr(args, name, None):
             lines.append(
                 f'{name} value from checkpoint ({ckpt_value}) is not equal to the input argument '
                 f'value ({getattr(args, name)}).'
@@ -679,6 +683,10 @@ def load_args_from_checkpoint(
         _set_arg(name, force=True)
     _set_arg('kv_channels')
     _set_arg('max_position_embeddings')
+    if getattr(checkpoint_args, 'decoder_seq_length', None) is not None:
+        # A T5's decoder (Megatron does not carry these: a T5 needed them on the command line).
+        _set_arg('decoder_num_layers')
+        _set_arg('decoder_seq_length')
     for name in (
         'position_embedding_type',
         'add_position_embedding',
@@ -714,6 +722,9 @@ def load_args_from_checkpoint(
         _set_arg('pipeline_model_parallel_size', force=True)
         _set_arg('virtual_pipeline_model_parallel_size', force=True)
         _set_arg('num_layers_per_virtual_pipeline_stage')
+        if getattr(checkpoint_args, 'pipeline_model_parallel_split_rank', None) is not None:
+            # A T5's pipeline split goes with its pipeline size (which stage holds which stack).
+            _set_arg('pipeline_model_parallel_split_rank', force=True)
     return args, checkpoint_args
 
 

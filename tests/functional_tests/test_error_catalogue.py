@@ -83,6 +83,7 @@ ELSEWHERE = {
     },
     'refusal-under-torchrun': 'tests/functional_tests/test_faults_torchrun.py',
     'mixed-layout': 'tests/functional_tests/test_convert_overwrite.py',
+    'convert-t5-split-rank': 'tests/functional_tests/test_convert_t5.py',
     'wandb-missing': 'tests/functional_tests/test_observability.py',
     'profile-needs-cuda': 'tests/functional_tests/test_observability.py',
     'inference-prompt-too-long': 'tests/unit_tests/inference/test_dynamic_engine.py',

@@ -8,8 +8,9 @@ runs in a child process and writes the target:
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1
 
 The queue carries first a metadata namespace, then one dict per message ("embeddings",
-"transformer layer N", "final norm", "output layer", BERT heads), each with a "name" key, then
-the string "done" ("exit" if the loader failed). Plugins: loader_<name>.py defines
+"transformer layer N", "final norm", "output layer", BERT heads; a T5's encoder and decoder
+messages are listed in mcore_t5.py), each with a "name" key, then the string "done" ("exit" if
+the loader failed). Plugins: loader_<name>.py defines
 `add_arguments(parser)` and `load_checkpoint(queue, args)`, saver_<name>.py `add_arguments` and
 `save_checkpoint(queue, args)`; either may also define `check_arguments(args, source)`, called
 before any process starts so that wrong flags fail in one line before any work.
@@ -56,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
         conflict_handler='resolve',
     )
     parser.add_argument(
-        '--model-type', type=str, required=True, choices=['GPT', 'BERT'], help='Type of the model'
+        '--model-type',
+        type=str,
+        required=True,
+        choices=['GPT', 'BERT', 'T5'],
+        help='Type of the model (T5: the mcore / megatron loader and saver)',
     )
     parser.add_argument(
         '--loader',
@@ -112,6 +117,12 @@ def main(argv=None) -> int:
         print(f'error: {exc}', file=sys.stderr)
         return 2
 
+    # The saver (a forked child) shares stdout: both write whole lines, one write each, so that
+    # neither cuts the other's lines (unbuffered, print writes a line and its newline apart; block
+    # buffers are flushed at any byte).
+    if hasattr(sys.stdout, 'reconfigure'):
+        sys.stdout.flush()
+        sys.stdout.reconfigure(line_buffering=True, write_through=False)
     queue = mp.Queue(maxsize=args.max_queue_size)
     print('Starting saver...')
     saver_proc = mp.Process(target=saver.save_checkpoint, args=(queue, args))

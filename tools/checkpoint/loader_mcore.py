@@ -1,13 +1,15 @@
-"""Loader plugin: checkpoints this project writes (megatron-core GPT models, torch format).
+"""Loader plugin: checkpoints this project writes (megatron-core GPT, BERT and T5 models, torch
+format).
 
-Any TP x PP (x EP for MoE models) layout, interleaved (virtual) pipelines, with or without the
-distributed optimizer:
-only the weights are read (optimizer state is not converted). The checkpoint's own args decide
-the architecture; --position-embedding-type is overridden by them.
+Any TP x PP (x EP for MoE models) layout, interleaved (virtual) pipelines, T5's encoder/decoder
+pipeline split, with or without the distributed optimizer: only the weights are read (optimizer
+state is not converted). The checkpoint's own args decide the architecture;
+--position-embedding-type is overridden by them.
 """
 
 import types
 
+import mcore_t5
 import utils
 
 utils.add_megatron_path()
@@ -97,13 +99,16 @@ def check_arguments(args):
         raise ValueError(
             f'--model-type {args.model_type}, but {args.load_dir} holds a {reader.model_type} model'
         )
-    return _metadata(args, reader, _true_vocab_size(args, reader.args))
+    md = _metadata(args, reader, _true_vocab_size(args, reader.args))
+    if md.model_type == 'T5':
+        mcore_t5.check_source(md)
+    return md
 
 
 def _metadata(args, reader, true_vocab_size):
     margs = reader.args
     normalization = getattr(margs, 'normalization', 'LayerNorm')
-    return types.SimpleNamespace(
+    md = types.SimpleNamespace(
         model_type=args.model_type,
         num_layers=margs.num_layers,
         hidden_size=margs.hidden_size,
@@ -130,6 +135,9 @@ def _metadata(args, reader, true_vocab_size):
         consumed_valid_samples=None,
         use_legacy_models=False,
     )
+    if args.model_type == 'T5':
+        vars(md).update(mcore_t5.metadata_fields(margs))
+    return md
 
 
 def _consumed(others, key):
@@ -160,6 +168,16 @@ def _load(queue, args):
 
     stage(0)
     queue.put(md)
+
+    if md.model_type == 'T5':
+
+        def take_stage(pp_rank):
+            ((_, chunk),) = stage(pp_rank)
+            del stages[pp_rank]
+            return chunk
+
+        mcore_t5.send_model(queue, md, reader.pp, take_stage, embeddings_message)
+        return
 
     _, first_rest = cc.split_chunk_by_layer(stage(0)[0][1], 0)
     utils.queue_put(queue, 'embeddings', embeddings_message(md, first_rest))

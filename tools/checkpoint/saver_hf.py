@@ -39,6 +39,11 @@ def add_arguments(parser):
 
 
 def check_arguments(args, md):
+    if md is not None and md.model_type != 'GPT':
+        raise ValueError(
+            f'--saver hf exports GPT models (GPT-2 and Llama families), not --model-type '
+            f'{md.model_type}'
+        )
     if md is not None:
         if _is_moe(md):
             hfc_moe.hf_moe_family_of_args(md.checkpoint_args)

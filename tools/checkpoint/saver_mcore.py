@@ -1,4 +1,5 @@
-"""Saver plugin: writes this project's checkpoint layout at any target TP x PP (x EP for MoE).
+"""Saver plugin: writes this project's checkpoint layout at any target TP x PP (x EP for MoE; for
+a T5, any encoder/decoder pipeline split: --target-pipeline-parallel-split-rank).
 
 Megatron's file layout (iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt and the tracker), the
 source iteration and args (at the target layout), no optimizer / scheduler / RNG state. The
@@ -10,6 +11,7 @@ untied output layer gets the same padding.
 import os
 import sys
 
+import mcore_t5
 import utils
 
 utils.add_megatron_path()
@@ -39,6 +41,13 @@ def add_arguments(parser, default_impl=DEFAULT_TRANSFORMER_IMPL, expert_flag=Tru
         help='Target pipeline model parallel size, defaults to the pipeline '
         'parallel size in the input checkpoint if provided by the loader, '
         'otherwise 1',
+    )
+    group.add_argument(
+        '--target-pipeline-parallel-split-rank',
+        type=int,
+        default=None,
+        help='T5 only: target --pipeline-model-parallel-split-rank (stages below it hold the '
+        'encoder); defaults to the source\'s when the pipeline size is kept',
     )
     group.add_argument(
         '--saver-transformer-impl',
@@ -115,7 +124,14 @@ def check_arguments(args, md):
         raise ValueError(
             f'--target-tensor-parallel-size {tp} does not divide ffn_hidden_size ({ffn})'
         )
-    if md.num_layers % pp:
+    if md.model_type == 'T5':
+        mcore_t5.check_target(args, md, pp)
+    elif getattr(args, 'target_pipeline_parallel_split_rank', None) is not None:
+        raise ValueError(
+            f'--target-pipeline-parallel-split-rank is for --model-type T5 (encoder-decoder '
+            f'models), not {md.model_type}'
+        )
+    elif md.num_layers % pp:
         raise ValueError(
             f'--target-pipeline-parallel-size {pp} does not divide the number of '
             f'layers ({md.num_layers})'
@@ -265,8 +281,9 @@ def _save(queue, args):
         sys.exit(1)
     source_rows = md.checkpoint_args.padded_vocab_size
     padded = target_vocab_size(md, tp, source_rows)
+    split = mcore_t5.target_split_rank(args, md, pp) if md.model_type == 'T5' else None
     margs = cc.args_for_target(
-        md.checkpoint_args, tp, pp, padded, args.save_dir, md.iteration, md.true_vocab_size
+        md.checkpoint_args, tp, pp, padded, args.save_dir, md.iteration, md.true_vocab_size, split
     )
     margs = _moe_target_args(margs, md, args, tp)
     margs.consumed_train_samples = md.consumed_train_samples or 0
@@ -283,6 +300,11 @@ def _save(queue, args):
         )
     else:
         writer = cc.CheckpointWriter(args.save_dir, md.iteration, tp, pp, margs, md.swiglu)
+    if md.model_type == 'T5':
+        mcore_t5.save_model(queue, md, args, writer, (pp, split), padded, _embeddings)
+        writer.finish()
+        print('Done!')
+        return
 
     layers_per_stage = md.num_layers // pp
     block = cc.block_name(md.model_type)

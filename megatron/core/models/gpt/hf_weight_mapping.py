@@ -359,8 +359,18 @@ _COLUMN_PARALLEL = (
     "self_attention.linear_kv.bias",
     "mlp.linear_fc1.weight",
     "mlp.linear_fc1.bias",
+    # T5's decoder cross attention: column-parallel q and kv (whole heads per rank, kv rows
+    # grouped per head as [k_h; v_h]), row-parallel output projection.
+    "cross_attention.linear_q.weight",
+    "cross_attention.linear_q.bias",
+    "cross_attention.linear_kv.weight",
+    "cross_attention.linear_kv.bias",
 )
-_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_ROW_PARALLEL = (
+    "self_attention.linear_proj.weight",
+    "cross_attention.linear_proj.weight",
+    "mlp.linear_fc2.weight",
+)
 
 
 # An MoE layer's experts and shared experts are MLPs split like the dense one.
@@ -374,7 +384,8 @@ def _as_dense_mlp_name(name: str) -> str:
 
 
 def tensor_parallel_partition_dim(name: str) -> Optional[int]:
-    """The dimension a megatron-core GPT parameter is split along under TP (None = replicated)."""
+    """The dimension a megatron-core GPT / BERT / T5 parameter is split along under TP (None =
+    replicated)."""
     name = _as_dense_mlp_name(name)
     if name.endswith(_COLUMN_PARALLEL):
         return 0

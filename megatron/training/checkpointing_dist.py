@@ -275,6 +275,11 @@ def maybe_finalize_async_save(blocking: bool = False, announce: bool = False) ->
     _ASYNC_QUEUE.maybe_finalize_async_calls(blocking)
 
 
+def async_writers_finished() -> bool:
+    """Whether this rank's background checkpoint writers are done (local, no collective)."""
+    return _ASYNC_QUEUE.writers_finished()
+
+
 # ---------------------------------------------------------------------------------------------
 # load
 

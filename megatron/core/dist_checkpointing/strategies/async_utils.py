@@ -98,6 +98,10 @@ class AsyncCallsQueue:
     def get_num_unfinalized_calls(self) -> int:
         return len(self._pending)
 
+    def writers_finished(self) -> bool:
+        """Whether this rank's background writers are all done (local; nothing finalized)."""
+        return not any(thread.is_alive() for _, thread, _ in self._pending)
+
     def maybe_finalize_async_calls(self, blocking: bool = False) -> List[int]:
         """Finalize the pending saves whose writers finished on every rank.
 

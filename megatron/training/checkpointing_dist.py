@@ -244,18 +244,24 @@ def save_dist_checkpoint(
         state_dict, checkpoint_dir, _save_strategy(args), async_sharded_save=bool(args.async_save)
     )
 
-    def move_tracker():
-        if _is_rank_0():
-            _write_tracker_atomically(args.save, iteration)
+    def announce():
         print_rank_0(
             f'  successfully saved checkpoint from iteration {iteration:7d} to {args.save} '
             f'[ t {mpu.get_tensor_model_parallel_world_size()}, '
             f'p {mpu.get_pipeline_model_parallel_world_size()} ]'
         )
+
+    def move_tracker():
+        if _is_rank_0():
+            _write_tracker_atomically(args.save, iteration)
+        announce()
         _barrier()
 
     if args.async_save:
-        request.add_finalize_fn(move_tracker)
+        # Rank 0 moves the tracker inside the request's finalization, after metadata.json;
+        # the verdict broadcast that ends it lets the other ranks go on.
+        request.add_coordinator_fn(lambda _results: _write_tracker_atomically(args.save, iteration))
+        request.add_finalize_fn(announce)
         _ASYNC_QUEUE.schedule_async_request(request)
         print_rank_0(
             f'  scheduled an async checkpoint save at iteration {iteration:7d} to {args.save}'

@@ -270,10 +270,8 @@ def build_write_items(
     `stage` snapshots every tensor on the CPU (for a background write while training changes
     the parameters); buffers in `staging` (keyed by chunk) are reused across saves, so a
     steady-state snapshot is a memcpy into warm pages rather than fresh allocations.
-    Accelerator tensors are copied into pinned buffers without blocking, then synchronized once.
     """
     items = []
-    devices = set()
     for sh in nested_values(sharded_state_dict):
         if isinstance(sh, ShardedTensor):
             if not is_main_replica(sh.replica_id):
@@ -281,7 +279,6 @@ def build_write_items(
             props = TensorProperties(dtype=sh.dtype)
             for offset, size, data in _tensor_chunks(sh):
                 if stage:
-                    devices.add(data.device.type)
                     data = _stage(data, (sh.key, offset), staging)
                 item = WriteItem(
                     index=MetadataIndex(sh.key, torch.Size(offset)),
@@ -296,23 +293,22 @@ def build_write_items(
         elif isinstance(sh, ShardedObject):
             if not is_main_replica(sh.replica_id):
                 continue
-            data = _object_bytes(sh.data) if stage else sh.data
+            # Staging pickles the object now; a snapshot is pickled by the writer.
+            data = _object_bytes(sh.data) if stage and not sh.snapshot else sh.data
             items.append(
                 (WriteItem(index=MetadataIndex(sh.unique_key), type=WriteItemType.BYTE_IO), data)
             )
-    for device_type in devices - {'cpu'}:  # the non-blocking copies have landed
-        torch.get_device_module(device_type).synchronize()
     return items
 
 
 def _stage(data: torch.Tensor, key, staging: Optional[Dict]) -> torch.Tensor:
-    on_cpu = data.device.type == 'cpu'
-    buf = None if staging is None else staging.get(key)
+    if staging is None:
+        return data.detach().to('cpu', copy=True)
+    buf = staging.get(key)
     if buf is None or buf.shape != data.shape or buf.dtype != data.dtype:
-        buf = torch.empty(data.shape, dtype=data.dtype, device='cpu', pin_memory=not on_cpu)
-        if staging is not None:
-            staging[key] = buf
-    buf.copy_(data.detach(), non_blocking=not on_cpu)
+        buf = torch.empty(data.shape, dtype=data.dtype, device='cpu')
+        staging[key] = buf
+    buf.copy_(data.detach())
     return buf
 
 

@@ -1,0 +1,134 @@
+"""Direct reads of DCP tensor records (strategies/direct_reader.py) and the cached save plan of
+`--ckpt-assume-constant-structure`.
+
+Direct reads: records written by plain PyTorch DCP load bit-exactly; row-major records are read
+straight into their targets (whole chunks, row ranges, column blocks through one span, into
+non-contiguous targets), while a record holding a strided tensor and byte objects take DCP's
+own per-item path.
+
+Cached plan: a second save with the same structure skips the planning exchange and writes the
+same metadata; a save whose structure changed is checked again (an invalid one is refused on
+every rank).
+"""
+
+import io
+import os
+
+import torch
+
+from tests.unit_tests.dist_utils import run_distributed
+
+FULL = torch.arange(48, dtype=torch.float32).view(6, 8)
+
+
+def _plain_dcp_checkpoint(path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    base = torch.arange(48, dtype=torch.int64).view(6, 8)
+    state = {
+        'a': FULL.clone(),
+        'b': torch.linspace(-1, 1, 15).to(torch.bfloat16).view(3, 5),
+        'c': torch.tensor(7, dtype=torch.int64),
+        't': base.t(),  # strided (column-major) record: not read directly
+        'o': io.BytesIO(b'object bytes'),
+    }
+    dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=True)
+    return state
+
+
+def test_direct_reads_equal_dcp_and_fall_back_for_strided_records(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import direct_reader
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        SafeFileSystemReader,
+        TorchDistLoadShardedStrategy,
+    )
+
+    path = str(tmp_path / 'plain')
+    saved = _plain_dcp_checkpoint(path)
+    via_dcp = []
+    original = direct_reader.DirectFileSystemReader._read_item_dcp
+
+    def counted(self, stream, item, planner):
+        via_dcp.append(item.storage_index.fqn)
+        return original(self, stream, item, planner)
+
+    monkeypatch.setattr(direct_reader.DirectFileSystemReader, '_read_item_dcp', counted)
+    state = {k: torch.zeros_like(v) for k, v in saved.items() if isinstance(v, torch.Tensor)}
+    state['o'] = io.BytesIO()
+    dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    for key in ('a', 'b', 'c', 't'):
+        assert torch.equal(state[key], saved[key]), key
+    assert state['o'].getvalue() == b'object bytes'
+    assert sorted(via_dcp) == ['o', 't']
+
+    # Sub-boxes of the stored [6, 8] chunk: rows (one contiguous range, read in place), a
+    # column block (one span, then a strided copy), into a non-contiguous target.
+    via_dcp.clear()
+    rows = torch.zeros(2, 8)
+    cols = torch.zeros(6, 3)
+    transposed_target = torch.zeros(8, 6).t()  # [6, 8], not contiguous
+    request = {
+        'rows': ShardedTensor('a', rows, torch.float32, (2, 8), (6, 8), (3, 0), (3, 1), 1),
+        'cols': ShardedTensor('a', cols, torch.float32, (6, 3), (6, 8), (0, 5), None, 1),
+        'whole': ShardedTensor('a', transposed_target, torch.float32, (6, 8), (6, 8), (0, 0), None),
+    }
+    TorchDistLoadShardedStrategy().load(request, path)
+    assert torch.equal(rows, FULL[3:5]) and torch.equal(cols, FULL[:, 5:])
+    assert torch.equal(transposed_target, FULL)
+    assert via_dcp == []
+
+
+def _save_twice_then_change(ckpt):
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import CheckpointingException, ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        TorchDistSaveShardedStrategy,
+        read_metadata,
+    )
+
+    rank = torch.distributed.get_rank()
+    exchanges = []
+    gather = torch_strategy._gather_to_0
+    torch_strategy._gather_to_0 = lambda obj: exchanges.append(1) or gather(obj)
+    strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+    out = {}
+    try:
+        for name, value in (('first', 1.0), ('second', 2.0)):
+            path = os.path.join(ckpt, name)
+            if rank == 0:
+                os.makedirs(path)
+            torch.distributed.barrier()
+            rows = FULL[3 * rank : 3 * rank + 3] * value
+            sd = {'w': ShardedTensor.from_rank_offsets('w', rows.clone(), (0, rank, 2))}
+            dist_checkpointing.save(sd, path, strategy)
+            out[name] = len(exchanges)
+        out['loaded'] = dist_checkpointing.load_plain_tensors(os.path.join(ckpt, 'second'))['w']
+        out['same_metadata'] = (
+            read_metadata(os.path.join(ckpt, 'first')).state_dict_metadata
+            == read_metadata(os.path.join(ckpt, 'second')).state_dict_metadata
+        )
+        path = os.path.join(ckpt, 'changed')
+        if rank == 0:
+            os.makedirs(path)
+        torch.distributed.barrier()
+        sd = {'w': ShardedTensor.from_rank_offsets('w', FULL.clone(), replica_id=0)}
+        try:
+            dist_checkpointing.save(sd, path, strategy)
+        except CheckpointingException as exc:
+            out['changed'] = str(exc)
+    finally:
+        torch_strategy._gather_to_0 = gather
+    return out
+
+
+def test_constant_structure_reuses_the_plan_and_rechecks_a_changed_one(tmp_path):
+    outs = run_distributed(_save_twice_then_change, world_size=2, args=(str(tmp_path),))
+    for out in outs:
+        assert out['first'] == 1 and out['second'] == 1  # the second save did not exchange
+        assert torch.equal(out['loaded'], FULL * 2.0) and out['same_metadata']
+        assert 'Invalid access pattern for w' in out['changed'], out.get('changed')

@@ -15,8 +15,8 @@ part into the target: two passes over every byte and ~2 ms of Python per record.
   beyond what `torch.load(weights_only=True)` allows;
 - `pread`ing the requested region (contiguous in the stored chunk: a whole chunk, or rows of
   it, which is what resharding along dim 0 and distributed-optimizer boxes request) directly
-  into a contiguous CPU target; any other request reads the smallest contiguous span into one
-  temporary buffer and copies the strided part.
+  into a contiguous CPU target; any other request reads the smallest contiguous span into a
+  scratch buffer (reused for the whole load) and copies the strided part.
 
 Records it does not recognise (compressed or zip64 members it cannot place, several storages,
 a stride other than row-major, another byte order, stream transforms) are read by DCP's own
@@ -172,14 +172,18 @@ class DirectFileSystemReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
                 item
             )
-        for relative_path, items in per_file.items():
-            items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
-            path = self.fs.concat_path(self.path, relative_path)
-            with open(path, 'rb') as stream:
-                fd = stream.fileno()
-                records: Dict = {}
-                for item in items:
-                    self._read_item(fd, stream, item, planner, records)
+        self._scratch = None  # reused staging bytes of reads that cannot land in place
+        try:
+            for relative_path, items in per_file.items():
+                items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
+                path = self.fs.concat_path(self.path, relative_path)
+                with open(path, 'rb') as stream:
+                    fd = stream.fileno()
+                    records: Dict = {}
+                    for item in items:
+                        self._read_item(fd, stream, item, planner, records)
+        finally:
+            self._scratch = None
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -213,8 +217,7 @@ class DirectFileSystemReader(FileSystemReader):
             self._copy_region(fd, record, offsets, lengths, target)
         planner.commit_tensor(item, target)
 
-    @staticmethod
-    def _copy_region(fd, record: _TensorRecord, offsets, lengths, target: torch.Tensor) -> None:
+    def _copy_region(self, fd, record: _TensorRecord, offsets, lengths, target) -> None:
         itemsize = record.dtype.itemsize
         first = sum(o * s for o, s in zip(offsets, record.strides))
         direct = (
@@ -227,9 +230,12 @@ class DirectFileSystemReader(FileSystemReader):
             _pread_into(fd, _byte_view(target), record.data_offset + first * itemsize)
             return
         last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, record.strides))
-        span = torch.empty(last - first + 1, dtype=record.dtype)
+        nbytes = (last - first + 1) * itemsize
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        span = self._scratch[:nbytes]
         _pread_into(fd, _byte_view(span), record.data_offset + first * itemsize)
-        target.copy_(span.as_strided(lengths, record.strides))
+        target.copy_(span.view(record.dtype).as_strided(lengths, record.strides))
 
     def _tensor_record(self, fd, stream, info) -> _TensorRecord:
         members = _zip_members(fd, info.offset, info.length)

@@ -18,7 +18,10 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import StragglerDetector
 from megatron.training.arguments import core_transformer_config_from_args
@@ -53,12 +56,20 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
 
         module_name, function_name = args.spec
         transformer_layer_spec = getattr(importlib.import_module(module_name), function_name)()
+    elif args.num_experts is not None and args.moe_layer_freq != 1:
+        # Dense and MoE layers mixed: one spec per layer of this stage.
+        transformer_layer_spec = get_gpt_decoder_block_spec(config)
     else:
         transformer_layer_spec = get_gpt_layer_local_spec(
             args.num_experts, args.moe_grouped_gemm, args.qk_layernorm
         )
     if args.reset_attention_mask:
-        transformer_layer_spec = _with_exact_attention_mask(transformer_layer_spec)
+        if hasattr(transformer_layer_spec, 'layer_specs'):
+            transformer_layer_spec.layer_specs = [
+                _with_exact_attention_mask(spec) for spec in transformer_layer_spec.layer_specs
+            ]
+        else:
+            transformer_layer_spec = _with_exact_attention_mask(transformer_layer_spec)
     return GPTModel(
         config=config,
         transformer_layer_spec=transformer_layer_spec,

@@ -21,7 +21,10 @@ import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.utils import get_current_device
 from megatron.inference.text_generation_server import (
     MAX_PROMPTS,
@@ -46,7 +49,10 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
     args = get_args()
     print_rank_0('building GPT model ...')
     config = core_transformer_config_from_args(args)
-    transformer_layer_spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm)
+    if args.num_experts is not None and args.moe_layer_freq != 1:
+        transformer_layer_spec = get_gpt_decoder_block_spec(config)  # dense and MoE layers
+    else:
+        transformer_layer_spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm)
     return GPTModel(
         config=config,
         transformer_layer_spec=transformer_layer_spec,

@@ -274,16 +274,9 @@ class ModelParallelConfig:
         if self.defer_embedding_wgrad_compute and self.wgrad_deferral_limit < 0:
             raise ValueError(f"wgrad_deferral_limit must be >= 0, got {self.wgrad_deferral_limit}")
 
-        if (
-            self.expert_model_parallel_size > 1
-            and self.tensor_model_parallel_size > 1
-            and not self.sequence_parallel
-        ):
-            raise ValueError(
-                f"expert_model_parallel_size ({self.expert_model_parallel_size}) > 1 with "
-                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}) > 1 needs "
-                "sequence_parallel=True"
-            )
+        # Expert x tensor parallelism needs sequence parallelism to *train* (Megatron checks it
+        # here); MoELayer refuses training without it, and inference (text generation, which
+        # cannot split single-token steps along the sequence) runs without it.
 
         if self.cpu_offloading and not (0 <= self.cpu_offloading_num_layers):
             raise ValueError(

@@ -569,6 +569,26 @@ def get_expert_model_parallel_group_if_none(group=None, check_initialized: bool 
     return group if group is not None else get_expert_model_parallel_group(check_initialized)
 
 
+def get_tensor_and_expert_parallel_group_if_none(group=None, check_initialized: bool = True):
+    """`group` if given, else the global tensor + expert parallel group."""
+    return group if group is not None else get_tensor_and_expert_parallel_group(check_initialized)
+
+
+def get_tensor_and_context_parallel_group_if_none(group=None, check_initialized: bool = True):
+    """`group` if given, else the global tensor + context parallel group."""
+    return group if group is not None else get_tensor_and_context_parallel_group(check_initialized)
+
+
+def get_data_modulo_expert_parallel_group_if_none(
+    group=None, with_context_parallel: bool = True, check_initialized: bool = True
+):
+    """`group` if given, else the global data-modulo-expert parallel group (the data parallel
+    group of expert parameters, with context parallel by default)."""
+    if group is not None:
+        return group
+    return get_data_modulo_expert_parallel_group(with_context_parallel, check_initialized)
+
+
 # --------------------------------------------------------------------------------------------
 # Sizes and ranks
 # --------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import math
 import torch
 
 from megatron.core.utils import uses_cuda
+from megatron.training.argument_validation_moe import validate_moe_args
 from megatron.training.argument_validation_sft_fim import validate_sft_and_fim_args
 from megatron.training.arguments_unsupported import check_unsupported_flags
 from megatron.training.context_parallel_checks import validate_context_parallel_args
@@ -444,9 +445,7 @@ def validate_args(args, defaults={}):
     if args.tokenizer_type == 'NullTokenizer' and args.vocab_size is None:
         raise ValueError('--tokenizer-type NullTokenizer requires --vocab-size')
 
-    # Experts.
-    if args.num_experts is not None and args.num_experts <= 0:
-        raise ValueError(f'--num-experts must be positive, got {args.num_experts}')
+    validate_moe_args(args)
 
     _validate_megatron_r08_extras(args)
     validate_dist_checkpoint_args(args)

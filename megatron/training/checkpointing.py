@@ -698,6 +698,11 @@ def load_args_from_checkpoint(
         'openai_gelu',
     ):
         _set_arg(name, force=True)
+    if getattr(checkpoint_args, 'num_experts', None):
+        from megatron.training.argument_validation_moe import MOE_CHECKPOINT_ARGS
+
+        for name in MOE_CHECKPOINT_ARGS:
+            _set_arg(name, force=True)
     _set_arg('tokenizer_type')
     _take_recorded_tokenizer_files(args, checkpoint_args)
     _set_arg('padded_vocab_size')
@@ -827,7 +832,17 @@ def _load_optimizer_and_scheduler(
     try:
         if optimizer is not None:
             optimizer.load_state_dict(state_dict['optimizer'])
-            if args.use_distributed_optimizer:
+            if args.use_distributed_optimizer and mpu.get_expert_model_parallel_world_size() > 1:
+                shards = distrib_optim_shards.load_expert_parallel_shards(
+                    checkpoint_name,
+                    _torch_load,
+                    mpu.get_expert_model_parallel_world_size(),
+                    mpu.get_expert_model_parallel_rank(),
+                )
+                if shards is None:
+                    raise KeyError(distrib_optim_shards.shard_name(checkpoint_name, 0))
+                optimizer.load_parameter_state_from_shards(shards[0], shards)
+            elif args.use_distributed_optimizer:
                 shards = distrib_optim_shards.load_shards(checkpoint_name, _torch_load)
                 if shards is not None:
                     optimizer.load_parameter_state_from_shards(shards)

@@ -93,12 +93,16 @@ def calc_params_l2_norm(model):
 
     Parameters duplicated across TP ranks (norms, row-parallel biases) are counted on TP rank 0
     only, the tied output weight once (`shared` params are skipped on non-first stages); squares
-    are summed over the model-parallel group.
+    are summed over the model-parallel group. With expert parallelism, dense parameters (equal on
+    every expert-parallel rank) are counted on expert-parallel rank 0 and each rank adds its own
+    experts; the sum runs over the tensor x expert x pipeline group.
     """
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     if not isinstance(model, list):
         model = [model]
+    expert_parallel = mpu.get_expert_model_parallel_world_size() > 1
+    count_dense = not expert_parallel or mpu.get_expert_model_parallel_rank() == 0
     total = torch.zeros(1, dtype=torch.float, device=get_current_device())
     for model_module in model:
         for param in model_module.parameters():
@@ -106,10 +110,15 @@ def calc_params_l2_norm(model):
                 getattr(param, 'shared', False)
                 and not mpu.is_pipeline_first_stage(ignore_virtual=True)
             )
+            is_expert = not getattr(param, 'allreduce', True)
+            if not is_expert and not count_dense:
+                continue
             if is_not_shared and param_is_not_tensor_parallel_duplicate(param):
                 data = param.main_param if getattr(param, 'main_param', None) is not None else param
                 total += data.detach().float().pow(2).sum()
-    torch.distributed.all_reduce(total, group=mpu.get_model_parallel_group())
+    torch.distributed.all_reduce(
+        total, group=mpu.get_model_parallel_group(with_expert_parallel=expert_parallel)
+    )
     return total.item() ** 0.5
 
 

@@ -67,6 +67,20 @@ ELSEWHERE = {
     'dist-optim-reshard': 'tests/functional_tests/test_dist_ckpt_errors.py',
     'dist-ckpt-incomplete': 'tests/unit_tests/dist_checkpointing/test_serialization.py',
     'dist-ckpt-planted': 'tests/unit_tests/dist_checkpointing/test_serialization.py',
+    **{
+        case: 'tests/unit_tests/training/test_moe_arguments.py'
+        for case in (
+            'moe-topk',
+            'moe-ep-experts',
+            'moe-ep-dp',
+            'moe-ep-tp-sp',
+            'moe-tp-sp',
+            'moe-capacity',
+            'moe-legacy',
+            'moe-dispatcher',
+            'moe-config',
+        )
+    },
     'refusal-under-torchrun': 'tests/functional_tests/test_faults_torchrun.py',
     'mixed-layout': 'tests/functional_tests/test_convert_overwrite.py',
     'wandb-missing': 'tests/functional_tests/test_observability.py',

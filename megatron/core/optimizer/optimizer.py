@@ -105,8 +105,14 @@ class MegatronOptimizer(ABC):
                 grads_for_norm.append(grad)
         return grads_for_norm
 
+    #: Set on the optimizer of expert-parallel parameters (see get_megatron_optimizer).
+    is_expert_optimizer = False
+
     def get_model_parallel_group(self) -> Optional[torch.distributed.ProcessGroup]:
-        """Group the grad norm, zero count and inf check are reduced over (TP x PP)."""
+        """Group the grad norm, zero count and inf check are reduced over: TP x PP, or
+        TP x EP x PP for expert parameters (each expert lives on one expert-parallel rank)."""
+        if self.is_expert_optimizer:
+            return parallel_state.get_model_parallel_group(with_expert_parallel=True)
         return parallel_state.get_model_parallel_group()
 
     def get_grad_norm(self) -> float:
@@ -641,11 +647,18 @@ class ChainedOptimizer(MegatronOptimizer):
             ]
         }
 
-    def load_parameter_state_from_shards(self, shards: List[Dict]):
-        """Load every saved rank's `get_parameter_state_shard` into each distributed optimizer."""
+    def load_parameter_state_from_shards(
+        self, shards: List[Dict], per_optimizer_shards: Optional[List[List[Dict]]] = None
+    ):
+        """Load every saved rank's `get_parameter_state_shard` into each distributed optimizer.
+
+        `per_optimizer_shards` gives each optimizer its own list of saved shards (with expert
+        parallelism the expert optimizer's data-parallel group is a subset of the dense one's).
+        """
         for index, optimizer in enumerate(self.chained_optimizers):
             if hasattr(optimizer, 'load_parameter_state_from_shards'):
-                optimizer.load_parameter_state_from_shards([s['chained'][index] for s in shards])
+                own = shards if per_optimizer_shards is None else per_optimizer_shards[index]
+                optimizer.load_parameter_state_from_shards([s['chained'][index] for s in own])
 
     def load_parameter_state(self, filename: str):
         """Load what `save_parameter_state` wrote into every distributed optimizer."""

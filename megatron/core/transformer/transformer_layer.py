@@ -145,6 +145,9 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         self.mlp = build_module(
             submodules.mlp, config=self.config, pg_collection=self.pg_collection
         )
+        if hasattr(self.mlp, 'set_layer_number'):
+            # An MoE layer records its auxiliary losses under the global layer number.
+            self.mlp.set_layer_number(self.layer_number)
         self.mlp_bda = build_module(submodules.mlp_bda)
 
         # Megatron runs bias-dropout-add under this handler (a no-op here).

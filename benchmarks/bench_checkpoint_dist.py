@@ -4,7 +4,8 @@ Phases, each one set of spawned ranks (`mp.spawn`) of the same world size:
 
 - save (the --tp x --pp layout): one Adam step, then `--repeats` rounds of [our sync save,
   torch.save + fsync of the same bytes per rank] in alternating order, then `--repeats` + 1
-  asynchronous saves (the first allocates the snapshot buffers);
+  asynchronous saves (the first allocates the snapshot buffers). Before each timed save its side
+  deletes its previous files (untimed), so both write into the same page-cache room;
 - load (same layout): `--repeats` rounds of [our load, torch.load of the same bytes];
 - load at --load-tp x --load-pp (resharded), and for DP > 1 sync saves with
   --no-ckpt-fully-parallel-save (a single writer per DP group).
@@ -194,36 +195,47 @@ def _save_phase(torch, args, state, meter, ckpt_dir, rank, bench, phase):
     result = {'save': [], 'ref_save': [], 'async': []}
     iteration = 0
     ref = None
-    for i in range(bench.repeats):
+
+    def ours(name):
+        # Each side first drops its previous files (untimed), so both write into a page
+        # cache with the same room: otherwise one side's writes pay for reclaiming the other's.
+        nonlocal iteration
         iteration += 1
+        torch.distributed.barrier()
+        if rank == 0:
+            _remove_iteration(ckpt_dir, iteration - 1)
         it = iteration
+        result['save'].append(
+            meter.measure(lambda: checkpointing.save_checkpoint(it, *state, 0), name)
+        )
 
-        def ours(it=it):
-            checkpointing.save_checkpoint(it, *state, 0)
+    def reference():
+        ref.remove()
+        result['ref_save'].append(meter.measure(ref.save))
 
+    for i in range(bench.repeats):
         name = f'{phase}_sync' if i == bench.repeats - 1 else None
         if phase == 'save_single':
-            result['save'].append(meter.measure(ours, name))
+            ours(name)
+        elif ref is None:  # the bytes each rank writes: one reference file per .distcp
+            ours(name)
+            ref = _Reference(torch, ckpt_dir, rank, iteration)
+            reference()
+        elif i % 2:
+            reference()
+            ours(name)
         else:
-            if ref is None:  # the bytes each rank writes: one reference file per .distcp
-                result['save'].append(meter.measure(ours, name))
-                ref = _Reference(torch, ckpt_dir, rank, iteration)
-                result['ref_save'].append(meter.measure(ref.save))
-            elif i % 2:
-                result['ref_save'].append(meter.measure(ref.save))
-                result['save'].append(meter.measure(ours, name))
-            else:
-                result['save'].append(meter.measure(ours, name))
-                result['ref_save'].append(meter.measure(ref.save))
-        torch.distributed.barrier()
-        if rank == 0 and iteration > 1:
-            _remove_iteration(ckpt_dir, iteration - 1)
+            ours(name)
+            reference()
     if phase == 'save_single':
         return result
     args.async_save = True
     for i in range(bench.repeats + 1):  # the first snapshot allocates its buffers
         iteration += 1
         it = iteration
+        torch.distributed.barrier()
+        if rank == 0:
+            _remove_iteration(ckpt_dir, iteration - 1)
         result['async'].append(
             meter.measure_async(
                 lambda: checkpointing.save_checkpoint(it, *state, 0),
@@ -232,9 +244,6 @@ def _save_phase(torch, args, state, meter, ckpt_dir, rank, bench, phase):
                 f'{phase}_async' if i == bench.repeats else None,
             )
         )
-        torch.distributed.barrier()
-        if rank == 0:
-            _remove_iteration(ckpt_dir, iteration - 1)
     result['last_iteration'] = iteration
     return result
 
@@ -282,10 +291,12 @@ class _Reference:
         self.names = [os.path.join(self.dir, f'{i}.pt') for i in range(len(sizes))]
         self.tensors = [torch.ones(size // 4, dtype=torch.float32) for size in sizes]
 
-    def save(self):
+    def remove(self):
         for name in self.names:  # fresh files, like our save's
             if os.path.exists(name):
                 os.remove(name)
+
+    def save(self):
         for name, tensor in zip(self.names, self.tensors):
             with open(name, 'wb') as f:
                 self.torch.save({'data': tensor}, f)

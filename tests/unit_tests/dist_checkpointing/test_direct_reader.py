@@ -6,14 +6,16 @@ straight into their targets (whole chunks, row ranges, column blocks through one
 non-contiguous targets), while a record holding a strided tensor and byte objects take DCP's
 own per-item path.
 
-Cached plan: a second save with the same structure skips the planning exchange and writes the
-same metadata; a save whose structure changed is checked again (an invalid one is refused on
-every rank).
+Cached plan: a second save with the same structure skips the planning exchange
+(`--ckpt-assume-constant-structure`) or rank 0's checks (default) and writes the same
+metadata; a save whose structure changed is checked again (an invalid one is refused on every
+rank).
 """
 
 import io
 import os
 
+import pytest
 import torch
 
 from tests.unit_tests.dist_utils import run_distributed
@@ -82,7 +84,7 @@ def test_direct_reads_equal_dcp_and_fall_back_for_strided_records(tmp_path, monk
     assert via_dcp == []
 
 
-def _save_twice_then_change(ckpt):
+def _save_twice_then_change(ckpt, cached):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import CheckpointingException, ShardedTensor
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
@@ -92,10 +94,11 @@ def _save_twice_then_change(ckpt):
     )
 
     rank = torch.distributed.get_rank()
-    exchanges = []
-    gather = torch_strategy._gather_to_0
+    exchanges, checks = [], []
+    gather, verdict = torch_strategy._gather_to_0, torch_strategy._global_verdict
     torch_strategy._gather_to_0 = lambda obj: exchanges.append(1) or gather(obj)
-    strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+    torch_strategy._global_verdict = lambda gathered: checks.append(1) or verdict(gathered)
+    strategy = TorchDistSaveShardedStrategy(cached_metadata=cached)
     out = {}
     try:
         for name, value in (('first', 1.0), ('second', 2.0)):
@@ -106,7 +109,7 @@ def _save_twice_then_change(ckpt):
             rows = FULL[3 * rank : 3 * rank + 3] * value
             sd = {'w': ShardedTensor.from_rank_offsets('w', rows.clone(), (0, rank, 2))}
             dist_checkpointing.save(sd, path, strategy)
-            out[name] = len(exchanges)
+            out[name] = (len(exchanges), len(checks))
         out['loaded'] = dist_checkpointing.load_plain_tensors(os.path.join(ckpt, 'second'))['w']
         out['same_metadata'] = (
             read_metadata(os.path.join(ckpt, 'first')).state_dict_metadata
@@ -123,12 +126,19 @@ def _save_twice_then_change(ckpt):
             out['changed'] = str(exc)
     finally:
         torch_strategy._gather_to_0 = gather
+        torch_strategy._global_verdict = verdict
     return out
 
 
-def test_constant_structure_reuses_the_plan_and_rechecks_a_changed_one(tmp_path):
-    outs = run_distributed(_save_twice_then_change, world_size=2, args=(str(tmp_path),))
-    for out in outs:
-        assert out['first'] == 1 and out['second'] == 1  # the second save did not exchange
+@pytest.mark.parametrize('cached', [True, False])
+def test_unchanged_structure_reuses_the_plan_and_a_changed_one_is_checked(tmp_path, cached):
+    """--ckpt-assume-constant-structure (cached): the second save skips the exchange; without
+    it the exchange runs but rank 0 reuses its verdict. Either way an invalid change is refused."""
+    outs = run_distributed(_save_twice_then_change, world_size=2, args=(str(tmp_path), cached))
+    for rank, out in enumerate(outs):
+        if cached:
+            assert out['first'] == out['second'] == (1, int(rank == 0))
+        else:
+            assert out['first'] == (1, int(rank == 0)) and out['second'] == (2, int(rank == 0))
         assert torch.equal(out['loaded'], FULL * 2.0) and out['same_metadata']
         assert 'Invalid access pattern for w' in out['changed'], out.get('changed')

@@ -380,9 +380,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Writes main replicas with DCP's FileSystemWriter (one file per rank and writer thread).
 
     Planning is one exchange: every rank's write records and sharding records (SavePreflight)
-    are gathered on rank 0, which checks the sharding, builds DCP's metadata and broadcasts
-    the verdict; every rank's own plan is its items under its file prefix `__{rank}_`, as in
-    DCP. Finishing is the request's one exchange (async_utils.py).
+    are gathered on rank 0, which checks the sharding, builds DCP's metadata (both skipped when
+    the gathered records equal those of the last accepted save) and broadcasts the verdict;
+    every rank's own plan is its items under its file prefix `__{rank}_`, as in DCP.
+    Finishing is the request's one exchange (async_utils.py).
 
     Args:
         backend, version: 'torch_dist', 1.
@@ -408,6 +409,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.thread_count = thread_count
         self.use_cached_ckpt_structure = cached_metadata
         self._cached = None  # (records key, metadata on rank 0)
+        self._accepted = None  # rank 0: (gathered records, metadata) of the last valid plan
         self._staging: Dict = {}  # reused CPU snapshot buffers of asynchronous saves
 
     def save(
@@ -484,7 +486,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             if same:
                 return self._cached[1]
         gathered = _gather_to_0((records, sharding, problem))
-        verdict, metadata = _global_verdict(gathered) if coordinator else (None, None)
+        verdict, metadata = None, None
+        if coordinator:
+            # The verdict is a function of what was gathered: an unchanged structure (every
+            # save of a training run) reuses the last accepted one instead of checking again.
+            if self._accepted is not None and self._accepted[0] == gathered:
+                metadata = self._accepted[1]
+            else:
+                verdict, metadata = _global_verdict(gathered)
+                self._accepted = None if verdict else (gathered, metadata)
         if torch.distributed.is_initialized():
             box = [verdict]
             torch.distributed.broadcast_object_list(box, src=0)

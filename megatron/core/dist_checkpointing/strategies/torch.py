@@ -268,8 +268,7 @@ def build_write_items(
     """(write item, data) for every main replica of the dict.
 
     `stage` snapshots every tensor on the CPU (for a background write while training changes
-    the parameters); buffers in `staging` (keyed by chunk) are reused across saves, so a
-    steady-state snapshot is a memcpy into warm pages rather than fresh allocations.
+    the parameters); see `_stage_all`.
     """
     items = []
     for sh in nested_values(sharded_state_dict):
@@ -278,8 +277,6 @@ def build_write_items(
                 continue
             props = TensorProperties(dtype=sh.dtype)
             for offset, size, data in _tensor_chunks(sh):
-                if stage:
-                    data = _stage(data, (sh.key, offset), staging)
                 item = WriteItem(
                     index=MetadataIndex(sh.key, torch.Size(offset)),
                     type=WriteItemType.SHARD,
@@ -298,7 +295,50 @@ def build_write_items(
             items.append(
                 (WriteItem(index=MetadataIndex(sh.unique_key), type=WriteItemType.BYTE_IO), data)
             )
-    return items
+    return _stage_all(items, staging) if stage else items
+
+
+def _stage_all(items: List[Tuple[WriteItem, Any]], staging: Optional[Dict]) -> List[Tuple]:
+    """The items with every tensor replaced by a CPU snapshot, each byte copied once.
+
+    Tensors whose memory lies inside another item's (the fp32 main parameters of the
+    distributed optimizer are views of the fp32 model parameters, so both keys hold the same
+    bytes) become views of that item's snapshot instead of a second copy. Snapshot buffers in
+    `staging` (keyed by chunk) are reused across saves: a steady-state snapshot is a memcpy
+    into warm pages rather than fresh allocations.
+    """
+    spans = []  # (start address, -nbytes, index) of contiguous tensors
+    for i, (item, data) in enumerate(items):
+        if isinstance(data, torch.Tensor) and data.is_contiguous() and data.numel() > 0:
+            nbytes = data.numel() * data.element_size()
+            spans.append((data.data_ptr(), -nbytes, i))
+    host_of = {}  # item index -> index of the item whose snapshot holds its bytes
+    host, host_end = None, -1
+    for start, neg_nbytes, i in sorted(spans):
+        data, host_data = items[i][1], None if host is None else items[host][1]
+        inside = (
+            host is not None
+            and start - neg_nbytes <= host_end
+            and data.device == host_data.device
+            and (start - host_data.data_ptr()) % data.element_size() == 0
+        )
+        if inside:
+            host_of[i] = host
+        elif start - neg_nbytes > host_end:
+            host, host_end = i, start - neg_nbytes
+    staged = list(items)
+    for i, (item, data) in enumerate(items):
+        if isinstance(data, torch.Tensor) and i not in host_of:
+            key = (item.index.fqn, tuple(item.index.offset))
+            staged[i] = (item, _stage(data, key, staging))
+    for i, h in host_of.items():
+        data, host_data, host_copy = items[i][1], items[h][1], staged[h][1]
+        first = data.data_ptr() - host_data.data_ptr()
+        nbytes = data.numel() * data.element_size()
+        host_bytes = host_copy.view(-1).view(torch.uint8)
+        view = host_bytes[first : first + nbytes].view(data.dtype).view(data.shape)
+        staged[i] = (items[i][0], view)
+    return staged
 
 
 def _stage(data: torch.Tensor, key, staging: Optional[Dict]) -> torch.Tensor:

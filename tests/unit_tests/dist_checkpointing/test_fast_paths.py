@@ -1,5 +1,6 @@
-"""Direct reads of DCP tensor records (strategies/direct_reader.py) and the cached save plan of
-`--ckpt-assume-constant-structure`.
+"""The fast paths of torch_dist saves and loads: direct reads of DCP tensor records
+(strategies/direct_reader.py), the reused save plan, and asynchronous snapshots that copy each
+byte once.
 
 Direct reads: records written by plain PyTorch DCP load bit-exactly; row-major records are read
 straight into their targets (whole chunks, row ranges, column blocks through one span, into
@@ -10,6 +11,10 @@ Cached plan: a second save with the same structure skips the planning exchange
 (`--ckpt-assume-constant-structure`) or rank 0's checks (default) and writes the same
 metadata; a save whose structure changed is checked again (an invalid one is refused on every
 rank).
+
+Snapshots: tensors that view another written tensor's memory (the distributed optimizer's fp32
+main parameters are views of the fp32 model parameters) are views of its snapshot, and every
+snapshot keeps the values of the moment of the save.
 """
 
 import io
@@ -142,3 +147,30 @@ def test_unchanged_structure_reuses_the_plan_and_a_changed_one_is_checked(tmp_pa
             assert out['first'] == (1, int(rank == 0)) and out['second'] == (2, int(rank == 0))
         assert torch.equal(out['loaded'], FULL * 2.0) and out['same_metadata']
         assert 'Invalid access pattern for w' in out['changed'], out.get('changed')
+
+
+def test_snapshot_copies_shared_bytes_once_and_keeps_the_saved_values():
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.torch import build_write_items
+
+    buffer = torch.arange(100, dtype=torch.float32)  # a contiguous parameter buffer
+    weight = buffer[10:70].view(6, 10)
+    main = weight.view(-1)  # fp32 main parameter: a view of the same memory
+    sd = {
+        'w': ShardedTensor.from_rank_offsets('w', weight),
+        'main': ShardedTensor.from_rank_offsets_flat(
+            'opt.w', main[5:40], (6, 10), flattened_range=slice(5, 40)
+        ),
+        'b': ShardedTensor.from_rank_offsets('b', buffer[70:80]),
+        'half': ShardedTensor.from_rank_offsets('half', torch.arange(4, dtype=torch.bfloat16)),
+    }
+    staging = {}
+    for step in range(2):  # the second save reuses the buffers
+        expected = [(item.index, data.clone()) for item, data in build_write_items(sd)]
+        items = build_write_items(sd, stage=True, staging=staging)
+        assert sorted(staging) == [('b', (0,)), ('half', (0,)), ('w', (0, 0))]
+        buffers = {buf.untyped_storage().data_ptr() for buf in staging.values()}
+        assert all(data.untyped_storage().data_ptr() in buffers for _, data in items)
+        buffer.add_(1000.0)  # training goes on
+        for (index, value), (item, data) in zip(expected, items):
+            assert item.index == index and torch.equal(data, value), index

@@ -200,11 +200,21 @@ def _tensor_chunks(sh: ShardedTensor) -> List[Tuple[Tuple[int, ...], Tuple[int, 
     return out
 
 
+_NONE_BYTES: List[bytes] = []  # torch.save([None]), computed once
+
+
 def _object_bytes(obj: Any) -> io.BytesIO:
+    if obj is None:  # the empty `_extra_state` of every linear layer: pickled once per process
+        if not _NONE_BYTES:
+            _NONE_BYTES.append(_pickled([None]))
+        return io.BytesIO(_NONE_BYTES[0])
+    return io.BytesIO(_pickled([obj]))
+
+
+def _pickled(obj: Any) -> bytes:
     buf = io.BytesIO()
-    torch.save([obj], buf)
-    buf.seek(0)
-    return buf
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor:

@@ -83,13 +83,17 @@ def is_dist_checkpoint_format(args) -> bool:
 
 
 def _sharded_rng_state(rng_state_list) -> ShardedObject:
-    """The RNG states as one cell of the (pp, tp) grid, written by DP rank 0."""
+    """The RNG states as one cell of the (pp, tp) grid, written by DP rank 0.
+
+    `get_rng_state` returns copies (tuples, new tensors, cloned tracker states), so an
+    asynchronous save pickles them in its background writer (`snapshot`)."""
     return ShardedObject(
         'rng_state',
         rng_state_list,
         (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()),
         (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()),
         replica_id=mpu.get_data_parallel_rank(with_context_parallel=True),
+        snapshot=True,
     )
 
 

@@ -72,7 +72,9 @@ def _zip_members(fd: int, start: int, length: int) -> Dict[str, Tuple[int, int]]
     at = tail.rfind(b'PK\x05\x06')
     if at < 0 or at + _EOCD.size > len(tail):
         raise _Unrecognised('no end of central directory')
-    _, _, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
+    _, _, _, _, count, cd_size, cd_offset, comment_len = _EOCD.unpack_from(tail, at)
+    if at + _EOCD.size + comment_len != len(tail):
+        raise _Unrecognised('end of central directory is not at the end of the record')
     if 0xFFFFFFFF in (cd_size, cd_offset) or count == 0xFFFF:
         loc = at - _EOCD64_LOCATOR.size
         if loc < 0:

@@ -29,6 +29,11 @@ torch_dist (`--format torch_dist`, distributed checkpoints; --use-distributed-op
 - resharded load: saved at --tp x --pp, loaded at --load-tp x --load-pp (same world size) vs the
   same-layout load.
 
+Every torch_dist measurement is repeated (--repeats, ours and the reference alternating in the
+same processes) and printed as median (min-max); next to the wall time (rank 0, between
+barriers) the CPU time of all ranks' processes (all threads) shows the work done, which a
+loaded machine does not inflate as much as the wall time.
+
 Usage:
     python benchmarks/bench_checkpoint.py                        # GPT-2 small (124M), DP=1
     python benchmarks/bench_checkpoint.py --dp 1 2 4 --use-distributed-optimizer both
@@ -71,6 +76,19 @@ def _parse():
     parser.add_argument('--pp', type=int, default=1, help='torch_dist: save layout PP')
     parser.add_argument('--load-tp', type=int, default=None, help='torch_dist: reshard to TP')
     parser.add_argument('--load-pp', type=int, default=None, help='torch_dist: reshard to PP')
+    parser.add_argument(
+        '--repeats', type=int, default=3, help='torch_dist: alternating repeats of each measurement'
+    )
+    parser.add_argument(
+        '--ckpt-assume-constant-structure',
+        action='store_true',
+        help='torch_dist: pass the flag (saves reuse the plan, validation and DP distribution)',
+    )
+    parser.add_argument(
+        '--profile',
+        default=None,
+        help='torch_dist: write cProfile CPU-time profiles of rank 0 (one per operation) here',
+    )
     return parser.parse_args()
 
 

@@ -83,13 +83,17 @@ def is_dist_checkpoint_format(args) -> bool:
 
 
 def _sharded_rng_state(rng_state_list) -> ShardedObject:
-    """The RNG states as one cell of the (pp, tp) grid, written by DP rank 0."""
+    """The RNG states as one cell of the (pp, tp) grid, written by DP rank 0.
+
+    `get_rng_state` returns copies (tuples, new tensors, cloned tracker states), so an
+    asynchronous save pickles them in its background writer (`snapshot`)."""
     return ShardedObject(
         'rng_state',
         rng_state_list,
         (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()),
         (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()),
         replica_id=mpu.get_data_parallel_rank(with_context_parallel=True),
+        snapshot=True,
     )
 
 
@@ -244,18 +248,24 @@ def save_dist_checkpoint(
         state_dict, checkpoint_dir, _save_strategy(args), async_sharded_save=bool(args.async_save)
     )
 
-    def move_tracker():
-        if _is_rank_0():
-            _write_tracker_atomically(args.save, iteration)
+    def announce():
         print_rank_0(
             f'  successfully saved checkpoint from iteration {iteration:7d} to {args.save} '
             f'[ t {mpu.get_tensor_model_parallel_world_size()}, '
             f'p {mpu.get_pipeline_model_parallel_world_size()} ]'
         )
+
+    def move_tracker():
+        if _is_rank_0():
+            _write_tracker_atomically(args.save, iteration)
+        announce()
         _barrier()
 
     if args.async_save:
-        request.add_finalize_fn(move_tracker)
+        # Rank 0 moves the tracker inside the request's finalization, after metadata.json;
+        # the verdict broadcast that ends it lets the other ranks go on.
+        request.add_coordinator_fn(lambda _results: _write_tracker_atomically(args.save, iteration))
+        request.add_finalize_fn(announce)
         _ASYNC_QUEUE.schedule_async_request(request)
         print_rank_0(
             f'  scheduled an async checkpoint save at iteration {iteration:7d} to {args.save}'
@@ -273,6 +283,11 @@ def maybe_finalize_async_save(blocking: bool = False, announce: bool = False) ->
     if blocking and announce:
         print_rank_0('Unfinalized async checkpoint saves. Finalizing them synchronously now.')
     _ASYNC_QUEUE.maybe_finalize_async_calls(blocking)
+
+
+def async_writers_finished() -> bool:
+    """Whether this rank's background checkpoint writers are done (local, no collective)."""
+    return _ASYNC_QUEUE.writers_finished()
 
 
 # ---------------------------------------------------------------------------------------------

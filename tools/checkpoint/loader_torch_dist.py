@@ -40,8 +40,9 @@ def _reader(args):
     common = dist_checkpointing.load_common_state_dict(path)
     keys = dist_checkpointing.load_tensors_metadata(path)
     model_type = 'BERT' if any(k.startswith('encoder.') for k in keys) else 'GPT'
+    # The tensors are read whole: the source layout is TP1 x PP1 x EP1.
     reader = types.SimpleNamespace(
-        args=common['args'], iteration=iteration, tp=1, pp=1, model_type=model_type, path=path
+        args=common['args'], iteration=iteration, tp=1, pp=1, ep=1, model_type=model_type, path=path
     )
     return reader
 

@@ -200,6 +200,9 @@ class ShardedObject(ShardedBase):
         global_shape: grid shape (e.g. (pp, tp)).
         global_offset: this cell's position in the grid.
         replica_id: see the module docstring.
+        snapshot: `data` is a copy made for this save that nothing modifies afterwards (e.g.
+            optimizer state gathered for it): an asynchronous save pickles it in its
+            background writer instead of while the training loop waits.
     """
 
     key: str
@@ -207,6 +210,7 @@ class ShardedObject(ShardedBase):
     global_shape: Tuple[int, ...]
     global_offset: Tuple[int, ...]
     replica_id: ReplicaId = 0
+    snapshot: bool = False
 
     def __post_init__(self):
         self.global_shape = tuple(self.global_shape)

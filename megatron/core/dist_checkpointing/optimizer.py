@@ -237,7 +237,8 @@ def _dp_zero_state(dist_optimizer, is_loading: bool):
     key = f'optimizer.distributed.dp_group_idx_{_model_parallel_index()}.param_state'
     state = None if is_loading else dist_optimizer.get_parameter_state_dp_zero()
     if dist_optimizer.is_dp_zero():
-        return ShardedObject(key, state, (1,), (0,), replica_id=0)
+        # A fresh gathered copy: an async save pickles it in the background.
+        return ShardedObject(key, state, (1,), (0,), replica_id=0, snapshot=True)
     return LocalNonpersistentObject(None)
 
 

@@ -43,6 +43,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
+    SavePreflight,
     SaveShardedStrategy,
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
@@ -50,6 +51,7 @@ from megatron.core.dist_checkpointing.strategies.base import (
 from megatron.core.dist_checkpointing.validation import (
     StrictHandling,
     determine_mismatch,
+    local_sharding_records,
     mismatch_message,
     parse_strict_flag,
     validate_sharding_integrity,
@@ -131,14 +133,20 @@ def _is_sharded(x) -> bool:
 # save
 
 
+def _directory_problem(checkpoint_dir: str) -> Optional[str]:
+    """Rank 0: what is wrong with the target directory (None on other ranks and when fine)."""
+    if _rank() != 0:
+        return None
+    if not os.path.isdir(checkpoint_dir):
+        return f'Checkpoint destination directory does not exist: {checkpoint_dir}'
+    if os.listdir(checkpoint_dir):
+        return f'Checkpoint destination directory ({checkpoint_dir}) is not empty'
+    return None
+
+
 def _check_directory(checkpoint_dir: str) -> None:
     """Rank 0: the target exists and is empty (collective verdict)."""
-    problem = None
-    if _rank() == 0:
-        if not os.path.isdir(checkpoint_dir):
-            problem = f'Checkpoint destination directory does not exist: {checkpoint_dir}'
-        elif os.listdir(checkpoint_dir):
-            problem = f'Checkpoint destination directory ({checkpoint_dir}) is not empty'
+    problem = _directory_problem(checkpoint_dir)
     if torch.distributed.is_initialized():
         box = [problem]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -147,13 +155,19 @@ def _check_directory(checkpoint_dir: str) -> None:
         raise CheckpointingException(problem)
 
 
-def _atomic_torch_save(obj: Any, path: str) -> None:
+def _atomic_write(data: bytes, path: str) -> None:
     tmp = path + '.tmp'
     with open(tmp, 'wb') as f:
-        torch.save(obj, f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _serialized(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def save(
@@ -166,53 +180,76 @@ def save(
 ) -> Optional[AsyncRequest]:
     """Collective: write a sharded state dict into the empty directory `checkpoint_dir`.
 
+    With the torch_dist strategies the directory check, the sharding check and the planning
+    are one exchange, and so are the end checks and the metadata writes (see strategies/).
+    common.pt is serialized at once (rank 0) and written with the sharded files.
+
     Args:
         sharded_state_dict: nested dict of ShardedTensor / ShardedObject / factories / common
             values (rank 0's common values are written to common.pt).
         checkpoint_dir: an existing, empty directory.
         sharded_strategy: default: torch_dist.
         common_strategy: unused (the torch common backend); for Megatron signature parity.
-        validate_access_integrity: check the sharding across ranks first (one gather).
-        async_sharded_save: return an AsyncRequest that writes the sharded files and then
-            metadata.json, instead of writing them now.
+        validate_access_integrity: check the sharding across ranks first.
+        async_sharded_save: return an AsyncRequest that writes the files and, when finalized,
+            the metadata and metadata.json, instead of writing them now.
 
     Returns:
         None, or the AsyncRequest with `async_sharded_save`.
     """
     if common_strategy is not None and getattr(common_strategy, 'backend', 'torch') != 'torch':
         raise CheckpointingException('only the torch common backend is supported')
-    _check_directory(checkpoint_dir)
     if sharded_strategy is None:
         sharded_strategy = get_default_save_sharded_strategy()
+    if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
+        raise CheckpointingException(
+            f'{type(sharded_strategy).__name__} cannot save asynchronously'
+        )
 
     apply_factories(sharded_state_dict)
     _, sharded_state_dict = extract_matching_values(
         sharded_state_dict, lambda x: isinstance(x, LocalNonpersistentObject)
     )
     sharded_part, common_part = extract_matching_values(sharded_state_dict, _is_sharded)
-    if validate_access_integrity:
-        validate_sharding_integrity(sharded_part)
-    if _rank() == 0:
-        _atomic_torch_save(common_part, os.path.join(checkpoint_dir, COMMON_STATE_FNAME))
-
+    common_path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
     config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version)
 
-    def write_config():
-        if _rank() == 0:
-            save_config(config, checkpoint_dir)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-
-    if async_sharded_save:
-        if not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
-            raise CheckpointingException(
-                f'{type(sharded_strategy).__name__} cannot save asynchronously'
-            )
+    if getattr(sharded_strategy, 'supports_preflight', False):
+        preflight = SavePreflight(
+            local_sharding_records(sharded_part) if validate_access_integrity else None,
+            _directory_problem(checkpoint_dir),
+        )
+        request = sharded_strategy.save_request(
+            sharded_part, checkpoint_dir, async_sharded_save, preflight
+        )
+    else:
+        _check_directory(checkpoint_dir)
+        if validate_access_integrity:
+            validate_sharding_integrity(sharded_part)
+        if not async_sharded_save:
+            if _rank() == 0:
+                _atomic_write(_serialized(common_part), common_path)
+            sharded_strategy.save(sharded_part, checkpoint_dir)
+            if _rank() == 0:
+                save_config(config, checkpoint_dir)
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+            return None
         request = sharded_strategy.async_save(sharded_part, checkpoint_dir)
-        request.add_finalize_fn(write_config)
+
+    common_bytes = _serialized(common_part) if _rank() == 0 else None
+    write_sharded = request.async_fn
+
+    def write_common_then_sharded(*args):
+        if common_bytes is not None:
+            _atomic_write(common_bytes, common_path)
+        return None if write_sharded is None else write_sharded(*args)
+
+    request.async_fn = write_common_then_sharded
+    request.add_coordinator_fn(lambda _results: save_config(config, checkpoint_dir))
+    if async_sharded_save:
         return request
-    sharded_strategy.save(sharded_part, checkpoint_dir)
-    write_config()
+    request.execute_sync()
     return None
 
 

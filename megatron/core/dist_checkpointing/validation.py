@@ -2,8 +2,11 @@
 
 Sharding integrity: every chunk of every global tensor has exactly one main replica across the
 ranks, chunks agree on dtype and global shape, flattened ranges tile their chunk, and every
-cell of a ShardedObject grid has one main replica. All ranks gather their metadata (one
-`all_gather_object`), rank 0 checks, and every rank raises the same one-line error.
+cell of a ShardedObject grid has one main replica. Every rank describes its shards as plain
+tuples (`local_sharding_records`), rank 0 gathers and checks them (`sharding_problems`) and
+broadcasts the verdict, so every rank raises the same one-line error. A save does this inside
+the strategy's planning exchange (one gather and one broadcast for both, none at all when the
+structure is unchanged under `--ckpt-assume-constant-structure`).
 
 Strictness (`--dist-ckpt-strictness`): "unexpected" keys are requested but absent from the
 checkpoint; "missing" keys are in the checkpoint but requested by no rank (a global exchange).
@@ -13,7 +16,7 @@ import logging
 import math
 from collections import defaultdict
 from enum import Enum
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 
@@ -97,15 +100,54 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def _gather(obj, group=None) -> List:
-    if not torch.distributed.is_initialized():
-        return [obj]
-    out = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(out, obj, group=group)
-    return out
+class TensorRecord(NamedTuple):
+    """What the sharding check needs of one ShardedTensor (a plain tuple: cheap to gather)."""
+
+    key: str
+    global_shape: Tuple[int, ...]
+    dtype: torch.dtype
+    global_offset: Tuple[int, ...]
+    local_shape: Tuple[int, ...]
+    local_chunk_shape: Tuple[int, ...]
+    main: bool
+    flattened_range: Optional[Tuple[int, int]]
 
 
-def _tensor_shard_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) -> List[str]:
+class ObjectRecord(NamedTuple):
+    """What the sharding check needs of one ShardedObject."""
+
+    key: str
+    unique_key: str
+    global_shape: Tuple[int, ...]
+    main: bool
+
+
+def local_sharding_records(sharded_state_dict) -> List:
+    """This rank's TensorRecords and ObjectRecords (no collective)."""
+    records = []
+    for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, ShardedTensor):
+            rng = sh.flattened_range
+            records.append(
+                TensorRecord(
+                    sh.key,
+                    sh.global_shape,
+                    sh.dtype,
+                    sh.global_offset,
+                    sh.local_shape,
+                    sh.local_chunk_shape,
+                    is_main_replica(sh.replica_id),
+                    None if rng is None else (rng.start, rng.stop),
+                )
+            )
+        elif isinstance(sh, ShardedObject):
+            records.append(
+                ObjectRecord(sh.key, sh.unique_key, sh.global_shape, is_main_replica(sh.replica_id))
+            )
+    return records
+
+
+def _tensor_shard_problems(key: str, shards: List[Tuple[int, TensorRecord]]) -> List[str]:
     """Problems of one global tensor's shards gathered from all ranks."""
     problems = []
     first = shards[0][1]
@@ -118,10 +160,10 @@ def _tensor_shard_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) ->
             return problems
     # Main replicas per chunk (offset) and, for flattened chunks, the ranges they cover.
     mains: Dict[Tuple, List] = defaultdict(list)
-    chunks: Dict[Tuple, ShardedTensor] = {}
+    chunks: Dict[Tuple, TensorRecord] = {}
     for rank, sh in shards:
         chunks[sh.global_offset] = sh
-        if is_main_replica(sh.replica_id):
+        if sh.main:
             mains[sh.global_offset].append((rank, sh.flattened_range))
     volume = 0
     for offset, sh in chunks.items():
@@ -145,7 +187,7 @@ def _tensor_shard_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) ->
         if any(r is None for r in ranges):
             problems.append(f'{key}: chunk at {offset} is both flattened and not')
             continue
-        spans = sorted((r.start, r.stop) for r in ranges)
+        spans = sorted(ranges)
         pos = 0
         for start, stop in spans:
             if start != pos:
@@ -164,45 +206,48 @@ def _tensor_shard_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) ->
     return problems
 
 
-def validate_sharding_integrity(sharded_state_dict, group=None) -> None:
-    """Collective: raise CheckpointingException on every rank if the sharding is inconsistent."""
-    local = [
-        sh.without_data()
-        for sh in nested_values(sharded_state_dict)
-        if isinstance(sh, (ShardedTensor, ShardedObject))
-    ]
-    gathered = _gather(local, group)
+def sharding_problems(gathered: List[List]) -> List[str]:
+    """At most 5 problems of every rank's records (gathered[rank] = local_sharding_records)."""
+    tensors = defaultdict(list)
+    objects = defaultdict(list)
+    for rank, records in enumerate(gathered):
+        for rec in records:
+            if isinstance(rec, TensorRecord):
+                tensors[rec.key].append((rank, rec))
+            else:
+                objects[rec.key].append((rank, rec))
     problems = []
-    if _rank() == 0 or not torch.distributed.is_initialized():
-        tensors = defaultdict(list)
-        objects = defaultdict(list)
-        for rank, shards in enumerate(gathered):
-            for sh in shards:
-                if isinstance(sh, ShardedTensor):
-                    tensors[sh.key].append((rank, sh))
-                else:
-                    objects[sh.key].append((rank, sh))
-        for key in sorted(tensors):
-            problems.extend(_tensor_shard_problems(key, tensors[key]))
-        for key in sorted(objects):
-            mains = [sh.unique_key for _, sh in objects[key] if is_main_replica(sh.replica_id)]
-            duplicates = sorted({k for k in mains if mains.count(k) > 1})
-            if duplicates:
-                problems.append(f'Duplicate ShardedObject keys: {duplicates}')
-            expected = math.prod(objects[key][0][1].global_shape)
-            if len(set(mains)) != expected:
-                problems.append(
-                    f'Invalid access pattern: {expected - len(set(mains))} ShardedObject are '
-                    f'missing (key {key})'
-                )
-    verdict = _broadcast_from_0(problems[:5])
-    if verdict:
-        raise CheckpointingException('; '.join(verdict))
+    for key in sorted(tensors):
+        problems.extend(_tensor_shard_problems(key, tensors[key]))
+    for key in sorted(objects):
+        mains = [rec.unique_key for _, rec in objects[key] if rec.main]
+        duplicates = sorted({k for k in mains if mains.count(k) > 1})
+        if duplicates:
+            problems.append(f'Duplicate ShardedObject keys: {duplicates}')
+        expected = math.prod(objects[key][0][1].global_shape)
+        if len(set(mains)) != expected:
+            problems.append(
+                f'Invalid access pattern: {expected - len(set(mains))} ShardedObject are '
+                f'missing (key {key})'
+            )
+    return problems[:5]
 
 
-def _broadcast_from_0(obj):
+def validate_sharding_integrity(sharded_state_dict, group=None) -> None:
+    """Collective over `group` (default: all ranks): raise CheckpointingException on every rank
+    if the sharding is inconsistent. The records are gathered on the group's first rank, which
+    checks them and broadcasts the verdict."""
+    records = local_sharding_records(sharded_state_dict)
     if not torch.distributed.is_initialized():
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
+        problems = sharding_problems([records])
+    else:
+        root = 0 if group is None else torch.distributed.get_global_rank(group, 0)
+        is_root = torch.distributed.get_rank() == root
+        size = torch.distributed.get_world_size(group)
+        gathered = [None] * size if is_root else None
+        torch.distributed.gather_object(records, gathered, dst=root, group=group)
+        box = [sharding_problems(gathered) if is_root else None]
+        torch.distributed.broadcast_object_list(box, src=root, group=group)
+        problems = box[0]
+    if problems:
+        raise CheckpointingException('; '.join(problems))

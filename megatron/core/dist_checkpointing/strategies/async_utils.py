@@ -6,15 +6,16 @@ A save is split into an `AsyncRequest`:
   every tensor this rank writes, so training may change the parameters right after);
 - `async_fn` writes this rank's files in a background thread (no collectives, so it never
   interleaves with the training loop's communication);
-- `finalize_fns` run on the main thread once *every* rank's writer is done: the DCP
-  `.metadata` (gathered write results), then `metadata.json`, then the caller's steps (the
-  trainer moves the tracker file last).
+- finalization runs on the main thread once *every* rank's writer is done: one gather of
+  every rank's outcome to rank 0, which writes DCP's `.metadata` (from the gathered write
+  results), then `metadata.json`, then the caller's steps (the trainer moves the tracker file
+  last), and one broadcast of its verdict.
 
 `AsyncCallsQueue.maybe_finalize_async_calls` is called by the training loop at every iteration:
 one small all-reduce (only while a save is pending) tells whether all writers finished. The
 next save, the end of training and the exit paths finalize with `blocking=True`. If the writer
-failed on any rank, finalization raises on every rank and nothing after `.distcp` is written:
-the previous checkpoint stays the latest.
+failed on any rank (or rank 0's finishing steps fail), finalization raises on every rank and
+nothing after `.distcp` is written: the previous checkpoint stays the latest.
 """
 
 import threading
@@ -29,10 +30,18 @@ from megatron.core.utils import get_current_device
 class AsyncRequest:
     """A save's background part (`async_fn(*async_fn_args)`) and its finalize steps.
 
+    Finalization (`finalize`, collective, main thread, after every rank's async_fn finished) is
+    one exchange: every rank's outcome (error or async_fn's result) is gathered on rank 0;
+    rank 0 runs the coordinator functions in order (each gets the list of every rank's result:
+    DCP's `.metadata`, then `metadata.json`, then the trainer's tracker) unless a writer failed;
+    rank 0's verdict is broadcast and every rank raises the same error or goes on with the
+    finalize functions.
+
     Args:
         async_fn: writes files; must not run collectives. None: nothing to write.
         async_fn_args: its positional arguments.
-        finalize_fns: run in order on the main thread after all ranks' async_fn finished.
+        finalize_fns: run in order on every rank after a successful finalization.
+        coordinator_fns: run in order on rank 0 with every rank's async_fn result.
     """
 
     def __init__(
@@ -40,15 +49,20 @@ class AsyncRequest:
         async_fn: Optional[Callable],
         async_fn_args: Tuple = (),
         finalize_fns: Optional[List[Callable]] = None,
+        coordinator_fns: Optional[List[Callable[[List[Any]], None]]] = None,
     ):
         self.async_fn = async_fn
         self.async_fn_args = tuple(async_fn_args)
         self.finalize_fns = list(finalize_fns or [])
+        self.coordinator_fns = list(coordinator_fns or [])
         self.result: Any = None
         self.error: Optional[BaseException] = None
 
     def add_finalize_fn(self, fn: Callable) -> None:
         self.finalize_fns.append(fn)
+
+    def add_coordinator_fn(self, fn: Callable[[List[Any]], None]) -> None:
+        self.coordinator_fns.append(fn)
 
     def run_async_fn(self) -> None:
         """Run the background part here, recording its result or error."""
@@ -61,21 +75,41 @@ class AsyncRequest:
     def execute_sync(self) -> None:
         """Write and finalize now (a synchronous save through the same steps)."""
         self.run_async_fn()
-        _raise_if_any_failed(self.error)
+        self.finalize()
+
+    def finalize(self) -> None:
+        """Collective: gather the outcomes, run the coordinator steps, share the verdict."""
+        mine = (None, self.result) if self.error is None else (repr(self.error), None)
+        if torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
+            gathered = [None] * torch.distributed.get_world_size() if rank == 0 else None
+            torch.distributed.gather_object(mine, gathered, dst=0)
+        else:
+            rank, gathered = 0, [mine]
+        verdict = None
+        if rank == 0:
+            verdict = self._coordinate(gathered)
+        if torch.distributed.is_initialized():
+            box = [verdict]
+            torch.distributed.broadcast_object_list(box, src=0)
+            verdict = box[0]
+        if verdict:
+            raise RuntimeError(verdict) from self.error
         for fn in self.finalize_fns:
             fn()
 
-
-def _raise_if_any_failed(error: Optional[BaseException]) -> None:
-    """Collective: every rank raises if any rank's writer failed."""
-    failed = 1 if error is not None else 0
-    if torch.distributed.is_initialized():
-        flag = torch.tensor([failed], dtype=torch.int32, device=get_current_device())
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        failed = int(flag.item())
-    if failed:
-        detail = f': {error!r}' if error is not None else ' (on another rank)'
-        raise RuntimeError(f'asynchronous checkpoint write failed{detail}') from error
+    def _coordinate(self, gathered: List[Tuple[Optional[str], Any]]) -> Optional[str]:
+        failed = [(rank, error) for rank, (error, _) in enumerate(gathered) if error is not None]
+        if failed:
+            rank, error = failed[0]
+            return f'asynchronous checkpoint write failed on rank {rank}: {error}'
+        results = [result for _, result in gathered]
+        try:
+            for fn in self.coordinator_fns:
+                fn(results)
+        except Exception as exc:  # every rank must still get the verdict
+            return f'finishing the checkpoint failed on rank 0: {exc!r}'
+        return None
 
 
 class AsyncCallsQueue:
@@ -97,6 +131,10 @@ class AsyncCallsQueue:
 
     def get_num_unfinalized_calls(self) -> int:
         return len(self._pending)
+
+    def writers_finished(self) -> bool:
+        """Whether this rank's background writers are all done (local; nothing finalized)."""
+        return not any(thread.is_alive() for _, thread, _ in self._pending)
 
     def maybe_finalize_async_calls(self, blocking: bool = False) -> List[int]:
         """Finalize the pending saves whose writers finished on every rank.
@@ -121,9 +159,7 @@ class AsyncCallsQueue:
                 break
             thread.join()
             self._pending.pop(0)
-            _raise_if_any_failed(request.error)
-            for fn in request.finalize_fns:
-                fn()
+            request.finalize()
             done.append(call_idx)
         return done
 

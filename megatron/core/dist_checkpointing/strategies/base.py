@@ -1,7 +1,8 @@
 """Strategy interfaces and the registry of default strategies per (backend, version)."""
 
 from abc import ABC, abstractmethod
-from typing import Dict, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 from megatron.core.dist_checkpointing.mapping import CheckpointingException, ShardedStateDict
 
@@ -19,6 +20,21 @@ class SaveShardedStrategy(ABC):
 
     def can_handle_sharded_objects(self) -> bool:
         return True
+
+
+@dataclass
+class SavePreflight:
+    """Checks of a save that a strategy with `save_request` runs inside its planning exchange
+    (instead of a collective each).
+
+    Args:
+        sharding: this rank's `validation.local_sharding_records` (before any fully parallel
+            redistribution), or None to skip the sharding-integrity check.
+        problem: rank 0's own finding (e.g. the target directory is not empty), or None.
+    """
+
+    sharding: Optional[List] = None
+    problem: Optional[str] = None
 
 
 class AsyncSaveShardedStrategy(SaveShardedStrategy):

@@ -46,17 +46,14 @@ def _numel(sh: ShardedTensor) -> int:
     return n
 
 
-def determine_main_replica_uniform_distribution(
-    sharded_state_dict: ShardedStateDict, group, only_main: bool = True
-) -> Dict[ShardId, int]:
-    """{shard id: group rank that handles it} (collective over `group`, deterministic)."""
+def _gather_shards(sharded_state_dict: ShardedStateDict, group):
+    """Collective over `group`: ({shard id: holder ranks}, {shard id: numel}, main shard ids)."""
     local = [
         (_shard_id(sh), _numel(sh), is_main_replica(sh.replica_id))
         for sh in nested_values(sharded_state_dict)
         if isinstance(sh, ShardedTensor)
     ]
-    size = torch.distributed.get_world_size(group)
-    gathered: List = [None] * size
+    gathered: List = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(gathered, local, group=group)
     holders, sizes, has_main = defaultdict(list), {}, set()
     for rank, shards in enumerate(gathered):
@@ -65,6 +62,10 @@ def determine_main_replica_uniform_distribution(
             sizes[shard_id] = numel
             if main:
                 has_main.add(shard_id)
+    return holders, sizes, has_main
+
+
+def _assign(holders, sizes, has_main, size: int, only_main: bool) -> Dict[ShardId, int]:
     candidates = [s for s in holders if s in has_main] if only_main else list(holders)
     candidates.sort(key=lambda s: (len(holders[s]), -sizes[s], repr(s)))
     load = [0] * size
@@ -74,6 +75,15 @@ def determine_main_replica_uniform_distribution(
         assignment[shard_id] = rank
         load[rank] += sizes[shard_id]
     return assignment
+
+
+def determine_main_replica_uniform_distribution(
+    sharded_state_dict: ShardedStateDict, group, only_main: bool = True
+) -> Dict[ShardId, int]:
+    """{shard id: group rank that handles it} (collective over `group`, deterministic)."""
+    holders, sizes, has_main = _gather_shards(sharded_state_dict, group)
+    size = torch.distributed.get_world_size(group)
+    return _assign(holders, sizes, has_main, size, only_main)
 
 
 def distribute_main_replicas_with_precomputed_distribution(
@@ -127,13 +137,24 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
             sharded_state_dict, self.parallelization_group, assignment
         )
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str):
-        self.apply_saving_parallelization(sharded_state_dict)
-        return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
+    @property
+    def supports_preflight(self) -> bool:
+        return getattr(self.base_strategy, 'supports_preflight', False)
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> None:
+    def save_request(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str, stage, preflight=None
+    ):
+        """The wrapped strategy's request after spreading the main replicas."""
         self.apply_saving_parallelization(sharded_state_dict)
-        self.base_strategy.save(sharded_state_dict, checkpoint_dir)
+        return self.base_strategy.save_request(sharded_state_dict, checkpoint_dir, stage, preflight)
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str, **kwargs):
+        self.apply_saving_parallelization(sharded_state_dict)
+        return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir, **kwargs)
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str, **kwargs) -> None:
+        self.apply_saving_parallelization(sharded_state_dict)
+        self.base_strategy.save(sharded_state_dict, checkpoint_dir, **kwargs)
 
 
 class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
@@ -155,10 +176,9 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         size = torch.distributed.get_world_size(group)
         rank = torch.distributed.get_rank(group)
         tensors = [sh for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)]
-        assignment = determine_main_replica_uniform_distribution(
-            sharded_state_dict, group, only_main=False
-        )
-        holders_all = _held_by_all(tensors, group, size)
+        holders, sizes, has_main = _gather_shards(sharded_state_dict, group)  # one exchange
+        assignment = _assign(holders, sizes, has_main, size, only_main=False)
+        holders_all = {sid for sid, ranks in holders.items() if len(set(ranks)) == size}
         mine, others = [], []
         for sh in tensors:
             sid = _shard_id(sh)
@@ -190,13 +210,3 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
 
     def stored_keys(self, checkpoint_dir: str) -> set:
         return self.base_strategy.stored_keys(checkpoint_dir)
-
-
-def _held_by_all(tensors: List[ShardedTensor], group, size: int) -> set:
-    local = sorted({_shard_id(sh) for sh in tensors}, key=repr)
-    gathered: List = [None] * size
-    torch.distributed.all_gather_object(gathered, local, group=group)
-    common = set(gathered[0])
-    for ids in gathered[1:]:
-        common &= set(ids)
-    return common

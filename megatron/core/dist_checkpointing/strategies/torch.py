@@ -13,14 +13,18 @@ its local chunk one stored chunk (a flattened distributed-optimizer slice is sto
 rectangular boxes it covers, so every key keeps the model's global shape and any chunking can
 read it). A ShardedObject is the bytes entry `unique_key` holding `torch.save([obj])`.
 
-Saving: planning is collective (plans gathered on rank 0, which builds the metadata and checks
-that chunks neither overlap nor leave holes); writing is local; finishing gathers the write
-results to rank 0, which writes `.metadata`. The same steps serve asynchronous saves (see
-async_utils.py): staging copies the tensors to CPU first.
+Saving: planning is one exchange (every rank's write records and sharding records, plain
+tuples, gathered on rank 0, which checks the sharding, builds the metadata, checks that chunks
+neither overlap nor leave holes, and broadcasts the verdict; none with an unchanged structure
+under `--ckpt-assume-constant-structure`); writing is local (no intermediate copy of a tensor
+that views a larger buffer); finishing gathers the write results to rank 0, which writes
+`.metadata`. The same steps serve asynchronous saves (see async_utils.py): staging copies the
+tensors to CPU first.
 
 Loading needs no collective: every rank reads `.metadata` (with an unpickler that builds only
-DCP's metadata classes, so a planted file cannot run code) and then exactly the byte ranges of
-the stored chunks overlapping what it requested; tensors are read with `weights_only=True`.
+DCP's metadata classes, so a planted file cannot run code; parsed once per load) and then the
+byte ranges of the stored chunks overlapping what it requested, straight into the requesting
+tensors (direct_reader.py; records are interpreted with `torch.load(weights_only=True)`).
 """
 
 import dataclasses
@@ -32,8 +36,9 @@ import pickle
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -68,7 +73,11 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
+    SavePreflight,
 )
+from megatron.core.dist_checkpointing.strategies.direct_reader import DirectFileSystemReader
+from megatron.core.dist_checkpointing.validation import sharding_problems
+from megatron.core.utils import get_current_device
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +129,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose `.metadata` is unpickled without running code."""
+class SafeFileSystemReader(DirectFileSystemReader):
+    """FileSystemReader whose `.metadata` is unpickled without running code and whose tensor
+    records are read straight into their targets (direct_reader.py)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = os.path.join(self.path, '.metadata')
@@ -139,9 +149,28 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+_METADATA_CACHE: Dict[Tuple, Metadata] = {}
+
+
 def read_metadata(checkpoint_dir: str) -> Metadata:
-    """The DCP metadata of a checkpoint directory (safe unpickling)."""
-    return SafeFileSystemReader(checkpoint_dir).read_metadata()
+    """The DCP metadata of a checkpoint directory (safe unpickling).
+
+    One load asks for it several times (strictness, optional keys, the read itself): the parsed
+    object is kept per file identity (path, inode, size, mtime), which a rewritten `.metadata`
+    (DCP writes a temporary file and renames it) always changes. Callers must not modify it.
+    """
+    path = os.path.abspath(os.path.join(checkpoint_dir, '.metadata'))
+    try:
+        st = os.stat(path)
+    except OSError:
+        return SafeFileSystemReader(checkpoint_dir).read_metadata()  # raises the one-line error
+    key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _METADATA_CACHE:
+        metadata = SafeFileSystemReader(checkpoint_dir).read_metadata()
+        if len(_METADATA_CACHE) >= 4:
+            _METADATA_CACHE.pop(next(iter(_METADATA_CACHE)))
+        _METADATA_CACHE[key] = metadata
+    return _METADATA_CACHE[key]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,15 +200,45 @@ def _tensor_chunks(sh: ShardedTensor) -> List[Tuple[Tuple[int, ...], Tuple[int, 
     return out
 
 
+_NONE_BYTES: List[bytes] = []  # torch.save([None]), computed once
+
+
 def _object_bytes(obj: Any) -> io.BytesIO:
+    if obj is None:  # the empty `_extra_state` of every linear layer: pickled once per process
+        if not _NONE_BYTES:
+            _NONE_BYTES.append(_pickled([None]))
+        return io.BytesIO(_NONE_BYTES[0])
+    return io.BytesIO(_pickled([obj]))
+
+
+def _pickled(obj: Any) -> bytes:
     buf = io.BytesIO()
-    torch.save([obj], buf)
-    buf.seek(0)
-    return buf
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or an alias of it whose storage is exactly its bytes.
+
+    `torch.save` writes whole storages, so DCP clones a CPU tensor whose storage is larger than
+    its data (a parameter viewing a contiguous buffer, a distributed-optimizer slice) before
+    writing it. The alias (a storage slice: no copy) gives the same bytes on disk."""
+    if tensor.device.type != 'cpu' or not tensor.is_contiguous():
+        return tensor
+    nbytes = tensor.numel() * tensor.element_size()
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == nbytes:
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    alias = torch.empty(0, dtype=tensor.dtype)
+    return alias.set_(storage[start : start + nbytes], 0, tensor.shape, tensor.stride())
 
 
 class MCoreSavePlanner(SavePlanner):
-    """Writes the given (write item, data) pairs; global planning is DCP's default."""
+    """Writes the given (write item, data) pairs.
+
+    `create_global_plan` is DCP's default (for callers driving DCP themselves); the strategy
+    below builds the same metadata from compact records (`build_global_metadata`)."""
 
     def __init__(self, items: List[Tuple[WriteItem, Any]]):
         self._items = items
@@ -210,7 +269,7 @@ class MCoreSavePlanner(SavePlanner):
         data = self._data[(write_item.index.fqn, write_item.index.offset)]
         if write_item.type == WriteItemType.BYTE_IO:
             return _object_bytes(data) if not isinstance(data, io.BytesIO) else data
-        return data.detach()
+        return _compact(data.detach())
 
 
 def build_write_items(
@@ -219,8 +278,7 @@ def build_write_items(
     """(write item, data) for every main replica of the dict.
 
     `stage` snapshots every tensor on the CPU (for a background write while training changes
-    the parameters); buffers in `staging` (keyed by chunk) are reused across saves, so a
-    steady-state snapshot is a memcpy into warm pages rather than fresh allocations.
+    the parameters); see `_stage_all`.
     """
     items = []
     for sh in nested_values(sharded_state_dict):
@@ -229,8 +287,6 @@ def build_write_items(
                 continue
             props = TensorProperties(dtype=sh.dtype)
             for offset, size, data in _tensor_chunks(sh):
-                if stage:
-                    data = _stage(data, (sh.key, offset), staging)
                 item = WriteItem(
                     index=MetadataIndex(sh.key, torch.Size(offset)),
                     type=WriteItemType.SHARD,
@@ -244,11 +300,55 @@ def build_write_items(
         elif isinstance(sh, ShardedObject):
             if not is_main_replica(sh.replica_id):
                 continue
-            data = _object_bytes(sh.data) if stage else sh.data
+            # Staging pickles the object now; a snapshot is pickled by the writer.
+            data = _object_bytes(sh.data) if stage and not sh.snapshot else sh.data
             items.append(
                 (WriteItem(index=MetadataIndex(sh.unique_key), type=WriteItemType.BYTE_IO), data)
             )
-    return items
+    return _stage_all(items, staging) if stage else items
+
+
+def _stage_all(items: List[Tuple[WriteItem, Any]], staging: Optional[Dict]) -> List[Tuple]:
+    """The items with every tensor replaced by a CPU snapshot, each byte copied once.
+
+    Tensors whose memory lies inside another item's (the fp32 main parameters of the
+    distributed optimizer are views of the fp32 model parameters, so both keys hold the same
+    bytes) become views of that item's snapshot instead of a second copy. Snapshot buffers in
+    `staging` (keyed by chunk) are reused across saves: a steady-state snapshot is a memcpy
+    into warm pages rather than fresh allocations.
+    """
+    spans = []  # (start address, -nbytes, index) of contiguous tensors
+    for i, (item, data) in enumerate(items):
+        if isinstance(data, torch.Tensor) and data.is_contiguous() and data.numel() > 0:
+            nbytes = data.numel() * data.element_size()
+            spans.append((data.data_ptr(), -nbytes, i))
+    host_of = {}  # item index -> index of the item whose snapshot holds its bytes
+    host, host_end = None, -1
+    for start, neg_nbytes, i in sorted(spans):
+        data, host_data = items[i][1], None if host is None else items[host][1]
+        inside = (
+            host is not None
+            and start - neg_nbytes <= host_end
+            and data.device == host_data.device
+            and (start - host_data.data_ptr()) % data.element_size() == 0
+        )
+        if inside:
+            host_of[i] = host
+        elif start - neg_nbytes > host_end:
+            host, host_end = i, start - neg_nbytes
+    staged = list(items)
+    for i, (item, data) in enumerate(items):
+        if isinstance(data, torch.Tensor) and i not in host_of:
+            key = (item.index.fqn, tuple(item.index.offset))
+            staged[i] = (item, _stage(data, key, staging))
+    for i, h in host_of.items():
+        data, host_data, host_copy = items[i][1], items[h][1], staged[h][1]
+        first = data.data_ptr() - host_data.data_ptr()
+        nbytes = data.numel() * data.element_size()
+        host_bytes = host_copy.view(-1).view(torch.uint8)
+        view = host_bytes[first : first + nbytes].view(data.dtype).view(data.shape)
+        staged[i] = (items[i][0], view)
+    return staged
 
 
 def _stage(data: torch.Tensor, key, staging: Optional[Dict]) -> torch.Tensor:
@@ -262,21 +362,89 @@ def _stage(data: torch.Tensor, key, staging: Optional[Dict]) -> torch.Tensor:
     return buf
 
 
-def _plan_key(plan: SavePlan) -> List[Tuple]:
-    return [(i.index.fqn, tuple(i.index.offset or ()), i.type.value) for i in plan.items]
+def _write_records(items: List[Tuple[WriteItem, Any]]) -> List[Tuple]:
+    """This rank's contribution to the global metadata, as plain tuples (cheap to gather):
+    (key,) for an object, (key, chunk offsets, chunk sizes, dtype, global size) for a tensor."""
+    records = []
+    for item, _ in items:
+        if item.type == WriteItemType.BYTE_IO:
+            records.append((item.index.fqn,))
+        else:
+            td = item.tensor_data
+            records.append(
+                (
+                    item.index.fqn,
+                    tuple(td.chunk.offsets),
+                    tuple(td.chunk.sizes),
+                    td.properties.dtype,
+                    tuple(td.size),
+                )
+            )
+    return records
+
+
+def build_global_metadata(all_records: List[List[Tuple]]) -> Tuple[Metadata, List[str]]:
+    """DCP's Metadata of every rank's `_write_records` (what DCP's default global plan builds
+    from the ranks' save plans, in the same order), and the objects written twice."""
+    md: Dict[str, Any] = {}
+    problems = []
+    for rank, records in enumerate(all_records):
+        for rec in records:
+            if len(rec) == 1:
+                if rec[0] in md:
+                    problems.append(f'{rec[0]} is written by more than one rank (again by {rank})')
+                md[rec[0]] = BytesStorageMetadata()
+                continue
+            key, offsets, sizes, dtype, size = rec
+            tensor_md = md.get(key)
+            if tensor_md is None:
+                tensor_md = md[key] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=dtype), size=torch.Size(size), chunks=[]
+                )
+            tensor_md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+    metadata = Metadata(md)
+    metadata.mcore_data = {
+        key: {} for key, value in md.items() if isinstance(value, TensorStorageMetadata)
+    }
+    return metadata, problems
+
+
+def _global_verdict(gathered: List[Tuple]) -> Tuple[Optional[str], Optional[Metadata]]:
+    """Rank 0: (error message or None, metadata) of every rank's (write records, sharding
+    records, problem)."""
+    for _, _, problem in gathered:
+        if problem:
+            return problem, None
+    if any(sharding is not None for _, sharding, _ in gathered):
+        problems = sharding_problems([sharding or [] for _, sharding, _ in gathered])
+        if problems:
+            return '; '.join(problems), None
+    metadata, problems = build_global_metadata([records for records, _, _ in gathered])
+    problems = (problems + _chunk_problems(metadata))[:5]
+    if problems:
+        return 'invalid checkpoint sharding: ' + '; '.join(problems), None
+    return None, metadata
 
 
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Writes main replicas with DCP's FileSystemWriter (one file per rank and writer thread).
 
+    Planning is one exchange: every rank's write records and sharding records (SavePreflight)
+    are gathered on rank 0, which checks the sharding, builds DCP's metadata (both skipped when
+    the gathered records equal those of the last accepted save) and broadcasts the verdict;
+    every rank's own plan is its items under its file prefix `__{rank}_`, as in DCP.
+    Finishing is the request's one exchange (async_utils.py).
+
     Args:
         backend, version: 'torch_dist', 1.
         keep_only_main_replica: only main replicas are written (always True here).
         thread_count: files (and writer threads) per rank.
-        cached_metadata: reuse the global plan of the previous save when every rank's local
-            plan is unchanged (`--ckpt-assume-constant-structure`); one scalar all-reduce
-            decides.
+        cached_metadata: when every rank's records equal those of the previous save
+            (`--ckpt-assume-constant-structure`; one scalar all-reduce decides), reuse its
+            verdict and metadata instead of the exchange.
     """
+
+    supports_preflight = True
 
     def __init__(
         self,
@@ -290,21 +458,40 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = thread_count
         self.use_cached_ckpt_structure = cached_metadata
-        self._cached = None  # (local plan key, central plan, metadata)
+        self._cached = None  # (records key, metadata on rank 0)
+        self._accepted = None  # rank 0: (gathered records, metadata) of the last valid plan
         self._staging: Dict = {}  # reused CPU snapshot buffers of asynchronous saves
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> None:
+    def save(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        checkpoint_dir: str,
+        preflight: Optional[SavePreflight] = None,
+    ) -> None:
         """Synchronous save: the tensors are written from where they are (no snapshot)."""
-        self._request(sharded_state_dict, checkpoint_dir, stage=False).execute_sync()
+        self.save_request(sharded_state_dict, checkpoint_dir, False, preflight).execute_sync()
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> AsyncRequest:
+    def async_save(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        checkpoint_dir: str,
+        preflight: Optional[SavePreflight] = None,
+    ) -> AsyncRequest:
         """Plan (collective) and snapshot now; the returned request writes and finishes.
 
         The caller finalizes a request before the next one starts (the snapshot buffers are
         reused)."""
-        return self._request(sharded_state_dict, checkpoint_dir, stage=True)
+        return self.save_request(sharded_state_dict, checkpoint_dir, True, preflight)
 
-    def _request(self, sharded_state_dict, checkpoint_dir: str, stage: bool) -> AsyncRequest:
+    def save_request(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        checkpoint_dir: str,
+        stage: bool,
+        preflight: Optional[SavePreflight] = None,
+    ) -> AsyncRequest:
+        """Plan (collective; raises on every rank) and return the request that writes this
+        rank's files and, when finalized, DCP's `.metadata` (rank 0)."""
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         coordinator = rank == 0
         items = build_write_items(sharded_state_dict, stage=stage, staging=self._staging)
@@ -318,52 +505,55 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             overwrite=False,
         )
         writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
-        central_plan, metadata = self._global_plan(planner, writer, coordinator)
+        problem = preflight.problem if preflight is not None else None
+        try:
+            local_plan = writer.prepare_local_plan(planner.create_local_plan())
+        except Exception as exc:  # reported on every rank by the exchange
+            problem = problem or f'rank {rank}: {exc}'
+            local_plan = None
+        sharding = preflight.sharding if preflight is not None else None
+        metadata = self._plan(_write_records(items), sharding, problem, coordinator)
+        central_plan = dataclasses.replace(local_plan, storage_data=_StoragePrefix(f'__{rank}_'))
 
         def write():
             return writer.write_data(central_plan, planner).value()
 
-        def finish():
-            results = request.result
-            gathered = _gather_to_0(results)
-            if coordinator:
-                writer.finish(metadata, gathered)
-            if torch.distributed.is_initialized():
-                torch.distributed.barrier()
+        def write_metadata(results):
+            writer.finish(metadata, results)
 
-        request = AsyncRequest(write, (), [finish])
-        return request
+        return AsyncRequest(write, (), coordinator_fns=[write_metadata])
 
-    def _global_plan(self, planner, writer, coordinator):
-        local_plan = writer.prepare_local_plan(planner.create_local_plan())
-        key = _plan_key(local_plan)
+    def _plan(self, records, sharding, problem, coordinator) -> Optional[Metadata]:
+        """Collective: the global metadata (rank 0; None elsewhere) or the same error raised
+        on every rank."""
+        key = (records, sharding)
         if self.use_cached_ckpt_structure and self._cached is not None:
-            same = int(self._cached[0] == key)
+            same = int(problem is None and self._cached[0] == key)
             if torch.distributed.is_initialized():
-                flag = torch.tensor([same], dtype=torch.int32)
+                flag = torch.tensor([same], dtype=torch.int32, device=get_current_device())
                 torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
                 same = int(flag.item())
             if same:
-                return self._cached[1], self._cached[2]
-        all_plans = _gather_to_0(local_plan)
-        payload = [None]
+                return self._cached[1]
+        gathered = _gather_to_0((records, sharding, problem))
+        verdict, metadata = None, None
         if coordinator:
-            plans, metadata = planner.create_global_plan(all_plans)
-            problems = _chunk_problems(metadata)
-            if problems:
-                payload = [(None, problems)]
+            # The verdict is a function of what was gathered: an unchanged structure (every
+            # save of a training run) reuses the last accepted one instead of checking again.
+            if self._accepted is not None and self._accepted[0] == gathered:
+                metadata = self._accepted[1]
             else:
-                payload = [(writer.prepare_global_plan(plans), metadata)]
+                verdict, metadata = _global_verdict(gathered)
+                self._accepted = None if verdict else (gathered, metadata)
         if torch.distributed.is_initialized():
-            torch.distributed.broadcast_object_list(payload, src=0)
-        plans, metadata = payload[0]
-        if plans is None:
-            raise CheckpointingException('invalid checkpoint sharding: ' + '; '.join(metadata))
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        central_plan = planner.finish_plan(plans[rank])
+            box = [verdict]
+            torch.distributed.broadcast_object_list(box, src=0)
+            verdict = box[0]
+        if verdict:
+            raise CheckpointingException(verdict)
         if self.use_cached_ckpt_structure:
-            self._cached = (key, central_plan, metadata)
-        return central_plan, metadata
+            self._cached = (key, metadata)
+        return metadata
 
 
 def _chunk_problems(metadata: Metadata) -> List[str]:
@@ -510,7 +700,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> ShardedStateDict:
         reader = SafeFileSystemReader(checkpoint_dir)
-        metadata = reader.read_metadata()
+        metadata = read_metadata(checkpoint_dir)
         requests, targets, objects = build_read_requests(sharded_state_dict, metadata)
         reader.set_up_storage_reader(metadata, False)
         planner = MCoreLoadPlanner(requests, targets, objects)

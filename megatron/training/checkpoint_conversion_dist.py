@@ -101,12 +101,9 @@ def write_full_state_dict(
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.training.checkpoint_args import CHECKPOINT_VERSION, args_for_checkpoint
     from megatron.training.checkpoint_layout import get_checkpoint_name
-    from megatron.training.checkpointing import (
-        CHECKPOINT_VERSION,
-        _args_for_checkpoint,
-        _write_tracker_atomically,
-    )
+    from megatron.training.checkpoint_tracker import write_tracker_atomically
 
     created = _init_single_process_group()
     try:
@@ -118,14 +115,14 @@ def write_full_state_dict(
         }
         dist_checkpointing.save(
             {
-                'args': _args_for_checkpoint(args),
+                'args': args_for_checkpoint(args),
                 'checkpoint_version': CHECKPOINT_VERSION,
                 'iteration': iteration,
                 'model': model,
             },
             checkpoint_dir,
         )
-        _write_tracker_atomically(save_dir, iteration)
+        write_tracker_atomically(save_dir, iteration)
         return checkpoint_dir
     finally:
         if created:

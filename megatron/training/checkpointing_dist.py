@@ -52,6 +52,22 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.utils import uses_cuda
+from megatron.training.checkpoint_args import (
+    CHECKPOINT_VERSION,
+    args_for_checkpoint,
+    record_checkpoint_version,
+    restore_training_args,
+)
+from megatron.training.checkpoint_layout import (
+    _parse_tracker,
+    get_checkpoint_name,
+    get_checkpoint_tracker_filename,
+)
+from megatron.training.checkpoint_rng import get_rng_state, restore_rng_state
+from megatron.training.checkpoint_tracker import (
+    check_tracker_moves_forward,
+    write_tracker_atomically,
+)
 
 _ASYNC_QUEUE = AsyncCallsQueue()
 _SAVE_STRATEGY = {}
@@ -118,9 +134,7 @@ def generate_sharded_state_dict(
 ) -> Dict[str, Any]:
     """The sharded state dict of the whole training state (Megatron's `generate_state_dict`
     with `use_dist_ckpt=True`)."""
-    from megatron.training.checkpointing import CHECKPOINT_VERSION, _args_for_checkpoint
-
-    state_dict = {'args': _args_for_checkpoint(args), 'checkpoint_version': CHECKPOINT_VERSION}
+    state_dict = {'args': args_for_checkpoint(args), 'checkpoint_version': CHECKPOINT_VERSION}
     if iteration is not None:
         state_dict['iteration'] = iteration
     state_dict.update(_model_sharded_state_dicts(model))
@@ -181,13 +195,10 @@ def _dp_group_for_objects():
 
 def _prepare_directory(save_dir: str, iteration: int, checkpoint_dir: str) -> bool:
     """Rank 0 clears a leftover of a killed save; False when this iteration is saved already."""
-    from megatron.training.checkpoint_layout import get_checkpoint_tracker_filename
-    from megatron.training.checkpointing import _check_tracker_moves_forward, _parse_tracker
-
     verdict = [None]
     if _is_rank_0():
         try:
-            _check_tracker_moves_forward(save_dir, iteration)
+            check_tracker_moves_forward(save_dir, iteration)
             tracker = get_checkpoint_tracker_filename(save_dir)
             named = _parse_tracker(tracker) if os.path.isfile(tracker) else None
             if named == (iteration, False) and os.path.isdir(checkpoint_dir):
@@ -212,9 +223,6 @@ def save_dist_checkpoint(
 ) -> None:
     """Save in torch_dist format (every rank). With `--async-save` the files are written in the
     background and the tracker moves once all ranks finished (see the module docstring)."""
-    from megatron.training.checkpoint_layout import get_checkpoint_name
-    from megatron.training.checkpointing import _write_tracker_atomically, get_rng_state
-
     maybe_finalize_async_save(blocking=True)  # one pending save at a time, in order
     print_rank_0(
         f'saving checkpoint at iteration {iteration:7d} to {args.save} in torch_dist format'
@@ -246,7 +254,7 @@ def save_dist_checkpoint(
 
     def move_tracker():
         if _is_rank_0():
-            _write_tracker_atomically(args.save, iteration)
+            write_tracker_atomically(args.save, iteration)
         print_rank_0(
             f'  successfully saved checkpoint from iteration {iteration:7d} to {args.save} '
             f'[ t {mpu.get_tensor_model_parallel_world_size()}, '
@@ -281,8 +289,6 @@ def maybe_finalize_async_save(blocking: bool = False, announce: bool = False) ->
 
 def find_dist_checkpoint_dir(load_dir: str, iteration: int, release: bool) -> Optional[str]:
     """The iteration directory if it is a distributed checkpoint, else None."""
-    from megatron.training.checkpoint_layout import get_checkpoint_name
-
     checkpoint_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
     if dist_checkpointing.check_is_distributed_checkpoint(checkpoint_dir):
         return checkpoint_dir
@@ -420,8 +426,6 @@ def load_dist_checkpoint(
     Returns:
         (iteration, num_floating_point_operations_so_far).
     """
-    from megatron.training import checkpointing as legacy
-
     iteration_name = 'release' if release else 'iteration'
     common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
     it = common.get('iteration', 0)
@@ -429,12 +433,10 @@ def load_dist_checkpoint(
         f' loading distributed checkpoint from {load_dir} at {iteration_name}'
         + ('' if release else f' {it}')
     )
-    legacy.record_checkpoint_version(common, checkpoint_dir)
+    record_checkpoint_version(common, checkpoint_dir)
     iteration = 0 if (release or args.finetune) else it
-    legacy.restore_training_args(args, common, checkpoint_dir, dist_format=True)
+    restore_training_args(args, common, checkpoint_dir, dist_format=True)
     plan = _load_plan(args, common, checkpoint_dir, release, optimizer)
-
-    from megatron.training.checkpointing import get_rng_state
 
     rng = _sharded_rng_state(get_rng_state()) if plan['load_rng'] else None
     state_dict = generate_sharded_state_dict(
@@ -463,7 +465,7 @@ def load_dist_checkpoint(
     elif (args.fp16 or args.bf16) and optimizer is not None:
         optimizer.reload_model_params()
     if plan['load_rng']:
-        legacy.restore_rng_state(args, loaded['rng_state'], checkpoint_dir)
+        restore_rng_state(args, loaded['rng_state'], checkpoint_dir)
     _barrier()
     print_rank_0(
         f'  successfully loaded checkpoint from {load_dir} '

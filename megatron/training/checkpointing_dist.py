@@ -68,6 +68,12 @@ from megatron.training.checkpoint_tracker import (
     check_tracker_moves_forward,
     write_tracker_atomically,
 )
+from megatron.training.checkpointing_dist_optimizer import (
+    adapt_loaded_state,
+    match_optimizer_keys,
+    stored_sub_optimizer_count,
+    sub_optimizers,
+)
 
 _ASYNC_QUEUE = AsyncCallsQueue()
 _SAVE_STRATEGY = {}
@@ -98,15 +104,27 @@ def is_dist_checkpoint_format(args) -> bool:
 # the state dict
 
 
-def _sharded_rng_state(rng_state_list) -> ShardedObject:
-    """The RNG states as one cell of the (pp, tp) grid, written by DP rank 0."""
-    return ShardedObject(
-        'rng_state',
-        rng_state_list,
-        (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()),
-        (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()),
-        replica_id=mpu.get_data_parallel_rank(with_context_parallel=True),
+def _sharded_rng_state(rng_state_list, with_expert_axis: Optional[bool] = None) -> ShardedObject:
+    """The RNG states as one cell of the (pp, tp) grid, written by DP rank 0 (Megatron's).
+
+    With expert parallelism the grid is (pp, tp, ep), written by expert-data-parallel rank 0:
+    the expert-parallel ranks of one (pp, tp) position hold different expert RNG streams
+    ('expert-parallel-rng' is seeded per expert-parallel rank), which a (pp, tp) cell would
+    lose (Megatron r0.8 keeps the data-parallel rank 0's for all of them).
+    """
+    if with_expert_axis is None:
+        with_expert_axis = mpu.get_expert_model_parallel_world_size() > 1
+    shape = (
+        mpu.get_pipeline_model_parallel_world_size(),
+        mpu.get_tensor_model_parallel_world_size(),
     )
+    offset = (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank())
+    replica_id = mpu.get_data_parallel_rank(with_context_parallel=True)
+    if with_expert_axis:
+        shape += (mpu.get_expert_model_parallel_world_size(),)
+        offset += (mpu.get_expert_model_parallel_rank(),)
+        replica_id = mpu.get_data_modulo_expert_parallel_rank(with_context_parallel=True)
+    return ShardedObject('rng_state', rng_state_list, shape, offset, replica_id=replica_id)
 
 
 def _model_sharded_state_dicts(model) -> Dict[str, Any]:
@@ -295,11 +313,20 @@ def find_dist_checkpoint_dir(load_dir: str, iteration: int, release: bool) -> Op
     return None
 
 
-def _ckpt_layout(ckpt_args) -> Tuple[int, int]:
+def _ckpt_layout(ckpt_args) -> Tuple[int, ...]:
+    """(TP, PP, EP) of the run that saved (EP 1 for checkpoints without experts)."""
     return (
         getattr(ckpt_args, 'tensor_model_parallel_size', 1),
         getattr(ckpt_args, 'pipeline_model_parallel_size', 1),
+        getattr(ckpt_args, 'expert_model_parallel_size', 1) or 1,
     )
+
+
+def _layout_names(ckpt_layout, run_layout):
+    """Megatron's '(TP, PP)' wording, with EP when either side has expert parallelism."""
+    if ckpt_layout[2] == 1 and run_layout[2] == 1:
+        return '(TP, PP)', ckpt_layout[:2], run_layout[:2]
+    return '(TP, PP, EP)', ckpt_layout, run_layout
 
 
 def _optimizer_sharding_type(common: Dict) -> Optional[str]:
@@ -318,9 +345,14 @@ def _load_plan(args, common, checkpoint_dir, release, optimizer) -> Dict[str, An
     """What to request (optimizer, RNG) and with which optimizer sharding; one-line refusals for
     what cannot be resharded."""
     ckpt_args = common.get('args')
-    ckpt_tp_pp = _ckpt_layout(ckpt_args)
-    run_tp_pp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    layout_changed = ckpt_tp_pp != run_tp_pp
+    ckpt_layout = _ckpt_layout(ckpt_args)
+    run_layout = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        getattr(args, 'expert_model_parallel_size', 1) or 1,
+    )
+    names, ckpt_shown, run_shown = _layout_names(ckpt_layout, run_layout)
+    layout_changed = ckpt_layout != run_layout
     fresh = release or args.finetune
     load_optim = (
         not fresh and not args.no_load_optim and not getattr(ckpt_args, 'no_save_optim', False)
@@ -331,19 +363,21 @@ def _load_plan(args, common, checkpoint_dir, release, optimizer) -> Dict[str, An
         layout_changed = layout_changed or ckpt_dp != args.data_parallel_size
     if load_rng and layout_changed:
         print_rank_0(
-            f'NOTE: (TP, PP) mismatch after resume ({ckpt_tp_pp} vs {run_tp_pp} from '
+            f'NOTE: {names} mismatch after resume ({ckpt_shown} vs {run_shown} from '
             f'checkpoint): RNG state will be ignored; the RNGs keep their start-up seeding from '
             f'--seed {args.seed}'
         )
         load_rng = False
     sharding_type = _optimizer_sharding_type(common) or FULLY_SHARDED_MODEL_SPACE
     if load_optim and optimizer is not None and sharding_type == DP_ZERO_GATHER_SCATTER:
-        if ckpt_tp_pp != run_tp_pp:  # dp_zero reshards across DP only
+        stored_count = stored_sub_optimizer_count(common.get('optimizer'))
+        if ckpt_layout != run_layout or stored_count != len(sub_optimizers(optimizer)):
+            # dp_zero reshards across DP only
             raise ValueError(
-                f'(TP, PP) mismatch after resume ({ckpt_tp_pp} vs {run_tp_pp} from checkpoint): '
+                f'{names} mismatch after resume ({ckpt_shown} vs {run_shown} from checkpoint): '
                 f'not supported for DistributedOptimizer with sharding type '
                 f'dp_zero_gather_scatter (saved with --no-ckpt-fully-parallel-save); load with '
-                f'--no-load-optim or at the saved (TP, PP)'
+                f'--no-load-optim or at the saved {names}'
             )
         if not _has_distributed_optimizer(optimizer):
             raise ValueError(
@@ -352,6 +386,17 @@ def _load_plan(args, common, checkpoint_dir, release, optimizer) -> Dict[str, An
                 f'with --no-load-optim or --use-distributed-optimizer'
             )
     return dict(load_optim=load_optim, load_rng=load_rng, sharding_type=sharding_type)
+
+
+def _rng_request(stored: set) -> ShardedObject:
+    """This rank's RNG cell; a checkpoint of an expert-parallel run written by Megatron (a
+    (pp, tp) grid) is read from its (pp, tp) cell."""
+    request = _sharded_rng_state(get_rng_state())
+    if request.unique_key not in stored and len(request.global_shape) == 3:
+        fallback = _sharded_rng_state(request.data, with_expert_axis=False)
+        if fallback.unique_key in stored:
+            return fallback
+    return request
 
 
 def _drop_optional_absent(state_dict, stored: set) -> bool:
@@ -438,7 +483,8 @@ def load_dist_checkpoint(
     restore_training_args(args, common, checkpoint_dir, dist_format=True)
     plan = _load_plan(args, common, checkpoint_dir, release, optimizer)
 
-    rng = _sharded_rng_state(get_rng_state()) if plan['load_rng'] else None
+    stored = get_default_load_sharded_strategy(checkpoint_dir).stored_keys(checkpoint_dir)
+    rng = _rng_request(stored) if plan['load_rng'] else None
     state_dict = generate_sharded_state_dict(
         args,
         model,
@@ -450,14 +496,18 @@ def load_dist_checkpoint(
         with_optimizer=plan['load_optim'],
         sharding_type=plan['sharding_type'],
     )
-    stored = get_default_load_sharded_strategy(checkpoint_dir).stored_keys(checkpoint_dir)
+    if plan['load_optim'] and optimizer is not None:
+        match_optimizer_keys(state_dict['optimizer'], stored)
     no_fp32_copies = _drop_optional_absent(state_dict, stored)
     loaded = _dist_load(args, state_dict, checkpoint_dir)
 
     _load_model_chunks(model, loaded, strict)
     if plan['load_optim']:
         if optimizer is not None:
-            optimizer.load_sharded_state_dict(loaded['optimizer'])
+            stored_count = stored_sub_optimizer_count(common.get('optimizer'))
+            optimizer.load_sharded_state_dict(
+                adapt_loaded_state(optimizer, loaded['optimizer'], stored_count)
+            )
             if no_fp32_copies:
                 optimizer.reload_model_params()
         if opt_param_scheduler is not None:

@@ -8,7 +8,8 @@ experts, top-2, load-balancing loss, mock data):
   optimizer (a dense and an expert optimizer) and the alltoall dispatcher, saving
   `--use-dist-ckpt --async-save` at iteration 3;
 - resumed from there at the same layout: the losses equal the reference's bit for bit (RNG,
-  optimizer, data position restored);
+  optimizer, data position restored); likewise from a save with the distributed-optimizer
+  state gathered per (expert) data-parallel group (`--no-ckpt-fully-parallel-save`);
 - resumed at EP1 (one optimizer instead of the chain), EP4 x TP1, EP2 x TP1 x DP4 (expert data
   parallel 2) with grouped GEMM and the allgather dispatcher, EP2 x PP2, and at EP2 x TP2 with
   grouped GEMM and the non-distributed optimizer: the losses equal the reference's within
@@ -65,7 +66,7 @@ def _check_close(reference, losses, first, name):
 
 
 def test_moe_dist_ckpt_resume_matrix(tmp_path):
-    ckpt, resaved = str(tmp_path / 'ckpt'), str(tmp_path / 'resaved')
+    ckpt, resaved, dp_zero = (str(tmp_path / n) for n in ('ckpt', 'resaved', 'dp_zero'))
     reference_layout = _layout(2, 2) + DISTOPT
     jobs = {
         'reference': reference_layout
@@ -81,12 +82,20 @@ def test_moe_dist_ckpt_resume_matrix(tmp_path):
         'grouped non-distributed optimizer': _layout(2, 2, grouped=True) + _resume(ckpt),
         'from the grouped EDP2 save': reference_layout + _resume(resaved, RESAVE_AT),
         'no optimizer state': _layout(2, 1) + DISTOPT + _resume(ckpt) + ['--no-load-optim'],
+        'dp_zero save': reference_layout
+        + ['--save', dp_zero, '--save-interval', str(STOP_AT), '--exit-interval', str(STOP_AT)]
+        + ['--no-ckpt-fully-parallel-save'],
+        'dp_zero resume': reference_layout + _resume(dp_zero),
     }
     outs = _merged(run_distributed(_jobs, world_size=4, args=(list(jobs.values()),), timeout=900))
     losses = dict(zip(jobs, outs))
     reference = losses.pop('reference')
     assert sorted(reference) == list(range(1, TRAIN_ITERS + 1))
-    assert losses.pop('same layout') == {it: reference[it] for it in range(STOP_AT + 1, 7)}
+    resumed = {it: reference[it] for it in range(STOP_AT + 1, TRAIN_ITERS + 1)}
+    assert losses.pop('same layout') == resumed
+    # The distributed optimizer gathered on DP rank 0 of each (expert) data-parallel group.
+    assert losses.pop('dp_zero save') == {it: reference[it] for it in range(1, STOP_AT + 1)}
+    assert losses.pop('dp_zero resume') == resumed
     no_optim = losses.pop('no optimizer state')
     assert not all(_close(no_optim[it], reference[it]) for it in no_optim)
     for name, resumed in losses.items():

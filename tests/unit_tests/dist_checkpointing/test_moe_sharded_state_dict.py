@@ -165,6 +165,41 @@ def test_expert_axis_keys_tp2_ep1_expert_data_parallel():
     _check_layout(tp_size=2, ep_size=1)
 
 
+def _mixed_layer_keys():
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        tensor_model_parallel_size=2, **_config_kwargs(False, moe_layer_freq=[0, 1])
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_decoder_block_spec(config),
+        vocab_size=64,
+        max_sequence_length=16,
+        position_embedding_type='rope',
+    )
+    return {
+        sh.key: sh.global_shape
+        for sh in model.sharded_state_dict().values()
+        if isinstance(sh, ShardedTensor) and '.mlp.' in sh.key
+    }
+
+
+def test_mixed_dense_and_moe_layers_get_per_layer_keys():
+    # No tensor spans both layers: per-layer keys without the layer axis.
+    keys = run_distributed(_mixed_layer_keys, world_size=4, tp=2, ep=2)[0]
+    assert keys == {
+        'decoder.layers.0.mlp.linear_fc1.layer_norm_weight': (16,),
+        'decoder.layers.1.mlp.linear_fc1.layer_norm_weight': (16,),
+        'decoder.layers.0.mlp.linear_fc2.weight': (16, 8),
+        'decoder.layers.1.mlp.router.weight': (4, 16),
+        'decoder.layers.1.mlp.experts.experts.linear_fc2.weight': (4, 16, 8),
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # resharding on load
 

@@ -205,6 +205,7 @@ def test_mixed_dense_and_moe_layers_get_per_layer_keys():
 
 
 MODEL_OPTS = dict(
+    init_method_std=0.3,  # weights that move the loss
     moe_shared_expert_intermediate_size=8,
     moe_shared_expert_gate=True,
     moe_router_enable_expert_bias=True,
@@ -264,9 +265,8 @@ def test_reshard_experts_across_ep_tp_and_grouped_gemm(tmp_path):
     TP1 x EP1, each load saved again: the re-saved global tensors equal the original bit for
     bit and the loss of a fixed batch is the saved model's (within reduction noise)."""
     ckpt = str(tmp_path / 'seq')
-    (saved_loss, _), *_ = run_distributed(
-        _save_or_load, world_size=4, tp=2, ep=2, args=('save', False, ckpt, 1)
-    )
+    saved = run_distributed(_save_or_load, world_size=4, tp=2, ep=2, args=('save', False, ckpt, 1))
+    saved_loss = saved[0][0]
     original = _plain(ckpt)
     assert original['decoder.layers.mlp.experts.experts.linear_fc1.weight'].shape == (2, E, 16, H)
     assert original['decoder.layers.mlp.shared_experts.linear_fc1.weight'].shape == (2, 16, H)
@@ -277,6 +277,15 @@ def test_reshard_experts_across_ep_tp_and_grouped_gemm(tmp_path):
         )
         for loss, _ in outs:
             assert abs(loss - saved_loss) <= 1e-5 * abs(saved_loss), (tp, ep, loss, saved_loss)
+        if (tp, ep) == (2, 1):  # grouped weight1 block e = SequentialMLP expert e's fc1^T
+            for rank, (_, state) in enumerate(outs):
+                for layer, e in ((0, 1), (1, 2)):
+                    pre = f'decoder.layers.{layer}.mlp.experts.'
+                    block = state[pre + 'weight1'].view(E, H, -1)[e].t()
+                    # saved at TP2 x EP2: rank = tp + 2 ep, local expert e % 2
+                    source = saved[rank % 2 + 2 * (e // 2)][1]
+                    fc1 = source[f'{pre}local_experts.{e % 2}.linear_fc1.weight']
+                    assert torch.equal(block, fc1), (rank, layer, e)
         again = _plain(resave)
         assert sorted(again) == sorted(original)
         for key in original:

@@ -10,7 +10,8 @@ experts, top-2, load-balancing loss, mock data):
 - resumed from there at the same layout: the losses equal the reference's bit for bit (RNG,
   optimizer, data position restored); likewise from a save with the distributed-optimizer
   state gathered per (expert) data-parallel group (`--no-ckpt-fully-parallel-save`);
-- resumed at EP1 (one optimizer instead of the chain), EP4 x TP1, EP2 x TP1 x DP4 (expert data
+- resumed at EP1 (one optimizer instead of the chain), EP4 x TP1 (fully parallel load: each
+  shard the data-parallel ranks share is read once and broadcast), EP2 x TP1 x DP4 (expert data
   parallel 2) with grouped GEMM and the allgather dispatcher, EP2 x PP2, and at EP2 x TP2 with
   grouped GEMM and the non-distributed optimizer: the losses equal the reference's within
   reduction noise, while `--no-load-optim` gives a trajectory the same check rejects;
@@ -73,7 +74,7 @@ def test_moe_dist_ckpt_resume_matrix(tmp_path):
         + ['--save', ckpt, '--save-interval', str(STOP_AT), '--async-save'],
         'same layout': reference_layout + _resume(ckpt),
         'EP1': _layout(2, 1) + DISTOPT + _resume(ckpt),
-        'EP4 TP1': _layout(1, 4) + DISTOPT + _resume(ckpt),
+        'EP4 TP1': _layout(1, 4) + DISTOPT + _resume(ckpt) + ['--ckpt-fully-parallel-load'],
         'TP1 EDP2 grouped allgather': _layout(1, 2, dispatcher='allgather', grouped=True)
         + DISTOPT
         + _resume(ckpt)

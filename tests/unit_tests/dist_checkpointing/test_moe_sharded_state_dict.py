@@ -352,3 +352,35 @@ def _grouped_slices_match_layout():
 
 def test_grouped_weight_slices_map_to_the_stored_layout():
     assert all(run_distributed(_grouped_slices_match_layout, world_size=4, tp=2, ep=2))
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG states at expert parallelism
+
+
+def _rng_cells():
+    import argparse
+
+    from megatron.training import checkpointing_dist
+    from megatron.training.global_vars import destroy_global_vars, set_args
+
+    destroy_global_vars()
+    set_args(argparse.Namespace(data_parallel_random_init=False))
+    try:
+        ours = checkpointing_dist._sharded_rng_state([{}])
+        megatron = checkpointing_dist._sharded_rng_state([{}], with_expert_axis=False)
+        # A checkpoint written with Megatron's (pp, tp) grid is read from its (pp, tp) cell.
+        fallback = checkpointing_dist._rng_request({megatron.unique_key})
+        own = checkpointing_dist._rng_request({ours.unique_key, megatron.unique_key})
+        return ours.unique_key, ours.replica_id, fallback.unique_key, own.unique_key
+    finally:
+        destroy_global_vars()
+
+
+def test_rng_state_cells_per_expert_parallel_rank():
+    outs = run_distributed(_rng_cells, world_size=4, tp=1, ep=2)
+    # DP 4 = EP 2 x expert-DP 2; rank order tp-cp-ep-dp: ep = rank % 2, expert-DP = rank // 2.
+    for rank, (key, replica_id, fallback, own) in enumerate(outs):
+        assert key == own == f'rng_state/shard_0.0.{rank % 2}_1.1.2'
+        assert replica_id == rank // 2
+        assert fallback == 'rng_state/shard_0.0_1.1'

@@ -11,9 +11,10 @@ Layout (Megatron's; `--use-dist-ckpt` or `--ckpt-format torch_dist`)::
         metadata.json                      written last: the directory is complete
 
 Every rank describes its model chunks, optimizer state and RNG states with global keys
-(`sharded_state_dict`), so the checkpoint loads at any TP / PP / VP / DP size and with or
-without the distributed optimizer, no conversion step. RNG states load when (TP, PP) is
-unchanged; otherwise the run keeps its start-up seeding and says so.
+(`sharded_state_dict`), so the checkpoint loads at any TP / PP / VP / DP / EP size and with or
+without the distributed optimizer, no conversion step (an MoE model's dense + expert optimizer
+chain is matched to a single optimizer and back: checkpointing_dist_optimizer.py). RNG states
+load when (TP, PP, EP) is unchanged; otherwise the run keeps its start-up seeding and says so.
 
 Crash safety: files go into `iter_XXXXXXX/` (a leftover of a killed save there is removed
 first; the tracker never names it), `metadata.json` is written after every rank's files are

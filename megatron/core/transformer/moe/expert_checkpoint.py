@@ -33,6 +33,7 @@ from typing import List, Tuple
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
     ShardedTensor,
@@ -62,8 +63,6 @@ def expert_data_parallel_rank() -> int:
 def set_expert_data_parallel_replica(sharded_state_dict) -> None:
     """Replace the data-parallel slot of every leaf's (pp, tp, dp) replica id by the
     expert-data-parallel rank."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-
     rank = expert_data_parallel_rank()
     for sh in nested_values(sharded_state_dict):
         if isinstance(sh, (ShardedTensor, ShardedObject, ShardedTensorFactory)):

@@ -1,12 +1,15 @@
-"""torch_dist checkpoints <-> full (TP=1, PP=1) state dicts, for the conversion tools.
+"""torch_dist checkpoints <-> full (TP=1, PP=1, EP=1) state dicts, for the conversion tools.
 
 A torch_dist checkpoint stores every tensor whole under its global key (see
 docs/dist_checkpointing.md): layer tensors stacked as `[num_layers, ...]` under
-`{block}.layers.<name>`, the separate norms of the local spec under Transformer Engine's names.
+`{block}.layers.<name>` (or per layer, `{block}.layers.<g>.<name>`, when the layers differ: MoE
+mixed with dense layers), the separate norms of the local spec under Transformer Engine's names,
+experts stacked as `[num_experts, ...]` under `mlp.experts.experts.<name>`.
 `dist_to_full_state_dict` turns the stored global tensors into the flat per-layer state dict of
-a one-rank model (`decoder.layers.3.input_layernorm.weight`, ...), `full_to_dist_tensors` does
-the inverse, and `write_full_state_dict` saves such a state dict as a torch_dist checkpoint (one
-process; the trainer reshards it at load).
+a one-rank model (`decoder.layers.3.input_layernorm.weight`,
+`decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight`, ...), `full_to_dist_tensors`
+does the inverse, and `write_full_state_dict` saves such a state dict as a torch_dist checkpoint
+(one process; the trainer reshards it at load, at any TP / PP / EP).
 """
 
 import os
@@ -24,6 +27,8 @@ TE_NAMES = {
 }
 _LAYER = re.compile(r'^(decoder|encoder)\.layers\.(\d+)\.(.+)$')
 _GLOBAL_LAYER = re.compile(r'^(decoder|encoder)\.layers\.(.+)$')
+_LOCAL_EXPERT = re.compile(r'^(.*mlp\.experts\.)local_experts\.(\d+)\.(.+)$')
+_STORED_EXPERTS = 'mlp.experts.experts.'
 
 
 def _to_te(name: str) -> str:
@@ -40,6 +45,15 @@ def _from_te(name: str) -> str:
     return name
 
 
+def _layer_from_stored(name: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """One layer's stored tensor -> its local state-dict entries (experts split by index)."""
+    name = _from_te(name)
+    if name.startswith(_STORED_EXPERTS):
+        rest = name[len(_STORED_EXPERTS) :]
+        return {f'mlp.experts.local_experts.{e}.{rest}': tensor[e] for e in range(tensor.shape[0])}
+    return {name: tensor}
+
+
 def dist_to_full_state_dict(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Global tensors of a torch_dist checkpoint -> flat one-rank model state dict.
 
@@ -50,18 +64,42 @@ def dist_to_full_state_dict(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch
     for key, tensor in tensors.items():
         if key.startswith('optimizer.') or key.startswith('chained_'):
             continue
-        match = _GLOBAL_LAYER.match(key)
-        if match:
-            block, name = match.groups()
+        per_layer = _LAYER.match(key)
+        stacked = _GLOBAL_LAYER.match(key)
+        if per_layer:  # layers that differ (dense and MoE): one key per layer
+            block, index, name = per_layer.groups()
+            for local, value in _layer_from_stored(name, tensor).items():
+                full[f'{block}.layers.{index}.{local}'] = value
+        elif stacked:
+            block, name = stacked.groups()
             for index in range(tensor.shape[0]):
-                full[f'{block}.layers.{index}.{_from_te(name)}'] = tensor[index]
+                for local, value in _layer_from_stored(name, tensor[index]).items():
+                    full[f'{block}.layers.{index}.{local}'] = value
         else:
             full[key] = tensor
     return full
 
 
+def _layer_to_stored(layer: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """One layer's local entries -> stored names (experts stacked over their indices)."""
+    out, experts = {}, {}
+    for name, tensor in layer.items():
+        match = _LOCAL_EXPERT.match(name)
+        if match:
+            prefix, index, rest = match.groups()
+            experts.setdefault(f'{prefix}experts.{rest}', {})[int(index)] = tensor
+        else:
+            out[_to_te(name)] = tensor
+    for key, by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError(f'{key}: experts {sorted(by_index)} are not 0..{len(by_index) - 1}')
+        out[key] = torch.stack([by_index[e] for e in range(len(by_index))])
+    return out
+
+
 def full_to_dist_tensors(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Flat one-rank model state dict -> {global key: tensor} (layers stacked)."""
+    """Flat one-rank model state dict -> {global key: tensor}: layers stacked, or one key per
+    layer when the layers do not all have the same tensors (the trainer's keys likewise)."""
     out, layers = {}, {}
     for name, tensor in state_dict.items():
         if tensor is None or name.endswith('_extra_state'):
@@ -69,13 +107,19 @@ def full_to_dist_tensors(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch
         match = _LAYER.match(name)
         if match:
             block, index, rest = match.groups()
-            layers.setdefault(f'{block}.layers.{_to_te(rest)}', {})[int(index)] = tensor
+            layers.setdefault(block, {}).setdefault(int(index), {})[rest] = tensor
         else:
             out[name] = tensor
-    for key, by_index in layers.items():
+    for block, by_index in layers.items():
         if sorted(by_index) != list(range(len(by_index))):
-            raise ValueError(f'{key}: layers {sorted(by_index)} are not 0..{len(by_index) - 1}')
-        out[key] = torch.stack([by_index[i] for i in range(len(by_index))])
+            raise ValueError(f'{block} layers {sorted(by_index)} are not 0..{len(by_index) - 1}')
+        stored = [_layer_to_stored(by_index[i]) for i in range(len(by_index))]
+        if len({tuple(sorted(layer)) for layer in stored}) > 1:
+            for index, layer in enumerate(stored):
+                out.update({f'{block}.layers.{index}.{k}': v for k, v in layer.items()})
+        else:
+            for key in stored[0]:
+                out[f'{block}.layers.{key}'] = torch.stack([layer[key] for layer in stored])
     return out
 
 
@@ -101,12 +145,9 @@ def write_full_state_dict(
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.training.checkpoint_args import CHECKPOINT_VERSION, args_for_checkpoint
     from megatron.training.checkpoint_layout import get_checkpoint_name
-    from megatron.training.checkpointing import (
-        CHECKPOINT_VERSION,
-        _args_for_checkpoint,
-        _write_tracker_atomically,
-    )
+    from megatron.training.checkpoint_tracker import write_tracker_atomically
 
     created = _init_single_process_group()
     try:
@@ -118,14 +159,14 @@ def write_full_state_dict(
         }
         dist_checkpointing.save(
             {
-                'args': _args_for_checkpoint(args),
+                'args': args_for_checkpoint(args),
                 'checkpoint_version': CHECKPOINT_VERSION,
                 'iteration': iteration,
                 'model': model,
             },
             checkpoint_dir,
         )
-        _write_tracker_atomically(save_dir, iteration)
+        write_tracker_atomically(save_dir, iteration)
         return checkpoint_dir
     finally:
         if created:

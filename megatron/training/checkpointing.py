@@ -43,16 +43,28 @@ import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core.enums import ModelType
-from megatron.core.num_microbatches_calculator import update_num_microbatches
 from megatron.core.utils import get_current_device, unwrap_model
 from megatron.training import distrib_optim_shards
 from megatron.training.global_vars import get_args
 
 # isort: split
-# Directory/file names and the tracker file live in checkpoint_layout.py; every name this module
-# defined or imported before that split stays importable from here (re-exported).
+# Directory/file names live in checkpoint_layout.py, the tracker writes in checkpoint_tracker.py,
+# the saved args and version in checkpoint_args.py, RNG states in checkpoint_rng.py; every name
+# this module defined or imported before those splits stays importable from here (re-exported).
 from typing import Tuple  # noqa: F401
 
+from megatron.training.checkpoint_args import (  # noqa: F401
+    CHECKPOINT_VERSION,
+    _args_for_checkpoint,
+    _is_plain,
+    _layout_mismatch_message,
+    args_for_checkpoint,
+    check_checkpoint_args,
+    get_checkpoint_version,
+    record_checkpoint_version,
+    restore_training_args,
+    set_checkpoint_version,
+)
 from megatron.training.checkpoint_layout import (  # noqa: F401
     DISTRIB_OPTIM_BASENAME,
     MODEL_CHECKPOINT_BASENAME,
@@ -74,29 +86,18 @@ from megatron.training.checkpoint_rng import (  # noqa: F401
     get_rng_state,
     restore_rng_state,
 )
+from megatron.training.checkpoint_tracker import (  # noqa: F401
+    _check_tracker_moves_forward,
+    _fsync_path,
+    _write_tracker_atomically,
+    check_tracker_moves_forward,
+    fsync_path,
+    write_tracker_atomically,
+)
 from megatron.training.checkpointing_dist import maybe_finalize_async_save  # noqa: F401
-
-#: Version written into every checkpoint, as in Megatron's megatron/training/checkpointing.py:
-#: 3.0 means linear_qkv rows are grouped per query group [q heads of the group, k, v].
-CHECKPOINT_VERSION = 3.0
 
 #: Classes `torch.load(weights_only=True)` may build besides tensors and plain containers.
 SAFE_GLOBALS = [argparse.Namespace, ModelType]
-
-_CHECKPOINT_VERSION = None
-
-
-def set_checkpoint_version(value: float) -> None:
-    """Record the version of the checkpoint being loaded (checked once per process)."""
-    global _CHECKPOINT_VERSION
-    if _CHECKPOINT_VERSION is not None:
-        assert _CHECKPOINT_VERSION == value, "checkpoint versions do not match"
-    _CHECKPOINT_VERSION = value
-
-
-def get_checkpoint_version() -> Optional[float]:
-    """Version of the last loaded checkpoint (None before any load)."""
-    return _CHECKPOINT_VERSION
 
 
 def print_rank_0(message: str) -> None:
@@ -110,36 +111,6 @@ def print_rank_0(message: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # saving
-
-_PLAIN_SCALARS = (type(None), bool, int, float, str, torch.dtype, ModelType)
-
-
-def _is_plain(value: Any) -> bool:
-    if isinstance(value, _PLAIN_SCALARS):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_is_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, (str, int)) and _is_plain(v) for k, v in value.items())
-    return False
-
-
-def _args_for_checkpoint(args: argparse.Namespace) -> argparse.Namespace:
-    """A copy of args holding only plain values, so the checkpoint loads with weights_only=True.
-
-    Values of other types (callables, enums, tokenizer objects...) are derived at start-up and are
-    dropped; their names are printed once.
-    """
-    plain, dropped = {}, []
-    for name, value in vars(args).items():
-        if _is_plain(value):
-            plain[name] = value
-        else:
-            dropped.append(name)
-    if dropped and not getattr(_args_for_checkpoint, 'warned', False):
-        print_rank_0(f'checkpoint args: not saving non-plain values of {sorted(dropped)}')
-        _args_for_checkpoint.warned = True
-    return argparse.Namespace(**plain)
 
 
 def generate_state_dict(
@@ -180,18 +151,6 @@ def generate_state_dict(
     return state_dict
 
 
-def _fsync_path(path: str) -> None:
-    """Flush a file (or a directory entry) to disk."""
-    flags = os.O_RDONLY
-    if os.path.isdir(path):
-        flags |= getattr(os, 'O_DIRECTORY', 0)
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_torch_save(obj: Any, filename: str) -> None:
     """torch.save to `<filename>.tmp.<pid>`, flush to disk, then rename onto `filename`.
 
@@ -209,30 +168,6 @@ def _atomic_torch_save(obj: Any, filename: str) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-
-
-def _write_tracker_atomically(checkpoints_path: str, iteration: int) -> None:
-    tracker_filename = get_checkpoint_tracker_filename(checkpoints_path)
-    tmp = f'{tracker_filename}.tmp.{os.getpid()}'
-    with open(tmp, 'w') as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, tracker_filename)
-    _fsync_path(checkpoints_path)
-
-
-def _check_tracker_moves_forward(checkpoints_path: str, iteration: int) -> None:
-    """Refuse a save that would move the tracker below the checkpoint it already names."""
-    tracker_filename = get_checkpoint_tracker_filename(checkpoints_path)
-    if not os.path.isfile(tracker_filename):
-        return
-    latest, release = _parse_tracker(tracker_filename)
-    if not release and latest > iteration:
-        raise ValueError(
-            f'{tracker_filename} names iteration {latest}; saving iteration {iteration} would move '
-            f'it backwards (and replace newer checkpoints): save into another directory'
-        )
 
 
 def _remove_stale_temp_files(checkpoints_path: str, checkpoint_name: str) -> None:
@@ -412,26 +347,6 @@ def _torch_load(filename: str) -> Dict[str, Any]:
         return torch.load(filename, map_location='cpu', weights_only=True, mmap=True)
 
 
-def _layout_mismatch_message(checkpoint_args, checkpoint_name: str) -> Optional[str]:
-    """Megatron-worded differences of the parallel layout, or None if it matches."""
-    args = get_args()
-    lines = []
-    for name in (
-        'tensor_model_parallel_size',
-        'pipeline_model_parallel_size',
-        'pipeline_model_parallel_split_rank',  # T5: which stages hold the encoder
-    ):
-        ckpt_value = getattr(checkpoint_args, name, None)
-        if ckpt_value is not None and ckpt_value != getattr(args, name, None):
-            lines.append(
-                f'{name} value from checkpoint ({ckpt_value}) is not equal to the input argument '
-                f'value ({getattr(args, name)}).'
-            )
-    if not lines:
-        return None
-    return f'checkpoint {checkpoint_name} does not match this run:\n  ' + '\n  '.join(lines)
-
-
 def _load_base_checkpoint(
     load_dir: str,
     rank0: bool = False,
@@ -524,61 +439,6 @@ def _raise_missing_rank_file(load_dir, iteration, release, checkpoint_name):
         f'checkpoint file {checkpoint_name} not found (the checkpoint directory holds {present}); '
         f'the iteration directory is incomplete or was written with a different parallel layout'
     )
-
-
-def check_checkpoint_args(
-    checkpoint_args, checkpoint_name: str = 'checkpoint', resharding: bool = False
-) -> None:
-    """Compare the model-defining args of a checkpoint with the run's.
-
-    Raises:
-        ValueError: listing every difference as
-            "<arg> value from checkpoint (<a>) is not equal to the input argument value (<b>)."
-    """
-    args = get_args()
-    lines = []
-
-    def _compare(arg_name, old_arg_name=None, default=None):
-        ckpt_arg_name = old_arg_name if old_arg_name is not None else arg_name
-        if default is not None:
-            checkpoint_value = getattr(checkpoint_args, ckpt_arg_name, default)
-        else:
-            checkpoint_value = getattr(checkpoint_args, ckpt_arg_name)
-        args_value = getattr(args, arg_name)
-        if checkpoint_value != args_value:
-            hint = ''
-            if arg_name == 'tokenizer_type':
-                hint = (
-                    f' The checkpoint was made with {checkpoint_value}: start with '
-                    f'--tokenizer-type {checkpoint_value} and its files, or pass --finetune to '
-                    f'load only its weights with your tokenizer.'
-                )
-            lines.append(
-                f'{arg_name} value from checkpoint ({checkpoint_value}) is not equal to the input '
-                f'argument value ({args_value}).{hint}'
-            )
-
-    _compare('num_layers')
-    _compare('hidden_size')
-    _compare('num_attention_heads')
-    _compare('add_position_embedding', default=True)
-    if args.vocab_file:
-        _compare('max_position_embeddings')
-        _compare('make_vocab_size_divisible_by')
-        if not resharding:  # the padding follows the TP size; a dist checkpoint adapts it
-            _compare('padded_vocab_size')
-        _compare('tokenizer_type')
-    if args.data_parallel_random_init:
-        _compare('data_parallel_random_init')
-    if resharding:
-        pass  # a distributed checkpoint loads at any TP / PP
-    elif get_checkpoint_version() < 3.0:
-        _compare('tensor_model_parallel_size', old_arg_name='model_parallel_size')
-    else:
-        _compare('tensor_model_parallel_size')
-        _compare('pipeline_model_parallel_size')
-    if lines:
-        raise ValueError(f'{checkpoint_name} does not match this run:\n  ' + '\n  '.join(lines))
 
 
 def _check_model_state_dict(module, model_state_dict, key: str, checkpoint_name: str, strict: bool):
@@ -764,18 +624,6 @@ def _find_dist_checkpoint(args, load_dir: str):
     return checkpointing_dist.find_dist_checkpoint_dir(load_dir, iteration, release), release
 
 
-def record_checkpoint_version(state_dict: Dict[str, Any], checkpoint_name: str) -> None:
-    """Record the loaded checkpoint's version (one process may load several: tests, tools)."""
-    global _CHECKPOINT_VERSION
-    _CHECKPOINT_VERSION = None
-    set_checkpoint_version(state_dict.get('checkpoint_version', 0))
-    if get_checkpoint_version() < 2.0:
-        raise ValueError(
-            f'{checkpoint_name} has checkpoint_version {get_checkpoint_version()}; versions before '
-            f'2.0 (old QKV layout, legacy models) are not supported by megatron.core models'
-        )
-
-
 def _read_iteration(args, state_dict, checkpoint_name: str, release: bool):
     """(iteration, num_floating_point_operations_so_far); iteration 0 for finetune / release."""
     if args.finetune or release:
@@ -785,28 +633,6 @@ def _read_iteration(args, state_dict, checkpoint_name: str, release: bool):
         if iteration is None:
             raise ValueError(f'{checkpoint_name} holds neither "iteration" nor "total_iters"')
     return iteration, state_dict.get('num_floating_point_operations_so_far', 0)
-
-
-def restore_training_args(args, state_dict, checkpoint_name: str, dist_format: bool = False):
-    """Check the checkpoint's model args against the run and restore the consumed-sample
-    counters. The torch format must match the run's (TP, PP); a distributed checkpoint reshards,
-    so its TP, PP and padded vocabulary may differ."""
-    assert args.consumed_train_samples == 0
-    assert args.consumed_valid_samples == 0
-    if 'args' not in state_dict:
-        print_rank_0('could not find arguments in the checkpoint ...')
-        return
-    checkpoint_args = state_dict['args']
-    if not dist_format:
-        layout_message = _layout_mismatch_message(checkpoint_args, checkpoint_name)
-        if layout_message is not None:
-            raise ValueError(layout_message)
-    if args.finetune:
-        return
-    check_checkpoint_args(checkpoint_args, checkpoint_name, resharding=dist_format)
-    args.consumed_train_samples = getattr(checkpoint_args, 'consumed_train_samples', 0)
-    update_num_microbatches(consumed_samples=args.consumed_train_samples)
-    args.consumed_valid_samples = getattr(checkpoint_args, 'consumed_valid_samples', 0)
 
 
 def _load_model_chunks(model, state_dict, checkpoint_name: str, strict: bool) -> None:

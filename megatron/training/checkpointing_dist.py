@@ -11,9 +11,10 @@ Layout (Megatron's; `--use-dist-ckpt` or `--ckpt-format torch_dist`)::
         metadata.json                      written last: the directory is complete
 
 Every rank describes its model chunks, optimizer state and RNG states with global keys
-(`sharded_state_dict`), so the checkpoint loads at any TP / PP / VP / DP size and with or
-without the distributed optimizer, no conversion step. RNG states load when (TP, PP) is
-unchanged; otherwise the run keeps its start-up seeding and says so.
+(`sharded_state_dict`), so the checkpoint loads at any TP / PP / VP / DP / EP size and with or
+without the distributed optimizer, no conversion step (an MoE model's dense + expert optimizer
+chain is matched to a single optimizer and back: checkpointing_dist_optimizer.py). RNG states
+load when (TP, PP, EP) is unchanged; otherwise the run keeps its start-up seeding and says so.
 
 Crash safety: files go into `iter_XXXXXXX/` (a leftover of a killed save there is removed
 first; the tracker never names it), `metadata.json` is written after every rank's files are
@@ -52,6 +53,28 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.utils import uses_cuda
+from megatron.training.checkpoint_args import (
+    CHECKPOINT_VERSION,
+    args_for_checkpoint,
+    record_checkpoint_version,
+    restore_training_args,
+)
+from megatron.training.checkpoint_layout import (
+    _parse_tracker,
+    get_checkpoint_name,
+    get_checkpoint_tracker_filename,
+)
+from megatron.training.checkpoint_rng import get_rng_state, restore_rng_state
+from megatron.training.checkpoint_tracker import (
+    check_tracker_moves_forward,
+    write_tracker_atomically,
+)
+from megatron.training.checkpointing_dist_optimizer import (
+    adapt_loaded_state,
+    match_optimizer_keys,
+    stored_sub_optimizer_count,
+    sub_optimizers,
+)
 
 _ASYNC_QUEUE = AsyncCallsQueue()
 _SAVE_STRATEGY = {}
@@ -82,18 +105,30 @@ def is_dist_checkpoint_format(args) -> bool:
 # the state dict
 
 
-def _sharded_rng_state(rng_state_list) -> ShardedObject:
-    """The RNG states as one cell of the (pp, tp) grid, written by DP rank 0.
+def _sharded_rng_state(rng_state_list, with_expert_axis: Optional[bool] = None) -> ShardedObject:
+    """The RNG states as one cell of the (pp, tp) grid, written by DP rank 0 (Megatron's).
 
-    `get_rng_state` returns copies (tuples, new tensors, cloned tracker states), so an
-    asynchronous save pickles them in its background writer (`snapshot`)."""
+    With expert parallelism the grid is (pp, tp, ep), written by expert-data-parallel rank 0:
+    the expert-parallel ranks of one (pp, tp) position hold different expert RNG streams
+    ('expert-parallel-rng' is seeded per expert-parallel rank), which a (pp, tp) cell would
+    lose (Megatron r0.8 keeps the data-parallel rank 0's for all of them).
+    """
+    if with_expert_axis is None:
+        with_expert_axis = mpu.get_expert_model_parallel_world_size() > 1
+    shape = (
+        mpu.get_pipeline_model_parallel_world_size(),
+        mpu.get_tensor_model_parallel_world_size(),
+    )
+    offset = (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank())
+    replica_id = mpu.get_data_parallel_rank(with_context_parallel=True)
+    if with_expert_axis:
+        shape += (mpu.get_expert_model_parallel_world_size(),)
+        offset += (mpu.get_expert_model_parallel_rank(),)
+        replica_id = mpu.get_data_modulo_expert_parallel_rank(with_context_parallel=True)
+    # `get_rng_state` returns copies (tuples, new tensors, cloned tracker states), so an
+    # asynchronous save pickles them in its background writer (`snapshot`).
     return ShardedObject(
-        'rng_state',
-        rng_state_list,
-        (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()),
-        (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()),
-        replica_id=mpu.get_data_parallel_rank(with_context_parallel=True),
-        snapshot=True,
+        'rng_state', rng_state_list, shape, offset, replica_id=replica_id, snapshot=True
     )
 
 
@@ -122,9 +157,7 @@ def generate_sharded_state_dict(
 ) -> Dict[str, Any]:
     """The sharded state dict of the whole training state (Megatron's `generate_state_dict`
     with `use_dist_ckpt=True`)."""
-    from megatron.training.checkpointing import CHECKPOINT_VERSION, _args_for_checkpoint
-
-    state_dict = {'args': _args_for_checkpoint(args), 'checkpoint_version': CHECKPOINT_VERSION}
+    state_dict = {'args': args_for_checkpoint(args), 'checkpoint_version': CHECKPOINT_VERSION}
     if iteration is not None:
         state_dict['iteration'] = iteration
     state_dict.update(_model_sharded_state_dicts(model))
@@ -185,13 +218,10 @@ def _dp_group_for_objects():
 
 def _prepare_directory(save_dir: str, iteration: int, checkpoint_dir: str) -> bool:
     """Rank 0 clears a leftover of a killed save; False when this iteration is saved already."""
-    from megatron.training.checkpoint_layout import get_checkpoint_tracker_filename
-    from megatron.training.checkpointing import _check_tracker_moves_forward, _parse_tracker
-
     verdict = [None]
     if _is_rank_0():
         try:
-            _check_tracker_moves_forward(save_dir, iteration)
+            check_tracker_moves_forward(save_dir, iteration)
             tracker = get_checkpoint_tracker_filename(save_dir)
             named = _parse_tracker(tracker) if os.path.isfile(tracker) else None
             if named == (iteration, False) and os.path.isdir(checkpoint_dir):
@@ -216,9 +246,6 @@ def save_dist_checkpoint(
 ) -> None:
     """Save in torch_dist format (every rank). With `--async-save` the files are written in the
     background and the tracker moves once all ranks finished (see the module docstring)."""
-    from megatron.training.checkpoint_layout import get_checkpoint_name
-    from megatron.training.checkpointing import _write_tracker_atomically, get_rng_state
-
     maybe_finalize_async_save(blocking=True)  # one pending save at a time, in order
     print_rank_0(
         f'saving checkpoint at iteration {iteration:7d} to {args.save} in torch_dist format'
@@ -257,14 +284,14 @@ def save_dist_checkpoint(
 
     def move_tracker():
         if _is_rank_0():
-            _write_tracker_atomically(args.save, iteration)
+            write_tracker_atomically(args.save, iteration)
         announce()
         _barrier()
 
     if args.async_save:
         # Rank 0 moves the tracker inside the request's finalization, after metadata.json;
         # the verdict broadcast that ends it lets the other ranks go on.
-        request.add_coordinator_fn(lambda _results: _write_tracker_atomically(args.save, iteration))
+        request.add_coordinator_fn(lambda _results: write_tracker_atomically(args.save, iteration))
         request.add_finalize_fn(announce)
         _ASYNC_QUEUE.schedule_async_request(request)
         print_rank_0(
@@ -296,19 +323,26 @@ def async_writers_finished() -> bool:
 
 def find_dist_checkpoint_dir(load_dir: str, iteration: int, release: bool) -> Optional[str]:
     """The iteration directory if it is a distributed checkpoint, else None."""
-    from megatron.training.checkpoint_layout import get_checkpoint_name
-
     checkpoint_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
     if dist_checkpointing.check_is_distributed_checkpoint(checkpoint_dir):
         return checkpoint_dir
     return None
 
 
-def _ckpt_layout(ckpt_args) -> Tuple[int, int]:
+def _ckpt_layout(ckpt_args) -> Tuple[int, ...]:
+    """(TP, PP, EP) of the run that saved (EP 1 for checkpoints without experts)."""
     return (
         getattr(ckpt_args, 'tensor_model_parallel_size', 1),
         getattr(ckpt_args, 'pipeline_model_parallel_size', 1),
+        getattr(ckpt_args, 'expert_model_parallel_size', 1) or 1,
     )
+
+
+def _layout_names(ckpt_layout, run_layout):
+    """Megatron's '(TP, PP)' wording, with EP when either side has expert parallelism."""
+    if ckpt_layout[2] == 1 and run_layout[2] == 1:
+        return '(TP, PP)', ckpt_layout[:2], run_layout[:2]
+    return '(TP, PP, EP)', ckpt_layout, run_layout
 
 
 def _optimizer_sharding_type(common: Dict) -> Optional[str]:
@@ -327,9 +361,14 @@ def _load_plan(args, common, checkpoint_dir, release, optimizer) -> Dict[str, An
     """What to request (optimizer, RNG) and with which optimizer sharding; one-line refusals for
     what cannot be resharded."""
     ckpt_args = common.get('args')
-    ckpt_tp_pp = _ckpt_layout(ckpt_args)
-    run_tp_pp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    layout_changed = ckpt_tp_pp != run_tp_pp
+    ckpt_layout = _ckpt_layout(ckpt_args)
+    run_layout = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        getattr(args, 'expert_model_parallel_size', 1) or 1,
+    )
+    names, ckpt_shown, run_shown = _layout_names(ckpt_layout, run_layout)
+    layout_changed = ckpt_layout != run_layout
     fresh = release or args.finetune
     load_optim = (
         not fresh and not args.no_load_optim and not getattr(ckpt_args, 'no_save_optim', False)
@@ -340,19 +379,21 @@ def _load_plan(args, common, checkpoint_dir, release, optimizer) -> Dict[str, An
         layout_changed = layout_changed or ckpt_dp != args.data_parallel_size
     if load_rng and layout_changed:
         print_rank_0(
-            f'NOTE: (TP, PP) mismatch after resume ({ckpt_tp_pp} vs {run_tp_pp} from '
+            f'NOTE: {names} mismatch after resume ({ckpt_shown} vs {run_shown} from '
             f'checkpoint): RNG state will be ignored; the RNGs keep their start-up seeding from '
             f'--seed {args.seed}'
         )
         load_rng = False
     sharding_type = _optimizer_sharding_type(common) or FULLY_SHARDED_MODEL_SPACE
     if load_optim and optimizer is not None and sharding_type == DP_ZERO_GATHER_SCATTER:
-        if ckpt_tp_pp != run_tp_pp:  # dp_zero reshards across DP only
+        stored_count = stored_sub_optimizer_count(common.get('optimizer'))
+        if ckpt_layout != run_layout or stored_count != len(sub_optimizers(optimizer)):
+            # dp_zero reshards across DP only
             raise ValueError(
-                f'(TP, PP) mismatch after resume ({ckpt_tp_pp} vs {run_tp_pp} from checkpoint): '
+                f'{names} mismatch after resume ({ckpt_shown} vs {run_shown} from checkpoint): '
                 f'not supported for DistributedOptimizer with sharding type '
                 f'dp_zero_gather_scatter (saved with --no-ckpt-fully-parallel-save); load with '
-                f'--no-load-optim or at the saved (TP, PP)'
+                f'--no-load-optim or at the saved {names}'
             )
         if not _has_distributed_optimizer(optimizer):
             raise ValueError(
@@ -361,6 +402,17 @@ def _load_plan(args, common, checkpoint_dir, release, optimizer) -> Dict[str, An
                 f'with --no-load-optim or --use-distributed-optimizer'
             )
     return dict(load_optim=load_optim, load_rng=load_rng, sharding_type=sharding_type)
+
+
+def _rng_request(stored: set) -> ShardedObject:
+    """This rank's RNG cell; a checkpoint of an expert-parallel run written by Megatron (a
+    (pp, tp) grid) is read from its (pp, tp) cell."""
+    request = _sharded_rng_state(get_rng_state())
+    if request.unique_key not in stored and len(request.global_shape) == 3:
+        fallback = _sharded_rng_state(request.data, with_expert_axis=False)
+        if fallback.unique_key in stored:
+            return fallback
+    return request
 
 
 def _drop_optional_absent(state_dict, stored: set) -> bool:
@@ -435,8 +487,6 @@ def load_dist_checkpoint(
     Returns:
         (iteration, num_floating_point_operations_so_far).
     """
-    from megatron.training import checkpointing as legacy
-
     iteration_name = 'release' if release else 'iteration'
     common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
     it = common.get('iteration', 0)
@@ -444,14 +494,13 @@ def load_dist_checkpoint(
         f' loading distributed checkpoint from {load_dir} at {iteration_name}'
         + ('' if release else f' {it}')
     )
-    legacy.record_checkpoint_version(common, checkpoint_dir)
+    record_checkpoint_version(common, checkpoint_dir)
     iteration = 0 if (release or args.finetune) else it
-    legacy.restore_training_args(args, common, checkpoint_dir, dist_format=True)
+    restore_training_args(args, common, checkpoint_dir, dist_format=True)
     plan = _load_plan(args, common, checkpoint_dir, release, optimizer)
 
-    from megatron.training.checkpointing import get_rng_state
-
-    rng = _sharded_rng_state(get_rng_state()) if plan['load_rng'] else None
+    stored = get_default_load_sharded_strategy(checkpoint_dir).stored_keys(checkpoint_dir)
+    rng = _rng_request(stored) if plan['load_rng'] else None
     state_dict = generate_sharded_state_dict(
         args,
         model,
@@ -463,14 +512,18 @@ def load_dist_checkpoint(
         with_optimizer=plan['load_optim'],
         sharding_type=plan['sharding_type'],
     )
-    stored = get_default_load_sharded_strategy(checkpoint_dir).stored_keys(checkpoint_dir)
+    if plan['load_optim'] and optimizer is not None:
+        match_optimizer_keys(state_dict['optimizer'], stored)
     no_fp32_copies = _drop_optional_absent(state_dict, stored)
     loaded = _dist_load(args, state_dict, checkpoint_dir)
 
     _load_model_chunks(model, loaded, strict)
     if plan['load_optim']:
         if optimizer is not None:
-            optimizer.load_sharded_state_dict(loaded['optimizer'])
+            stored_count = stored_sub_optimizer_count(common.get('optimizer'))
+            optimizer.load_sharded_state_dict(
+                adapt_loaded_state(optimizer, loaded['optimizer'], stored_count)
+            )
             if no_fp32_copies:
                 optimizer.reload_model_params()
         if opt_param_scheduler is not None:
@@ -478,7 +531,7 @@ def load_dist_checkpoint(
     elif (args.fp16 or args.bf16) and optimizer is not None:
         optimizer.reload_model_params()
     if plan['load_rng']:
-        legacy.restore_rng_state(args, loaded['rng_state'], checkpoint_dir)
+        restore_rng_state(args, loaded['rng_state'], checkpoint_dir)
     _barrier()
     print_rank_0(
         f'  successfully loaded checkpoint from {load_dir} '

@@ -29,6 +29,12 @@ def validate_dist_checkpoint_args(args) -> None:
             f'--dist-ckpt-format {args.dist_ckpt_format}: only torch_dist is supported (zarr is '
             f'deprecated in Megatron and not implemented here)'
         )
+    if args.use_dist_ckpt and getattr(args, 'num_experts', None) and args.moe_extended_tp:
+        raise ValueError(
+            '--moe-extended-tp with --use-dist-ckpt (--ckpt-format torch_dist): experts split '
+            'over tensor x expert parallel ranks have no distributed-checkpoint layout (as in '
+            'Megatron); use --ckpt-format torch'
+        )
     if args.async_save and args.save and not args.use_dist_ckpt:
         raise ValueError(
             '--async-save: async checkpoint save is not implemented for legacy (torch format) '

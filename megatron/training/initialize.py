@@ -163,6 +163,7 @@ def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ran
             mpu.get_virtual_pipeline_model_parallel_world_size(),
             mpu.get_context_parallel_world_size(),
             _hierarchical_cp_sizes(),
+            mpu.get_expert_model_parallel_world_size(),
         )
         want = (
             args.tensor_model_parallel_size,
@@ -170,6 +171,7 @@ def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ran
             args.virtual_pipeline_model_parallel_size,
             args.context_parallel_size,
             args.hierarchical_context_parallel_sizes,
+            args.expert_model_parallel_size,
         )
         if have != want:
             # Groups from an earlier run in this process: rebuild them for this run's sizes.

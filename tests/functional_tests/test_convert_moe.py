@@ -81,6 +81,38 @@ def _our_logits(load_dir, world, tp=1, ep=1):
     return outs[0][..., :VOCAB]
 
 
+def _dist_logits(load_dir, tokens):
+    """Logits of a torch_dist checkpoint loaded by the trainer's load_checkpoint (resharded to
+    this pool's layout: the saved args' TP x EP through --use-checkpoint-args)."""
+    import sys
+
+    if cu.REPO not in sys.path:
+        sys.path.insert(0, cu.REPO)
+    import pretrain_gpt
+    from megatron.training.argument_validation import validate_args
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing import load_args_from_checkpoint, load_checkpoint
+    from megatron.training.global_vars import destroy_global_vars, set_args
+    from tests.unit_tests.models.gpt_test_utils import gather_logits
+
+    destroy_global_vars()
+    argv = ['--load', load_dir, '--use-checkpoint-args', '--finetune', '--micro-batch-size', '1']
+    argv += ['--mock-data', '--tokenizer-type', 'NullTokenizer', '--vocab-size', '1']
+    args, _ = load_args_from_checkpoint(parse_args(args_list=argv))
+    args.world_size, args.rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    validate_args(args)
+    set_args(args)
+    try:
+        model = pretrain_gpt.model_provider()
+        load_checkpoint([model], None, None)
+        model.eval()
+        position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
+        with torch.no_grad():
+            return gather_logits(model(tokens, position_ids, None))
+    finally:
+        destroy_global_vars()
+
+
 def _assert_identical_files(original_dir, export_dir):
     original = safetensors_torch.load_file(os.path.join(original_dir, 'model.safetensors'))
     exported = safetensors_torch.load_file(os.path.join(export_dir, 'model.safetensors'))
@@ -142,18 +174,37 @@ def test_mixtral_logits_at_tp1ep1_and_tp2ep2(mixtral):
 
 
 def test_qwen2_moe_round_trip_and_logits(tmp_path):
+    """HF -> ours (torch format, EP2) -> torch_dist -> HF: identical tensors; the torch_dist
+    checkpoint (shared expert, a dense layer among MoE layers: per-layer keys) loads in the
+    trainer at EP2 with Hugging Face's logits."""
+    from megatron.core import dist_checkpointing
+
     hf = _hf_model('qwen2_moe')
-    hf_dir, ours, export = (str(tmp_path / n) for n in ('hf', 'ep2', 'export'))
+    hf_dir, ours, dist, export = (str(tmp_path / n) for n in ('hf', 'ep2', 'dist', 'export'))
     hf.save_pretrained(hf_dir)
     cu.convert(
         *('--loader', 'hf', '--saver', 'mcore', '--load-dir', hf_dir, '--save-dir', ours),
         *('--target-expert-parallel-size', '2', '--hf-tokenizer-type', 'GPT2BPETokenizer'),
     )
-    cu.convert('--loader', 'mcore', '--saver', 'hf', '--load-dir', ours, '--save-dir', export)
+    cu.convert(
+        *('--loader', 'mcore', '--saver', 'torch_dist', '--load-dir', ours, '--save-dir', dist),
+        *('--target-expert-parallel-size', '2'),  # recorded in the args; tensors are global
+    )
+    cu.convert('--loader', 'torch_dist', '--saver', 'hf', '--load-dir', dist, '--save-dir', export)
     _assert_identical_files(hf_dir, export)
+    shapes = {
+        k: v.global_shape
+        for k, v in dist_checkpointing.load_tensors_metadata(
+            os.path.join(dist, 'iter_0000001')
+        ).items()
+    }
+    assert shapes['decoder.layers.0.mlp.experts.experts.linear_fc1.weight'] == (4, 48, 32)
+    assert shapes['decoder.layers.0.mlp.shared_experts.linear_fc1.weight'] == (32, 32)
+    assert shapes['decoder.layers.1.mlp.linear_fc1.weight'] == (80, 32)  # the dense layer
     with torch.no_grad():
         expected = hf(TOKENS).logits
-    torch.testing.assert_close(_our_logits(ours, 4, ep=2), expected, atol=1e-5, rtol=0)
+    outs = run_distributed(_dist_logits, world_size=4, ep=2, args=(dist, TOKENS), timeout=600)
+    torch.testing.assert_close(outs[0][..., :VOCAB], expected, atol=1e-5, rtol=0)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(TOKENS).logits, expected)

@@ -22,6 +22,12 @@ from tests.functional_tests.test_error_catalogue import TINY, _main, _one_error_
             r'^error: --dist-ckpt-format zarr: only torch_dist is supported \(zarr is deprecated '
             r'in Megatron and not implemented here\)$',
         ),
+        (
+            ['--use-dist-ckpt', '--num-experts', '2', '--moe-extended-tp', '--disable-bias-linear'],
+            r'^error: --moe-extended-tp with --use-dist-ckpt \(--ckpt-format torch_dist\): '
+            r'experts split over tensor x expert parallel ranks have no distributed-checkpoint '
+            r'layout \(as in Megatron\); use --ckpt-format torch$',
+        ),
     ],
 )
 def test_flag_errors(tmp_path, argv, pattern):
@@ -67,3 +73,32 @@ def test_dp_zero_optimizer_state_does_not_reshard():
     # Without the optimizer state nothing is refused.
     args.tensor_model_parallel_size, args.no_load_optim = 1, True
     assert not checkpointing_dist._load_plan(args, common, 'DIR', False, object())['load_optim']
+
+
+def test_dp_zero_optimizer_state_does_not_reshard_across_ep():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.training import checkpointing_dist
+
+    args = argparse.Namespace(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=1,
+        finetune=False,
+        no_load_optim=False,
+        no_load_rng=True,
+        data_parallel_random_init=False,
+        data_parallel_size=2,
+        seed=1,
+    )
+    saved = argparse.Namespace(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=2
+    )
+    sub = {'param_state_sharding_type': 'dp_zero_gather_scatter'}
+    common = {'args': saved, 'optimizer': {0: sub, 1: dict(sub)}}
+    dist_opt = DistributedOptimizer.__new__(DistributedOptimizer)
+    with pytest.raises(ValueError) as info:
+        checkpointing_dist._load_plan(args, common, 'DIR', False, dist_opt)
+    assert str(info.value).startswith(
+        '(TP, PP, EP) mismatch after resume ((1, 1, 2) vs (1, 1, 1) from checkpoint): not '
+        'supported for DistributedOptimizer with sharding type dp_zero_gather_scatter'
+    )

@@ -65,6 +65,7 @@ ELSEWHERE = {
     'async-save-legacy': 'tests/functional_tests/test_dist_ckpt_errors.py',
     'dist-ckpt-zarr': 'tests/functional_tests/test_dist_ckpt_errors.py',
     'dist-optim-reshard': 'tests/functional_tests/test_dist_ckpt_errors.py',
+    'dist-ckpt-moe-extended-tp': 'tests/functional_tests/test_dist_ckpt_errors.py',
     'dist-ckpt-incomplete': 'tests/unit_tests/dist_checkpointing/test_serialization.py',
     'dist-ckpt-planted': 'tests/unit_tests/dist_checkpointing/test_serialization.py',
     **{

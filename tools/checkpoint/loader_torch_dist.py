@@ -1,8 +1,8 @@
 """Loader plugin: torch_dist checkpoints (`--use-dist-ckpt` / `--ckpt-format torch_dist`).
 
 Written at any layout (the stored tensors are global); only the weights are read. The messages
-are those of loader_mcore, so any saver can follow (mcore for the torch format at a chosen
-TP x PP, hf for Hugging Face).
+are those of loader_mcore (MoE layers with their experts included), so any saver can follow
+(mcore for the torch format at a chosen TP x PP x EP, hf for Hugging Face).
 """
 
 import types
@@ -14,6 +14,7 @@ utils.add_megatron_path()
 import loader_mcore  # noqa: E402
 
 from megatron.training import checkpoint_conversion as cc  # noqa: E402
+from megatron.training import checkpoint_conversion_moe as cc_moe  # noqa: E402
 
 
 def add_arguments(parser):
@@ -42,7 +43,13 @@ def _reader(args):
     model_type = 'BERT' if any(k.startswith('encoder.') for k in keys) else 'GPT'
     # The tensors are read whole: the source layout is TP1 x PP1 x EP1.
     reader = types.SimpleNamespace(
-        args=common['args'], iteration=iteration, tp=1, pp=1, ep=1, model_type=model_type, path=path
+        args=common['args'],
+        iteration=iteration,
+        tp=1,
+        pp=1,
+        ep=1,
+        model_type=model_type,
+        path=path,
     )
     return reader
 
@@ -71,7 +78,11 @@ def _load(queue, args):
     layers, rest = cc.split_chunk_by_layer(full, 0)
     utils.queue_put(queue, 'embeddings', loader_mcore.embeddings_message(md, rest))
     for index, layer in layers.items():
-        utils.queue_put(queue, f'transformer layer {index}', cc.layer_to_message(layer, md.swiglu))
+        if md.num_experts:
+            message = cc_moe.moe_layer_to_message(layer, md.swiglu, md.num_experts)
+        else:
+            message = cc.layer_to_message(layer, md.swiglu)
+        utils.queue_put(queue, f'transformer layer {index}', message)
     loader_mcore.send_tail(queue, md, rest)
 
 

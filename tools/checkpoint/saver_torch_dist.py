@@ -1,8 +1,8 @@
 """Saver plugin: write a torch_dist checkpoint (`common.pt` + DCP files + `metadata.json`).
 
-The tensors are written whole, so the checkpoint loads in the trainer at any TP / PP / DP
-(`--target-*-parallel-size` are not needed; the padded vocabulary is the one of TP 1 and is
-adapted at load).
+The tensors are written whole (experts stacked under their global index), so the checkpoint
+loads in the trainer at any TP / PP / EP / DP (`--target-*-parallel-size` are not needed; the
+padded vocabulary is the one of TP 1 and is adapted at load).
 """
 
 import os
@@ -38,6 +38,7 @@ def _save(queue, args):
     margs = cc.args_for_target(
         md.checkpoint_args, 1, 1, padded, args.save_dir, md.iteration, md.true_vocab_size
     )
+    margs = saver_mcore._moe_target_args(margs, md, args, 1)
     margs.consumed_train_samples = md.consumed_train_samples or 0
     margs.consumed_valid_samples = md.consumed_valid_samples or 0
     margs.ckpt_format, margs.use_dist_ckpt = 'torch_dist', True

@@ -229,12 +229,20 @@ def _fs_model_space_state(dist_optimizer, model_sharded_state_dict) -> Dict[int,
     return param_state
 
 
-def _model_parallel_index() -> int:
-    return torch.distributed.get_rank(parallel_state.get_model_parallel_group())
+def _dp_group_index(dist_optimizer) -> int:
+    """Which data-parallel group the optimizer is sharded over: the model-parallel rank, or for
+    the expert optimizer (sharded over the expert-data-parallel group, one per expert-parallel
+    rank too) ep_rank x model-parallel size + model-parallel rank (Megatron's numbering)."""
+    group = parallel_state.get_model_parallel_group()
+    index = torch.distributed.get_rank(group)
+    if getattr(dist_optimizer, 'is_expert_optimizer', False):
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        index += ep_rank * torch.distributed.get_world_size(group)
+    return index
 
 
 def _dp_zero_state(dist_optimizer, is_loading: bool):
-    key = f'optimizer.distributed.dp_group_idx_{_model_parallel_index()}.param_state'
+    key = f'optimizer.distributed.dp_group_idx_{_dp_group_index(dist_optimizer)}.param_state'
     state = None if is_loading else dist_optimizer.get_parameter_state_dp_zero()
     if dist_optimizer.is_dp_zero():
         # A fresh gathered copy: an async save pickles it in the background.

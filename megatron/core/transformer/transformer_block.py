@@ -13,6 +13,7 @@ from torch import Tensor
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_config_checks import moe_layer_pattern
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -65,6 +66,13 @@ def _get_block_submodules(
             )
         raise Exception(f"specialize for {spec.module.__name__}.")
     raise Exception(f"specialize for {type(spec).__name__}.")
+
+
+def _mixes_dense_and_moe_layers(config: TransformerConfig) -> bool:
+    """Whether `moe_layer_freq` makes some layers dense and others MoE."""
+    if not config.num_moe_experts:
+        return False
+    return len(set(moe_layer_pattern(config))) > 1
 
 
 class TransformerBlock(MegatronModule):
@@ -136,8 +144,10 @@ class TransformerBlock(MegatronModule):
         (0, g, num_layers) prepended and its keys renamed from `{prefix}layers.{i}.` to
         `{prefix}layers.`, so pipeline / virtual-pipeline stages write disjoint slices of the
         same tensors and any other split reads them. With metadata
-        `{'non_homogeneous_layers': True}` the keys are `{prefix}layers.{g}.` instead. An
-        expert axis is prepended by the MoE layer after this one.
+        `{'non_homogeneous_layers': True}`, or when `moe_layer_freq` mixes dense and MoE layers
+        (whose parameters differ, so no tensor spans all layers), the keys are
+        `{prefix}layers.{g}.` instead. An expert axis is prepended by the MoE layer after this
+        one.
         """
         from megatron.core.dist_checkpointing.utils import (
             replace_prefix_for_sharding,
@@ -145,6 +155,7 @@ class TransformerBlock(MegatronModule):
         )
 
         non_homogeneous = bool(metadata and metadata.get('non_homogeneous_layers'))
+        non_homogeneous = non_homogeneous or _mixes_dense_and_moe_layers(self.config)
         sharded_state_dict = {}
         layer_prefix = f'{prefix}layers.'
         for local_index, layer in enumerate(self.layers):

@@ -27,6 +27,11 @@ from megatron.core.tensor_parallel.random import (
 )
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.expert_checkpoint import (
+    drop_sequential_extra_states,
+    grouped_experts_sharded_state_dict,
+    sequential_experts_sharded_state_dict,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide, get_current_device
 
@@ -85,6 +90,7 @@ class SequentialMLP(MegatronModule):
         ffn_hidden_size = config.moe_ffn_hidden_size
         expert_pgs = ProcessGroupCollection(tp=self.tp_group)
         mine = _global_expert_ids(local_expert_indices, num_local_experts)
+        self.local_expert_indices = mine
         draw_others = config.use_cpu_initialization and config.perform_initialization
         self.local_experts = torch.nn.ModuleList()
         for expert_id in range(config.num_moe_experts):
@@ -101,6 +107,11 @@ class SequentialMLP(MegatronModule):
             elif draw_others:
                 # Another rank's expert: draw (and drop) its weights so ours match serial.
                 _draw_expert_master_weights(config, ffn_hidden_size)
+
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint: each local expert's MLP under its global index, keys
+        `{prefix}experts.linear_fc1.weight` [..., E, g F, h] etc. (see expert_checkpoint.py)."""
+        return sequential_experts_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def forward(
         self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor
@@ -207,6 +218,7 @@ class GroupedMLP(MegatronModule):
                 "'--disable-bias-linear' instead."
             )
         self.num_local_experts = num_local_experts
+        self.local_expert_indices = _global_expert_ids(local_expert_indices, num_local_experts)
         pgs = resolve_process_groups(pg_collection, ("tp", "tp_ep"))
         self.tp_group = expert_tensor_parallel_group(config, pgs)
         tp_size, tp_rank = self.tp_group.size(), self.tp_group.rank()
@@ -253,6 +265,8 @@ class GroupedMLP(MegatronModule):
         set_tensor_model_parallel_attributes(self.weight2, True, 0, 1)
         setattr(self.weight1, "allreduce", allreduce)
         setattr(self.weight2, "allreduce", allreduce)
+        # A distributed checkpoint hands back SequentialMLP's `_extra_state` entries too.
+        self.register_load_state_dict_post_hook(drop_sequential_extra_states)
 
     @torch.no_grad()
     def _init_from_master_weights(self, mine: List[int], tp_size: int, tp_rank: int):
@@ -267,6 +281,12 @@ class GroupedMLP(MegatronModule):
             fc2_shard = torch.chunk(fc2, tp_size, dim=1)[tp_rank]  # [h, f / tp]
             w1[e].copy_(fc1_shard.t())
             w2[e].copy_(fc2_shard.t())
+
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint: `weight1` / `weight2` stored as SequentialMLP's per-expert
+        tensors (transposed blocks; see expert_checkpoint.py), so the two load each other's
+        checkpoints."""
+        return grouped_experts_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def forward(
         self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor

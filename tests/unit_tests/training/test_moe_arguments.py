@@ -67,8 +67,9 @@ ERRORS = {
     'moe-ep-dp': (
         ['--expert-model-parallel-size', '4', '--tensor-model-parallel-size', '2'],
         4,
-        'data parallel size (2) x --context-parallel-size (1) must be divisible by '
-        '--expert-model-parallel-size (4)',
+        'data parallel size (2 = world size 4 / (TP 2 x PP 1 x CP 1)) is not divisible by '
+        '--expert-model-parallel-size (4); expert parallelism splits the data-parallel ranks, '
+        'not the context-parallel ones',
     ),
     'moe-tp-sp': (
         ['--tensor-model-parallel-size', '2'],

@@ -107,10 +107,37 @@ def validate_moe_args(args):
             f'Expert parallelism (--expert-model-parallel-size {ep}) is not supported with fp16 '
             'training; use --bf16'
         )
+    _refuse_inexact_under_context_parallelism(args)
     try:
         check_moe_config(_config_view(args))
     except ValueError as exc:
         raise ValueError(f'MoE flags: {exc}') from None
+
+
+def _refuse_inexact_under_context_parallelism(args):
+    """MoE under context parallelism routes each rank's s / cp tokens as more tokens of the
+    batch: the router, the dispatch and the auxiliary losses (counts summed over the CP group)
+    give exactly the CP = 1 result. Two settings decide over the tokens of one rank instead, and
+    would silently train another model than CP = 1: they are refused."""
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    factor = args.moe_expert_capacity_factor
+    if factor is not None:
+        raise ValueError(
+            f'--moe-expert-capacity-factor {factor} with --context-parallel-size {cp}: each '
+            f'context-parallel rank would choose the dropped tokens among its own 1/{cp} of the '
+            'sequence, not among the whole sequence, so training would differ from '
+            '--context-parallel-size 1; use dropless MoE (no capacity factor) with context '
+            'parallelism'
+        )
+    if args.moe_router_load_balancing_type == 'sinkhorn':
+        raise ValueError(
+            f'--moe-router-load-balancing-type sinkhorn with --context-parallel-size {cp}: '
+            f'Sinkhorn balances the routing over the tokens of one rank, which holds only 1/{cp} '
+            'of the sequence, so training would differ from --context-parallel-size 1; use '
+            'aux_loss or none'
+        )
 
 
 def _config_view(args):

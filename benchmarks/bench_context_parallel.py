@@ -18,13 +18,13 @@ its ratio to CP1 (about 1 / cp), the share of the step a rank spends in CP commu
 first-step loss difference to CP1 (exactness).
 
 `--device cuda`: with two or more GPUs the same comparison on NCCL (peak allocated memory instead
-of saved bytes); with one GPU the attention kernels per block instead: the fused flash block
-(bf16) and the explicit block against torch SDPA on the whole sequence, forward + backward, with
-their agreement.
+of saved bytes); with one GPU (or with `--kernels`, on any device) the attention kernels per block
+instead: the fused flash block (bf16) and the explicit block against torch SDPA on the whole
+sequence, forward + backward, with their agreement.
 
 Usage: python benchmarks/bench_context_parallel.py [--seq-lengths 4096 8192] [--steps 3]
        [--num-layers 2 --hidden-size 256 --num-attention-heads 8 --vocab 1024]
-       [--comm-types p2p all_gather a2a] [--repeats 1] [--device cpu|cuda]
+       [--comm-types p2p all_gather a2a] [--repeats 1] [--device cpu|cuda] [--kernels]
 """
 
 import argparse
@@ -258,8 +258,11 @@ def _cpu_or_multi_gpu(bench, world):
                 )
 
 
-def _single_gpu_kernels(bench):
-    """Per-block attention kernels on one GPU: fused flash block and explicit block vs SDPA."""
+def _block_kernels(bench):
+    """Per-block attention kernels on one device against torch SDPA on the whole sequence: on a
+    GPU the fused flash block (bf16) and the explicit block (fp32); on the CPU the fused CPU
+    kernel in both dtypes (`--kernels --device cpu`, e.g. the dry run of
+    benchmarks/gpu/run_all.sh)."""
     import torch
 
     sys.path.insert(0, REPO)
@@ -268,7 +271,13 @@ def _single_gpu_kernels(bench):
         block_forward,
     )
 
-    device = torch.device('cuda')
+    device = torch.device(bench.device)
+    cuda = device.type == 'cuda'
+
+    def synchronize():
+        if cuda:
+            torch.cuda.synchronize()
+
     heads, dim = bench.num_attention_heads, bench.hidden_size // bench.num_attention_heads
     for seq in bench.seq_lengths:
         for dtype in (torch.bfloat16, torch.float32):
@@ -294,17 +303,17 @@ def _single_gpu_kernels(bench):
             timings = {}
             for name, fn in (('block kernel', ours), ('torch SDPA', sdpa)):
                 fn()
-                torch.cuda.synchronize()
+                synchronize()
                 start = time.perf_counter()
                 for _ in range(bench.steps):
                     result = fn()
-                torch.cuda.synchronize()
+                synchronize()
                 timings[name] = ((time.perf_counter() - start) / bench.steps, result)
             (t_ours, (o1, g1)), (t_ref, (o2, g2)) = timings['block kernel'], timings['torch SDPA']
             err = max(
                 (a.float() - b.float()).abs().max().item() for a, b in zip((o1,) + g1, (o2,) + g2)
             )
-            kind = 'flash' if dtype == torch.bfloat16 else 'explicit'
+            kind = 'CPU flash' if not cuda else 'flash' if dtype == torch.bfloat16 else 'explicit'
             # RESULT lines are what benchmarks/gpu/run_all.sh collects into its summary.
             print(
                 f'RESULT context parallel: seq {seq} {str(dtype)} ({kind} block): '
@@ -325,16 +334,21 @@ def main():
     parser.add_argument('--repeats', type=int, default=1, help='rounds over the layouts')
     parser.add_argument('--comm-types', nargs='+', default=['p2p', 'all_gather', 'a2a'])
     parser.add_argument('--device', choices=['cpu', 'cuda'], default='cpu')
+    parser.add_argument(
+        '--kernels',
+        action='store_true',
+        help='time the per-block attention kernels on one device (what --device cuda does with '
+        'one GPU) instead of the CP2 / CP1 comparison',
+    )
     bench = parser.parse_args()
-    if bench.device == 'cuda':
+    if bench.device == 'cuda' and not bench.kernels:
         import torch
 
-        if torch.cuda.device_count() >= 2:
-            _cpu_or_multi_gpu(bench, 2)
-        else:
-            _single_gpu_kernels(bench)
-        return
-    _cpu_or_multi_gpu(bench, 2)
+        bench.kernels = torch.cuda.device_count() < 2
+    if bench.kernels:
+        _block_kernels(bench)
+    else:
+        _cpu_or_multi_gpu(bench, 2)
 
 
 if __name__ == '__main__':

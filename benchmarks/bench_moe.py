@@ -296,7 +296,8 @@ def _reduce_grads(model, expert_parallel):
 
 
 def _dispatch_timer(model):
-    """Wrap every dispatcher's permutation / unpermutation with a wall-clock accumulator."""
+    """Wrap every dispatcher's permutation / unpermutation with a wall-clock accumulator (reset
+    after the warm-up step, whose first collectives also set up the gloo connections)."""
     total = [0.0]
     for module in model.modules():
         dispatcher = getattr(module, 'token_dispatcher', None)
@@ -315,6 +316,18 @@ def _dispatch_timer(model):
     return total
 
 
+def _timed_steps_only(step, total):
+    """`step`, with the dispatcher time of its warm-up call (i = 0) discarded."""
+
+    def run(i):
+        out = step(i)
+        if i == 0:
+            total[0] = 0.0
+        return out
+
+    return run
+
+
 def _ep_worker(rank, cli, port, results):
     torch.set_num_threads(1)
     cli.ep = 2
@@ -324,8 +337,9 @@ def _ep_worker(rank, cli, port, results):
     for dispatcher in ('allgather', 'alltoall'):
         step = build_ours(cli, batches, moe_token_dispatcher_type=dispatcher)
         dispatch[f'ep2 {dispatcher}'] = _dispatch_timer(step.model)
-        steps[f'ep2 {dispatcher}'] = lambda i, s=step: s(
-            i, reduce_grads=lambda m: _reduce_grads(m, True)
+        steps[f'ep2 {dispatcher}'] = _timed_steps_only(
+            lambda i, s=step: s(i, reduce_grads=lambda m: _reduce_grads(m, True)),
+            dispatch[f'ep2 {dispatcher}'],
         )
     # Expert parallel 1 beside it: the MoE layers get one-rank expert groups.
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -340,10 +354,11 @@ def _ep_worker(rank, cli, port, results):
         moe_token_dispatcher_type='alltoall',
     )
     dispatch['ep1'] = _dispatch_timer(ep1.model)
-    steps['ep1'] = lambda i: ep1(i, reduce_grads=lambda m: _reduce_grads(m, False))
+    steps['ep1'] = _timed_steps_only(
+        lambda i: ep1(i, reduce_grads=lambda m: _reduce_grads(m, False)), dispatch['ep1']
+    )
     med, times = _alternate(cli, steps)
-    calls = cli.steps + 1
-    shares = {k: dispatch[k][0] / calls / med[k] for k in steps}
+    shares = {k: dispatch[k][0] / cli.steps / med[k] for k in steps}
     if rank == 0:
         results.put((med, times, shares))
     torch.distributed.barrier()

@@ -11,7 +11,8 @@
 # 3. runs benchmarks/gpu/bench_gpu.py: bf16 training step of a ~1.3B GPT (tokens/s, MFU against
 #    the measured bf16 matmul peak, ratio to plain PyTorch + SDPA), fp16 with loss scaling against
 #    the bf16 loss curve, measured vs theoretical memory, generation vs transformers' generate;
-# 4. runs the MoE and context-parallel benchmarks when their scripts exist (hooks below);
+# 4. runs the MoE and context-parallel benchmarks (benchmarks/bench_moe.py,
+#    benchmarks/bench_context_parallel.py);
 # 5. prints the summary (every RESULT line) and exits non-zero if a step failed.
 #
 # Environment: OUT_DIR (default /tmp/megatron_gpu_bench; logs and the loss curves go there),
@@ -27,7 +28,12 @@ PYTHON=${PYTHON:-python}
 OUT_DIR=${OUT_DIR:-/tmp/megatron_gpu_bench}
 GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-110}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
-HOOK_TIMEOUT=${HOOK_TIMEOUT:-50}
+# The dry run's tiny benchmarks spawn processes on possibly busy CPUs: a longer default there.
+if [ "$DRY_RUN" -eq 1 ]; then
+    HOOK_TIMEOUT=${HOOK_TIMEOUT:-200}
+else
+    HOOK_TIMEOUT=${HOOK_TIMEOUT:-50}
+fi
 mkdir -p "$OUT_DIR"
 SUMMARY="$OUT_DIR/summary.txt"
 : > "$SUMMARY"
@@ -86,26 +92,37 @@ if [ "$DRY_RUN" -eq 1 ]; then
 fi
 step bench_gpu "$BENCH_TIMEOUT" "$PYTHON" benchmarks/gpu/bench_gpu.py "${BENCH_ARGS[@]}"
 
-# 4. Hooks for benchmarks other engineers are writing: run only when the script exists.
-# --- MoE hook (benchmarks/bench_moe.py) ---
+# 4. The MoE and context-parallel benchmarks (each only when its script exists). The dry run
+#    runs the same code paths on the CPU with tiny sizes: bench_moe's single-device parts (ours
+#    vs HF Mixtral, grouped vs sequential; its expert-parallel part needs two devices and is
+#    skipped on cuda), and bench_context_parallel's one-GPU per-block kernels (--kernels) and its
+#    CP2 / CP1 comparison (what it runs with two GPUs).
+# --- MoE (benchmarks/bench_moe.py) ---
 if [ -f benchmarks/bench_moe.py ]; then
     if [ "$DRY_RUN" -eq 1 ]; then
-        note "moe: found benchmarks/bench_moe.py; skipped (dry run)"
+        step bench_moe "$HOOK_TIMEOUT" "$PYTHON" benchmarks/bench_moe.py --device cpu --dtype fp32 \
+            --parts hf grouped --layers 1 --hidden 32 --ffn 64 --heads 2 --groups 1 --experts 4 \
+            --seq 16 --mbs 1 --vocab 128 --steps 1 --threads 1
     else
         step bench_moe "$HOOK_TIMEOUT" "$PYTHON" benchmarks/bench_moe.py --device cuda --dtype bf16
     fi
 else
-    note "moe: benchmarks/bench_moe.py not present yet; skipped"
+    note "moe: benchmarks/bench_moe.py not present; skipped"
 fi
-# --- context-parallel hook (benchmarks/bench_context_parallel.py) ---
+# --- context parallelism (benchmarks/bench_context_parallel.py) ---
 if [ -f benchmarks/bench_context_parallel.py ]; then
     if [ "$DRY_RUN" -eq 1 ]; then
-        note "context parallel: found benchmarks/bench_context_parallel.py; skipped (dry run)"
+        CP_TINY=(--device cpu --seq-lengths 64 --num-layers 1 --hidden-size 32
+            --num-attention-heads 4 --vocab 128 --steps 1)
+        step bench_cp_kernels "$HOOK_TIMEOUT" "$PYTHON" benchmarks/bench_context_parallel.py \
+            "${CP_TINY[@]}" --kernels
+        step bench_context_parallel "$HOOK_TIMEOUT" "$PYTHON" benchmarks/bench_context_parallel.py \
+            "${CP_TINY[@]}" --comm-types p2p
     else
         step bench_context_parallel "$HOOK_TIMEOUT" "$PYTHON" benchmarks/bench_context_parallel.py --device cuda
     fi
 else
-    note "context parallel: benchmarks/bench_context_parallel.py not present yet; skipped"
+    note "context parallel: benchmarks/bench_context_parallel.py not present; skipped"
 fi
 
 # 5. Summary.

@@ -156,9 +156,14 @@ def _check_sizes(
         )
     data_parallel_size = world_size // model_size
     if data_parallel_size % expert_model_parallel_size != 0:
+        # Expert parallelism splits the data-parallel ranks only (Megatron core_r0.8's
+        # initialize_model_parallel): dp x cp divisible by ep is not enough.
         raise ValueError(
-            f"data parallel size ({data_parallel_size}) is not divisible by "
-            f"expert_model_parallel_size ({expert_model_parallel_size})"
+            f"data parallel size ({data_parallel_size} = world size {world_size} / (TP "
+            f"{tensor_model_parallel_size} x PP {pipeline_model_parallel_size} x CP "
+            f"{context_parallel_size})) is not divisible by expert_model_parallel_size "
+            f"({expert_model_parallel_size}); expert parallelism splits the data-parallel "
+            "ranks, not the context-parallel ones"
         )
     if virtual_pipeline_model_parallel_size is not None:
         if pipeline_model_parallel_size <= 1:

@@ -10,7 +10,10 @@ import math
 import torch
 
 from megatron.core.utils import uses_cuda
-from megatron.training.argument_validation_moe import validate_moe_args
+from megatron.training.argument_validation_moe import (
+    validate_expert_parallel_size,
+    validate_moe_args,
+)
 from megatron.training.argument_validation_sft_fim import validate_sft_and_fim_args
 from megatron.training.arguments_unsupported import check_unsupported_flags
 from megatron.training.context_parallel_checks import validate_context_parallel_args
@@ -65,20 +68,7 @@ def validate_args(args, defaults={}):
             f'({args.context_parallel_size}) = {model_parallel_size}'
         )
     args.data_parallel_size = args.world_size // model_parallel_size
-    if args.expert_model_parallel_size > 1:
-        if args.num_experts is None:
-            raise ValueError('--expert-model-parallel-size > 1 requires --num-experts')
-        if args.num_experts % args.expert_model_parallel_size != 0:
-            raise ValueError(
-                f'--num-experts ({args.num_experts}) must be divisible by '
-                f'--expert-model-parallel-size ({args.expert_model_parallel_size})'
-            )
-        if args.data_parallel_size * args.context_parallel_size % args.expert_model_parallel_size:
-            raise ValueError(
-                f'data parallel size ({args.data_parallel_size}) x --context-parallel-size '
-                f'({args.context_parallel_size}) must be divisible by --expert-model-parallel-size '
-                f'({args.expert_model_parallel_size})'
-            )
+    validate_expert_parallel_size(args)
     if args.rank == 0:
         print(
             'using world size: {}, data-parallel size: {}, context-parallel size: {} '

@@ -39,6 +39,36 @@ def _is_training(args) -> bool:
     return bool(args.train_iters or args.train_samples)
 
 
+def validate_expert_parallel_size(args):
+    """`--expert-model-parallel-size` against the expert count and the data-parallel size.
+
+    Called once the data-parallel size (world / (TP x PP x CP)) is known. As in Megatron
+    core_r0.8 (`initialize_model_parallel`, and `megatron/core/parallel_layout.py` here), expert
+    parallelism splits the data-parallel ranks, not the context-parallel ones: an expert group
+    holds ranks of one CP rank and of EP different DP ranks, so EP must divide DP (DP x CP is not
+    enough).
+    """
+    ep = args.expert_model_parallel_size
+    if ep == 1:
+        return
+    if args.num_experts is None:
+        raise ValueError('--expert-model-parallel-size > 1 requires --num-experts')
+    if args.num_experts % ep != 0:
+        raise ValueError(
+            f'--num-experts ({args.num_experts}) must be divisible by '
+            f'--expert-model-parallel-size ({ep})'
+        )
+    dp = args.data_parallel_size
+    if dp % ep:
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        cp = args.context_parallel_size
+        raise ValueError(
+            f'data parallel size ({dp} = world size {args.world_size} / (TP {tp} x PP {pp} x '
+            f'CP {cp})) is not divisible by --expert-model-parallel-size ({ep}); expert '
+            'parallelism splits the data-parallel ranks, not the context-parallel ones'
+        )
+
+
 def validate_moe_args(args):
     """MoE rules (called from validate_args once the parallel sizes and the ffn size are known).
 
@@ -77,15 +107,37 @@ def validate_moe_args(args):
             f'Expert parallelism (--expert-model-parallel-size {ep}) is not supported with fp16 '
             'training; use --bf16'
         )
-    if args.context_parallel_size > 1:
-        raise ValueError(
-            f'--num-experts with --context-parallel-size {args.context_parallel_size}: MoE with '
-            'context parallelism is not supported yet'
-        )
+    _refuse_inexact_under_context_parallelism(args)
     try:
         check_moe_config(_config_view(args))
     except ValueError as exc:
         raise ValueError(f'MoE flags: {exc}') from None
+
+
+def _refuse_inexact_under_context_parallelism(args):
+    """MoE under context parallelism routes each rank's s / cp tokens as more tokens of the
+    batch: the router, the dispatch and the auxiliary losses (counts summed over the CP group)
+    give exactly the CP = 1 result. Two settings decide over the tokens of one rank instead, and
+    would silently train another model than CP = 1: they are refused."""
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    factor = args.moe_expert_capacity_factor
+    if factor is not None:
+        raise ValueError(
+            f'--moe-expert-capacity-factor {factor} with --context-parallel-size {cp}: each '
+            f'context-parallel rank would choose the dropped tokens among its own 1/{cp} of the '
+            'sequence, not among the whole sequence, so training would differ from '
+            '--context-parallel-size 1; use dropless MoE (no capacity factor) with context '
+            'parallelism'
+        )
+    if args.moe_router_load_balancing_type == 'sinkhorn':
+        raise ValueError(
+            f'--moe-router-load-balancing-type sinkhorn with --context-parallel-size {cp}: '
+            f'Sinkhorn balances the routing over the tokens of one rank, which holds only 1/{cp} '
+            'of the sequence, so training would differ from --context-parallel-size 1; use '
+            'aux_loss or none'
+        )
 
 
 def _config_view(args):

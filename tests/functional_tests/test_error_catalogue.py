@@ -80,6 +80,8 @@ ELSEWHERE = {
             'moe-legacy',
             'moe-dispatcher',
             'moe-config',
+            'moe-cp-capacity',
+            'moe-cp-sinkhorn',
         )
     },
     'refusal-under-torchrun': 'tests/functional_tests/test_faults_torchrun.py',
@@ -89,6 +91,7 @@ ELSEWHERE = {
     'profile-needs-cuda': 'tests/functional_tests/test_observability.py',
     'inference-prompt-too-long': 'tests/unit_tests/inference/test_dynamic_engine.py',
     'inference-kv-cache-too-small': 'tests/unit_tests/inference/test_dynamic_engine.py',
+    'inference-moe-capacity': 'tests/unit_tests/inference/test_engine_moe.py',
     'sft-no-messages': 'tests/functional_tests/test_sft_fim_errors.py',
     'sft-unknown-role': 'tests/functional_tests/test_sft_fim_errors.py',
     'sft-no-assistant': 'tests/functional_tests/test_sft_fim_errors.py',

@@ -139,7 +139,8 @@ def test_tp_pp_dp_order():
         (dict(world_size=8, context_parallel_size=3), r"context_parallel_size \(3\)"),
         (
             dict(world_size=8, tensor_model_parallel_size=2, expert_model_parallel_size=3),
-            r"data parallel size \(4\).*expert_model_parallel_size \(3\)",
+            r"data parallel size \(4 = world size 8 / \(TP 2 x PP 1 x CP 1\)\).*"
+            r"expert_model_parallel_size \(3\)",
         ),
         (
             dict(

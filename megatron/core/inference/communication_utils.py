@@ -4,8 +4,9 @@ parallel_state).
 - Pipeline stages hand activations on with blocking point-to-point sends / receives (each stage
   needs the previous one's output before it can run).
 - What the last stage sampled is broadcast to every stage (and, first, from tensor-parallel rank
-  0 to the other TP ranks), so every rank keeps the same request state without relying on
-  identical random number generators.
+  0 to the other TP ranks; last, with expert parallelism, from the first replica of the
+  expert-parallel group to the others), so every rank keeps the same request state without
+  relying on identical random number generators or bitwise identical logits.
 """
 
 from typing import Optional, Sequence
@@ -78,12 +79,34 @@ def broadcast_from_tensor_parallel_rank0(tensor: torch.Tensor, tp_group=None) ->
     return tensor
 
 
+def broadcast_from_expert_parallel_rank0(tensor: torch.Tensor, ep_group=None) -> torch.Tensor:
+    """Overwrite `tensor` (same shape and dtype on every rank of `ep_group`) with the copy of the
+    group's first rank.
+
+    The model replicas of an expert-parallel group run every forward together (their tokens meet
+    in the experts' dispatch), so they must book the same tokens: each computed its own samples
+    from the same logits, but its experts saw the rows in another order, so a last-bit difference
+    could flip a near-tie and make the replicas schedule different steps (a hang in the next
+    dispatch). The first replica's result is every replica's."""
+    group = parallel_state.get_expert_model_parallel_group_if_none(ep_group)
+    if group.size() > 1:
+        torch.distributed.broadcast(tensor, _global_rank(group, 0), group=group)
+    return tensor
+
+
 def share_last_stage_result(
-    size: Sequence[int], dtype: torch.dtype, tensor=None, tp_group=None, pp_group=None
+    size: Sequence[int],
+    dtype: torch.dtype,
+    tensor=None,
+    tp_group=None,
+    pp_group=None,
+    ep_group=None,
 ) -> torch.Tensor:
     """A result computed on the last stage (e.g. sampled tokens), made identical on every rank of
     the model replica: TP rank 0's copy goes to the other TP ranks of the last stage, then to
-    every stage."""
+    every stage; with expert parallelism, then the first replica's copy to the other replicas of
+    the expert-parallel group."""
     if is_pipeline_last_stage(pp_group):
         tensor = broadcast_from_tensor_parallel_rank0(tensor.contiguous(), tp_group)
-    return broadcast_from_last_pipeline_stage(size, dtype, tensor, pp_group)
+    tensor = broadcast_from_last_pipeline_stage(size, dtype, tensor, pp_group)
+    return broadcast_from_expert_parallel_rank0(tensor, ep_group)

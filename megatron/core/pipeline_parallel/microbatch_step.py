@@ -168,13 +168,21 @@ def _calculate_per_token_loss(config) -> bool:
 
 def _set_moe_aux_loss_scale(config, num_microbatches: int) -> None:
     """The gradient the MoE auxiliary losses get in backward: the loss scale divided by the
-    number of micro-batches, as the main loss (without per-token loss normalisation)."""
+    number of micro-batches, as the main loss (without per-token loss normalisation).
+
+    With context parallelism each CP rank's auxiliary losses are partials over its own tokens
+    (they sum to the sequence's loss) and DDP averages gradients over DP x CP, dividing them by
+    cp: like the main loss (multiplied by cp in the loss function), they get a factor cp, so the
+    router gradient equals CP = 1 (later Megatron's schedules do the same). Per-token losses are
+    summed over DP x CP, not averaged: no factor there.
+    """
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     one = torch.ones(1, device=get_current_device())
     loss_scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
     if not _calculate_per_token_loss(config):
-        loss_scale = loss_scale / num_microbatches
+        cp = getattr(config, 'context_parallel_size', 1)
+        loss_scale = loss_scale * cp / num_microbatches
     MoEAuxLossAutoScaler.set_loss_scale(loss_scale)
 
 

@@ -9,6 +9,7 @@ whatever shares its step, far below the margins of these random models.
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron.core.inference.engines.mcore_engine import MCoreEngine
@@ -22,6 +23,7 @@ from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
 )
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.training.tokenizer.tokenizer import _NullTokenizer
 from tests.unit_tests.models import gpt_test_utils as gu
 
@@ -31,13 +33,23 @@ EOD = VOCAB - 1
 MAX_SEQ = 64
 
 
-def build_model(arch="llama", dtype=torch.float64, seed=0, threshold=512):
+def build_model(arch="llama", dtype=torch.float64, seed=0, threshold=512, **config_overrides):
     """(model, config, controller) of a tiny random model with sharpened weights (clear greedy
-    margins), in `dtype`, for the current parallel state."""
+    margins), in `dtype`, for the current parallel state. "mixtral" is the Llama architecture
+    with MoE layers (4 experts, top-2, dropless; expert parallel size from parallel_state);
+    `config_overrides` go to its TransformerConfig."""
     torch.manual_seed(seed)
-    kw = gu.llama_like_kwargs() if arch == "llama" else gu.gpt2_like_kwargs()
-    kw["params_dtype"] = dtype
-    model, config = gu.build_gpt(kw, arch=arch, max_sequence_length=MAX_SEQ)
+    kw = gu.gpt2_like_kwargs() if arch == "gpt2" else gu.llama_like_kwargs()
+    spec = {}
+    if arch == "mixtral":
+        kw.update(
+            num_moe_experts=4,
+            moe_router_topk=2,
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        )
+        spec["transformer_layer_spec"] = get_gpt_layer_local_spec(num_experts=4)
+    kw.update(params_dtype=dtype, **config_overrides)
+    model, config = gu.build_gpt(kw, arch=arch, max_sequence_length=MAX_SEQ, **spec)
     model = model.to(dtype)
     with torch.no_grad():
         for p in model.parameters():

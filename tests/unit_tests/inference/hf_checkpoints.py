@@ -17,12 +17,20 @@ MAX_POSITIONS = 64
 
 
 def build_hf_model(arch, seed=0, max_positions=MAX_POSITIONS):
-    """A random tiny GPT2LMHeadModel ("gpt2") or LlamaForCausalLM with GQA ("llama"), eval mode.
+    """A random tiny GPT2LMHeadModel ("gpt2"), LlamaForCausalLM with GQA ("llama") or
+    MixtralForCausalLM with GQA, 4 experts, top-2 ("mixtral"), eval mode.
 
     Weights are drawn with a larger spread than HF's init so that greedy choices are decided by
     clear margins (ties between candidates would make token-for-token comparisons fragile).
     """
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if arch == "gpt2":
@@ -38,6 +46,22 @@ def build_hf_model(arch, seed=0, max_positions=MAX_POSITIONS):
             activation_function="gelu_new",
         )
         model = GPT2LMHeadModel(config)
+    elif arch == "mixtral":
+        config = MixtralConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=False,
+            bos_token_id=VOCAB_SIZE - 1,
+            eos_token_id=VOCAB_SIZE - 1,
+        )
+        model = MixtralForCausalLM(config)
     else:
         config = LlamaConfig(
             vocab_size=VOCAB_SIZE,
@@ -109,14 +133,14 @@ def hf_model_dir(arch, tmp_path_factory):
     return _HF_DIRS[arch]
 
 
-def converted_checkpoint(arch, tp, pp, tmp_path_factory):
+def converted_checkpoint(arch, tp, pp, tmp_path_factory, ep=1):
     """The HF directory of `arch` converted by tools/checkpoint/convert.py (loader hf, saver
-    mcore) to a TP x PP checkpoint; converted once per session and layout."""
+    mcore) to a TP x PP (x EP, MoE only) checkpoint; converted once per session and layout."""
     from tests.functional_tests import convert_utils as cu
 
-    key = (arch, tp, pp)
+    key = (arch, tp, pp, ep)
     if key not in _CONVERTED:
-        save_dir = str(tmp_path_factory.mktemp(f"ckpt_{arch}_tp{tp}_pp{pp}"))
+        save_dir = str(tmp_path_factory.mktemp(f"ckpt_{arch}_tp{tp}_pp{pp}_ep{ep}"))
         cu.convert(
             "--loader",
             "hf",
@@ -130,6 +154,7 @@ def converted_checkpoint(arch, tp, pp, tmp_path_factory):
             str(tp),
             "--target-pipeline-parallel-size",
             str(pp),
+            *(("--target-expert-parallel-size", str(ep)) if ep > 1 else ()),
             # The tiny Llama uses GPT-2's vocabulary (the loader's default for a Llama is the
             # Hugging Face tokenizer of the directory).
             "--hf-tokenizer-type",

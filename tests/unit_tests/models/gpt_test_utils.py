@@ -83,9 +83,8 @@ def build_gpt(config_kwargs, arch="gpt2", **model_overrides):
             position_embedding_type="rope", share_embeddings_and_output_weights=False
         )
     model_kwargs.update(model_overrides)
-    model = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), **model_kwargs
-    )
+    model_kwargs.setdefault("transformer_layer_spec", get_gpt_layer_local_spec())
+    model = GPTModel(config=config, **model_kwargs)
     return model, config
 
 

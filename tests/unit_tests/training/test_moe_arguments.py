@@ -67,8 +67,9 @@ ERRORS = {
     'moe-ep-dp': (
         ['--expert-model-parallel-size', '4', '--tensor-model-parallel-size', '2'],
         4,
-        'data parallel size (2) x --context-parallel-size (1) must be divisible by '
-        '--expert-model-parallel-size (4)',
+        'data parallel size (2 = world size 4 / (TP 2 x PP 1 x CP 1)) is not divisible by '
+        '--expert-model-parallel-size (4); expert parallelism splits the data-parallel ranks, '
+        'not the context-parallel ones',
     ),
     'moe-tp-sp': (
         ['--tensor-model-parallel-size', '2'],
@@ -81,6 +82,28 @@ ERRORS = {
         ['--moe-expert-capacity-factor', '1.0'],
         1,
         'MoE flags: moe_expert_capacity_factor only works with alltoall token dispatcher',
+    ),
+    'moe-cp-capacity': (
+        [
+            '--context-parallel-size',
+            '2',
+            '--moe-token-dispatcher-type',
+            'alltoall',
+            '--moe-expert-capacity-factor',
+            '1.0',
+        ],
+        2,
+        '--moe-expert-capacity-factor 1.0 with --context-parallel-size 2: each context-parallel '
+        'rank would choose the dropped tokens among its own 1/2 of the sequence, not among the '
+        'whole sequence, so training would differ from --context-parallel-size 1; use dropless '
+        'MoE (no capacity factor) with context parallelism',
+    ),
+    'moe-cp-sinkhorn': (
+        ['--context-parallel-size', '2', '--moe-router-load-balancing-type', 'sinkhorn'],
+        2,
+        '--moe-router-load-balancing-type sinkhorn with --context-parallel-size 2: Sinkhorn '
+        'balances the routing over the tokens of one rank, which holds only 1/2 of the sequence, '
+        'so training would differ from --context-parallel-size 1; use aux_loss or none',
     ),
 }
 
@@ -179,3 +202,45 @@ def test_bad_layer_freq_expression_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit):
         _validate(['--moe-layer-freq', '__import__("os")'])
     assert '--moe-layer-freq expects an integer or a list expression' in capsys.readouterr().err
+
+
+def test_expert_parallelism_splits_data_not_context_parallelism():
+    """As Megatron core_r0.8: EP must divide DP = world / (TP x PP x CP); DP x CP is not enough.
+    The argument check and the rank layout (`generate_model_parallel_groups`) accept and refuse
+    the same sizes, with the same reason."""
+    from megatron.core.parallel_layout import generate_model_parallel_groups
+
+    flags = ['--context-parallel-size', '2', '--expert-model-parallel-size', '2']
+    with pytest.raises(ValueError) as err:
+        _validate(flags, 2)  # DP 1: DP x CP = 2 would have passed the old rule
+    assert str(err.value) == (
+        'data parallel size (1 = world size 2 / (TP 1 x PP 1 x CP 2)) is not divisible by '
+        '--expert-model-parallel-size (2); expert parallelism splits the data-parallel ranks, not '
+        'the context-parallel ones'
+    )
+    assert _validate(flags, 4).data_parallel_size == 2
+    for world in (2, 4, 8, 12, 16):
+        for tp, cp, ep in ((1, 2, 2), (2, 2, 2), (1, 2, 4), (1, 4, 2), (2, 1, 4), (1, 3, 2)):
+            if world % (tp * cp):
+                continue
+            extra = ['--tensor-model-parallel-size', str(tp), '--sequence-parallel']
+            extra += ['--context-parallel-size', str(cp), '--expert-model-parallel-size', str(ep)]
+            extra += ['--num-experts', '8', '--seq-length', '48', '--max-position-embeddings', '48']
+            try:
+                _validate(extra, world)
+                accepted = True
+            except ValueError as exc:
+                assert 'expert parallelism splits the data-parallel ranks' in str(exc), exc
+                accepted = False
+            try:
+                generate_model_parallel_groups(
+                    world,
+                    tensor_model_parallel_size=tp,
+                    context_parallel_size=cp,
+                    expert_model_parallel_size=ep,
+                )
+                laid_out = True
+            except ValueError as exc:
+                assert 'expert parallelism splits the data-parallel ranks' in str(exc), exc
+                laid_out = False
+            assert accepted == laid_out == (world // (tp * cp) % ep == 0), (world, tp, cp, ep)

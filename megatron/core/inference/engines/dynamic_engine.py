@@ -88,6 +88,24 @@ class _RequestState:
         return len(self.tokens) - self.prompt_length
 
 
+def _refuse_batch_dependent_model(config) -> None:
+    """Refuse a model whose output for one request depends on the others in its step.
+
+    An MoE model with an expert capacity (`moe_expert_capacity_factor`) drops the tokens beyond
+    each expert's capacity, ranked over all the tokens of the forward, i.e. of every request
+    packed into the step: a request's output would change with its neighbours. Dropless MoE
+    routes each token on its own and is served.
+    """
+    factor = getattr(config, "moe_expert_capacity_factor", None)
+    if getattr(config, "num_moe_experts", None) and factor is not None:
+        raise ValueError(
+            f"dynamic batching: the MoE layers drop tokens beyond an expert capacity "
+            f"(--moe-expert-capacity-factor {factor}), chosen among all the requests of a step, "
+            "so a request's output would depend on the others; serve this model without "
+            "--inference-dynamic-batching (static batches), or train it dropless"
+        )
+
+
 class DynamicInferenceEngine(AbstractEngine):
     """Continuous-batching engine.
 
@@ -117,6 +135,7 @@ class DynamicInferenceEngine(AbstractEngine):
         request_source_rank: Optional[int] = None,
         sync_group=None,
     ):
+        _refuse_batch_dependent_model(context.config)
         self.controller = self.text_generation_controller = text_generation_controller
         self.context = context
         self.tokenizer = text_generation_controller.tokenizer

@@ -43,8 +43,8 @@ class AbstractModelInferenceWrapper(abc.ABC):
         model: the model of this stage (a GPTModel or anything with the same forward and
             `set_input_tensor`); not a list (interleaved pipelines are not supported).
         inference_wrapper_config (InferenceWrapperConfig): sizes and dtypes.
-        pg_collection (ProcessGroupCollection, optional): `tp` and `pp` groups of the model
-            (None: the global groups).
+        pg_collection (ProcessGroupCollection, optional): `tp`, `pp` and `ep` (expert
+            parallel: MoE models only) groups of the model (None: the global groups).
     """
 
     def __init__(
@@ -64,7 +64,7 @@ class AbstractModelInferenceWrapper(abc.ABC):
             )
         self.model = model
         self.inference_wrapper_config = inference_wrapper_config
-        self.pg_collection = resolve_process_groups(pg_collection, ("tp", "pp"))
+        self.pg_collection = resolve_process_groups(pg_collection, ("tp", "pp", "ep"))
         self.pipeline_communication_dtype = (
             torch.float
             if inference_wrapper_config.fp32_residual_connection

@@ -134,6 +134,7 @@ class TextGenerationController:
                     new_tokens,
                     wrapper.pg_collection.tp,
                     wrapper.pg_collection.pp,
+                    wrapper.pg_collection.ep,
                 )
                 started = lengths_t <= column
                 tokens[started, column] = new_tokens[started]
@@ -152,6 +153,7 @@ class TextGenerationController:
                 log_probs,
                 wrapper.pg_collection.tp,
                 wrapper.pg_collection.pp,
+                wrapper.pg_collection.ep,
             )
         state.finish(tokens, log_probs)
         return active_requests
@@ -179,6 +181,7 @@ class TextGenerationController:
             identical on every rank of the model replica.
         """
         wrapper = self.inference_wrapped_model
+        _check_expert_parallel_lockstep(context, wrapper.pg_collection.ep)
         logits = wrapper.forward_packed(context.step_input_ids, context.step_position_ids, context)
         sampled = [r for r in rows if r[4]]
         n = len(sampled)
@@ -194,6 +197,7 @@ class TextGenerationController:
             payload,
             wrapper.pg_collection.tp,
             wrapper.pg_collection.pp,
+            wrapper.pg_collection.ep,
         ).tolist()
         out = OrderedDict()
         k = 0
@@ -234,6 +238,33 @@ class TextGenerationController:
             # sample, whose log prob is in row 1).
             parts.append(token_log_probs(logits[start : start + len(row[3])], targets).double())
         return torch.cat(parts).contiguous()
+
+
+def _check_expert_parallel_lockstep(context, ep_group) -> None:
+    """Refuse a packed step that differs between the replicas of an expert-parallel group.
+
+    Their tokens meet in the MoE layers' dispatch, so they must run the same steps (the same
+    requests, e.g. submitted on one rank with the engine's `request_source_rank`): a replica
+    with another number of tokens would fail or hang inside the dispatch, and one with other
+    tokens would get the first replica's samples. One all-reduce of four integers per step.
+    """
+    if ep_group.size() == 1:
+        return
+    ids = context.step_input_ids.reshape(-1).long()
+    positions = context.step_position_ids.reshape(-1).long()
+    weights = torch.arange(1, ids.numel() + 1, device=ids.device)
+    digest = int(((ids * 1_000_003 + positions) * weights).sum()) % (2**61 - 1)
+    both = torch.tensor([ids.numel(), digest], dtype=torch.long, device=ids.device)
+    extremes = torch.cat([both, -both])
+    torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX, group=ep_group)
+    if not torch.equal(extremes[:2], -extremes[2:]):
+        raise RuntimeError(
+            f"expert-parallel replicas scheduled different steps ({ids.numel()} tokens here, "
+            f"{-int(extremes[2])} to {int(extremes[0])} on the {ep_group.size()} ranks of the "
+            "expert-parallel group, or other tokens): every replica of an expert-parallel group "
+            "must be given the same requests (submit them on one rank with the engine's "
+            "request_source_rank)"
+        )
 
 
 class _StaticRowState:

@@ -4,7 +4,9 @@ follows in `run_generation_worker_loop(model, engine)`, on converted GPT-2 check
 PP2.
 
 - Prompts submitted together (one request) and each alone give the same greedy tokens, and those
-  are the tokens of Megatron's generate() loop run through the same serving loop (legacy path).
+  are the tokens of Megatron's generate() loop run through the same serving loop (legacy path,
+  one prompt at a time, and all prompts as one padded batch as --use-legacy-static-engine runs
+  the OpenAI endpoints).
 - A beam search (legacy path) submitted while engine requests run is served between steps and
   gives the answer it gives alone; the engine requests are not disturbed.
 - TP2: a step that raises on every rank (a fault injected for a poisoned prompt) fails its
@@ -46,7 +48,7 @@ def _greedy(n):
 def _serve(ckpt, poison):
     import torch
 
-    from megatron.inference.generations import EngineGeneration
+    from megatron.inference.generations import EngineGeneration, Serving
     from megatron.inference.inference_engine import get_dynamic_inference_engine
     from megatron.inference.text_generation import api
     from megatron.inference.text_generation.request import BEAM_SEARCH, GenerationSettings
@@ -90,6 +92,12 @@ def _serve(ckpt, poison):
     out["legacy"] = [
         loop.run_legacy(api.prepare([p], legacy))[3][0][len(i) :] for p, i in zip(PROMPTS, ids)
     ]
+    # --use-legacy-static-engine's generation of the OpenAI endpoints: one padded batch.
+    legacy_batch = Serving(loop, tokenizer, legacy=True).generation(
+        ids, [_greedy(NEW) for _ in ids], stops=()
+    )
+    legacy_batch.wait()
+    out["legacy_batch"] = [c.completion()[1] for c in legacy_batch.choices]
     if poison:
         out["poisoned"] = generate([[POISON, 5, 6]])
         out["after"] = generate(ids[:1])
@@ -105,7 +113,7 @@ def test_serving_loop_batches_serves_legacy_and_survives_a_failed_step(layout, t
     tp, pp = layout
     ckpt = hc.converted_checkpoint("gpt2", tp, pp, tmp_path_factory)
     rank0, rank1 = run_distributed(_serve, world_size=2, tp=tp, pp=pp, args=(ckpt, tp == 2))
-    assert rank0["together"] == rank0["alone"] == rank0["legacy"]
+    assert rank0["together"] == rank0["alone"] == rank0["legacy"] == rank0["legacy_batch"]
     assert all(len(tokens) == NEW for tokens in rank0["alone"])
     assert rank0["beam_during"] == rank0["beam_alone"]
     assert len(rank0["beam_alone"][0]) == 2

@@ -217,7 +217,7 @@ class DynamicInferenceEngine(AbstractEngine):
             raise QueueFullError(
                 f"{queued - free_rows} requests are already waiting for a free row (at most "
                 f"{self.max_waiting_requests} may wait, {self.context.max_requests} run at "
-                "once); try again later"
+                "once)"
             )
 
     def cancel_request(self, request_id: str) -> None:

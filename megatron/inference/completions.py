@@ -18,6 +18,7 @@ OpenAI's `{"error": {"message", "type", "param", "code"}}` body: 400 for a bad r
 the server's queue is full, 500 for a generation that failed (the server goes on serving).
 """
 
+import queue
 import time
 import uuid
 
@@ -28,6 +29,8 @@ from megatron.core.inference.sampling_params import SamplingParams
 from megatron.inference.json_io import BadRequest, dumps, read_json_object
 from megatron.inference.text_generation.request import INT64_MAX
 
+#: Seconds without news after which a stream sends a keep-alive comment.
+KEEPALIVE_S = 1.0
 #: OpenAI's limits on `stop` and `logprobs`.
 MAX_STOP_SEQUENCES = 4
 MAX_LOGPROBS = 5
@@ -288,13 +291,20 @@ def _choice_body(index, choice, params):
 def stream_events(generation, meta, params, prompt_lengths, chunk_of, usage_object):
     """Server-sent events of a generation: `chunk_of(index, text, finish, choice)` gives the
     body of one chunk (None: nothing to send); a last usage chunk with include_usage, then
-    `data: [DONE]`. A client that goes away (the response is closed) cancels the generation."""
+    `data: [DONE]`; a `: keep-alive` comment after KEEPALIVE_S without news. A client that goes
+    away (the response is closed, found at the next write) cancels the generation."""
 
     def events():
         completion_tokens = 0
         try:
             while True:
-                i = generation.next_update()
+                try:
+                    i = generation.next_update(timeout=KEEPALIVE_S)
+                except queue.Empty:
+                    # An SSE comment (clients skip it): writing it finds a client that went
+                    # away while its requests wait, so they leave the queue.
+                    yield ": keep-alive\n\n"
+                    continue
                 if i is None:
                     break
                 choice = generation.choices[i]

@@ -88,7 +88,9 @@ def test_sft_tokenizer_renders_with_its_prompt_format(tmp_path):
     assert apply_chat_template(tokenizer, messages) == text == "hi there"
     # The prompt's tokens are those fine-tuning saw for the conversation.
     trained = tokenizer.tokenize_conversation(messages, False, add_generation_prompt=True)
-    assert chat_prompt_token_ids(tokenizer, messages) == trained.tolist() == tokenizer.tokenize(text)
+    assert (
+        chat_prompt_token_ids(tokenizer, messages) == trained.tolist() == tokenizer.tokenize(text)
+    )
 
     # `default`: the tokenizer's own template is the prompt format.
     templated = SFTTokenizer(_save_tokenizer(tmp_path / "sft_t", TEMPLATE), prompt_format="default")

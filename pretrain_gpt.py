@@ -18,7 +18,10 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import StragglerDetector
 from megatron.training.arguments import core_transformer_config_from_args
@@ -53,12 +56,20 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
 
         module_name, function_name = args.spec
         transformer_layer_spec = getattr(importlib.import_module(module_name), function_name)()
+    elif args.num_experts is not None and args.moe_layer_freq != 1:
+        # Dense and MoE layers mixed: one spec per layer of this stage.
+        transformer_layer_spec = get_gpt_decoder_block_spec(config)
     else:
         transformer_layer_spec = get_gpt_layer_local_spec(
             args.num_experts, args.moe_grouped_gemm, args.qk_layernorm
         )
     if args.reset_attention_mask:
-        transformer_layer_spec = _with_exact_attention_mask(transformer_layer_spec)
+        if hasattr(transformer_layer_spec, 'layer_specs'):
+            transformer_layer_spec.layer_specs = [
+                _with_exact_attention_mask(spec) for spec in transformer_layer_spec.layer_specs
+            ]
+        else:
+            transformer_layer_spec = _with_exact_attention_mask(transformer_layer_spec)
     return GPTModel(
         config=config,
         transformer_layer_spec=transformer_layer_spec,
@@ -111,9 +122,16 @@ def get_batch(data_iterator):
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Masked token loss.
 
+    With context parallelism each rank holds s/cp tokens: the [sum, count] pair is summed over
+    the CP group (without autograd: the gradient flows through the local sum only), the local sum
+    is multiplied by cp and the CP-wide count returned, so that with the gradients averaged over
+    DP x CP the step equals CP=1 exactly. With --calculate-per-token-loss the local sum and count
+    are returned instead (the counts are summed over DP x CP in finalize_model_grads).
+
     Returns:
-        (sum of masked token losses, number of loss tokens, {'lm loss': (sum, count) summed over the
-        data-parallel group}); the schedule divides by the token count (and micro-batch count).
+        (loss, number of loss tokens, {'lm loss': (sum, count) summed over the data-parallel and
+        context-parallel ranks}); the schedule divides by the token count (and micro-batch
+        count) unless the loss is per token.
     """
     args = get_args()
     losses = output_tensor.float()
@@ -127,14 +145,25 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
                 f'Rank {torch.distributed.get_rank()}: found NaN in local forward loss calculation'
             )
 
+    # [sum, count] of the whole sequence (all CP ranks); a detached copy, not in autograd.
+    reduced = loss.clone().detach()
+    if args.context_parallel_size > 1:
+        torch.distributed.all_reduce(reduced, group=mpu.get_context_parallel_group())
+
     # Reduce loss for logging.
-    reporting_loss = loss.clone().detach()
+    reporting_loss = reduced.clone()
     torch.distributed.all_reduce(reporting_loss, group=mpu.get_data_parallel_group())
 
-    local_num_tokens = loss[1].clone().detach().to(torch.int)
+    if args.calculate_per_token_loss:
+        return (
+            loss[0],
+            loss[1].clone().detach().to(torch.int),
+            {'lm loss': (reporting_loss[0], reporting_loss[1])},
+        )
+    num_tokens = reduced[1].to(torch.int)
     return (
         loss[0] * args.context_parallel_size,
-        local_num_tokens,
+        num_tokens,
         {'lm loss': (reporting_loss[0], reporting_loss[1])},
     )
 

@@ -18,10 +18,25 @@ builds the model, optimizer and scheduler exactly as pretrain_gpt.py does
   reference (goal <= 1.5). Files sit in the page cache for both, so this is the software overhead
   over raw serialization; figures on a busy shared machine are noisy.
 
+torch_dist (`--format torch_dist`, distributed checkpoints; --use-distributed-optimizer applies):
+
+- sync save / load vs torch.save / torch.load of the same bytes (each rank its own .distcp
+  bytes; goal <= 1.5);
+- async save: the time the training loop is blocked (planning + staging copy) as a share of the
+  sync save (goal <= 0.1), and the time until the background write is finalized;
+- fully parallel save at the run's DP vs a single writer per DP group
+  (--no-ckpt-fully-parallel-save), DP > 1 only;
+- resharded load: saved at --tp x --pp, loaded at --load-tp x --load-pp (same world size) vs the
+  same-layout load.
+
 Usage:
     python benchmarks/bench_checkpoint.py                        # GPT-2 small (124M), DP=1
     python benchmarks/bench_checkpoint.py --dp 1 2 4 --use-distributed-optimizer both
     python benchmarks/bench_checkpoint.py --num-layers 2 --hidden-size 128   # quick smoke run
+    python benchmarks/bench_checkpoint.py --format torch_dist --world-size 4 --tp 2 --pp 2 \
+        --load-tp 1 --load-pp 1 --use-distributed-optimizer yes      # 124M, torch_dist
+    python benchmarks/bench_checkpoint.py --format torch_dist --world-size 4 --tp 1 --pp 1 \
+        --use-distributed-optimizer yes                               # DP4: fully parallel save
 """
 
 import argparse
@@ -50,6 +65,12 @@ def _parse():
     parser.add_argument('--bf16', action='store_true', help='bf16 params with fp32 main params')
     parser.add_argument('--dir', default=None, help='checkpoint folder (default: a temp dir)')
     parser.add_argument('--json', default=None, help='also write the results to this file')
+    parser.add_argument('--format', choices=['torch', 'torch_dist'], default='torch')
+    parser.add_argument('--world-size', type=int, default=1, help='torch_dist: ranks')
+    parser.add_argument('--tp', type=int, default=1, help='torch_dist: save layout TP')
+    parser.add_argument('--pp', type=int, default=1, help='torch_dist: save layout PP')
+    parser.add_argument('--load-tp', type=int, default=None, help='torch_dist: reshard to TP')
+    parser.add_argument('--load-pp', type=int, default=None, help='torch_dist: reshard to PP')
     return parser.parse_args()
 
 
@@ -277,6 +298,10 @@ def _run_config(bench, world_size, use_dist_opt, base_dir):
 
 def main():
     bench = _parse()
+    if bench.format == 'torch_dist':
+        from bench_checkpoint_dist import main_dist
+
+        return main_dist(bench)
     base_dir = bench.dir or tempfile.mkdtemp(prefix='bench_checkpoint_')
     os.makedirs(base_dir, exist_ok=True)
     choices = {'no': [False], 'yes': [True], 'both': [False, True]}

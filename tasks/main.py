@@ -11,6 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron.training.context_parallel_checks import refuse_context_parallel  # noqa: E402
 from megatron.training.errors import run_main  # noqa: E402
 from megatron.training.global_vars import get_args  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
@@ -199,6 +200,7 @@ def main(args_list=None):
             '--num-layers-per-virtual-pipeline-stage: the interleaved schedule is not '
             'supported for downstream tasks'
         )
+    refuse_context_parallel(args, 'downstream task evaluation (tasks/main.py)')
     return importlib.import_module(module_name).main()
 
 

@@ -25,7 +25,10 @@ import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.utils import get_current_device
 from megatron.inference.generations import Serving
 from megatron.inference.inference_engine import get_dynamic_inference_engine
@@ -38,6 +41,7 @@ from megatron.inference.text_generation_server import (
 from megatron.inference.worker_loop import ServingLoop
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.checkpointing import load_checkpoint
+from megatron.training.context_parallel_checks import refuse_context_parallel
 from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.initialize import initialize_megatron
@@ -52,7 +56,10 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
     args = get_args()
     print_rank_0('building GPT model ...')
     config = core_transformer_config_from_args(args)
-    transformer_layer_spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm)
+    if args.num_experts is not None and args.moe_layer_freq != 1:
+        transformer_layer_spec = get_gpt_decoder_block_spec(config)  # dense and MoE layers
+    else:
+        transformer_layer_spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm)
     return GPTModel(
         config=config,
         transformer_layer_spec=transformer_layer_spec,
@@ -195,6 +202,7 @@ def main(args_list=None):
         args_list=args_list,
     )
     args = get_args()
+    refuse_context_parallel(args, 'text generation')
     if args.num_layers_per_virtual_pipeline_stage is not None:
         print("Interleaved pipeline schedule is not yet supported for text generation.")
         sys.exit(1)

@@ -1,7 +1,7 @@
 """ModelParallelConfig: the parallelism and training options every megatron.core module reads."""
 
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, List, Optional
 
 import torch
 
@@ -23,6 +23,11 @@ class ModelParallelConfig:
 
     context_parallel_size: int = 1
     """Splits the network input (sequence) across this many ranks inside attention."""
+
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None
+    """Two sizes whose product is context_parallel_size, for cp_comm_type 'a2a+p2p': all-to-all
+    inside level-0 groups of the first size (contiguous CP ranks), ring across level-1 groups of
+    the second size."""
 
     pipeline_model_parallel_size: int = 1
     """Inter-layer model parallelism: splits transformer layers across this many stages."""
@@ -217,6 +222,13 @@ class ModelParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.hierarchical_context_parallel_sizes is not None:
+            sizes = list(self.hierarchical_context_parallel_sizes)
+            if len(sizes) != 2 or sizes[0] * sizes[1] != self.context_parallel_size:
+                raise ValueError(
+                    f"hierarchical_context_parallel_sizes ({sizes}) must be two sizes whose "
+                    f"product is context_parallel_size ({self.context_parallel_size})"
+                )
         if self.virtual_pipeline_model_parallel_size is not None:
             if self.virtual_pipeline_model_parallel_size < 1:
                 raise ValueError(
@@ -262,16 +274,9 @@ class ModelParallelConfig:
         if self.defer_embedding_wgrad_compute and self.wgrad_deferral_limit < 0:
             raise ValueError(f"wgrad_deferral_limit must be >= 0, got {self.wgrad_deferral_limit}")
 
-        if (
-            self.expert_model_parallel_size > 1
-            and self.tensor_model_parallel_size > 1
-            and not self.sequence_parallel
-        ):
-            raise ValueError(
-                f"expert_model_parallel_size ({self.expert_model_parallel_size}) > 1 with "
-                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}) > 1 needs "
-                "sequence_parallel=True"
-            )
+        # Expert x tensor parallelism needs sequence parallelism to *train* (Megatron checks it
+        # here); MoELayer refuses training without it, and inference (text generation, which
+        # cannot split single-token steps along the sequence) runs without it.
 
         if self.cpu_offloading and not (0 <= self.cpu_offloading_num_layers):
             raise ValueError(

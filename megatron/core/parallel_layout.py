@@ -160,11 +160,6 @@ def _check_sizes(
             f"data parallel size ({data_parallel_size}) is not divisible by "
             f"expert_model_parallel_size ({expert_model_parallel_size})"
         )
-    if expert_model_parallel_size > 1 and context_parallel_size > 1:
-        raise ValueError(
-            f"expert_model_parallel_size ({expert_model_parallel_size}) > 1 together with "
-            f"context_parallel_size ({context_parallel_size}) > 1 is not supported"
-        )
     if virtual_pipeline_model_parallel_size is not None:
         if pipeline_model_parallel_size <= 1:
             raise ValueError(
@@ -184,6 +179,40 @@ def _check_sizes(
             f"[0, pipeline_model_parallel_size ({pipeline_model_parallel_size}))"
         )
     return data_parallel_size
+
+
+def hierarchical_context_parallel_groups(
+    cp_groups: List[List[int]], hierarchical_sizes: Sequence[int]
+) -> List[List[List[int]]]:
+    """The groups of each level of hierarchical context parallelism, inside every CP group.
+
+    Level 0 takes contiguous runs of `hierarchical_sizes[0]` ranks of a CP group; level l takes
+    ranks strided by the product of the lower levels' sizes (as Megatron's
+    `create_hierarchical_groups`). Example: CP group [0, 2, 4, 6] with sizes [2, 2] gives level 0
+    [0, 2] [4, 6] and level 1 [0, 4] [2, 6].
+
+    Returns:
+        one list of groups (each a list of global ranks) per level.
+    """
+    sizes = list(hierarchical_sizes)
+    levels = [[] for _ in sizes]
+    for ranks in cp_groups:
+        product = 1
+        for size in sizes:
+            product *= size
+        if product != len(ranks):
+            raise ValueError(
+                f"hierarchical context parallel sizes {sizes} multiply to {product}, not to the "
+                f"context parallel size {len(ranks)}"
+            )
+        below = 1
+        for level, size in enumerate(sizes):
+            span = below * size
+            for start in range(0, len(ranks), span):
+                for offset in range(below):
+                    levels[level].append([ranks[start + offset + i * below] for i in range(size)])
+            below = span
+    return levels
 
 
 def default_embedding_ranks(pp_ranks: List[int], split_rank: Optional[int] = None) -> List[int]:
@@ -218,6 +247,7 @@ def generate_model_parallel_groups(
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     get_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
     get_position_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
+    hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
 ) -> Dict[str, List[List[int]]]:
     """Every group's rank lists of Megatron's layout, computed without processes.
 
@@ -232,12 +262,17 @@ def generate_model_parallel_groups(
         get_embedding_ranks, get_position_embedding_ranks: callables mapping one pipeline
             group's ranks to the ranks of its (position) embedding group; default
             `default_embedding_ranks` / `default_position_embedding_ranks` with the split rank.
+        hierarchical_context_parallel_sizes: sizes of the levels of hierarchical context
+            parallelism (product = context_parallel_size); adds "hcp-0", "hcp-1", ...
 
     Returns:
         A dict from group kind to the list of groups (each a list of global ranks):
         "tp", "pp", "dp", "dp-cp" (data parallel with context parallel), "cp", "mp" (tensor +
         pipeline), "embedding", "position_embedding", "tp-dp", "tp-dp-cp", "tp-cp", "tp-ep",
         "mp-ep" (tensor + expert + pipeline), "ep", "dp-modulo-ep", "dp-modulo-ep-cp".
+        Expert parallelism subdivides data parallelism (not context parallelism), as in
+        Megatron core_r0.8: with CP, an expert group holds ranks of one CP rank and different
+        DP ranks, and expert gradients reduce over "dp-modulo-ep-cp".
 
     Raises:
         ValueError: sizes that do not divide the world size, or an invalid order / split rank.
@@ -283,6 +318,12 @@ def generate_model_parallel_groups(
         get_position_embedding_ranks = partial(
             default_position_embedding_ranks, split_rank=pipeline_model_parallel_split_rank
         )
+    if hierarchical_context_parallel_sizes is not None:
+        levels = hierarchical_context_parallel_groups(
+            groups["cp"], hierarchical_context_parallel_sizes
+        )
+        for level, level_groups in enumerate(levels):
+            groups[f"hcp-{level}"] = level_groups
     groups["embedding"] = [list(get_embedding_ranks(ranks)) for ranks in groups["pp"]]
     groups["position_embedding"] = [
         list(get_position_embedding_ranks(ranks)) for ranks in groups["pp"]

@@ -85,6 +85,8 @@ _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = None
 # Context parallel group and its global ranks.
 _CONTEXT_PARALLEL_GROUP = None
 _CONTEXT_PARALLEL_GLOBAL_RANKS = None
+# Hierarchical context parallel groups of the caller (one per level, level 0 first).
+_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
 
 # Data parallel group including context parallel ranks (and its gloo copy).
 _DATA_PARALLEL_GROUP_WITH_CP = None
@@ -144,6 +146,7 @@ def initialize_model_parallel(
     order: str = "tp-cp-ep-dp-pp",
     get_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
     get_position_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None,
 ) -> None:
     """Create the model and data parallel groups of Megatron's layout.
 
@@ -165,6 +168,9 @@ def initialize_model_parallel(
             (default `default_embedding_ranks`: first and last stage, plus the split stage).
         get_position_embedding_ranks: pipeline group ranks -> ranks of its position-embedding
             group (default `default_position_embedding_ranks`: first stage, plus the split stage).
+        hierarchical_context_parallel_sizes: sizes of the levels of hierarchical context
+            parallelism inside each CP group (product = context_parallel_size; level 0 contiguous,
+            level 1 strided), for cp_comm_type 'a2a+p2p'.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -188,6 +194,7 @@ def initialize_model_parallel(
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         get_embedding_ranks=get_embedding_ranks,
         get_position_embedding_ranks=get_position_embedding_ranks,
+        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
     )
     if model_parallel_is_initialized():
         raise RuntimeError(
@@ -221,6 +228,12 @@ def initialize_model_parallel(
 
     global _CONTEXT_PARALLEL_GROUP, _CONTEXT_PARALLEL_GLOBAL_RANKS
     _CONTEXT_PARALLEL_GROUP, _, _CONTEXT_PARALLEL_GLOBAL_RANKS = _build(groups["cp"], timeout)
+    global _HIERARCHICAL_CONTEXT_PARALLEL_GROUPS
+    if hierarchical_context_parallel_sizes is not None:
+        _HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = [
+            _build(groups[f"hcp-{level}"], timeout)[0]
+            for level in range(len(hierarchical_context_parallel_sizes))
+        ]
 
     global _MODEL_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP_WITH_EP
     _MODEL_PARALLEL_GROUP, _, _ = _build(groups["mp"], timeout)
@@ -359,6 +372,15 @@ def get_context_parallel_group(check_initialized: bool = True):
 def get_context_parallel_global_ranks(check_initialized: bool = True):
     """Global ranks of the caller's context parallel group."""
     return _checked(_CONTEXT_PARALLEL_GLOBAL_RANKS, "context parallel group", check_initialized)
+
+
+def get_hierarchical_context_parallel_groups(check_initialized: bool = True):
+    """The caller's hierarchical context parallel groups, level 0 (all-to-all) first."""
+    return _checked(
+        _HIERARCHICAL_CONTEXT_PARALLEL_GROUPS,
+        "hierarchical context parallel groups (pass hierarchical_context_parallel_sizes)",
+        check_initialized,
+    )
 
 
 def get_embedding_group(check_initialized: bool = True):
@@ -506,6 +528,20 @@ def get_context_parallel_group_if_none(group=None, check_initialized: bool = Tru
     return group if group is not None else get_context_parallel_group(check_initialized)
 
 
+def get_hierarchical_context_parallel_groups_if_none(groups=None, check_initialized: bool = True):
+    """`groups` if given, else the global hierarchical context parallel groups."""
+    if groups is not None:
+        return groups
+    return get_hierarchical_context_parallel_groups(check_initialized)
+
+
+def get_data_parallel_group_with_cp_if_none(group=None, check_initialized: bool = True):
+    """`group` if given, else the global data parallel group including context parallel ranks."""
+    if group is not None:
+        return group
+    return get_data_parallel_group(with_context_parallel=True, check_initialized=check_initialized)
+
+
 def get_model_parallel_group_if_none(group=None, check_initialized: bool = True):
     """`group` if given, else the global model parallel group."""
     if group is not None:
@@ -531,6 +567,26 @@ def get_tensor_and_data_parallel_group_if_none(group=None, with_context_parallel
 def get_expert_model_parallel_group_if_none(group=None, check_initialized: bool = True):
     """`group` if given, else the global expert model parallel group."""
     return group if group is not None else get_expert_model_parallel_group(check_initialized)
+
+
+def get_tensor_and_expert_parallel_group_if_none(group=None, check_initialized: bool = True):
+    """`group` if given, else the global tensor + expert parallel group."""
+    return group if group is not None else get_tensor_and_expert_parallel_group(check_initialized)
+
+
+def get_tensor_and_context_parallel_group_if_none(group=None, check_initialized: bool = True):
+    """`group` if given, else the global tensor + context parallel group."""
+    return group if group is not None else get_tensor_and_context_parallel_group(check_initialized)
+
+
+def get_data_modulo_expert_parallel_group_if_none(
+    group=None, with_context_parallel: bool = True, check_initialized: bool = True
+):
+    """`group` if given, else the global data-modulo-expert parallel group (the data parallel
+    group of expert parameters, with context parallel by default)."""
+    if group is not None:
+        return group
+    return get_data_modulo_expert_parallel_group(with_context_parallel, check_initialized)
 
 
 # --------------------------------------------------------------------------------------------
@@ -936,6 +992,7 @@ _RESET_TO_NONE = [
     "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP",
     "_CONTEXT_PARALLEL_GROUP",
     "_CONTEXT_PARALLEL_GLOBAL_RANKS",
+    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS",
     "_DATA_PARALLEL_GROUP_WITH_CP",
     "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
     "_TENSOR_AND_CONTEXT_PARALLEL_GROUP",

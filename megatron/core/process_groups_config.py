@@ -10,7 +10,7 @@ than the global ones (e.g. two models side by side on different TP groups).
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
 
 import torch
 
@@ -24,6 +24,12 @@ _FALLBACKS = {
     "embd": parallel_state.get_embedding_group_if_none,
     "pos_embd": parallel_state.get_position_embedding_group_if_none,
     "dp": parallel_state.get_data_parallel_group_if_none,
+    "ep": parallel_state.get_expert_model_parallel_group_if_none,
+    "tp_ep": parallel_state.get_tensor_and_expert_parallel_group_if_none,
+    "tp_cp": parallel_state.get_tensor_and_context_parallel_group_if_none,
+    "expt_dp": parallel_state.get_data_modulo_expert_parallel_group_if_none,
+    "dp_cp": parallel_state.get_data_parallel_group_with_cp_if_none,
+    "hcp": parallel_state.get_hierarchical_context_parallel_groups_if_none,
 }
 
 
@@ -52,10 +58,32 @@ class ProcessGroupCollection:
     dp: Optional[torch.distributed.ProcessGroup] = None
     """Data parallel group."""
 
+    ep: Optional[torch.distributed.ProcessGroup] = None
+    """Expert model parallel group (ranks holding different experts of one MoE layer)."""
+
+    tp_ep: Optional[torch.distributed.ProcessGroup] = None
+    """Tensor + expert parallel group (the allgather token dispatcher's group)."""
+
+    tp_cp: Optional[torch.distributed.ProcessGroup] = None
+    """Tensor + context parallel group (ranks splitting one sequence)."""
+
+    expt_dp: Optional[torch.distributed.ProcessGroup] = None
+    """Data parallel group of expert parameters (data-modulo-expert, with context parallel)."""
+
+    dp_cp: Optional[torch.distributed.ProcessGroup] = None
+    """Data parallel group including the context parallel ranks (gradient reduction: CP ranks
+    hold replicas of every weight)."""
+
+    hcp: Optional[List[torch.distributed.ProcessGroup]] = None
+    """Hierarchical context parallel groups, level 0 (all-to-all) then level 1 (ring), for
+    cp_comm_type 'a2a+p2p'."""
+
     @classmethod
     def use_mpu_process_groups(cls, required_pgs: Optional[Iterable[str]] = None):
-        """A collection of the global groups (all fields, or only `required_pgs`)."""
-        return resolve_process_groups(None, required_pgs or tuple(_FALLBACKS))
+        """A collection of the global groups (all fields but the optional `hcp`, or only
+        `required_pgs`)."""
+        default = tuple(name for name in _FALLBACKS if name != "hcp")
+        return resolve_process_groups(None, required_pgs or default)
 
 
 def resolve_process_groups(

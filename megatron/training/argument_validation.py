@@ -10,8 +10,11 @@ import math
 import torch
 
 from megatron.core.utils import uses_cuda
+from megatron.training.argument_validation_moe import validate_moe_args
 from megatron.training.argument_validation_sft_fim import validate_sft_and_fim_args
 from megatron.training.arguments_unsupported import check_unsupported_flags
+from megatron.training.context_parallel_checks import validate_context_parallel_args
+from megatron.training.dist_checkpoint_args import validate_dist_checkpoint_args
 from megatron.training.observability_args import validate_observability_args
 
 
@@ -424,11 +427,7 @@ def validate_args(args, defaults={}):
         args.sequence_parallel = False
     if args.sequence_parallel:
         args.async_tensor_model_parallel_allreduce = False
-    if args.context_parallel_size > 1:
-        raise ValueError(
-            f'--context-parallel-size {args.context_parallel_size}: context parallelism is not '
-            'implemented by this package\'s attention; use 1'
-        )
+    validate_context_parallel_args(args)
 
     # Data.
     if args.data_path is not None and args.split is None:
@@ -446,11 +445,10 @@ def validate_args(args, defaults={}):
     if args.tokenizer_type == 'NullTokenizer' and args.vocab_size is None:
         raise ValueError('--tokenizer-type NullTokenizer requires --vocab-size')
 
-    # Experts.
-    if args.num_experts is not None and args.num_experts <= 0:
-        raise ValueError(f'--num-experts must be positive, got {args.num_experts}')
+    validate_moe_args(args)
 
     _validate_megatron_r08_extras(args)
+    validate_dist_checkpoint_args(args)
     validate_sft_and_fim_args(args)
 
     if args.timing_log_level not in (0, 1, 2):

@@ -1,9 +1,11 @@
 """Megatron's command-line flags, model and optimization groups: network size, regularization,
-training, initialization, learning rate, mixed precision, MoE, inference, Transformer Engine and
-experimental flags (one `_add_*_args(parser)` per argparse group, names and defaults of Megatron
-core_r0.8.0 megatron/training/arguments.py). `arguments.get_args_parser` assembles them.
+training, initialization, learning rate, mixed precision, MoE (in arguments_moe.py), inference,
+Transformer Engine and experimental flags (one `_add_*_args(parser)` per argparse group, names
+and defaults of Megatron core_r0.8.0 megatron/training/arguments.py). `arguments.get_args_parser`
+assembles them.
 """
 
+from megatron.training.arguments_moe import _add_moe_args  # noqa: F401 (re-exported)
 from megatron.training.arguments_unsupported import add_tp_comm_overlap_args
 
 
@@ -733,97 +735,6 @@ def _add_mixed_precision_args(parser):
         '--fp16-lm-cross-entropy',
         action='store_true',
         help='Move the cross entropy unreduced loss calculation for lm head to fp16.',
-    )
-    return parser
-
-
-def _add_moe_args(parser):
-    group = parser.add_argument_group(title='moe')
-    group.add_argument(
-        '--expert-model-parallel-size',
-        type=int,
-        default=1,
-        help='Degree of expert model parallelism.',
-    )
-    group.add_argument(
-        '--num-experts', type=int, default=None, help='Number of Experts in MoE (None means no MoE)'
-    )
-    group.add_argument(
-        '--moe-router-topk',
-        type=int,
-        default=2,
-        help='Number of experts to route to for each token.',
-    )
-    group.add_argument(
-        '--moe-router-load-balancing-type',
-        type=str,
-        default='aux_loss',
-        choices=['aux_loss', 'sinkhorn', 'none'],
-        help='Determines the load balancing strategy for the router.',
-    )
-    group.add_argument(
-        '--moe-aux-loss-coeff',
-        type=float,
-        default=0.0,
-        help='Scaling coefficient for the aux loss.',
-    )
-    group.add_argument(
-        '--moe-z-loss-coeff', type=float, default=None, help='Scaling coefficient for the z-loss.'
-    )
-    group.add_argument(
-        '--moe-grouped-gemm', action='store_true', help='Use grouped GEMM for experts.'
-    )
-    group.add_argument(
-        '--moe-token-dispatcher-type',
-        type=str,
-        choices=['allgather', 'alltoall'],
-        default='allgather',
-        help='The type of token dispatcher to use.',
-    )
-    group.add_argument(
-        '--moe-router-pre-softmax',
-        action='store_true',
-        help='Enable pre-softmax routing for MoE, which means softmax is before the '
-        'top-k selection.',
-    )
-    group.add_argument(
-        '--moe-input-jitter-eps',
-        type=float,
-        default=None,
-        help='Add noise to the input tensor by applying jitter with a specified epsilon value.',
-    )
-    group.add_argument(
-        '--moe-per-layer-logging',
-        action='store_true',
-        help='Enable per-layer logging for MoE, currently supports auxiliary loss and z loss.',
-    )
-    group.add_argument(
-        '--moe-expert-capacity-factor',
-        type=float,
-        default=None,
-        help='The capacity factor for each expert, None means no token will be dropped.',
-    )
-    group.add_argument(
-        '--moe-pad-expert-input-to-capacity',
-        action='store_true',
-        help='Pads the input for each expert to match the expert capacity length.',
-    )
-    group.add_argument(
-        '--moe-token-drop-policy',
-        type=str,
-        default='probs',
-        choices=['probs', 'position'],
-        help='The policy to drop tokens. Can be either "probs" or "position".',
-    )
-    group.add_argument(
-        '--moe-layer-recompute',
-        action='store_true',
-        help='Enable checkpointing for moe_layer, should be used when memory is not sufficient.',
-    )
-    group.add_argument(
-        '--moe-extended-tp',
-        action='store_true',
-        help='Alternative to expert parallelism, all experts are sharded across TPXEP domain.',
     )
     return parser
 

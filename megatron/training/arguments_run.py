@@ -90,12 +90,23 @@ def _add_checkpointing_args(parser):
         'instead of random initialization.',
     )
     group.add_argument(
-        '--use-dist-ckpt', action='store_true', help='Use distributed checkpoint format.'
+        '--use-dist-ckpt',
+        action='store_true',
+        help='Use distributed checkpoint format (torch_dist): it loads at any parallel layout.',
+    )
+    group.add_argument(
+        '--ckpt-format',
+        type=str,
+        default=None,
+        choices=['torch', 'torch_dist'],
+        help='Checkpoint format to save (later Megatron\'s flag; default torch, the legacy '
+        'format; torch_dist = --use-dist-ckpt). Loading detects the format.',
     )
     group.add_argument(
         '--auto-detect-ckpt-format',
         action='store_true',
-        help='Determine if the checkpoint format is in legacy or distributed format.',
+        help='Determine if the checkpoint format is in legacy or distributed format (loading '
+        'always detects it here).',
     )
     group.add_argument(
         '--dist-ckpt-format',
@@ -115,7 +126,8 @@ def _add_checkpointing_args(parser):
         action='store_false',
         dest='ckpt_fully_parallel_save',
         help='Disable applying full save parallelization across DP for distributed '
-        'checkpoints (no effect here: checkpoints are written in the torch format).',
+        'checkpoints (then the distributed optimizer state is gathered on DP rank 0: '
+        'dp_zero_gather_scatter, reloadable at the same TP/PP only).',
     )
     group.add_argument(
         '--async-save',
@@ -149,8 +161,8 @@ def _add_checkpointing_args(parser):
             'return_all',
             'ignore_all',
         ],
-        help='Determine handling of key mismatch during checkpoint load (used by '
-        'distributed checkpoints only; the torch format loads strictly).',
+        help='Determine handling of key mismatch during checkpoint load (distributed '
+        'checkpoints; the torch format loads strictly).',
     )
     return parser
 
@@ -288,6 +300,23 @@ def _add_distributed_args(parser):
     )
     group.add_argument(
         '--context-parallel-size', type=int, default=1, help='Degree of context parallelism.'
+    )
+    group.add_argument(
+        '--cp-comm-type',
+        nargs='+',
+        type=str,
+        default=['p2p'],
+        help='Inter-rank communication of context parallel attention: p2p (ring), all_gather '
+        '(also spelled allgather), a2a (Ulysses) or a2a+p2p. One value for all layers, or one '
+        'per layer, e.g. --cp-comm-type p2p p2p a2a a2a.',
+    )
+    group.add_argument(
+        '--hierarchical-context-parallel-sizes',
+        nargs='+',
+        type=int,
+        default=None,
+        help='Two sizes whose product is --context-parallel-size, for --cp-comm-type a2a+p2p: '
+        'all-to-all inside groups of the first size, ring across groups of the second.',
     )
     group.add_argument(
         '--use-cpu-initialization',

@@ -8,13 +8,12 @@ with one line naming the flag when a run sets one of them to anything but its de
 
 The argument groups below (biencoder, vision, retro, one logger, the TE communication-overlap
 flags of the training group) are the ones whose features are entirely absent; flags of a
-supported group that are unsupported (MoE, fp8, ...) are defined with their group in
+supported group that are unsupported (fp8, ...) are defined with their group in
 `arguments.py` and listed in the same table.
 """
 
 _TE_COMM = 'Transformer Engine tensor-parallel communication overlap is not available'
 _FP8 = 'fp8 training needs Transformer Engine, which this package does not use'
-_MOE = 'mixture-of-experts layers are not implemented'
 _VISION = 'vision models (ViT/MiT/Swin, inpainting, DINO) are not included'
 _BIENCODER = 'ICT / biencoder (REALM-style retriever) models are not included'
 _RETRO = 'Retro models are not included'
@@ -42,23 +41,6 @@ UNSUPPORTED_FLAGS = {
     '--fp8-amax-history-len': _FP8,
     '--fp8-amax-compute-algo': _FP8,
     '--no-fp8-wgrad': _FP8,
-    # Mixture of experts.
-    '--num-experts': _MOE,
-    '--expert-model-parallel-size': _MOE,
-    '--moe-router-topk': _MOE,
-    '--moe-router-pre-softmax': _MOE,
-    '--moe-router-load-balancing-type': _MOE,
-    '--moe-aux-loss-coeff': _MOE,
-    '--moe-z-loss-coeff': _MOE,
-    '--moe-input-jitter-eps': _MOE,
-    '--moe-grouped-gemm': _MOE,
-    '--moe-token-dispatcher-type': _MOE,
-    '--moe-per-layer-logging': _MOE,
-    '--moe-expert-capacity-factor': _MOE,
-    '--moe-pad-expert-input-to-capacity': _MOE,
-    '--moe-token-drop-policy': _MOE,
-    '--moe-layer-recompute': _MOE,
-    '--moe-extended-tp': _MOE,
     # Hybrid Mamba models (experimental group).
     '--hybrid-attention-ratio': _HYBRID,
     '--hybrid-mlp-ratio': _HYBRID,
@@ -128,8 +110,6 @@ UNSUPPORTED_FLAGS = {
     '--adlr-autoresume': 'ADLR autoresume (a cluster-internal service) is not available',
     '--adlr-autoresume-interval': 'ADLR autoresume (a cluster-internal service) is not available',
     '--s3-cache-path': 'S3 dataset loading is not implemented',
-    '--dist-ckpt-strictness': 'distributed (torch_dist/zarr) checkpoint loading is not '
-    'implemented; the torch format loads strictly',
     '--yaml-cfg': 'the experimental YAML run configuration is not implemented (pass flags; '
     'megatron.training.yaml_arguments.core_transformer_config_from_yaml reads the model part)',
     '--use-flash-attn': 'the FlashAttention kernels are not used (attention is plain PyTorch)',

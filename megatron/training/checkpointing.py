@@ -35,18 +35,16 @@ re-exported here.
 import argparse
 import glob
 import os
-import random
 import sys
 import zipfile
 from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import update_num_microbatches
-from megatron.core.utils import get_current_device, unwrap_model, uses_cuda
+from megatron.core.utils import get_current_device, unwrap_model
 from megatron.training import distrib_optim_shards
 from megatron.training.global_vars import get_args
 
@@ -69,6 +67,14 @@ from megatron.training.checkpoint_layout import (  # noqa: F401
     get_distributed_optimizer_checkpoint_name,
     read_metadata,
 )
+from megatron.training.checkpoint_rng import (  # noqa: F401
+    _np_state_from_checkpoint,
+    _np_state_to_checkpoint,
+    _set_rng_state,
+    get_rng_state,
+    restore_rng_state,
+)
+from megatron.training.checkpointing_dist import maybe_finalize_async_save  # noqa: F401
 
 #: Version written into every checkpoint, as in Megatron's megatron/training/checkpointing.py:
 #: 3.0 means linear_qkv rows are grouped per query group [q heads of the group, k, v].
@@ -100,76 +106,6 @@ def print_rank_0(message: str) -> None:
             print(message, flush=True)
     else:
         print(message, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# RNG state
-
-
-def _np_state_to_checkpoint(state: tuple) -> tuple:
-    """numpy's MT19937 state with the key array as a tensor (loadable with weights_only=True)."""
-    name, keys, pos, has_gauss, cached_gaussian = state
-    keys = torch.from_numpy(keys.astype(np.int64))
-    return (name, keys, int(pos), int(has_gauss), float(cached_gaussian))
-
-
-def _np_state_from_checkpoint(state: tuple) -> tuple:
-    name, keys, pos, has_gauss, cached_gaussian = state
-    if isinstance(keys, torch.Tensor):
-        keys = keys.numpy().astype(np.uint32)
-    return (name, keys, pos, has_gauss, cached_gaussian)
-
-
-def get_rng_state(use_dist_ckpt: bool = False) -> List[Dict[str, Any]]:
-    """This rank's RNG states (python, numpy, torch, CUDA, model-parallel tracker).
-
-    Returns a one-element list, or with `--data-parallel-random-init` the states of every
-    data-parallel rank (an all-gather over the data-parallel group; every rank must call it).
-    `use_dist_ckpt` is accepted for Megatron signature parity; only the torch format exists here.
-    """
-    from megatron.core import tensor_parallel
-
-    args = get_args()
-    rng_state = {
-        'random_rng_state': random.getstate(),
-        'np_rng_state': _np_state_to_checkpoint(np.random.get_state()),
-        'torch_rng_state': torch.get_rng_state(),
-        'rng_tracker_states': tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    if uses_cuda():
-        rng_state['cuda_rng_state'] = torch.cuda.get_rng_state()
-
-    if (
-        torch.distributed.is_initialized()
-        and mpu.get_data_parallel_world_size() > 1
-        and args.data_parallel_random_init
-    ):
-        rng_state_list = [None] * mpu.get_data_parallel_world_size()
-        torch.distributed.all_gather_object(
-            rng_state_list, rng_state, group=mpu.get_data_parallel_group()
-        )
-    else:
-        rng_state_list = [rng_state]
-    return rng_state_list
-
-
-def _set_rng_state(rng_state: Dict[str, Any], checkpoint_name: str) -> None:
-    """Restore the states `get_rng_state` captured."""
-    from megatron.core import tensor_parallel
-
-    random.setstate(rng_state['random_rng_state'])
-    np.random.set_state(_np_state_from_checkpoint(rng_state['np_rng_state']))
-    torch.set_rng_state(rng_state['torch_rng_state'])
-    if uses_cuda():
-        if 'cuda_rng_state' in rng_state:
-            torch.cuda.set_rng_state(rng_state['cuda_rng_state'])
-        else:
-            print_rank_0(
-                f'WARNING: {checkpoint_name} was saved without CUDA; CUDA RNG state not restored'
-            )
-    if not rng_state['rng_tracker_states']:
-        raise KeyError('rng_tracker_states')
-    tensor_parallel.get_cuda_rng_tracker().set_states(rng_state['rng_tracker_states'])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,16 +280,6 @@ def _raise_if_any_rank_failed(
     raise RuntimeError(message)
 
 
-def _warn_unsupported_format_flags(args) -> None:
-    for flag, attr in (('--use-dist-ckpt', 'use_dist_ckpt'), ('--async-save', 'async_save')):
-        if getattr(args, attr, False) and not getattr(_warn_unsupported_format_flags, attr, False):
-            print_rank_0(
-                f'WARNING: {flag} is accepted but has no effect here: checkpoints are written '
-                f'synchronously in the torch (legacy) format'
-            )
-            setattr(_warn_unsupported_format_flags, attr, True)
-
-
 def save_checkpoint(
     iteration: int,
     model,
@@ -371,15 +297,30 @@ def save_checkpoint(
             data-parallel rank writes its own `distrib_optim_dp<rank>.pt` (no collective).
         opt_param_scheduler: OptimizerParamScheduler or None.
         num_floating_point_operations_so_far: stored for throughput accounting across restarts.
-        checkpointing_context: accepted for Megatron signature parity (used by async/dist formats).
+        checkpointing_context: accepted for Megatron signature parity (the torch_dist save
+            strategy is kept per process instead).
+
+    With `--use-dist-ckpt` / `--ckpt-format torch_dist` the torch_dist format is written
+    (checkpointing_dist.py; `--async-save` writes it in the background).
 
     Raises:
         RuntimeError: on every rank if writing failed on any rank; the tracker file then still
             names the previous checkpoint.
     """
     args = get_args()
-    _warn_unsupported_format_flags(args)
     model = unwrap_model(model if isinstance(model, list) else [model])
+    from megatron.training import checkpointing_dist
+
+    if checkpointing_dist.is_dist_checkpoint_format(args):
+        checkpointing_dist.save_dist_checkpoint(
+            args,
+            iteration,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            num_floating_point_operations_so_far,
+        )
+        return
 
     print_rank_0(f'saving checkpoint at iteration {iteration:7d} to {args.save} in torch format')
 
@@ -529,6 +470,11 @@ def _load_base_checkpoint(
         iteration, release = read_metadata(tracker_filename)
 
     if rank0:
+        from megatron.core import dist_checkpointing
+
+        base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+        if dist_checkpointing.check_is_distributed_checkpoint(base_dir):
+            return dist_checkpointing.load_common_state_dict(base_dir), base_dir, release
         checkpoint_name = find_checkpoint_rank_0(load_dir, iteration, release)
         if checkpoint_name is None:
             base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
@@ -576,7 +522,9 @@ def _raise_missing_rank_file(load_dir, iteration, release, checkpoint_name):
     )
 
 
-def check_checkpoint_args(checkpoint_args, checkpoint_name: str = 'checkpoint') -> None:
+def check_checkpoint_args(
+    checkpoint_args, checkpoint_name: str = 'checkpoint', resharding: bool = False
+) -> None:
     """Compare the model-defining args of a checkpoint with the run's.
 
     Raises:
@@ -613,11 +561,14 @@ def check_checkpoint_args(checkpoint_args, checkpoint_name: str = 'checkpoint') 
     if args.vocab_file:
         _compare('max_position_embeddings')
         _compare('make_vocab_size_divisible_by')
-        _compare('padded_vocab_size')
+        if not resharding:  # the padding follows the TP size; a dist checkpoint adapts it
+            _compare('padded_vocab_size')
         _compare('tokenizer_type')
     if args.data_parallel_random_init:
         _compare('data_parallel_random_init')
-    if get_checkpoint_version() < 3.0:
+    if resharding:
+        pass  # a distributed checkpoint loads at any TP / PP
+    elif get_checkpoint_version() < 3.0:
         _compare('tensor_model_parallel_size', old_arg_name='model_parallel_size')
     else:
         _compare('tensor_model_parallel_size')
@@ -747,6 +698,11 @@ def load_args_from_checkpoint(
         'openai_gelu',
     ):
         _set_arg(name, force=True)
+    if getattr(checkpoint_args, 'num_experts', None):
+        from megatron.training.argument_validation_moe import MOE_CHECKPOINT_ARGS
+
+        for name in MOE_CHECKPOINT_ARGS:
+            _set_arg(name, force=True)
     _set_arg('tokenizer_type')
     _take_recorded_tokenizer_files(args, checkpoint_args)
     _set_arg('padded_vocab_size')
@@ -761,53 +717,44 @@ def load_args_from_checkpoint(
     return args, checkpoint_args
 
 
-def load_checkpoint(
-    model, optimizer, opt_param_scheduler, load_arg: str = 'load', strict: bool = True
-):
-    """Load the latest (or `--ckpt-step`) checkpoint of `args.<load_arg>` into model, optimizer,
-    scheduler and RNGs (every rank must call it).
-
-    Unless `--finetune` (or a release checkpoint), also restores `args.consumed_train_samples` /
-    `args.consumed_valid_samples` so the data loader continues with the next sample.
-
-    Returns:
-        (iteration, num_floating_point_operations_so_far); (0, 0) when there is no checkpoint.
-
-    Raises:
-        ValueError: the checkpoint's parallel layout, model args or tensor shapes differ from the
-            run (every difference named with both values), or optimizer / RNG state requested but
-            absent from the checkpoint.
-    """
-    args = get_args()
+def _resolve_load_dir(args, load_arg: str) -> str:
+    """`args.<load_arg>`, or `--pretrained-checkpoint` (then finetuning) when it has none yet."""
     load_dir = getattr(args, load_arg)
-    _warn_unsupported_format_flags(args)
-    model = unwrap_model(model if isinstance(model, list) else [model])
-
-    # --pretrained-checkpoint: start a finetuning run from it until the run has its own checkpoint.
     pretrained_dir = getattr(args, 'pretrained_checkpoint', None)
-    if pretrained_dir is not None and not checkpoint_exists(load_dir):
-        print_rank_0(
-            f'Checkpoint file not found in load directory {load_dir}; attempting to finetune with '
-            f'the checkpoint in {pretrained_dir}'
-        )
-        load_dir = pretrained_dir
-        if not checkpoint_exists(load_dir):
-            raise FileNotFoundError(
-                f'no checkpoint ({TRACKER_FILENAME}) in --load ({getattr(args, load_arg)}) or '
-                f'--pretrained-checkpoint ({pretrained_dir})'
-            )
-        args.finetune = True
-
-    state_dict, checkpoint_name, release = _load_base_checkpoint(
-        load_dir,
-        rank0=False,
-        exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
-        checkpoint_step=args.ckpt_step,
+    if pretrained_dir is None or checkpoint_exists(load_dir):
+        return load_dir
+    print_rank_0(
+        f'Checkpoint file not found in load directory {load_dir}; attempting to finetune with '
+        f'the checkpoint in {pretrained_dir}'
     )
-    if state_dict is None:
-        return 0, 0
+    if not checkpoint_exists(pretrained_dir):
+        raise FileNotFoundError(
+            f'no checkpoint ({TRACKER_FILENAME}) in --load ({load_dir}) or '
+            f'--pretrained-checkpoint ({pretrained_dir})'
+        )
+    args.finetune = True
+    return pretrained_dir
 
-    # One process may load several checkpoints (tests, tools): record this one's version.
+
+def _find_dist_checkpoint(args, load_dir: str):
+    """(directory, release) of a torch_dist checkpoint the tracker names, else (None, False).
+
+    Collective when a tracker file exists (the iteration is agreed over all ranks).
+    """
+    from megatron.training import checkpointing_dist
+
+    tracker = get_checkpoint_tracker_filename(load_dir) if load_dir else None
+    if tracker is None or not os.path.isfile(tracker):
+        return None, False
+    if args.ckpt_step is not None:
+        iteration, release = args.ckpt_step, False
+    else:
+        iteration, release = read_metadata(tracker)
+    return checkpointing_dist.find_dist_checkpoint_dir(load_dir, iteration, release), release
+
+
+def record_checkpoint_version(state_dict: Dict[str, Any], checkpoint_name: str) -> None:
+    """Record the loaded checkpoint's version (one process may load several: tests, tools)."""
     global _CHECKPOINT_VERSION
     _CHECKPOINT_VERSION = None
     set_checkpoint_version(state_dict.get('checkpoint_version', 0))
@@ -817,35 +764,43 @@ def load_checkpoint(
             f'2.0 (old QKV layout, legacy models) are not supported by megatron.core models'
         )
 
+
+def _read_iteration(args, state_dict, checkpoint_name: str, release: bool):
+    """(iteration, num_floating_point_operations_so_far); iteration 0 for finetune / release."""
     if args.finetune or release:
         iteration = 0
     else:
         iteration = state_dict.get('iteration', state_dict.get('total_iters'))
         if iteration is None:
             raise ValueError(f'{checkpoint_name} holds neither "iteration" nor "total_iters"')
-    num_floating_point_operations_so_far = state_dict.get('num_floating_point_operations_so_far', 0)
+    return iteration, state_dict.get('num_floating_point_operations_so_far', 0)
 
-    # Args: layout and model shape first, before anything is copied.
+
+def restore_training_args(args, state_dict, checkpoint_name: str, dist_format: bool = False):
+    """Check the checkpoint's model args against the run and restore the consumed-sample
+    counters. The torch format must match the run's (TP, PP); a distributed checkpoint reshards,
+    so its TP, PP and padded vocabulary may differ."""
     assert args.consumed_train_samples == 0
     assert args.consumed_valid_samples == 0
-    if 'args' in state_dict:
-        checkpoint_args = state_dict['args']
+    if 'args' not in state_dict:
+        print_rank_0('could not find arguments in the checkpoint ...')
+        return
+    checkpoint_args = state_dict['args']
+    if not dist_format:
         layout_message = _layout_mismatch_message(checkpoint_args, checkpoint_name)
         if layout_message is not None:
             raise ValueError(layout_message)
-        if not args.finetune:
-            check_checkpoint_args(checkpoint_args, checkpoint_name)
-            args.consumed_train_samples = getattr(checkpoint_args, 'consumed_train_samples', 0)
-            update_num_microbatches(consumed_samples=args.consumed_train_samples)
-            args.consumed_valid_samples = getattr(checkpoint_args, 'consumed_valid_samples', 0)
-    else:
-        print_rank_0('could not find arguments in the checkpoint ...')
+    if args.finetune:
+        return
+    check_checkpoint_args(checkpoint_args, checkpoint_name, resharding=dist_format)
+    args.consumed_train_samples = getattr(checkpoint_args, 'consumed_train_samples', 0)
+    update_num_microbatches(consumed_samples=args.consumed_train_samples)
+    args.consumed_valid_samples = getattr(checkpoint_args, 'consumed_valid_samples', 0)
 
-    # Model.
-    if len(model) == 1:
-        keys = ['model']
-    else:
-        keys = ['model%d' % i for i in range(len(model))]
+
+def _load_model_chunks(model, state_dict, checkpoint_name: str, strict: bool) -> None:
+    """Check names and shapes of every chunk (naming both sides), then copy them in."""
+    keys = ['model'] if len(model) == 1 else ['model%d' % i for i in range(len(model))]
     saved_chunks = sorted(
         k for k in state_dict if k == 'model' or (k.startswith('model') and k[5:].isdigit())
     )
@@ -856,64 +811,114 @@ def load_checkpoint(
         )
     for key, module in zip(keys, model):
         _check_model_state_dict(module, state_dict[key], key, checkpoint_name, strict)
-    if len(model) == 1:
-        model[0].load_state_dict(state_dict['model'], strict=strict)
-    else:
-        saved_vp_rank = mpu.get_virtual_pipeline_model_parallel_rank()
-        for i in range(len(model)):
+    saved_vp_rank = mpu.get_virtual_pipeline_model_parallel_rank()
+    for i, (key, module) in enumerate(zip(keys, model)):
+        if len(model) > 1:
             mpu.set_virtual_pipeline_model_parallel_rank(i)
-            model[i].load_state_dict(state_dict['model%d' % i], strict=strict)
+        module.load_state_dict(state_dict[key], strict=strict)
+    if len(model) > 1:
         mpu.set_virtual_pipeline_model_parallel_rank(saved_vp_rank)
     print_rank_0(f' checkpoint version {get_checkpoint_version()}')
 
-    # Optimizer and scheduler.
-    if not release and not args.finetune and not args.no_load_optim:
-        try:
-            if optimizer is not None:
-                optimizer.load_state_dict(state_dict['optimizer'])
-                if args.use_distributed_optimizer:
-                    shards = distrib_optim_shards.load_shards(checkpoint_name, _torch_load)
-                    if shards is not None:
-                        optimizer.load_parameter_state_from_shards(shards)
-                    else:  # Megatron's legacy single file
-                        optim_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
-                        if not os.path.isfile(optim_name):
-                            raise KeyError(optim_name)
-                        optimizer.load_parameter_state(optim_name)
-            if opt_param_scheduler is not None:
-                if 'lr_scheduler' in state_dict:  # backward compatibility
-                    opt_param_scheduler.load_state_dict(state_dict['lr_scheduler'])
-                else:
-                    opt_param_scheduler.load_state_dict(state_dict['opt_param_scheduler'])
-        except KeyError as exc:
-            raise ValueError(
-                f'Unable to load optimizer from checkpoint {checkpoint_name} (missing {exc}). '
-                f'Specify --no-load-optim or --finetune to prevent attempting to load the '
-                f'optimizer state.'
-            ) from exc
-    else:
+
+def _load_optimizer_and_scheduler(
+    args, optimizer, opt_param_scheduler, state_dict, checkpoint_name: str, release: bool
+) -> None:
+    """Optimizer (with the distributed optimizer's per-rank files) and scheduler state."""
+    if release or args.finetune or args.no_load_optim:
         if (args.fp16 or args.bf16) and optimizer is not None:
             optimizer.reload_model_params()
-
-    # RNG states.
-    if not release and not args.finetune and not args.no_load_rng:
-        try:
-            rng_states = state_dict['rng_state']
-            if args.data_parallel_random_init:
-                dp_rank = mpu.get_data_parallel_rank()
-                if dp_rank >= len(rng_states):
-                    raise KeyError(
-                        f'rng_state[{dp_rank}] (checkpoint has {len(rng_states)} entries)'
-                    )
-                rng_state = rng_states[dp_rank]
+        return
+    try:
+        if optimizer is not None:
+            optimizer.load_state_dict(state_dict['optimizer'])
+            if args.use_distributed_optimizer and mpu.get_expert_model_parallel_world_size() > 1:
+                shards = distrib_optim_shards.load_expert_parallel_shards(
+                    checkpoint_name,
+                    _torch_load,
+                    mpu.get_expert_model_parallel_world_size(),
+                    mpu.get_expert_model_parallel_rank(),
+                )
+                if shards is None:
+                    raise KeyError(distrib_optim_shards.shard_name(checkpoint_name, 0))
+                optimizer.load_parameter_state_from_shards(shards[0], shards)
+            elif args.use_distributed_optimizer:
+                shards = distrib_optim_shards.load_shards(checkpoint_name, _torch_load)
+                if shards is not None:
+                    optimizer.load_parameter_state_from_shards(shards)
+                else:  # Megatron's legacy single file
+                    optim_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
+                    if not os.path.isfile(optim_name):
+                        raise KeyError(optim_name)
+                    optimizer.load_parameter_state(optim_name)
+        if opt_param_scheduler is not None:
+            if 'lr_scheduler' in state_dict:  # backward compatibility
+                opt_param_scheduler.load_state_dict(state_dict['lr_scheduler'])
             else:
-                rng_state = rng_states[0]
-            _set_rng_state(rng_state, checkpoint_name)
-        except KeyError as exc:
+                opt_param_scheduler.load_state_dict(state_dict['opt_param_scheduler'])
+    except KeyError as exc:
+        raise ValueError(
+            f'Unable to load optimizer from checkpoint {checkpoint_name} (missing {exc}). '
+            f'Specify --no-load-optim or --finetune to prevent attempting to load the '
+            f'optimizer state.'
+        ) from exc
+
+
+def load_checkpoint(
+    model, optimizer, opt_param_scheduler, load_arg: str = 'load', strict: bool = True
+):
+    """Load the latest (or `--ckpt-step`) checkpoint of `args.<load_arg>` into model, optimizer,
+    scheduler and RNGs (every rank must call it). The format (torch or torch_dist) is detected
+    from what the directory holds; a torch_dist checkpoint loads at any parallel layout.
+
+    Unless `--finetune` (or a release checkpoint), also restores `args.consumed_train_samples` /
+    `args.consumed_valid_samples` so the data loader continues with the next sample.
+
+    Returns:
+        (iteration, num_floating_point_operations_so_far); (0, 0) when there is no checkpoint.
+
+    Raises:
+        ValueError: the checkpoint's parallel layout (torch format), model args or tensor shapes
+            differ from the run (every difference named with both values), or optimizer / RNG
+            state requested but absent from the checkpoint.
+    """
+    args = get_args()
+    model = unwrap_model(model if isinstance(model, list) else [model])
+    load_dir = _resolve_load_dir(args, load_arg)
+
+    dist_dir, release = _find_dist_checkpoint(args, load_dir)
+    if dist_dir is not None:
+        from megatron.training import checkpointing_dist
+
+        return checkpointing_dist.load_dist_checkpoint(
+            args, model, optimizer, opt_param_scheduler, load_dir, dist_dir, release, strict
+        )
+
+    state_dict, checkpoint_name, release = _load_base_checkpoint(
+        load_dir,
+        rank0=False,
+        exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
+        checkpoint_step=args.ckpt_step,
+    )
+    if state_dict is None:
+        return 0, 0
+    record_checkpoint_version(state_dict, checkpoint_name)
+    iteration, num_floating_point_operations_so_far = _read_iteration(
+        args, state_dict, checkpoint_name, release
+    )
+    restore_training_args(args, state_dict, checkpoint_name)
+    _load_model_chunks(model, state_dict, checkpoint_name, strict)
+    _load_optimizer_and_scheduler(
+        args, optimizer, opt_param_scheduler, state_dict, checkpoint_name, release
+    )
+    if not release and not args.finetune and not args.no_load_rng:
+        if 'rng_state' not in state_dict:
             raise ValueError(
-                f'Unable to load rng state from checkpoint {checkpoint_name} (missing {exc}). '
-                f'Specify --no-load-rng or --finetune to prevent attempting to load the rng state.'
-            ) from exc
+                f'Unable to load rng state from checkpoint {checkpoint_name} (missing '
+                f"'rng_state'). Specify --no-load-rng or --finetune to prevent attempting to "
+                f'load the rng state.'
+            )
+        restore_rng_state(args, state_dict['rng_state'], checkpoint_name)
 
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -78,3 +78,51 @@ def load_shards(
                 f'{saved_dp} (a shard from another save?)'
             )
     return [shard['state'] for shard in shards]
+
+
+def load_expert_parallel_shards(
+    model_checkpoint_name: str,
+    load_fn: Callable[[str], Dict[str, Any]],
+    expert_parallel_size: int,
+    expert_parallel_rank: int,
+) -> Optional[List[List[Dict]]]:
+    """With expert parallelism: [dense shards, expert shards] for a chained (dense, expert)
+    distributed optimizer, or None when the folder holds no shard.
+
+    Expert-parallel rank r's folder (`..._{r:03d}`) holds the files of the data-parallel ranks
+    whose expert-parallel rank is r. The dense optimizer is sharded over all data-parallel ranks,
+    so its shards come from every sibling folder; the expert optimizer is sharded over the ranks
+    holding the same experts, whose files are all in this rank's folder.
+    """
+    folder = os.path.dirname(model_checkpoint_name)
+    suffix = f'_{expert_parallel_rank:03d}'
+    if not folder.endswith(suffix):
+        raise ValueError(
+            f'{folder} is not the folder of expert-parallel rank {expert_parallel_rank}'
+        )
+    if not any(n.startswith('distrib_optim_dp') for n in os.listdir(folder)):
+        return None
+    by_rank = {}
+    mine = []
+    for rank in range(expert_parallel_size):
+        sibling = os.path.join(folder[: -len(suffix)] + f'_{rank:03d}', 'model_optim_rng.pt')
+        names = sorted(
+            name
+            for name in os.listdir(os.path.dirname(sibling))
+            if name.startswith('distrib_optim_dp') and name.endswith('.pt')
+        )
+        for name in names:
+            shard = load_fn(os.path.join(os.path.dirname(sibling), name))
+            if shard.get('format') != SHARD_FILE_FORMAT:
+                raise ValueError(f'{name} in {os.path.dirname(sibling)} is not an optimizer shard')
+            by_rank[shard['data_parallel_rank']] = shard
+            if rank == expert_parallel_rank:
+                mine.append(shard)
+    saved_dp = by_rank[min(by_rank)]['data_parallel_world_size']
+    if sorted(by_rank) != list(range(saved_dp)):
+        raise ValueError(
+            f'{folder}: the optimizer shards of its expert-parallel siblings are data-parallel '
+            f'ranks {sorted(by_rank)}, not 0..{saved_dp - 1}'
+        )
+    dense = [by_rank[r]['state'] for r in range(saved_dp)]
+    return [dense, [shard['state'] for shard in mine]]

@@ -25,6 +25,12 @@ from megatron.training.startup_checks import check_output_directories
 from megatron.training.watchdog import exit_when_launcher_dies
 
 
+def _hierarchical_cp_sizes():
+    """Sizes of the existing hierarchical context parallel groups (None if there are none)."""
+    groups = mpu.get_hierarchical_context_parallel_groups(check_initialized=False)
+    return None if groups is None else [group.size() for group in groups]
+
+
 def initialize_megatron(
     extra_args_provider=None,
     args_defaults={},
@@ -156,12 +162,14 @@ def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ran
             mpu.get_pipeline_model_parallel_world_size(),
             mpu.get_virtual_pipeline_model_parallel_world_size(),
             mpu.get_context_parallel_world_size(),
+            _hierarchical_cp_sizes(),
         )
         want = (
             args.tensor_model_parallel_size,
             args.pipeline_model_parallel_size,
             args.virtual_pipeline_model_parallel_size,
             args.context_parallel_size,
+            args.hierarchical_context_parallel_sizes,
         )
         if have != want:
             # Groups from an earlier run in this process: rebuild them for this run's sizes.
@@ -182,6 +190,7 @@ def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ran
             order='tp-cp-ep-dp-pp' if not args.use_tp_pp_dp_mapping else 'tp-pp-dp',
             get_embedding_ranks=get_embedding_ranks,
             get_position_embedding_ranks=get_position_embedding_ranks,
+            hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         )
         if args.rank == 0:
             print(

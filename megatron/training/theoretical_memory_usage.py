@@ -19,7 +19,12 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     """
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
-    num_experts = 1 if args.num_experts is None else args.num_experts
+    if args.num_experts is not None:
+        # Per rank: E / ep experts, expert optimizer state over the expert-data-parallel ranks.
+        from megatron.training.theoretical_memory_moe import compute_moe_weight_and_optimizer_memory
+
+        return compute_moe_weight_and_optimizer_memory(args, verbose=verbose)
+    num_experts = 1
     gated_linear_multiplier = 3 / 2 if args.swiglu else 1
     h, layers = args.hidden_size, args.num_layers
     num_parameters_in_transformer_layers = (

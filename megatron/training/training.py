@@ -277,6 +277,8 @@ def _pretrain(
                 opt_param_scheduler,
                 num_floating_point_operations_so_far,
             )
+        if args.async_save:
+            _checkpointing().maybe_finalize_async_save(blocking=True, announce=True)
     else:
         print_rank_0('skipping training (--skip-train is on) ...')
         iteration = args.iteration
@@ -881,6 +883,8 @@ def train(
         gc.collect()
     try:
         while state.iteration < args.train_iters:
+            if args.async_save:  # a finished background save moves the tracker now
+                _checkpointing().maybe_finalize_async_save(blocking=False)
             profiler.begin_iteration(state.iteration)
             loss_dict = _run_iteration(
                 state,
@@ -914,6 +918,8 @@ def train(
         profiler.close()
 
     progress('after training', state.iteration, deadline=False)
+    if args.async_save:  # exits (SIGTERM, --exit-interval) wait for the pending save
+        _checkpointing().maybe_finalize_async_save(blocking=True, announce=True)
     timers('interval-time').stop()
     if args.manual_gc:
         gc.enable()

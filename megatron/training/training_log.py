@@ -16,6 +16,7 @@ from megatron.core.utils import uses_cuda
 from megatron.training.global_vars import get_args, get_timers
 from megatron.training.scalar_writers import get_scalar_writer
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
+from megatron.training.training_log_moe import log_moe_metrics
 from megatron.training.utils import (
     _max_rss_bytes,
     _rss_bytes,
@@ -194,6 +195,7 @@ def training_log(
             # CPU run: no caching allocator; the process's resident set is what grows.
             writer.add_scalar('mem-rss-bytes', _rss_bytes(), iteration)
             writer.add_scalar('mem-max-rss-bytes', _max_rss_bytes(), iteration)
+    log_moe_metrics(args, iteration, writer, total_loss_dict)
     if args.log_timers_to_tensorboard and (iteration % args.tensorboard_log_interval == 0):
         # reset=False: the log line below still reports these timers (Megatron resets here, so
         # its log line shows zeros with --log-timers-to-tensorboard).

@@ -13,6 +13,9 @@ from datetime import datetime
 import torch
 
 from megatron.core import parallel_state as mpu
+from megatron.core.transformer.context_parallel.layout import (
+    get_batch_on_this_cp_rank as core_get_batch_on_this_cp_rank,
+)
 from megatron.core.utils import (  # noqa: F401
     StragglerDetector,
     check_param_hashes_across_dp_replicas,
@@ -90,12 +93,16 @@ def calc_params_l2_norm(model):
 
     Parameters duplicated across TP ranks (norms, row-parallel biases) are counted on TP rank 0
     only, the tied output weight once (`shared` params are skipped on non-first stages); squares
-    are summed over the model-parallel group.
+    are summed over the model-parallel group. With expert parallelism, dense parameters (equal on
+    every expert-parallel rank) are counted on expert-parallel rank 0 and each rank adds its own
+    experts; the sum runs over the tensor x expert x pipeline group.
     """
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     if not isinstance(model, list):
         model = [model]
+    expert_parallel = mpu.get_expert_model_parallel_world_size() > 1
+    count_dense = not expert_parallel or mpu.get_expert_model_parallel_rank() == 0
     total = torch.zeros(1, dtype=torch.float, device=get_current_device())
     for model_module in model:
         for param in model_module.parameters():
@@ -103,10 +110,15 @@ def calc_params_l2_norm(model):
                 getattr(param, 'shared', False)
                 and not mpu.is_pipeline_first_stage(ignore_virtual=True)
             )
+            is_expert = not getattr(param, 'allreduce', True)
+            if not is_expert and not count_dense:
+                continue
             if is_not_shared and param_is_not_tensor_parallel_duplicate(param):
                 data = param.main_param if getattr(param, 'main_param', None) is not None else param
                 total += data.detach().float().pow(2).sum()
-    torch.distributed.all_reduce(total, group=mpu.get_model_parallel_group())
+    torch.distributed.all_reduce(
+        total, group=mpu.get_model_parallel_group(with_expert_parallel=expert_parallel)
+    )
     return total.item() ** 0.5
 
 
@@ -281,8 +293,17 @@ def get_batch_on_this_tp_rank(data_iterator):
 
 
 def get_batch_on_this_cp_rank(batch):
-    """Context parallelism is not implemented here (validate_args requires size 1): identity."""
-    return batch
+    """Slice a micro-batch to this context parallel rank's part of the sequence.
+
+    The sequence is viewed as 2 x cp chunks; CP rank r keeps chunks r and 2cp-1-r (in that
+    order), which balances causal attention work over the ranks. tokens, labels, loss_mask and
+    position_ids [b, s] are sliced along dim 1, attention_mask [b, 1, s, s] along its query rows
+    (dim 2). CP ranks read the same samples; no data moves between them. Size 1: unchanged.
+    """
+    cp_size = mpu.get_context_parallel_world_size()
+    if cp_size <= 1:
+        return batch
+    return core_get_batch_on_this_cp_rank(batch, cp_size, mpu.get_context_parallel_rank())
 
 
 def num_floating_point_operations(args, batch_size):

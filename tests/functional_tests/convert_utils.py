@@ -158,9 +158,10 @@ def full_model(ckpt_dir):
 
     The last stage's copy of a tied embedding is returned as 'output_layer.weight (copy)'.
     """
-    from megatron.training.checkpoint_conversion import CheckpointReader, split_chunk_by_layer
+    from megatron.training.checkpoint_conversion import split_chunk_by_layer
+    from megatron.training.checkpoint_conversion_moe import MoECheckpointReader
 
-    reader = CheckpointReader(ckpt_dir)
+    reader = MoECheckpointReader(ckpt_dir)  # any TP x PP (x EP) layout
     block = 'encoder' if reader.model_type == 'BERT' else 'decoder'
     full = {}
     for pp_rank in range(reader.pp):
@@ -182,7 +183,7 @@ def full_model(ckpt_dir):
     return full, reader
 
 
-def logits_from_checkpoint(load_dir, tokens):
+def logits_from_checkpoint(load_dir, tokens, extra_args=()):
     """Full-vocabulary logits [b, s, v] of a checkpoint at its own layout (harness rank).
 
     The model is built by pretrain_gpt.model_provider from the checkpoint's saved args only
@@ -195,7 +196,8 @@ def logits_from_checkpoint(load_dir, tokens):
     from megatron.core import parallel_state as ps
     from megatron.training.argument_validation import validate_args
     from megatron.training.arguments import parse_args
-    from megatron.training.checkpoint_conversion import CheckpointReader, torch_load_weights_only
+    from megatron.training.checkpoint_conversion import torch_load_weights_only
+    from megatron.training.checkpoint_conversion_moe import MoECheckpointReader
     from megatron.training.checkpointing import load_args_from_checkpoint
     from megatron.training.global_vars import destroy_global_vars, set_args
     from tests.unit_tests.models.gpt_test_utils import gather_logits
@@ -213,6 +215,7 @@ def logits_from_checkpoint(load_dir, tokens):
             'NullTokenizer',
             '--vocab-size',
             '1',
+            *extra_args,
         ]
     )
     load_args_from_checkpoint(args)
@@ -222,10 +225,12 @@ def logits_from_checkpoint(load_dir, tokens):
     try:
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         model = pretrain_gpt.model_provider(pre_process=first, post_process=last)
-        reader = CheckpointReader(load_dir)
+        reader = MoECheckpointReader(load_dir)
         state = torch_load_weights_only(
             reader.rank_file(
-                ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+                ps.get_tensor_model_parallel_rank(),
+                ps.get_pipeline_model_parallel_rank(),
+                ps.get_expert_model_parallel_rank(),
             ),
             mmap=False,
         )

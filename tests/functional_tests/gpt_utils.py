@@ -122,38 +122,94 @@ def prepare_data(work_dir):
     )
 
 
-def set_reference_weights(model_chunk, num_layers, layer_offset):
+def set_reference_weights(model_chunk, num_layers, layer_offset, qkv_std=0.02):
     """Overwrite every parameter with values that depend only on its *global* name.
 
     Each full (unsharded) tensor is drawn from a generator seeded by crc32 of the global name and
-    this rank's TP slice is taken along `partition_dim`. Layer indices are made global with
-    `layer_offset`, and a last-stage `output_layer.weight` of a tied model gets the word embedding's
-    values, so every TP/PP layout starts from the same model.
+    this rank's TP slice is taken along `partition_dim` (a gated fc1 per half: [gate_r; up_r]).
+    Layer indices are made global with `layer_offset`, MoE expert indices with the expert-parallel
+    rank, and a last-stage `output_layer.weight` of a tied model gets the word embedding's
+    values, so every TP/PP/EP layout starts from the same model. Grouped experts get the values of
+    the equivalent sequential experts. Values are N(0, 0.02) (norm weights 1 + 5 x that), the
+    fused QKV weights N(0, qkv_std): a larger qkv_std makes the attention sharp enough for
+    positions to matter.
     """
     from megatron.core import parallel_state as mpu
 
     tp = mpu.get_tensor_model_parallel_world_size()
     tp_rank = mpu.get_tensor_model_parallel_rank()
+    gated = getattr(getattr(model_chunk, 'config', None), 'gated_linear_unit', False)
     with torch.no_grad():
         for name, param in model_chunk.named_parameters():
             parts = name.split('.')
             if 'layers' in parts:
                 i = parts.index('layers') + 1
                 parts[i] = str(int(parts[i]) + layer_offset)
+            if 'local_experts' in parts:
+                i = parts.index('local_experts') + 1
+                nle = _num_local_experts(model_chunk, name)
+                parts[i] = str(int(parts[i]) + mpu.get_expert_model_parallel_rank() * nle)
             global_name = '.'.join(parts)
             if global_name == 'output_layer.weight':
                 global_name = 'embedding.word_embeddings.weight'
+            if parts[-1] in ('weight1', 'weight2') and 'experts' in parts:
+                _set_grouped_reference(model_chunk, name, global_name, param, tp, tp_rank, gated)
+                continue
             full_shape = list(param.shape)
             partitioned = getattr(param, 'tensor_model_parallel', False)
             if partitioned:
                 full_shape[param.partition_dim] *= tp
-            gen = torch.Generator().manual_seed(zlib.crc32(global_name.encode()))
-            full = torch.randn(full_shape, generator=gen) * 0.02
-            if 'norm' in global_name and global_name.endswith('weight'):
-                full = 1.0 + 5.0 * full
+            full = _reference_tensor(global_name, full_shape, qkv_std)
             if partitioned:
-                full = torch.chunk(full, tp, dim=param.partition_dim)[tp_rank]
+                full = _tp_slice(full, param.partition_dim, tp, tp_rank, gated, global_name)
             param.copy_(full.to(param.dtype))
+
+
+def _reference_tensor(global_name, full_shape, qkv_std=0.02):
+    gen = torch.Generator().manual_seed(zlib.crc32(global_name.encode()))
+    std = qkv_std if 'linear_qkv.weight' in global_name else 0.02
+    full = torch.randn(full_shape, generator=gen) * std
+    if 'norm' in global_name and global_name.endswith('weight'):
+        full = 1.0 + 5.0 * full
+    return full
+
+
+def _tp_slice(full, dim, tp, tp_rank, gated, global_name):
+    if gated and global_name.endswith('linear_fc1.weight'):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
+    return torch.chunk(full, tp, dim=dim)[tp_rank]
+
+
+def _num_local_experts(model_chunk, name):
+    module = model_chunk
+    for part in name.split('.'):
+        module = getattr(module, part)
+        if hasattr(module, 'num_local_experts'):
+            return module.num_local_experts
+    raise ValueError(f'{name}: no experts module on the path')
+
+
+def _set_grouped_reference(model_chunk, name, global_name, param, tp, tp_rank, gated):
+    """GroupedMLP weight1 [h, nle g f / tp] / weight2 [nle f / tp, h]: expert e's block is the
+    transposed TP slice of the sequential expert's fc1 / fc2 reference weight."""
+    from megatron.core import parallel_state as mpu
+
+    nle = _num_local_experts(model_chunk, name)
+    hidden = param.shape[0] if name.endswith('weight1') else param.shape[1]
+    prefix = global_name.rsplit('.', 1)[0]  # ...mlp.experts
+    first = mpu.get_expert_model_parallel_rank() * nle
+    for e in range(nle):
+        if name.endswith('weight1'):
+            block = param.view(nle, hidden, -1)[e]  # [h, g f / tp]
+            fc = f'{prefix}.local_experts.{first + e}.linear_fc1.weight'
+            full = _reference_tensor(fc, [block.shape[1] * tp, hidden])
+            block.copy_(_tp_slice(full, 0, tp, tp_rank, gated, fc).t())
+        else:
+            block = param.view(nle, -1, hidden)[e]  # [f / tp, h]
+            fc = f'{prefix}.local_experts.{first + e}.linear_fc2.weight'
+            full = _reference_tensor(fc, [hidden, block.shape[0] * tp])
+            block.copy_(_tp_slice(full, 1, tp, tp_rank, gated, fc).t())
 
 
 #: The pretrain_*.py module run by `run_pretrain` in this worker.
@@ -174,11 +230,13 @@ def _reference_model_provider(pre_process=True, post_process=True):
         # Interleaved: chunk v of stage p holds layers [v * L/vp + p * L/vp/pp, ...).
         vp_rank = mpu.get_virtual_pipeline_model_parallel_rank()
         offset = vp_rank * (args.num_layers // vp) + pp_rank * (args.num_layers // vp // pp)
-    set_reference_weights(model, args.num_layers, offset)
+    set_reference_weights(model, args.num_layers, offset, qkv_std=_REFERENCE['qkv_std'])
     return model
 
 
 _INJECT_AT = {'iteration': None}
+#: The std of the QKV weights of `set_reference_weights` in this worker's run.
+_REFERENCE = {'qkv_std': 0.02}
 
 
 def _forward_step_with_overflow(data_iterator, model):
@@ -210,7 +268,8 @@ def run_pretrain(
 
     Args:
         extra_args: flags added to `base_args`.
-        reference_weights: start from `set_reference_weights` instead of Megatron's init.
+        reference_weights: start from `set_reference_weights` instead of Megatron's init; a
+            float is the std of the QKV weights there (default 0.02).
         inject_overflow_at: iteration whose backward loss is made inf (fp16 skip test, GPT only).
         capture_stdout: return what this rank printed as result['stdout'].
         script: the pretrain_*.py module (its providers and forward_step are used).
@@ -235,6 +294,7 @@ def run_pretrain(
         args_defaults = {'tokenizer_type': 'GPT2BPETokenizer'}
     destroy_global_vars()
     _INJECT_AT['iteration'] = inject_overflow_at
+    _REFERENCE['qkv_std'] = 0.02 if isinstance(reference_weights, bool) else reference_weights
     forward_step = _forward_step_with_overflow if inject_overflow_at else module.forward_step
     buffer = io.StringIO()
     redirect = contextlib.redirect_stdout(buffer) if capture_stdout else contextlib.nullcontext()

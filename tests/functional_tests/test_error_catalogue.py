@@ -62,6 +62,25 @@ ELSEWHERE = {
     'fp16-real-nan': 'tests/functional_tests/test_fp16_default_loss_scale.py',
     'frozen-rank': 'tests/functional_tests/test_faults_torchrun.py',
     'launcher-dead': 'tests/functional_tests/test_faults_torchrun.py',
+    'async-save-legacy': 'tests/functional_tests/test_dist_ckpt_errors.py',
+    'dist-ckpt-zarr': 'tests/functional_tests/test_dist_ckpt_errors.py',
+    'dist-optim-reshard': 'tests/functional_tests/test_dist_ckpt_errors.py',
+    'dist-ckpt-incomplete': 'tests/unit_tests/dist_checkpointing/test_serialization.py',
+    'dist-ckpt-planted': 'tests/unit_tests/dist_checkpointing/test_serialization.py',
+    **{
+        case: 'tests/unit_tests/training/test_moe_arguments.py'
+        for case in (
+            'moe-topk',
+            'moe-ep-experts',
+            'moe-ep-dp',
+            'moe-ep-tp-sp',
+            'moe-tp-sp',
+            'moe-capacity',
+            'moe-legacy',
+            'moe-dispatcher',
+            'moe-config',
+        )
+    },
     'refusal-under-torchrun': 'tests/functional_tests/test_faults_torchrun.py',
     'mixed-layout': 'tests/functional_tests/test_convert_overwrite.py',
     'wandb-missing': 'tests/functional_tests/test_observability.py',
@@ -83,6 +102,22 @@ ELSEWHERE = {
     'fim-sentinel': 'tests/functional_tests/test_sft_fim_errors.py',
     'sft-bad-json': 'tests/unit_tests/data/test_sft_dataset.py',
     'fim-tokenizer': 'tests/unit_tests/data/test_fim.py',
+    **{
+        f'cp-{case}': 'tests/unit_tests/test_context_parallel_layout.py'
+        for case in (
+            'seq-length',
+            'a2a-heads',
+            'comm-type',
+            'comm-type-count',
+            'hierarchy-missing',
+            'hierarchy-sizes',
+            'reset-attention-mask',
+            'tp-pp-dp-mapping',
+            'sequence-parallel',
+            'entry-point',
+        )
+    },
+    'cp-mask-type': 'tests/unit_tests/transformer/test_context_parallel_attention.py',
 }
 #: Rows of the other entry points, exercised by the tests at the end of this file.
 OTHER_ENTRY_POINTS = {

@@ -1,4 +1,4 @@
-"""Loader plugin: a Hugging Face model directory (GPT-2 or Llama family).
+"""Loader plugin: a Hugging Face model directory (GPT-2 or Llama family; Mixtral / Qwen2-MoE).
 
 `--load-dir` holds config.json and model.safetensors (or an index and its shards). The model is
 sent as a TP = PP = 1 model at iteration 1 with our args for its architecture, so that the saved
@@ -15,7 +15,9 @@ import utils
 utils.add_megatron_path()
 
 from megatron.training import checkpoint_conversion as cc  # noqa: E402
+from megatron.training import checkpoint_conversion_moe as cc_moe  # noqa: E402
 from megatron.training import hf_checkpoint as hfc  # noqa: E402
+from megatron.training import hf_checkpoint_moe as hfc_moe  # noqa: E402
 
 
 def add_arguments(parser):
@@ -115,12 +117,19 @@ def metadata(args, config, margs, dtype):
         swiglu=margs.swiglu,
         previous_tensor_parallel_size=1,
         previous_pipeline_parallel_size=1,
-        true_vocab_size=hfc.hf_config_namespace(config).vocab_size,
+        true_vocab_size=_hf_vocab_size(config),
         make_vocab_size_divisible_by=margs.make_vocab_size_divisible_by,
         checkpoint_args=margs,
         consumed_train_samples=0,
         consumed_valid_samples=0,
+        num_experts=getattr(margs, 'num_experts', None),
     )
+
+
+def _hf_vocab_size(config):
+    if hfc_moe.is_moe_hf_config(config):
+        return hfc_moe.hf_moe_config_namespace(config).vocab_size
+    return hfc.hf_config_namespace(config).vocab_size
 
 
 def _config_dtype(config):
@@ -135,11 +144,16 @@ def build_metadata(args, tokenizer_type=None):
     if args.model_type != 'GPT':
         raise ValueError(f'--model-type {args.model_type}: Hugging Face imports are GPT models')
     config = hfc.read_hf_config(args.load_dir)
-    family = hfc.hf_family(config)
+    moe = hfc_moe.is_moe_hf_config(config)
+    family = 'moe' if moe else hfc.hf_family(config)
     hfc.check_hf_files(args.load_dir)
-    hfc.check_hf_shapes(args.load_dir, config)
+    if moe:
+        hfc_moe.check_moe_hf_tensors(args.load_dir, config)
+    else:
+        hfc.check_hf_shapes(args.load_dir, config)
     kind, files = tokenizer_args(args.load_dir, family, tokenizer_type or args.hf_tokenizer_type)
-    margs = hfc.megatron_args_from_hf(config, kind, seq_length=args.seq_length, **files)
+    to_args = hfc_moe.megatron_args_from_hf_moe if moe else hfc.megatron_args_from_hf
+    margs = to_args(config, kind, seq_length=args.seq_length, **files)
     margs.params_dtype = _config_dtype(config)
     return config, metadata(args, config, margs, margs.params_dtype)
 
@@ -154,14 +168,20 @@ def send_full_model(queue, md, full):
     layers, rest = cc.split_chunk_by_layer(full, 0)
     utils.queue_put(queue, 'embeddings', loader_mcore.embeddings_message(md, rest))
     for index, layer in layers.items():
-        utils.queue_put(queue, f'transformer layer {index}', cc.layer_to_message(layer, md.swiglu))
+        message = cc_moe.moe_layer_to_message(layer, md.swiglu, getattr(md, 'num_experts', None))
+        utils.queue_put(queue, f'transformer layer {index}', message)
     loader_mcore.send_tail(queue, md, rest)
 
 
 def _load(queue, args):
     config, md = build_metadata(args)
     print(f'reading {os.path.join(args.load_dir, hfc.SAFETENSORS_NAME)}', flush=True)
-    full = hfc.full_state_dict_from_hf(config, hfc.load_hf_state_dict(args.load_dir))
+    to_full = (
+        hfc_moe.full_state_dict_from_hf_moe
+        if hfc_moe.is_moe_hf_config(config)
+        else hfc.full_state_dict_from_hf
+    )
+    full = to_full(config, hfc.load_hf_state_dict(args.load_dir))
     send_full_model(queue, md, full)
 
 

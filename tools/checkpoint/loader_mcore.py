@@ -1,6 +1,7 @@
 """Loader plugin: checkpoints this project writes (megatron-core GPT models, torch format).
 
-Any TP x PP layout, interleaved (virtual) pipelines, with or without the distributed optimizer:
+Any TP x PP (x EP for MoE models) layout, interleaved (virtual) pipelines, with or without the
+distributed optimizer:
 only the weights are read (optimizer state is not converted). The checkpoint's own args decide
 the architecture; --position-embedding-type is overridden by them.
 """
@@ -12,6 +13,7 @@ import utils
 utils.add_megatron_path()
 
 from megatron.training import checkpoint_conversion as cc  # noqa: E402
+from megatron.training import checkpoint_conversion_moe as cc_moe  # noqa: E402
 
 DEFAULT_TRANSFORMER_IMPL = 'transformer_engine'
 
@@ -90,7 +92,7 @@ def _true_vocab_size(args, checkpoint_args):
 
 def check_arguments(args):
     """Read the source's layout and args (no tensors); returns the metadata namespace."""
-    reader = cc.CheckpointReader(args.load_dir)
+    reader = cc_moe.MoECheckpointReader(args.load_dir)
     if reader.model_type != args.model_type:
         raise ValueError(
             f'--model-type {args.model_type}, but {args.load_dir} holds a {reader.model_type} model'
@@ -119,6 +121,8 @@ def _metadata(args, reader, true_vocab_size):
         swiglu=margs.swiglu,
         previous_tensor_parallel_size=reader.tp,
         previous_pipeline_parallel_size=reader.pp,
+        previous_expert_parallel_size=reader.ep,
+        num_experts=getattr(margs, 'num_experts', None),
         true_vocab_size=true_vocab_size,
         make_vocab_size_divisible_by=margs.make_vocab_size_divisible_by,
         checkpoint_args=margs,
@@ -135,7 +139,7 @@ def _consumed(others, key):
 
 
 def _load(queue, args):
-    reader = cc.CheckpointReader(args.load_dir)
+    reader = cc_moe.MoECheckpointReader(args.load_dir)
     md = _metadata(args, reader, _true_vocab_size(args, reader.args))
     stages = {}
 
@@ -170,9 +174,8 @@ def _load(queue, args):
             layers, rest = cc.split_chunk_by_layer(chunk, offset)
             del chunk
             for index, layer in layers.items():
-                utils.queue_put(
-                    queue, f'transformer layer {index}', cc.layer_to_message(layer, md.swiglu)
-                )
+                message = cc_moe.moe_layer_to_message(layer, md.swiglu, md.num_experts)
+                utils.queue_put(queue, f'transformer layer {index}', message)
 
     send_tail(queue, md, rest)
 

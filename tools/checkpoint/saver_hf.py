@@ -1,7 +1,7 @@
-"""Saver plugin: a Hugging Face model directory (GPT-2 or Llama family) that transformers'
-`from_pretrained` loads: config.json, model.safetensors and, with --hf-tokenizer-dir, the
-tokenizer files. The vocabulary padding is removed (true size from the loader, else the one the
-checkpoint records, else the padded table is kept).
+"""Saver plugin: a Hugging Face model directory (GPT-2 or Llama family; Mixtral or Qwen2-MoE for
+MoE models) that transformers' `from_pretrained` loads: config.json, model.safetensors and, with
+--hf-tokenizer-dir, the tokenizer files. The vocabulary padding is removed (true size from the
+loader, else the one the checkpoint records, else the padded table is kept).
 """
 
 import os
@@ -12,7 +12,9 @@ import utils
 utils.add_megatron_path()
 
 from megatron.training import checkpoint_conversion as cc  # noqa: E402
+from megatron.training import checkpoint_conversion_moe as cc_moe  # noqa: E402
 from megatron.training import hf_checkpoint as hfc  # noqa: E402
+from megatron.training import hf_checkpoint_moe as hfc_moe  # noqa: E402
 
 
 def add_arguments(parser):
@@ -38,7 +40,10 @@ def add_arguments(parser):
 
 def check_arguments(args, md):
     if md is not None:
-        hfc.hf_family_of_args(md.checkpoint_args)
+        if _is_moe(md):
+            hfc_moe.hf_moe_family_of_args(md.checkpoint_args)
+        else:
+            hfc.hf_family_of_args(md.checkpoint_args)
     if args.hf_tokenizer_dir is not None and not os.path.isdir(args.hf_tokenizer_dir):
         raise ValueError(f'--hf-tokenizer-dir {args.hf_tokenizer_dir} is not a directory')
     if args.merge_file is not None and not getattr(args, 'vocab_file', None):
@@ -56,6 +61,12 @@ def check_arguments(args, md):
             f'--save-dir {args.save_dir} already holds a Hugging Face model '
             f'({", ".join(existing)}); pass --overwrite to replace it'
         )
+
+
+def _is_moe(md) -> bool:
+    return bool(
+        getattr(md, 'num_experts', None) or getattr(md.checkpoint_args, 'num_experts', None)
+    )
 
 
 def _true_vocab(md):
@@ -81,7 +92,7 @@ def _receive_full_model(queue, md, args):
     progress = utils.Progress('saver', md.num_layers)
     for index in range(md.num_layers):
         msg = utils.queue_get(queue, f'transformer layer {index}', args.checking)
-        layer = cc.message_to_layer(msg, md.swiglu)
+        layer = cc_moe.message_to_moe_layer(msg, md.swiglu)
         utils.check_message(msg, args.checking)
         full.update({f'decoder.layers.{index}.{k}': v for k, v in layer.items()})
         progress.step('layer')
@@ -111,8 +122,16 @@ def save_checkpoint(queue, args):
         sys.exit(1)
     full = _receive_full_model(queue, md, args)
     dtype = full['embedding.word_embeddings.weight'].dtype
-    config = hfc.hf_config_from_args(md.checkpoint_args, _true_vocab(md), dtype)
-    state_dict = hfc.hf_state_dict_from_full(config, full)
+    if _is_moe(md):
+        config = hfc_moe.hf_moe_config_from_args(md.checkpoint_args, _true_vocab(md), dtype)
+        try:
+            state_dict = hfc_moe.hf_moe_state_dict_from_full(config, full)
+        except ValueError as exc:
+            print(f'error: {exc}')
+            sys.exit(1)
+    else:
+        config = hfc.hf_config_from_args(md.checkpoint_args, _true_vocab(md), dtype)
+        state_dict = hfc.hf_state_dict_from_full(config, full)
     copied = hfc.save_hf_dir(args.save_dir, config, state_dict, args.hf_tokenizer_dir)
     if args.merge_file is not None:
         copied += hfc.copy_gpt2_bpe_files(

@@ -1,6 +1,6 @@
-"""Saver plugin: writes this project's checkpoint layout at any target TP x PP.
+"""Saver plugin: writes this project's checkpoint layout at any target TP x PP (x EP for MoE).
 
-Megatron's file layout (iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt and the tracker), the
+Megatron's file layout (iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt and the tracker), the
 source iteration and args (at the target layout), no optimizer / scheduler / RNG state. The
 vocabulary padding is recomputed for the target TP by Megatron's rule when the true vocabulary
 size is known (a larger table keeps its leading rows, a smaller one repeats its last row); the
@@ -15,6 +15,7 @@ import utils
 utils.add_megatron_path()
 
 from megatron.training import checkpoint_conversion as cc  # noqa: E402
+from megatron.training import checkpoint_conversion_moe as cc_moe  # noqa: E402
 from megatron.training.checkpoint_layout import remove_stale_staging  # noqa: E402
 from megatron.training.checkpointing import checkpoint_exists  # noqa: E402
 
@@ -50,7 +51,7 @@ def add_arguments(parser, default_impl=DEFAULT_TRANSFORMER_IMPL, expert_flag=Tru
             '--target-expert-parallel-size',
             type=int,
             default=1,
-            help='Target expert model parallel size (only 1: no MoE here)',
+            help='Target expert model parallel size (MoE models; dense models: 1)',
         )
 
 
@@ -95,12 +96,8 @@ def check_arguments(args, md):
     ):
         if size < 1:
             raise ValueError(f'{flag} must be at least 1, got {size}')
-    if getattr(args, 'target_expert_parallel_size', 1) != 1:
-        raise ValueError(
-            f'--target-expert-parallel-size {args.target_expert_parallel_size}: '
-            f'mixture of experts is not implemented here (only 1)'
-        )
     margs = md.checkpoint_args
+    _check_expert_parallel(args, md, tp)
     heads = md.num_attention_heads
     groups = margs.num_query_groups if getattr(margs, 'group_query_attention', False) else heads
     if heads % tp:
@@ -137,6 +134,46 @@ def check_arguments(args, md):
         )
 
 
+def _target_ep(args) -> int:
+    return getattr(args, 'target_expert_parallel_size', 1) or 1
+
+
+def _check_expert_parallel(args, md, tp):
+    ep, num_experts = _target_ep(args), getattr(md, 'num_experts', None)
+    if ep < 1:
+        raise ValueError(f'--target-expert-parallel-size must be >= 1, got {ep}')
+    if ep > 1 and not num_experts:
+        raise ValueError(
+            f'--target-expert-parallel-size {ep}: the source model has no experts (only 1)'
+        )
+    if num_experts and num_experts % ep:
+        raise ValueError(
+            f'--target-expert-parallel-size {ep} does not divide the number of experts '
+            f'({num_experts})'
+        )
+    if num_experts and getattr(md.checkpoint_args, 'moe_extended_tp', False):
+        raise ValueError('--moe-extended-tp checkpoints cannot be converted')
+    moe_ffn = getattr(md.checkpoint_args, 'moe_ffn_hidden_size', None)
+    if num_experts and moe_ffn and moe_ffn % tp:
+        raise ValueError(
+            f'--target-tensor-parallel-size {tp} does not divide moe_ffn_hidden_size ({moe_ffn})'
+        )
+
+
+def _moe_target_args(margs, md, args, tp):
+    """MoE layout in the saved args: the expert-parallel size, its data-parallel share, and
+    sequence parallelism (required with tensor parallelism, as Megatron's saver forces)."""
+    if not getattr(md, 'num_experts', None):
+        return margs
+    ep = _target_ep(args)
+    margs.num_experts = md.num_experts
+    margs.expert_model_parallel_size = ep
+    margs.world_size *= ep
+    margs.data_parallel_size = ep
+    margs.sequence_parallel = tp > 1
+    return margs
+
+
 def _embeddings(queue, md, args, padded):
     msg = utils.queue_get(queue, 'embeddings', args.checking)
     word = msg.pop('word embeddings')
@@ -156,7 +193,15 @@ def _embeddings(queue, md, args, padded):
 
 def _layer(queue, md, args, index):
     msg = utils.queue_get(queue, f'transformer layer {index}', args.checking)
-    layer = cc.message_to_layer(msg, md.swiglu)
+    if 'router weight' in msg:
+        margs = md.checkpoint_args
+        ffn = getattr(margs, 'moe_ffn_hidden_size', None) or margs.ffn_hidden_size
+        try:
+            cc_moe.check_expert_message(msg, md.num_experts, md.hidden_size, ffn, md.swiglu)
+        except ValueError as exc:
+            print(f'error: transformer layer {index}: {exc}')
+            sys.exit(1)
+    layer = cc_moe.message_to_moe_layer(msg, md.swiglu)
     utils.check_message(msg, args.checking)
     return layer
 
@@ -223,6 +268,7 @@ def _save(queue, args):
     margs = cc.args_for_target(
         md.checkpoint_args, tp, pp, padded, args.save_dir, md.iteration, md.true_vocab_size
     )
+    margs = _moe_target_args(margs, md, args, tp)
     margs.consumed_train_samples = md.consumed_train_samples or 0
     margs.consumed_valid_samples = md.consumed_valid_samples or 0
     print(
@@ -231,7 +277,12 @@ def _save(queue, args):
     )
     # Staging directories of conversions killed before they finished: never a checkpoint.
     remove_stale_staging(args.save_dir)
-    writer = cc.CheckpointWriter(args.save_dir, md.iteration, tp, pp, margs, md.swiglu)
+    if getattr(md, 'num_experts', None):
+        writer = cc_moe.MoECheckpointWriter(
+            args.save_dir, md.iteration, tp, pp, margs, md.swiglu, _target_ep(args)
+        )
+    else:
+        writer = cc.CheckpointWriter(args.save_dir, md.iteration, tp, pp, margs, md.swiglu)
 
     layers_per_stage = md.num_layers // pp
     block = cc.block_name(md.model_type)
@@ -250,7 +301,8 @@ def _save(queue, args):
         if last:
             stage.update(_last_stage_tail(queue, md, args, padded, word, pp))
         writer.write_stage(pp_rank, stage, has_output_layer=last)
-        print(f'saver: wrote pipeline stage {pp_rank + 1}/{pp} ({tp} files)', flush=True)
+        files = tp * (_target_ep(args) if getattr(md, 'num_experts', None) else 1)
+        print(f'saver: wrote pipeline stage {pp_rank + 1}/{pp} ({files} files)', flush=True)
     writer.finish()
     print('Done!')
 

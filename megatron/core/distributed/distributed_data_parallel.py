@@ -137,10 +137,14 @@ class DistributedDataParallel(torch.nn.Module):
         if expert_parallel_params:
             self.expert_data_parallel_group = _get_expert_data_parallel_group()
             expert_dp_size = torch.distributed.get_world_size(group=self.expert_data_parallel_group)
-            if not ddp_config.average_in_collective and not getattr(
+            # An expert's gradient already sums the tokens of its expert-parallel group (other
+            # data-parallel replicas), so its sum over the expert-data-parallel group covers all
+            # dp replicas: it is scaled by 1 / dp like a dense gradient (an average over the
+            # expert-data-parallel group, then 1 / ep, with average_in_collective).
+            if ddp_config.average_in_collective and not getattr(
                 config, "calculate_per_token_loss", False
             ):
-                expert_gradient_scaling_factor = 1.0 / expert_dp_size
+                expert_gradient_scaling_factor = expert_dp_size / dp_size
             self.expert_parallel_buffers = allocate_buffers_for_parameters(
                 expert_parallel_params,
                 self.expert_data_parallel_group,

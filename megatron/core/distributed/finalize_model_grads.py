@@ -10,7 +10,8 @@ sets it to `finalize_model_grads`. In order:
    copies of one weight, so their gradients are all-reduced over the embedding group;
    with a pipeline split rank (encoder-decoder), position embeddings likewise over the
    position-embedding group;
-4. per-token loss: gradients are divided by the total token count, all-reduced over DP.
+4. MoE expert biases (aux-loss-free balancing) move once from the global batch's token counts;
+5. per-token loss: gradients are divided by the total token count, all-reduced over DP.
 
 Gradients are read from `param.main_grad` when the param has one (DDP's contiguous buffer),
 else from `param.grad`. The groups come from `pg_collection` (tp, pp, embd, pos_embd, dp), each
@@ -121,6 +122,25 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, pgs=None) -
                 buf.copy_(synced)
 
 
+def _update_router_expert_bias(model: List[torch.nn.Module]) -> None:
+    """Expert-bias update of every MoE router of this rank's chunks, from the token counts of the
+    whole global batch (summed over the tensor x data x context parallel group)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router import TopKRouter, update_expert_bias
+
+    routers = [
+        module
+        for model_chunk in model
+        for module in model_chunk.modules()
+        if isinstance(module, TopKRouter)
+    ]
+    # The global tensor x data x context parallel group (no collection field carries it).
+    group = parallel_state.get_tensor_and_data_parallel_group_if_none(
+        None, with_context_parallel=True
+    )
+    update_expert_bias(routers, group)
+
+
 def _scale_gradients(model_chunk: torch.nn.Module, scaling_factor: float) -> None:
     if hasattr(model_chunk, 'scale_gradients'):
         model_chunk.scale_gradients(scaling_factor)
@@ -142,10 +162,11 @@ def finalize_model_grads(
         model: the model chunks of this rank (one per virtual pipeline stage).
         num_tokens: total tokens of the step on this pipeline's last stage when the loss is
             normalised per token (`calculate_per_token_loss`); None otherwise.
-        pg_collection: the tp, pp, embd, pos_embd and dp groups (None: the global ones).
+        pg_collection: the tp, pp, embd, pos_embd and dp_cp (data x context parallel) groups
+            (None: the global ones).
     """
     config = get_model_config(model[0])
-    pgs = resolve_process_groups(pg_collection, ("tp", "pp", "embd", "pos_embd", "dp"))
+    pgs = resolve_process_groups(pg_collection, ("tp", "pp", "embd", "pos_embd", "dp_cp"))
 
     def start(name):
         if config.timers is not None:
@@ -172,6 +193,10 @@ def finalize_model_grads(
     _allreduce_embedding_grads(model, config, pgs)
     stop('embedding-grads-all-reduce')
 
+    # Aux-loss-free MoE balancing: move the routers' expert biases once per global batch.
+    if getattr(config, 'moe_router_enable_expert_bias', False):
+        _update_router_expert_bias(model)
+
     # Normalize gradients for per-token loss normalization.
     if num_tokens is not None:
         num_tokens = torch.as_tensor(num_tokens).to(
@@ -184,8 +209,9 @@ def finalize_model_grads(
             src=torch.distributed.get_process_group_ranks(pgs.pp)[-1],
             group=pgs.pp,
         )
-        # All-reduce across DP ranks.
-        torch.distributed.all_reduce(num_tokens, group=pgs.dp)
+        # All-reduce across DP ranks and context-parallel ranks (each counted its own tokens;
+        # the gradients were summed over the same DP x CP group).
+        torch.distributed.all_reduce(num_tokens, group=pgs.dp_cp)
         for model_chunk in model:
             if num_tokens > 0:
                 _scale_gradients(model_chunk, 1.0 / num_tokens.item())

@@ -266,6 +266,7 @@ def get_megatron_optimizer(
                 data_parallel_group_idx=torch.distributed.get_rank(),
             )
         )
+        optimizers[-1].is_expert_optimizer = True
     if len(optimizers) == 1:
         return optimizers[0]
     return ChainedOptimizer(optimizers)

@@ -364,6 +364,32 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         elif self.grad_scaler:
             self.grad_scaler.load_state_dict(state_dict['grad_scaler'])
 
+    def sharded_state_dict(
+        self,
+        model_sharded_state_dict,
+        is_loading: bool = False,
+        sharding_type: str = 'fully_sharded_model_space',
+        **kwargs,
+    ):
+        """Distributed-checkpoint view: `fully_sharded_model_space` (each DP rank its own
+        ranges, keyed and shaped like the model parameters) or `dp_zero_gather_scatter` (gathered
+        on DP rank 0); see megatron/core/dist_checkpointing/optimizer.py."""
+        from megatron.core.dist_checkpointing.optimizer import distributed_sharded_state_dict
+
+        return distributed_sharded_state_dict(
+            self, model_sharded_state_dict, is_loading, sharding_type
+        )
+
+    def load_sharded_state_dict(self, state_dict: Dict) -> None:
+        """Finish a distributed-checkpoint load (the model-space state was filled in place;
+        a dp_zero state is scattered here, collectively)."""
+        from megatron.core.dist_checkpointing.optimizer import restore_after_sharded_load
+
+        restore_after_sharded_load(self, state_dict)
+        self._ensure_state()
+        if state_dict.get('param_state_sharding_type') == 'dp_zero_gather_scatter':
+            self.load_parameter_state_from_dp_zero(state_dict.get('param_state'))
+
     def _gloo_group(self):
         if self.data_parallel_group_gloo is not None:
             return self.data_parallel_group_gloo

@@ -105,8 +105,14 @@ class MegatronOptimizer(ABC):
                 grads_for_norm.append(grad)
         return grads_for_norm
 
+    #: Set on the optimizer of expert-parallel parameters (see get_megatron_optimizer).
+    is_expert_optimizer = False
+
     def get_model_parallel_group(self) -> Optional[torch.distributed.ProcessGroup]:
-        """Group the grad norm, zero count and inf check are reduced over (TP x PP)."""
+        """Group the grad norm, zero count and inf check are reduced over: TP x PP, or
+        TP x EP x PP for expert parameters (each expert lives on one expert-parallel rank)."""
+        if self.is_expert_optimizer:
+            return parallel_state.get_model_parallel_group(with_expert_parallel=True)
         return parallel_state.get_model_parallel_group()
 
     def get_grad_norm(self) -> float:
@@ -155,6 +161,21 @@ class MegatronOptimizer(ABC):
     @abstractmethod
     def load_state_dict(self, state_dict: Dict):
         """Restore from `state_dict()`."""
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """Distributed-checkpoint view of the optimizer state, keyed by the model's parameter
+        keys (megatron/core/dist_checkpointing/optimizer.py); with `is_loading` the state
+        tensors are created first so they can be loaded in place."""
+        from megatron.core.dist_checkpointing.optimizer import non_distributed_sharded_state_dict
+
+        return non_distributed_sharded_state_dict(self, model_sharded_state_dict, is_loading)
+
+    def load_sharded_state_dict(self, state_dict: Dict) -> None:
+        """Finish a distributed-checkpoint load: the state tensors were filled in place; apply
+        the hyperparameters, step and loss scaler (whichever optimizer kind saved them)."""
+        from megatron.core.dist_checkpointing.optimizer import restore_after_sharded_load
+
+        restore_after_sharded_load(self, state_dict)
 
     @abstractmethod
     def prepare_grads(self) -> bool:
@@ -560,6 +581,21 @@ class ChainedOptimizer(MegatronOptimizer):
         for optimizer, sd in zip(self.chained_optimizers, state_dict):
             optimizer.load_state_dict(sd)
 
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """Sub-optimizer k under dict key k, every checkpoint key prefixed `chained_{k}.`."""
+        from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+        state_dict = {}
+        for index, optimizer in enumerate(self.chained_optimizers):
+            sub = optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+            add_prefix_for_sharding(sub, f'chained_{index}.')
+            state_dict[index] = sub
+        return state_dict
+
+    def load_sharded_state_dict(self, state_dict) -> None:
+        for index, optimizer in enumerate(self.chained_optimizers):
+            optimizer.load_sharded_state_dict(state_dict[index])
+
     def prepare_grads(self) -> bool:
         found_inf_flag = False
         for optimizer in self.chained_optimizers:
@@ -611,11 +647,18 @@ class ChainedOptimizer(MegatronOptimizer):
             ]
         }
 
-    def load_parameter_state_from_shards(self, shards: List[Dict]):
-        """Load every saved rank's `get_parameter_state_shard` into each distributed optimizer."""
+    def load_parameter_state_from_shards(
+        self, shards: List[Dict], per_optimizer_shards: Optional[List[List[Dict]]] = None
+    ):
+        """Load every saved rank's `get_parameter_state_shard` into each distributed optimizer.
+
+        `per_optimizer_shards` gives each optimizer its own list of saved shards (with expert
+        parallelism the expert optimizer's data-parallel group is a subset of the dense one's).
+        """
         for index, optimizer in enumerate(self.chained_optimizers):
             if hasattr(optimizer, 'load_parameter_state_from_shards'):
-                optimizer.load_parameter_state_from_shards([s['chained'][index] for s in shards])
+                own = shards if per_optimizer_shards is None else per_optimizer_shards[index]
+                optimizer.load_parameter_state_from_shards([s['chained'][index] for s in own])
 
     def load_parameter_state(self, filename: str):
         """Load what `save_parameter_state` wrote into every distributed optimizer."""

@@ -166,6 +166,18 @@ def _calculate_per_token_loss(config) -> bool:
     return bool(getattr(config, 'calculate_per_token_loss', False))
 
 
+def _set_moe_aux_loss_scale(config, num_microbatches: int) -> None:
+    """The gradient the MoE auxiliary losses get in backward: the loss scale divided by the
+    number of micro-batches, as the main loss (without per-token loss normalisation)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    one = torch.ones(1, device=get_current_device())
+    loss_scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
+    if not _calculate_per_token_loss(config):
+        loss_scale = loss_scale / num_microbatches
+    MoEAuxLossAutoScaler.set_loss_scale(loss_scale)
+
+
 def forward_step(
     forward_step_func,
     data_iterator,
@@ -241,6 +253,9 @@ def forward_step(
 
     if config.timers is not None:
         config.timers('forward-compute').stop()
+
+    if getattr(config, 'num_moe_experts', None) is not None:
+        _set_moe_aux_loss_scale(config, num_microbatches)
 
     # If T5 model (or other model with encoder and decoder) and in decoder stack, then send encoder
     # hidden state downstream as well.

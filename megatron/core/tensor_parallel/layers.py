@@ -237,6 +237,22 @@ class VocabParallelEmbedding(torch.nn.Module):
             else:
                 set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
 
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint: the weight split over TP along the vocabulary (dim 0).
+
+        The stored global shape is the padded vocabulary of the saving run; a run whose padding
+        differs (another TP size) reads the overlap and zero-fills the rest
+        (`allow_shape_mismatch`).
+        """
+        from megatron.core.dist_checkpointing.utils import make_tp_sharded_tensor_for_checkpoint
+
+        key = f'{prefix}weight'
+        return {
+            key: make_tp_sharded_tensor_for_checkpoint(
+                self.weight, key, 0, prepend_offsets=sharded_offsets, allow_shape_mismatch=True
+            )
+        }
+
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """[b, s] token ids -> [b, s, h] embeddings ([s/tp, b, h] with
         reduce_scatter_embeddings)."""
@@ -713,6 +729,14 @@ class ColumnParallelLinear(torch.nn.Module):
         """Keep compatibility with Transformer Engine state dicts (`._extra_state` keys)."""
         return None
 
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint: weight and bias split over TP along the output (dim 0)."""
+        from megatron.core.dist_checkpointing.utils import module_sharded_state_dict
+
+        return module_sharded_state_dict(
+            self, prefix, sharded_offsets, metadata, {'weight': 0, 'bias': 0}
+        )
+
 
 class RowParallelLinear(torch.nn.Module):
     """Linear layer Y = XA + b with A split along its input (row) dimension.
@@ -903,3 +927,10 @@ class RowParallelLinear(torch.nn.Module):
     def get_extra_state(self) -> None:
         """Keep compatibility with Transformer Engine state dicts (`._extra_state` keys)."""
         return None
+
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint: weight split over TP along the input (dim 1); the bias
+        (added after the all-reduce) is replicated."""
+        from megatron.core.dist_checkpointing.utils import module_sharded_state_dict
+
+        return module_sharded_state_dict(self, prefix, sharded_offsets, metadata, {'weight': 1})

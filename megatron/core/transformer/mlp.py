@@ -38,8 +38,12 @@ class MLP(MegatronModule):
     Args:
         config (TransformerConfig): the model config.
         submodules (MLPSubmodules): the two linear layers.
-        is_expert (bool): MoE expert (not supported).
+        is_expert (bool): an MoE expert: its linears skip their tensor-parallel communication
+            when tp or ep > 1 (the token dispatcher moves and reduces the rows) and draw their
+            initialization from the expert-parallel RNG stream.
         input_size (int, optional): input size (default config.hidden_size).
+        ffn_hidden_size (int, optional): f (default config.ffn_hidden_size; MoE experts and
+            shared experts have their own).
         pg_collection (ProcessGroupCollection, optional): its `tp` group splits f (default: the
             global tensor model parallel group).
     """
@@ -51,13 +55,16 @@ class MLP(MegatronModule):
         is_expert: bool = False,
         input_size: Optional[int] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        ffn_hidden_size: Optional[int] = None,
     ):
         super().__init__(config=config)
         self.config = config
         self.pg_collection = resolve_process_groups(pg_collection, ("tp",))
         self.input_size = input_size if input_size is not None else self.config.hidden_size
 
-        ffn_hidden_size = self.config.ffn_hidden_size
+        if ffn_hidden_size is None:
+            ffn_hidden_size = self.config.ffn_hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
         if self.config.gated_linear_unit:
             ffn_hidden_size *= 2
 
@@ -79,7 +86,7 @@ class MLP(MegatronModule):
 
         self.linear_fc2 = build_module(
             submodules.linear_fc2,
-            self.config.ffn_hidden_size,
+            self.ffn_hidden_size,
             self.config.hidden_size,
             config=self.config,
             init_method=self.config.output_layer_init_method,
@@ -90,6 +97,21 @@ class MLP(MegatronModule):
             tp_comm_buffer_name='fc2',
             tp_group=self.pg_collection.tp,
         )
+
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint; with a gated linear unit fc1 is stored as [W; V] (the TP=1
+        layout, see apply_swiglu_sharded_factory), so it reshards across TP."""
+        from megatron.core.dist_checkpointing.utils import apply_swiglu_sharded_factory
+
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.config.gated_linear_unit:
+            for name in ('weight', 'bias'):
+                key = f'{prefix}linear_fc1.{name}'
+                if key in sharded_state_dict:
+                    sharded_state_dict[key] = apply_swiglu_sharded_factory(
+                        sharded_state_dict[key], sharded_offsets
+                    )
+        return sharded_state_dict
 
     def forward(self, hidden_states: torch.Tensor):
         """hidden_states [s, b, h] -> (output [s, b, h], output_bias [h] or None)."""

@@ -31,6 +31,23 @@ class MegatronModule(torch.nn.Module):
         """The state dict written to checkpoints (the plain state dict for mcore modules)."""
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed-checkpoint view of this module (see megatron/core/dist_checkpointing).
+
+        Default: own parameters and buffers replicated over TP, `_extra_state` as objects, then
+        every child's `sharded_state_dict` (plain torch children: replicated). Dict keys are the
+        local state-dict names; the ShardedTensor keys are global (layout independent).
+
+        Args:
+            prefix: prepended to every key.
+            sharded_offsets: (axis, offset, size) triples prepended to every tensor (layer axis,
+                later an expert axis).
+            metadata: options for subclasses (unused here).
+        """
+        from megatron.core.dist_checkpointing.utils import module_sharded_state_dict
+
+        return module_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
     def set_is_first_microbatch(self):
         """Tell submodules that cache weights (fp8 in Transformer Engine) a new batch begins."""
         for m in self.modules():
@@ -133,3 +150,7 @@ class Float16Module(MegatronModule):
 
     def load_state_dict(self, state_dict, strict=True):
         return self.module.load_state_dict(state_dict, strict=strict)
+
+    def sharded_state_dict(self, prefix='', sharded_offsets=(), metadata=None):
+        """Delegates to the wrapped module."""
+        return self.module.sharded_state_dict(prefix, sharded_offsets, metadata)

@@ -129,6 +129,44 @@ class TransformerBlock(MegatronModule):
         else:
             self.final_layernorm = None
 
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint: every layer parameter is one global tensor [num_layers, ...].
+
+        Layer i of this stage (global index g = its layer_number - 1) is saved with the axis
+        (0, g, num_layers) prepended and its keys renamed from `{prefix}layers.{i}.` to
+        `{prefix}layers.`, so pipeline / virtual-pipeline stages write disjoint slices of the
+        same tensors and any other split reads them. With metadata
+        `{'non_homogeneous_layers': True}` the keys are `{prefix}layers.{g}.` instead. An
+        expert axis is prepended by the MoE layer after this one.
+        """
+        from megatron.core.dist_checkpointing.utils import (
+            replace_prefix_for_sharding,
+            sharded_state_dict_default,
+        )
+
+        non_homogeneous = bool(metadata and metadata.get('non_homogeneous_layers'))
+        sharded_state_dict = {}
+        layer_prefix = f'{prefix}layers.'
+        for local_index, layer in enumerate(self.layers):
+            global_index = layer.layer_number - 1
+            state_dict_prefix = f'{layer_prefix}{local_index}.'
+            if non_homogeneous:
+                sharded_prefix, layer_offsets = f'{layer_prefix}{global_index}.', ()
+            else:
+                sharded_prefix = layer_prefix
+                layer_offsets = ((0, global_index, self.config.num_layers),)
+            layer_sd = layer.sharded_state_dict(state_dict_prefix, layer_offsets, metadata)
+            replace_prefix_for_sharding(layer_sd, state_dict_prefix, sharded_prefix)
+            sharded_state_dict.update(layer_sd)
+        for name, module in self.named_children():
+            if module is not self.layers:
+                sharded_state_dict.update(
+                    sharded_state_dict_default(
+                        module, f'{prefix}{name}.', sharded_offsets, metadata
+                    )
+                )
+        return sharded_state_dict
+
     def _get_layer(self, layer_number: int):
         return self.layers[layer_number]
 

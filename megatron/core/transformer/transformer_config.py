@@ -7,11 +7,12 @@ fields and values for impossible combinations.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.moe.moe_config_checks import check_moe_config
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
@@ -76,7 +77,7 @@ class TransformerConfig(ModelParallelConfig):
     """Store the activation input in fp8 (Transformer Engine only; accepted, unused)."""
 
     num_moe_experts: Optional[int] = None
-    """Number of MoE experts (None = dense MLP). MoE is not implemented here."""
+    """Number of MoE experts (None = dense MLP)."""
 
     rotary_interleaved: bool = False
     """Rotate interleaved pairs (x0, x1), (x2, x3)... instead of the two halves of each head."""
@@ -184,46 +185,88 @@ class TransformerConfig(ModelParallelConfig):
     """fp8 multi-head attention."""
 
     ####################
-    # MoE (not implemented; defaults only)
+    # mixture of experts (see megatron/core/transformer/moe and docs/moe.md)
     ####################
     moe_router_load_balancing_type: str = "aux_loss"
-    """Router load balancing type."""
+    """Load balancing: "aux_loss" (Switch loss), "sinkhorn" (balanced assignment) or "none"."""
 
     moe_router_topk: int = 2
-    """Experts per token."""
+    """Experts each token is routed to (k)."""
+
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (probs not renormalized); the default takes the
+    top-k logits and a softmax over those k."""
+
+    moe_router_score_function: str = "softmax"
+    """Routing scores: "softmax" or "sigmoid" (sigmoid scores renormalized over the top-k)."""
+
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Multiply the top-k routing probs by this factor."""
+
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias added to the scores for the top-k selection
+    only, updated once per global batch from the token counts."""
+
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update (bias += rate * sign(mean count - count))."""
+
+    moe_router_dtype: Optional[str] = None
+    """dtype of the router GEMM and scores: None (the params dtype), "fp32" or "fp64"."""
 
     moe_grouped_gemm: bool = False
-    """Grouped GEMM for experts."""
+    """Run the local experts with grouped GEMMs (`GroupedMLP`) instead of one MLP each."""
+
+    moe_ffn_hidden_size: Optional[int] = None
+    """ffn size of each routed expert (None = ffn_hidden_size)."""
+
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """ffn size of the shared experts every token goes through (None = no shared experts)."""
+
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x gate^T) (Qwen2-MoE)."""
+
+    moe_layer_freq: Union[int, List[int]] = 1
+    """Which layers are MoE: an int N makes layer i (0-based) MoE iff i % N == 0; a list of 0/1
+    per layer gives the pattern."""
 
     moe_aux_loss_coeff: float = 0.0
-    """Auxiliary loss coefficient."""
+    """Coefficient of the load-balancing loss."""
 
     moe_z_loss_coeff: Optional[float] = None
-    """z-loss coefficient."""
+    """Coefficient of the router z-loss (None = off)."""
 
     moe_input_jitter_eps: Optional[float] = None
-    """Input jitter."""
+    """Multiply the router input by U(1 - eps, 1 + eps) noise in training."""
 
     moe_token_dropping: bool = False
-    """Token dropping."""
+    """Megatron's unused placeholder (token dropping is moe_expert_capacity_factor)."""
 
     moe_token_dispatcher_type: str = "allgather"
-    """Token dispatcher."""
+    """Token dispatcher: "allgather" or "alltoall"."""
 
     moe_per_layer_logging: bool = False
-    """Per-layer MoE logging."""
+    """Log every layer's auxiliary losses, not only their mean."""
 
     moe_expert_capacity_factor: Optional[float] = None
-    """Expert capacity factor."""
+    """Capacity per expert = ceil(T k / E * factor); None = dropless."""
 
     moe_pad_expert_input_to_capacity: bool = False
-    """Pad expert inputs to capacity."""
+    """Pad every expert's input to its capacity."""
 
     moe_token_drop_policy: str = "probs"
-    """Token drop policy."""
+    """Which pairs an expert over capacity keeps: "probs" (highest routing probs) or
+    "position" (earliest tokens)."""
 
     moe_layer_recompute: bool = False
-    """Recompute MoE layers."""
+    """Recompute the MoE layers in backward (activation checkpointing)."""
+
+    ####################
+    # context parallelism
+    ####################
+    cp_comm_type: Optional[Union[str, List[str]]] = None
+    """How attention communicates under context parallelism: 'p2p' (ring, the default when
+    None), 'all_gather', 'a2a' (Ulysses) or 'a2a+p2p' (needs hierarchical_context_parallel_sizes);
+    one value for every layer or a list with one value per layer."""
 
     ####################
     # miscellaneous
@@ -317,16 +360,17 @@ class TransformerConfig(ModelParallelConfig):
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
 
+        self._check_context_parallel()
+
         if self.expert_model_parallel_size > 1 and self.num_moe_experts is None:
             raise ValueError(
                 f"expert_model_parallel_size ({self.expert_model_parallel_size}) > 1 needs "
                 "num_moe_experts to be set."
             )
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.num_moe_experts is not None:
-            raise ValueError(
-                f"num_moe_experts ({self.num_moe_experts}): mixture of experts is not implemented "
-                "in this project; leave num_moe_experts None."
-            )
+            check_moe_config(self)
         if self.fp8 is not None:
             raise ValueError(
                 f"fp8 ({self.fp8!r}) needs Transformer Engine, which is not supported."
@@ -411,4 +455,32 @@ class TransformerConfig(ModelParallelConfig):
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(
                 self.init_method_std, self.num_layers
+            )
+
+    def _check_context_parallel(self) -> None:
+        """cp_comm_type values, their per-layer list length and the a2a head split."""
+        from megatron.core.transformer.context_parallel.attention import (
+            check_cp_attention_shapes,
+        )
+
+        if self.cp_comm_type is None:
+            return
+        comm_types = self.cp_comm_type
+        if isinstance(comm_types, str):
+            comm_types = [comm_types]
+        elif len(comm_types) != self.num_layers:
+            raise ValueError(
+                f"cp_comm_type has {len(comm_types)} values; give one, or one per layer "
+                f"(num_layers = {self.num_layers})"
+            )
+        hierarchy = self.hierarchical_context_parallel_sizes
+        for comm_type in comm_types:
+            if comm_type == "a2a+p2p" and hierarchy is None and self.context_parallel_size > 1:
+                raise ValueError("cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes")
+            check_cp_attention_shapes(
+                comm_type,
+                self.context_parallel_size,
+                self.num_attention_heads // self.tensor_model_parallel_size,
+                self.num_query_groups // self.tensor_model_parallel_size,
+                a2a_size=hierarchy[0] if hierarchy else None,
             )

@@ -145,10 +145,32 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         self.mlp = build_module(
             submodules.mlp, config=self.config, pg_collection=self.pg_collection
         )
+        if hasattr(self.mlp, 'set_layer_number'):
+            # An MoE layer records its auxiliary losses under the global layer number.
+            self.mlp.set_layer_number(self.layer_number)
         self.mlp_bda = build_module(submodules.mlp_bda)
 
         # Megatron runs bias-dropout-add under this handler (a no-op here).
         self.bias_dropout_add_exec_handler = nullcontext
+
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint of the layer, under Transformer Engine's names.
+
+        `submodules.sharded_state_dict_keys_map` renames the checkpoint keys (not the dict
+        keys): the local spec's separate norms are stored as
+        `self_attention.linear_qkv.layer_norm_*` / `mlp.linear_fc1.layer_norm_*`, so local and
+        TE checkpoints are interchangeable.
+        """
+        from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
+
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        prefixed_map = {
+            f'{prefix}{k}': f'{prefix}{v}'
+            for k, v in self.submodules_config.sharded_state_dict_keys_map.items()
+        }
+        if prefixed_map:
+            apply_prefix_mapping(sharded_state_dict, prefixed_map)
+        return sharded_state_dict
 
     def _get_layer_offset(self) -> int:
         """The global index of this stage's first layer (see get_transformer_layer_offset)."""

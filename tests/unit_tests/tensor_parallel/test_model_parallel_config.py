@@ -55,11 +55,6 @@ def test_every_field_has_a_docstring():
             ),
             r"gradient_accumulation_fusion",
         ),
-        (
-            dict(expert_model_parallel_size=2, tensor_model_parallel_size=2),
-            r"expert_model_parallel_size \(2\).*tensor_model_parallel_size "
-            r"\(2\).*sequence_parallel",
-        ),
     ],
 )
 def test_post_init_value_errors(kwargs, pattern):

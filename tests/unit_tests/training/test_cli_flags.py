@@ -30,6 +30,19 @@ OUR_EXTRA_FLAGS = {
     '--non-persistent-global-ckpt-dir',
     '--non-persistent-save-interval',
     '--renormalize-blend-weights',
+    '--ckpt-format',  # core_r0.9.0's checkpoint format flag (torch | torch_dist here)
+    # MoE flags of later Megatron versions (megatron/core/transformer/moe).
+    '--moe-router-score-function',
+    '--moe-router-topk-scaling-factor',
+    '--moe-router-enable-expert-bias',
+    '--moe-router-bias-update-rate',
+    '--moe-router-dtype',
+    '--moe-ffn-hidden-size',
+    '--moe-shared-expert-intermediate-size',
+    '--moe-shared-expert-gate',
+    '--moe-layer-freq',
+    '--cp-comm-type',  # context parallel attention communication (core_r0.10)
+    '--hierarchical-context-parallel-sizes',  # a2a+p2p context parallelism (core_r0.10)
     '--use-pytorch-profiler',
     # Dynamic-batching inference engine (megatron/core/inference, docs/inference_engine.md).
     '--inference-dynamic-batching',

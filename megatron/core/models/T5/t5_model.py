@@ -381,6 +381,32 @@ class T5Model(LanguageModule):
             return self.output_layer.weight
         return None
 
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint: `embedding.*`, `encoder.*`, `decoder.*` and `output_layer.*`
+        (the head under its second name, never `lm_head.*`).
+
+        Each stack's layers are stored with a layer axis of that stack's own depth. The
+        split-rank stage's copy of the embedding is a non-main replica of stage 0's (read,
+        never written); a tied head on a stage without the embedding likewise (see
+        LanguageModule).
+        """
+        from megatron.core.dist_checkpointing.utils import (
+            set_replica_pipeline_slot,
+            sharded_state_dict_default,
+        )
+
+        assert not sharded_offsets, 'Unexpected sharded offsets'
+        sharded_state_dict = {}
+        for name, child in self._modules.items():
+            if name == 'lm_head' or child is None:
+                continue
+            child_sd = sharded_state_dict_default(child, f'{prefix}{name}.', (), metadata)
+            if name == 'embedding' and not parallel_state.is_pipeline_first_stage():
+                set_replica_pipeline_slot(child_sd, 1)
+            sharded_state_dict.update(child_sd)
+        self._tie_output_layer_sharded_state_dict(sharded_state_dict, prefix)
+        return sharded_state_dict
+
     def set_input_tensor(self, input_tensor) -> None:
         """Set this stage's pipeline input.
 

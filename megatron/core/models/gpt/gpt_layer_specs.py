@@ -2,7 +2,9 @@
 
 `get_gpt_layer_with_transformer_engine_spec` keeps Megatron's name for scripts that call it; it
 returns the local spec (with a one-line warning), as `--transformer-impl transformer_engine` falls
-back to `local`.
+back to `local`. With `num_experts` the MLP is an `MoELayer` (SequentialMLP experts of
+ColumnParallelLinear / RowParallelLinear, or GroupedMLP with `moe_grouped_gemm`);
+`get_gpt_decoder_block_spec` mixes dense and MoE layers per `moe_layer_freq`.
 """
 
 import logging
@@ -14,6 +16,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -30,20 +33,15 @@ def get_gpt_layer_local_spec(
     """GPT layer spec with the local (plain PyTorch) modules.
 
     Args:
-        num_experts: number of MoE experts; MoE is not implemented, so it must be None.
-        moe_grouped_gemm: MoE grouped GEMM (must be False).
+        num_experts: number of MoE experts (None: a dense MLP).
+        moe_grouped_gemm: MoE experts as one GroupedMLP instead of one MLP each.
         qk_layernorm: normalise queries and keys per head.
 
     Returns:
         ModuleSpec of a TransformerLayer with separate input / pre-MLP norms, causal
-        self attention (fused QKV) and a dense MLP.
+        self attention (fused QKV) and a dense MLP or an MoE layer.
     """
-    if num_experts is not None or moe_grouped_gemm:
-        raise ValueError(
-            f"num_experts ({num_experts}) / moe_grouped_gemm ({moe_grouped_gemm}): mixture of "
-            "experts is not implemented in this project."
-        )
-    mlp = _get_mlp_module_spec()
+    mlp = _get_mlp_module_spec(num_experts, moe_grouped_gemm)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -97,9 +95,46 @@ def get_gpt_layer_with_transformer_engine_spec(
     return get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm)
 
 
-def _get_mlp_module_spec() -> ModuleSpec:
-    """Dense MLP spec: ColumnParallelLinear fc1, RowParallelLinear fc2."""
+def _get_mlp_module_spec(num_experts: int = None, moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """Dense MLP spec (ColumnParallelLinear fc1, RowParallelLinear fc2) without experts; else the
+    MoELayer spec: the same linears for SequentialMLP experts, or no submodules (GroupedMLP)."""
+    if num_experts is None:
+        return ModuleSpec(
+            module=MLP,
+            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        )
+    if moe_grouped_gemm:
+        return ModuleSpec(module=MoELayer)
     return ModuleSpec(
-        module=MLP,
+        module=MoELayer,
         submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
     )
+
+
+def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False):
+    """Block spec with this pipeline stage's layers, each dense or MoE per
+    `config.moe_layer_freq` (later Megatron's function of the same name).
+
+    Args:
+        config (TransformerConfig): the model config (num_moe_experts set).
+        use_transformer_engine: Megatron's choice of the TE spec; the local spec is used here.
+
+    Returns:
+        TransformerBlockSubmodules listing the layer specs of this stage (or model chunk).
+    """
+    from megatron.core.transformer.moe.moe_config_checks import moe_layer_pattern
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    dense = get_gpt_layer_local_spec(None, False, config.qk_layernorm)
+    moe = get_gpt_layer_local_spec(
+        config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm
+    )
+    pattern = moe_layer_pattern(config)
+    offset = get_transformer_layer_offset(config)
+    num_layers = get_num_layers_to_build(config)
+    layer_specs = [moe if pattern[offset + i] else dense for i in range(num_layers)]
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=LNImpl)

@@ -13,8 +13,9 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
-from megatron.core.packed_seq_params import PackedSeqParams, packed_position_ids
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.context_parallel.packed import packed_position_ids_on_cp_rank
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -111,6 +112,7 @@ class GPTModel(LanguageModule):
                 rotary_interleaved=self.config.rotary_interleaved,
                 seq_len_interpolation_factor=seq_len_interpolation_factor,
                 rotary_base=rotary_base,
+                cp_group=self.pg_collection.cp,
             )
 
         self.decoder = TransformerBlock(
@@ -137,6 +139,14 @@ class GPTModel(LanguageModule):
 
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
+
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint (see LanguageModule); the output layer's empty extra state is
+        not stored, as in Megatron."""
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        extra = sharded_state_dict.pop(f'{prefix}output_layer._extra_state', None)
+        assert extra is None or extra.data is None, 'output layer extra state is not empty'
+        return sharded_state_dict
 
     def set_input_tensor(self, input_tensor) -> None:
         """Set the input of this pipeline stage (the previous stage's output [s, b, h]).
@@ -180,6 +190,12 @@ class GPTModel(LanguageModule):
             ([b, s, v] with parallel_output=False). Other stages: hidden states [s, b, h]
             ([s/p, b, h] under sequence parallelism).
         """
+        if inference_params is not None and self.config.context_parallel_size > 1:
+            raise ValueError(
+                f"inference / text generation with context_parallel_size "
+                f"({self.config.context_parallel_size}) > 1 is not supported; load the checkpoint "
+                "with --context-parallel-size 1 (checkpoints do not depend on it)"
+            )
         # Decoder embedding.
         if decoder_input is not None:
             pass
@@ -201,9 +217,16 @@ class GPTModel(LanguageModule):
             rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
                 inference_params, self.decoder, decoder_input, self.config
             )
-            rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len)
-            if packed_seq_params is not None:
-                rotary_pos_emb = _restart_per_segment(rotary_pos_emb, packed_seq_params)
+            packed = packed_seq_params is not None
+            rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len, packed_seq=packed)
+            if packed:
+                cp_group = self.rotary_pos_emb.cp_group
+                rotary_pos_emb = _restart_per_segment(
+                    rotary_pos_emb,
+                    packed_seq_params,
+                    cp_size=1 if cp_group is None else cp_group.size(),
+                    cp_rank=0 if cp_group is None else cp_group.rank(),
+                )
 
         # Run decoder.
         hidden_states = self.decoder(
@@ -243,11 +266,15 @@ class GPTModel(LanguageModule):
         return loss
 
 
-def _restart_per_segment(rotary_pos_emb: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
-    """Rotary angles [s, 1, 1, d] of positions 0..s-1 -> angles [s, b, 1, d] of each token's
-    position within its packed segment."""
-    s = rotary_pos_emb.size(0)
-    cu_seqlens = packed_seq_params.cu_seqlens_q
-    b = int(cu_seqlens[-1]) // s
-    positions = packed_position_ids(cu_seqlens, b * s).view(b, s).t()  # [s, b]
-    return rotary_pos_emb[:, 0, 0, :][positions].unsqueeze(2)  # [s, b, d] -> [s, b, 1, d]
+def _restart_per_segment(
+    rotary_pos_emb: Tensor, packed_seq_params: PackedSeqParams, cp_size: int = 1, cp_rank: int = 0
+) -> Tensor:
+    """Rotary angles [s, 1, 1, d] of positions 0..s-1 (s the global length) -> angles
+    [s/cp, b, 1, d] of each local token's position within its packed segment (with context
+    parallelism, the per-sequence split of context_parallel/packed.py)."""
+    local = rotary_pos_emb.size(0) // cp_size
+    offsets = packed_seq_params.segment_offsets()
+    b = int(offsets[-1]) // local
+    positions = packed_position_ids_on_cp_rank(offsets, b * local, cp_size, cp_rank)
+    positions = positions.view(b, local).t()  # [b, s/cp] -> [s/cp, b]
+    return rotary_pos_emb[:, 0, 0, :][positions].unsqueeze(2)  # [s/cp, b, d] -> [s/cp, b, 1, d]

@@ -363,8 +363,19 @@ _COLUMN_PARALLEL = (
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 
 
+# An MoE layer's experts and shared experts are MLPs split like the dense one.
+_MOE_MLP = re.compile(r"mlp\.(?:experts\.local_experts\.\d+\.|shared_experts\.)(linear_fc[12]\.)")
+
+
+def _as_dense_mlp_name(name: str) -> str:
+    """`...mlp.experts.local_experts.{i}.linear_fc1.weight` (or shared_experts) ->
+    `...mlp.linear_fc1.weight`: the same split rules apply."""
+    return _MOE_MLP.sub(r"mlp.\1", name)
+
+
 def tensor_parallel_partition_dim(name: str) -> Optional[int]:
     """The dimension a megatron-core GPT parameter is split along under TP (None = replicated)."""
+    name = _as_dense_mlp_name(name)
     if name.endswith(_COLUMN_PARALLEL):
         return 0
     if name.endswith(_ROW_PARALLEL):
@@ -373,7 +384,7 @@ def tensor_parallel_partition_dim(name: str) -> Optional[int]:
 
 
 def _is_gated_fc1(name: str, config) -> bool:
-    return config.gated_linear_unit and name.endswith(
+    return config.gated_linear_unit and _as_dense_mlp_name(name).endswith(
         ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
     )
 

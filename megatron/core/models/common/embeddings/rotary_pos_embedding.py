@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from megatron.core import parallel_state
+from megatron.core.transformer.context_parallel.layout import slice_for_cp_rank
 from megatron.core.utils import get_current_device
 
 
@@ -26,6 +27,9 @@ class RotaryEmbedding(torch.nn.Module):
         seq_len_interpolation_factor (float, optional): divide positions by this factor.
         rotary_base (int): base of the geometric frequency series.
         use_cpu_initialization (bool): build the frequencies on the CPU.
+        cp_group (ProcessGroup, optional): context parallel group; with more than one rank the
+            angles of the global sequence are sliced to this rank's dual-chunk positions
+            (default: the global context parallel group, if initialized).
     """
 
     def __init__(
@@ -36,8 +40,13 @@ class RotaryEmbedding(torch.nn.Module):
         seq_len_interpolation_factor: Optional[float] = None,
         rotary_base: int = 10000,
         use_cpu_initialization: bool = False,
+        cp_group: Optional[torch.distributed.ProcessGroup] = None,
     ) -> None:
         super().__init__()
+        # Fallback: the global CP group (None before initialize_model_parallel: no slicing).
+        self.cp_group = parallel_state.get_context_parallel_group_if_none(
+            cp_group, check_initialized=False
+        )
         if not 0.0 < rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent}")
         dim = kv_channels
@@ -50,8 +59,14 @@ class RotaryEmbedding(torch.nn.Module):
             rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
         )
 
-    def forward(self, max_seq_len: int, offset: int = 0) -> Tensor:
-        """Angles for positions offset .. offset + max_seq_len - 1: [max_seq_len, 1, 1, d]."""
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> Tensor:
+        """Angles for positions offset .. offset + max_seq_len - 1: [max_seq_len, 1, 1, d].
+
+        With context parallelism `max_seq_len` is the global length and the result holds this
+        rank's positions only ([max_seq_len / cp, 1, 1, d], chunks r and 2cp-1-r), unless
+        `packed_seq` (later Megatron's flag): packed sequences are split per sequence, so the
+        caller picks each token's angles from the whole table by its position in its sequence.
+        """
         inv_freq = self.inv_freq.to(get_current_device())
         seq = torch.arange(max_seq_len, device=inv_freq.device, dtype=inv_freq.dtype) + offset
         if self.seq_len_interpolation_factor is not None:
@@ -65,10 +80,9 @@ class RotaryEmbedding(torch.nn.Module):
                 freqs.shape[0], -1
             )  # [s, d] with each angle repeated for its channel pair
         emb = emb[:, None, None, :]  # [s, 1, 1, d]
-        if parallel_state.get_context_parallel_world_size() > 1:
-            raise NotImplementedError(
-                "context parallelism is not implemented for rotary embeddings"
-            )
+        if self.cp_group is not None and self.cp_group.size() > 1 and not packed_seq:
+            # Built for the global positions, then sliced: never from local positions.
+            emb = slice_for_cp_rank(emb, 0, self.cp_group.size(), self.cp_group.rank())
         return emb
 
     def get_rotary_seq_len(
@@ -76,8 +90,9 @@ class RotaryEmbedding(torch.nn.Module):
     ) -> int:
         """Full sequence length the angles are needed for.
 
-        The decoder input (or the pipeline input tensor) is [s, b, h], or [s/tp, b, h] under
-        sequence parallelism, so the length is scaled back by the TP size there.
+        The decoder input (or the pipeline input tensor) is [s/cp, b, h], or [s/cp/tp, b, h]
+        under sequence parallelism, so the length is scaled back by the TP size there and by the
+        context parallel size.
         """
         if inference_params is not None:
             return inference_params.max_sequence_length
@@ -87,6 +102,7 @@ class RotaryEmbedding(torch.nn.Module):
             rotary_seq_len = transformer_input.size(0)
         if transformer_config.sequence_parallel:
             rotary_seq_len *= transformer_config.tensor_model_parallel_size
+        rotary_seq_len *= transformer_config.context_parallel_size
         return rotary_seq_len
 
 

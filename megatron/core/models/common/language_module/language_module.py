@@ -112,6 +112,45 @@ class LanguageModule(MegatronModule):
             )
             LanguageModule.embedding_warning_printed = True
 
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint with the output layer tied as Megatron stores it.
+
+        Tied weights: a stage holding both ends stores only the embedding; a last stage without
+        the embedding stores its copy under `embedding.word_embeddings.weight` as a non-main
+        replica (replica id (1, 0, dp)): it is never written and is read from the first
+        stage's table. Vocabulary-sized tensors allow another padded vocabulary on load.
+        """
+        assert not sharded_offsets, 'Unexpected sharded offsets'
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        self._tie_output_layer_sharded_state_dict(sharded_state_dict, prefix)
+        return sharded_state_dict
+
+    def _tie_output_layer_sharded_state_dict(self, sharded_state_dict, prefix: str) -> None:
+        from megatron.core.dist_checkpointing.utils import make_tp_sharded_tensor_for_checkpoint
+
+        weight_key = f'{prefix}output_layer.weight'
+        bias_key = f'{prefix}output_layer.bias'
+        if not self.post_process:
+            return
+        if bias_key in sharded_state_dict:
+            sharded_state_dict[bias_key].allow_shape_mismatch = True
+        if not self.share_embeddings_and_output_weights:
+            if weight_key in sharded_state_dict:
+                sharded_state_dict[weight_key].allow_shape_mismatch = True
+            return
+        if self.pre_process:
+            sharded_state_dict.pop(weight_key, None)  # the embedding is stored already
+            return
+        if weight_key not in sharded_state_dict:  # a last stage without the head (T5 encoder)
+            return
+        tensor = sharded_state_dict.pop(weight_key).data
+        sharded_state_dict[weight_key] = make_tp_sharded_tensor_for_checkpoint(
+            tensor,
+            f'{prefix}embedding.word_embeddings.weight',
+            replica_id=(1, 0, parallel_state.get_data_parallel_rank(with_context_parallel=True)),
+            allow_shape_mismatch=True,
+        )
+
     def shared_embedding_or_output_weight(self) -> Tensor:
         """The word-embedding weight on the first stage, the output-layer weight on the last
         stage without embedding, else None."""

@@ -1,0 +1,126 @@
+"""Walking and transforming the nested dicts / lists of a (sharded) state dict."""
+
+from typing import Any, Callable, Iterator, Tuple
+
+
+def nested_values(x: Any) -> Iterator[Any]:
+    """Every leaf of nested dicts and lists."""
+    if isinstance(x, dict):
+        for v in x.values():
+            yield from nested_values(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from nested_values(v)
+    else:
+        yield x
+
+
+def nested_items_iter(x: Any, prefix: Tuple = ()) -> Iterator[Tuple[Tuple, Any]]:
+    """(path, leaf) pairs; a path is the tuple of dict keys / list indices."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from nested_items_iter(v, prefix + (k,))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from nested_items_iter(v, prefix + (i,))
+    else:
+        yield prefix, x
+
+
+def dict_list_map_inplace(fn: Callable[[Any], Any], x: Any) -> Any:
+    """Replace every leaf v of nested dicts / lists by fn(v), in place; returns x."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            x[k] = dict_list_map_inplace(fn, v)
+    elif isinstance(x, list):
+        x[:] = [dict_list_map_inplace(fn, v) for v in x]
+    else:
+        return fn(x)
+    return x
+
+
+def extract_matching_values(
+    x: Any, predicate: Callable[[Any], bool], return_lists_as_dicts: bool = False
+) -> Tuple[Any, Any]:
+    """Split nested dicts / lists into (leaves matching predicate, the others).
+
+    Containers left empty are dropped from either side (so `common.pt` holds no empty
+    `model` dict, as in Megatron). Lists become dicts {index: value} with
+    return_lists_as_dicts, else they keep their positions only on the matching side when all
+    match.
+    """
+
+    def _split(obj):
+        if isinstance(obj, dict):
+            matching, other = _like(obj), _like(obj)
+            for k, v in obj.items():
+                m, o = _split(v)
+                if m is not _EMPTY:
+                    matching[k] = m
+                if o is not _EMPTY:
+                    other[k] = o
+            return (matching or _EMPTY), (other or _EMPTY)
+        if isinstance(obj, list):
+            matching, other = {}, {}
+            for i, v in enumerate(obj):
+                m, o = _split(v)
+                if m is not _EMPTY:
+                    matching[i] = m
+                if o is not _EMPTY:
+                    other[i] = o
+            if not return_lists_as_dicts:
+                if len(matching) == len(obj):
+                    matching = [matching[i] for i in range(len(obj))]
+                if len(other) == len(obj):
+                    other = [other[i] for i in range(len(obj))]
+            return (matching or _EMPTY), (other or _EMPTY)
+        return (obj, _EMPTY) if predicate(obj) else (_EMPTY, obj)
+
+    matching, other = _split(x)
+    if matching is _EMPTY:
+        matching = {} if isinstance(x, dict) else []
+    if other is _EMPTY:
+        other = {} if isinstance(x, dict) else []
+    return matching, other
+
+
+def _like(obj: dict) -> dict:
+    """An empty dict of obj's class (keeping the attributes of dict subclasses)."""
+    if type(obj) is dict:
+        return {}
+    new = obj.__class__.__new__(obj.__class__)
+    dict.__init__(new)
+    new.__dict__.update(getattr(obj, '__dict__', {}))
+    return new
+
+
+class _Empty:
+    def __bool__(self):
+        return False
+
+    def __repr__(self):
+        return '<empty>'
+
+
+_EMPTY = _Empty()
+
+
+def merge(x1: Any, x2: Any) -> Any:
+    """Merge nested x2 into x1 (dicts by key, lists / index-dicts by position); x2 wins leaves."""
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            x1[k] = merge(x1[k], v2) if k in x1 else v2
+        return x1
+    if isinstance(x1, list) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            x1[k] = merge(x1[k], v2)
+        return x1
+    if isinstance(x1, dict) and isinstance(x2, list):
+        for i, v2 in enumerate(x2):
+            x1[i] = merge(x1[i], v2) if i in x1 else v2
+        return x1
+    if isinstance(x1, list) and isinstance(x2, list):
+        if len(x1) != len(x2):
+            raise ValueError(f'cannot merge lists of lengths {len(x1)} and {len(x2)}')
+        return [merge(a, b) for a, b in zip(x1, x2)]
+    return x2

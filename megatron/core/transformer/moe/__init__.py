@@ -1,0 +1,1 @@
+"""Mixture of experts: router, token dispatchers, experts, shared experts and the MoE layer."""

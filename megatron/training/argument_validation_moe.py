@@ -1,0 +1,103 @@
+"""The mixture-of-experts rules of `validate_args`, checked before any work starts.
+
+Each rule raises a one-line ValueError naming the flags and the numbers. Megatron's start-up
+rules, the ones it only meets at run time (inside the router or the dispatcher) and the model
+config's MoE rules (`check_moe_config`, run here on the flags' values) all stop the job here.
+"""
+
+import types
+
+from megatron.core.transformer.moe.moe_config_checks import check_moe_config
+
+#: Args that define an MoE model, restored by --use-checkpoint-args (Megatron r0.8 restores none:
+#: a converted Mixtral needed every MoE flag and --rotary-base again at run time). The
+#: dispatcher and the capacity settings change which tokens are dropped, so they travel too.
+MOE_CHECKPOINT_ARGS = (
+    'num_experts',
+    'expert_model_parallel_size',
+    'moe_router_topk',
+    'moe_router_pre_softmax',
+    'moe_router_score_function',
+    'moe_router_topk_scaling_factor',
+    'moe_router_enable_expert_bias',
+    'moe_router_load_balancing_type',
+    'moe_router_dtype',
+    'moe_ffn_hidden_size',
+    'moe_shared_expert_intermediate_size',
+    'moe_shared_expert_gate',
+    'moe_layer_freq',
+    'moe_grouped_gemm',
+    'moe_token_dispatcher_type',
+    'moe_expert_capacity_factor',
+    'moe_pad_expert_input_to_capacity',
+    'moe_token_drop_policy',
+    'moe_extended_tp',
+)
+
+
+def _is_training(args) -> bool:
+    return bool(args.train_iters or args.train_samples)
+
+
+def validate_moe_args(args):
+    """MoE rules (called from validate_args once the parallel sizes and the ffn size are known).
+
+    `--num-experts 0` means no MoE, as in Megatron.
+    """
+    if args.num_experts == 0:
+        args.num_experts = None
+    if args.num_experts is None:
+        return
+    experts, topk = args.num_experts, args.moe_router_topk
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    if experts < 0:
+        raise ValueError(f'--num-experts must be positive, got {experts}')
+    if args.spec is not None:
+        raise ValueError('Model Spec must be None when using MoEs (drop --spec)')
+    if not 1 <= topk <= experts:
+        raise ValueError(
+            f'--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})'
+        )
+    factor = args.moe_expert_capacity_factor
+    if factor is not None and factor <= 0:
+        raise ValueError(f'--moe-expert-capacity-factor must be positive, got {factor}')
+    if ep > 1 and tp > 1 and not args.sequence_parallel and _is_training(args):
+        raise ValueError(
+            f'--expert-model-parallel-size {ep} with --tensor-model-parallel-size {tp} needs '
+            '--sequence-parallel'
+        )
+    if tp > 1 and not args.sequence_parallel and _is_training(args):
+        raise ValueError(
+            f'training MoE layers with --tensor-model-parallel-size {tp} needs '
+            '--sequence-parallel (without it every tensor-parallel rank would add the gradient '
+            'of the same tokens to the experts)'
+        )
+    if ep > 1 and args.fp16:
+        raise ValueError(
+            f'Expert parallelism (--expert-model-parallel-size {ep}) is not supported with fp16 '
+            'training; use --bf16'
+        )
+    if args.context_parallel_size > 1:
+        raise ValueError(
+            f'--num-experts with --context-parallel-size {args.context_parallel_size}: MoE with '
+            'context parallelism is not supported yet'
+        )
+    try:
+        check_moe_config(_config_view(args))
+    except ValueError as exc:
+        raise ValueError(f'MoE flags: {exc}') from None
+
+
+def _config_view(args):
+    """The TransformerConfig MoE fields check_moe_config reads, taken from the flags."""
+    fields = {name: getattr(args, name) for name in vars(args) if name.startswith('moe_')}
+    fields.update(
+        num_moe_experts=args.num_experts,
+        num_layers=args.num_layers,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        add_bias_linear=args.add_bias_linear,
+    )
+    if fields.get('moe_ffn_hidden_size') is None:
+        fields['moe_ffn_hidden_size'] = args.ffn_hidden_size
+    return types.SimpleNamespace(**fields)

@@ -1,0 +1,132 @@
+"""torch_dist checkpoints <-> full (TP=1, PP=1) state dicts, for the conversion tools.
+
+A torch_dist checkpoint stores every tensor whole under its global key (see
+docs/dist_checkpointing.md): layer tensors stacked as `[num_layers, ...]` under
+`{block}.layers.<name>`, the separate norms of the local spec under Transformer Engine's names.
+`dist_to_full_state_dict` turns the stored global tensors into the flat per-layer state dict of
+a one-rank model (`decoder.layers.3.input_layernorm.weight`, ...), `full_to_dist_tensors` does
+the inverse, and `write_full_state_dict` saves such a state dict as a torch_dist checkpoint (one
+process; the trainer reshards it at load).
+"""
+
+import os
+import re
+import socket
+from typing import Dict
+
+import torch
+
+#: Local-spec layer names -> the names distributed checkpoints use (Megatron's
+#: sharded_state_dict_keys_map of the local GPT / BERT layer specs).
+TE_NAMES = {
+    'input_layernorm.': 'self_attention.linear_qkv.layer_norm_',
+    'pre_mlp_layernorm.': 'mlp.linear_fc1.layer_norm_',
+}
+_LAYER = re.compile(r'^(decoder|encoder)\.layers\.(\d+)\.(.+)$')
+_GLOBAL_LAYER = re.compile(r'^(decoder|encoder)\.layers\.(.+)$')
+
+
+def _to_te(name: str) -> str:
+    for old, new in TE_NAMES.items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def _from_te(name: str) -> str:
+    for old, new in TE_NAMES.items():
+        if name.startswith(new):
+            return old + name[len(new) :]
+    return name
+
+
+def dist_to_full_state_dict(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Global tensors of a torch_dist checkpoint -> flat one-rank model state dict.
+
+    Optimizer states (`optimizer.*`) are left out; the tied output layer of a pipeline's last
+    stage is stored as the embedding and so does not appear.
+    """
+    full = {}
+    for key, tensor in tensors.items():
+        if key.startswith('optimizer.') or key.startswith('chained_'):
+            continue
+        match = _GLOBAL_LAYER.match(key)
+        if match:
+            block, name = match.groups()
+            for index in range(tensor.shape[0]):
+                full[f'{block}.layers.{index}.{_from_te(name)}'] = tensor[index]
+        else:
+            full[key] = tensor
+    return full
+
+
+def full_to_dist_tensors(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Flat one-rank model state dict -> {global key: tensor} (layers stacked)."""
+    out, layers = {}, {}
+    for name, tensor in state_dict.items():
+        if tensor is None or name.endswith('_extra_state'):
+            continue
+        match = _LAYER.match(name)
+        if match:
+            block, index, rest = match.groups()
+            layers.setdefault(f'{block}.layers.{_to_te(rest)}', {})[int(index)] = tensor
+        else:
+            out[name] = tensor
+    for key, by_index in layers.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError(f'{key}: layers {sorted(by_index)} are not 0..{len(by_index) - 1}')
+        out[key] = torch.stack([by_index[i] for i in range(len(by_index))])
+    return out
+
+
+def _init_single_process_group() -> bool:
+    """A one-rank gloo group (saving is collective); returns whether it was created here."""
+    if torch.distributed.is_initialized():
+        return False
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        port = sock.getsockname()[1]
+    torch.distributed.init_process_group(
+        'gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1
+    )
+    return True
+
+
+def write_full_state_dict(
+    save_dir: str, iteration: int, state_dict: Dict[str, torch.Tensor], args
+) -> str:
+    """Write a one-rank model state dict as a torch_dist checkpoint and move the tracker.
+
+    Returns the iteration directory. `args` (the model's, at TP = PP = 1) go to common.pt.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.training.checkpoint_layout import get_checkpoint_name
+    from megatron.training.checkpointing import (
+        CHECKPOINT_VERSION,
+        _args_for_checkpoint,
+        _write_tracker_atomically,
+    )
+
+    created = _init_single_process_group()
+    try:
+        checkpoint_dir = get_checkpoint_name(save_dir, iteration, return_base_dir=True)
+        os.makedirs(checkpoint_dir, exist_ok=False)
+        model = {
+            key: ShardedTensor.from_rank_offsets(key, tensor.contiguous())
+            for key, tensor in full_to_dist_tensors(state_dict).items()
+        }
+        dist_checkpointing.save(
+            {
+                'args': _args_for_checkpoint(args),
+                'checkpoint_version': CHECKPOINT_VERSION,
+                'iteration': iteration,
+                'model': model,
+            },
+            checkpoint_dir,
+        )
+        _write_tracker_atomically(save_dir, iteration)
+        return checkpoint_dir
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()

@@ -16,10 +16,19 @@ median time, TTFT percentiles pool the repeats, and the ratio (engine / referenc
 median of the per-repeat ratios. Also prints how many requests got the
 same tokens from the engine as from the serialized loop (fp32: near-ties may differ).
 
+With --server, the same comparison end to end over HTTP (`serving_e2e.py`): N clients at once
+stream `POST /v1/completions` from tools/run_text_generation_server.py on the engine, from the
+same server under --use-legacy-static-engine (Megatron's generate() loop, one request at a time:
+the server before the engine), and HF generate on the padded batch in this process; same random
+GPT-2 (converted by tools/checkpoint/convert.py), same prompts, the three alternating.
+
 Usage:
     python benchmarks/bench_serving.py --repeats 1          # GPT-2 small size (~124M), ~10 min
     python benchmarks/bench_serving.py --num-layers 4 --hidden-size 256 --new-tokens 32  # quick
     python benchmarks/bench_serving.py --plot benchmarks/bench_serving.png
+    python benchmarks/bench_serving.py --server --num-layers 4 --hidden-size 256 \
+        --num-attention-heads 8 --new-tokens 32 --threads 2 \
+        --plot benchmarks/bench_serving_server.png             # end to end, ~10 min
 """
 
 import argparse
@@ -55,6 +64,9 @@ def _parse():
     )
     parser.add_argument("--plot", default=None, help="write a tokens/s vs clients PNG here")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument(
+        "--server", action="store_true", help="measure end to end through the HTTP server"
+    )
     return parser.parse_args()
 
 
@@ -213,6 +225,11 @@ def main():
     args = _parse()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.server:
+        import serving_e2e
+
+        serving_e2e.run(args)
+        return
     hf, model = _init(args)
     config = model.config
     print(

@@ -1,4 +1,5 @@
-"""Serve a GPT checkpoint over HTTP: Megatron's `PUT /api`, plus OpenAI-style `/v1/completions`.
+"""Serve a GPT checkpoint over HTTP: Megatron's `PUT /api`, OpenAI-style `/v1/completions` and
+`/v1/chat/completions`, `/v1/models` and `/health`, on the dynamic-batching inference engine.
 
 Start it with the model-parallel flags of the checkpoint, e.g. (see examples/inference/):
 
@@ -7,7 +8,10 @@ Start it with the model-parallel flags of the checkpoint, e.g. (see examples/inf
         --max-position-embeddings 1024 --micro-batch-size 1 --tokenizer-type GPT2BPETokenizer \\
         --vocab-file data/gpt2/gpt2-vocab.json --merge-file data/gpt2/gpt2-merges.txt
 
-Global rank 0 serves on --host:--port; every other rank waits for its broadcasts.
+Global rank 0 serves on --host:--port and drives the engine; every other rank follows its
+broadcasts (megatron/inference/worker_loop.py). Concurrent requests are batched: at most
+--max-batch-size run at once, --max-waiting-requests more may wait (beyond that: HTTP 503), and the
+KV cache holds --inference-dynamic-batching-buffer-size-gb GiB per rank.
 """
 
 import errno
@@ -26,17 +30,20 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
 )
 from megatron.core.utils import get_current_device
+from megatron.inference.generations import Serving
+from megatron.inference.inference_engine import get_dynamic_inference_engine
 from megatron.inference.text_generation_server import (
     MAX_PROMPTS,
     MAX_REQUEST_BYTES,
     MegatronServer,
     run_generation_worker_loop,
 )
+from megatron.inference.worker_loop import ServingLoop
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.checkpointing import load_checkpoint
 from megatron.training.context_parallel_checks import refuse_context_parallel
 from megatron.training.errors import run_main
-from megatron.training.global_vars import get_args
+from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.training import get_model
 from megatron.training.utils import print_rank_0
@@ -98,6 +105,27 @@ def add_text_generate_args(parser):
         'without it the server refuses to start without a checkpoint.',
     )
     group.add_argument(
+        '--max-batch-size',
+        type=int,
+        default=None,
+        help='Most requests (prompts) the engine runs at once (default: '
+        '--inference-dynamic-batching-max-requests, else as many as the KV cache holds, at most '
+        '256).',
+    )
+    group.add_argument(
+        '--max-waiting-requests',
+        type=int,
+        default=1024,
+        help='Most requests (prompts) that may wait for a free row; a request beyond that is '
+        'answered HTTP 503. At least --max-prompts.',
+    )
+    group.add_argument(
+        '--use-legacy-static-engine',
+        action='store_true',
+        help="Serve every request through Megatron's generate() loop, one at a time (the "
+        'server before the dynamic engine), instead of batching them.',
+    )
+    group.add_argument(
         '--served-model-name',
         type=str,
         default=None,
@@ -133,6 +161,29 @@ def check_address(host, port):
         )
 
 
+def check_serving_flags(args):
+    """The server's limits, before any work (ValueError naming the flag)."""
+    for flag, value in (
+        ('--max-prompts', args.max_prompts),
+        ('--max-request-bytes', args.max_request_bytes),
+        ('--max-batch-size', 1 if args.max_batch_size is None else args.max_batch_size),
+        ('--max-waiting-requests', args.max_waiting_requests),
+    ):
+        if value < 1:
+            raise ValueError(f'{flag} must be at least 1, got {value}')
+    if args.max_waiting_requests < args.max_prompts:
+        raise ValueError(
+            f'--max-waiting-requests ({args.max_waiting_requests}) must be at least '
+            f'--max-prompts ({args.max_prompts}): a request of that many prompts must fit the queue'
+        )
+    given = args.inference_dynamic_batching_max_requests
+    if args.max_batch_size is not None and given is not None and given != args.max_batch_size:
+        raise ValueError(
+            f'--max-batch-size ({args.max_batch_size}) and '
+            f'--inference-dynamic-batching-max-requests ({given}) disagree; give one of them'
+        )
+
+
 #: Script defaults for flags left unset. Generation batches prompts itself, so the training
 #: micro-batch size only needs a value: a checkpoint converted with --use-checkpoint-args then
 #: starts with the tokenizer flags alone.
@@ -155,12 +206,7 @@ def main(args_list=None):
     if args.num_layers_per_virtual_pipeline_stage is not None:
         print("Interleaved pipeline schedule is not yet supported for text generation.")
         sys.exit(1)
-    for flag, value in (
-        ('--max-prompts', args.max_prompts),
-        ('--max-request-bytes', args.max_request_bytes),
-    ):
-        if value < 1:
-            raise ValueError(f'{flag} must be at least 1, got {value}')
+    check_serving_flags(args)
     if args.data_parallel_size != 1:
         # Every rank follows global rank 0's broadcasts: one model replica only.
         raise ValueError(
@@ -184,18 +230,41 @@ def main(args_list=None):
     assert len(model) == 1, "Above condition should have caught this"
     model = model[0]
 
+    # Every rank holds the engine; rank 0's requests reach the others at each step.
+    engine = get_dynamic_inference_engine(
+        args,
+        model,
+        request_source_rank=0 if args.world_size > 1 else None,
+        max_requests=args.max_batch_size,
+        max_waiting_requests=args.max_waiting_requests,
+        isolate_failures=True,
+    )
     if mpu.is_pipeline_first_stage() and mpu.get_tensor_model_parallel_rank() == 0:
         name = args.served_model_name or os.path.basename(os.path.normpath(args.load or 'megatron'))
+        serving = Serving(
+            ServingLoop(engine, model).start(),
+            get_tokenizer(),
+            legacy=args.use_legacy_static_engine,
+            max_waiting_requests=args.max_waiting_requests,
+        )
         server = MegatronServer(
-            model,
+            serving,
             max_position_embeddings=args.max_position_embeddings,
             max_prompts=args.max_prompts,
             max_request_bytes=args.max_request_bytes,
             model_name=name,
         )
+        ctx = engine.context
+        print_rank_0(
+            f'inference engine: at most {ctx.max_requests} requests at once (+ '
+            f'{args.max_waiting_requests} waiting), {ctx.num_blocks} KV blocks of '
+            f'{ctx.block_size_tokens} tokens, {ctx.max_tokens} tokens per step'
+            + (' (--use-legacy-static-engine: requests run one at a time)'
+               if args.use_legacy_static_engine else '')
+        )  # fmt: skip
         print_rank_0(f'text generation server listening on http://{args.host}:{args.port}')
         server.run(args.host, port=args.port)
-    run_generation_worker_loop(model)
+    run_generation_worker_loop(model, engine)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #!/bin/bash
-# Start the text generation server (PUT /api, POST /v1/completions) on a Megatron GPT checkpoint.
+# Start the text generation server (PUT /api, POST /v1/completions, POST /v1/chat/completions,
+# GET /health) on a Megatron GPT checkpoint; concurrent requests are batched by the inference engine.
 #
 # Usage (from the repository root):
 #   bash examples/inference/run_text_generation_server.sh CHECKPOINT_DIR
@@ -12,13 +13,14 @@
 #   MODEL_ARGS="--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
 #               --max-position-embeddings 1024" bash examples/inference/run_text_generation_server.sh CKPT
 # Environment: TP, PP (default 1), PORT (5000), HOST (127.0.0.1; 0.0.0.0 serves other machines),
-# MODEL_ARGS, EXTRA_ARGS (appended, e.g. "--bf16").
+# MODEL_ARGS, EXTRA_ARGS (appended, e.g. "--bf16 --max-batch-size 32
+# --inference-dynamic-batching-buffer-size-gb 4").
 
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 if [ $# -lt 1 ]; then
-    sed -n '2,16p' "$0"
+    sed -n '2,18p' "$0"
     exit 1
 fi
 CHECKPOINT=$1

@@ -6,7 +6,8 @@
 #   2. imported with tools/checkpoint/convert.py at tensor-parallel size 2,
 #   3. fine-tuned with pretrain_gpt.py --sft on data/sft/chat.jsonl (loss on answers only,
 #      conversations packed with per-conversation attention),
-#   4. served with tools/run_text_generation_server.py and asked a question.
+#   4. served with tools/run_text_generation_server.py (the SFT tokenizer: its prompt format is
+#      the chat template) and asked a question through POST /v1/chat/completions.
 #
 # Usage: bash examples/sft/finetune_llama.sh [WORK_DIR]     (default /tmp/megatron-sft)
 # Environment: HF_DIR (a Llama-architecture directory with its tokenizer and chat template),
@@ -46,11 +47,13 @@ fi
     --train-iters "$TRAIN_ITERS" --log-interval 25 --eval-interval 1000 --eval-iters 2 \
     --attention-dropout 0.0 --hidden-dropout 0.0 --num-workers 0 --distributed-backend gloo
 
-# 4. Serve the fine-tuned model (TP 2) and ask it a question from the training set.
+# 4. Serve the fine-tuned model (TP 2) with the tokenizer and prompt format it was trained with,
+#    and ask it a question from the training set.
 "$PYTHON" -m torch.distributed.run --nproc-per-node 2 --master-port $((20000 + RANDOM % 20000)) \
     tools/run_text_generation_server.py \
     --load "$WORK/sft" --use-checkpoint-args \
-    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_DIR" \
+    --tokenizer-type SFTTokenizer --tokenizer-model "$HF_DIR" \
+    --sft-tokenizer-prompt-format default \
     --distributed-backend gloo --port "$PORT" > "$WORK/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
@@ -60,16 +63,9 @@ for _ in $(seq 120); do
     sleep 2
 done
 
-# The prompt is rendered with the tokenizer's own chat template, up to the assistant's turn.
-PROMPT=$("$PYTHON" - "$HF_DIR" <<'EOF'
-import json, sys
-from transformers import AutoTokenizer
-tok = AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True)
-messages = [{"role": "user", "content": "What is the title of chapter 1 of Moby-Dick?"}]
-print(json.dumps(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)))
-EOF
-)
-echo "prompt: $PROMPT"
-curl -s -X PUT "http://127.0.0.1:$PORT/api" -H 'Content-Type: application/json' \
-    -d "{\"prompts\": [$PROMPT], \"tokens_to_generate\": 40, \"top_k\": 1}"
+# The server renders the conversation with the prompt format, up to the assistant's turn, and
+# the answer ends at the end of the assistant's turn (<|im_end|>, the tokenizer's eos).
+curl -s -X POST "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d '{"messages": [{"role": "user", "content": "What is the title of chapter 1 of Moby-Dick?"}],
+         "max_tokens": 40, "temperature": 0}'
 echo

@@ -1,53 +1,60 @@
 """OpenAI-compatible endpoints of the text generation server: `POST /v1/completions` and
 `GET /v1/models`, so that the official `openai` client (or anything speaking that protocol) can
-use a Megatron model.
+use a Megatron model. (`POST /v1/chat/completions`: `chat_completions.py`.)
 
 Request fields: `model` (any name is accepted), `prompt` (a string or a list of strings),
 `max_tokens` (default 16), `temperature` (default 1; 0 is greedy), `top_p` (default 1), `n` (1
 only), `stop` (a string or up to 4), `logprobs` (null or 0..5: the sampled tokens' log
-probabilities; `top_logprobs` is not computed and is null), `seed`, `stream` (server-sent
-events, one chunk per generated token) with `stream_options.include_usage`. Sampling runs
-through Megatron's generation loop, under the same lock and rank-0 broadcast as `PUT /api`.
+probabilities; `top_logprobs` is not computed and is null), `seed`, `ignore_eos` (later
+Megatron's: no early stop at the end-of-text token), `stream` (server-sent events, one chunk per
+generated token) with `stream_options.include_usage`.
 
-Generation ends as soon as every choice is finished: its end-of-text token, `max_tokens`, or one
-of its `stop` sequences; a streaming client that disconnects ends it at the next token, which
-frees the server for the next request. `usage.completion_tokens` counts the tokens of the
-returned text only (not those cut by a stop sequence). Errors use OpenAI's
-`{"error": {"message", "type", "param", "code"}}` body: 400 for a bad request, 500 for a
-generation that failed on some rank (the server goes on serving).
+Every prompt is one request of the dynamic-batching engine, batched with whatever else runs
+(`generations.EngineGeneration`). A choice ends at its end-of-text token, `max_tokens`, or one of
+its `stop` strings (its engine request is then cancelled); a streaming client that disconnects
+cancels its requests, whose KV blocks are freed at the next step. `usage.completion_tokens`
+counts the tokens of the returned text only (not those cut by a stop string). Errors use
+OpenAI's `{"error": {"message", "type", "param", "code"}}` body: 400 for a bad request, 503 when
+the server's queue is full, 500 for a generation that failed (the server goes on serving).
 """
 
 import queue
-import threading
 import time
 import uuid
 
 from flask import Response, jsonify
 
+from megatron.core.inference.engines.dynamic_engine import QueueFullError
+from megatron.core.inference.sampling_params import SamplingParams
 from megatron.inference.json_io import BadRequest, dumps, read_json_object
-from megatron.inference.text_generation import api as generation_api
-from megatron.inference.text_generation.request import INT64_MAX, SAMPLING, GenerationSettings
-from megatron.inference.text_generation.tokenization import eod_id
-from megatron.inference.worker_loop import serve
-from megatron.training.global_vars import get_args, get_tokenizer
+from megatron.inference.text_generation.request import INT64_MAX
 
+#: Seconds without news after which a stream sends a keep-alive comment.
+KEEPALIVE_S = 1.0
 #: OpenAI's limits on `stop` and `logprobs`.
 MAX_STOP_SEQUENCES = 4
 MAX_LOGPROBS = 5
 
 
 class CompletionError(Exception):
-    """An invalid completions request: answered with HTTP 400 in OpenAI's error format."""
+    """An invalid completions request: answered in OpenAI's error format (400 by default)."""
 
-    def __init__(self, message, param=None):
+    def __init__(self, message, param=None, status=400, kind='invalid_request_error', code=None):
         super().__init__(message)
         self.param = param
+        self.status = status
+        self.kind = kind
+        self.code = code
 
 
-def error_response(message, param=None, status=400, kind='invalid_request_error'):
+def error_response(message, param=None, status=400, kind='invalid_request_error', code=None):
     """(OpenAI's error body, status)."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return jsonify(body), status
+
+
+def error_of(exc: CompletionError):
+    return error_response(str(exc), exc.param, exc.status, exc.kind, exc.code)
 
 
 def _is_int(value):
@@ -76,16 +83,22 @@ def _parse_prompts(body, limits):
     return prompts
 
 
-def _parse_sampling(body, limits):
-    """max_tokens, temperature, top_p, n, seed."""
-    max_tokens = body.get("max_tokens", 16)
-    max_tokens = 16 if max_tokens is None else max_tokens
-    if not _is_int(max_tokens) or not 1 <= max_tokens <= limits['max_position_embeddings']:
+def parse_max_tokens(body, limits, name="max_tokens", default=16):
+    max_tokens = body.get(name, default)
+    max_tokens = default if max_tokens is None else max_tokens
+    if max_tokens is None:
+        return None
+    if not _is_int(max_tokens) or not 1 <= max_tokens <= limits['max_sequence_length']:
         raise CompletionError(
-            f"'max_tokens' must be an integer in [1, {limits['max_position_embeddings']}], "
+            f"'{name}' must be an integer in [1, {limits['max_sequence_length']}], "
             f"got {max_tokens!r}",
-            "max_tokens",
+            name,
         )
+    return max_tokens
+
+
+def parse_sampling(body):
+    """temperature, top_p, n, seed, ignore_eos."""
     temperature = body.get("temperature", 1.0)
     temperature = 1.0 if temperature is None else temperature
     if not _is_number(temperature) or not 0.0 <= temperature <= 2.0:
@@ -102,10 +115,22 @@ def _parse_sampling(body, limits):
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed <= INT64_MAX):
         raise CompletionError(f"'seed' must be an integer in [0, 2**63 - 1], got {seed!r}", "seed")
-    return max_tokens, temperature, top_p, seed
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise CompletionError(f"'ignore_eos' must be a boolean, got {ignore_eos!r}", "ignore_eos")
+    greedy = temperature == 0.0
+    return {
+        # Megatron samples greedily with top_k = 1 (temperature ignored); top_p = 0 means no
+        # nucleus filtering.
+        "top_k": 1 if greedy else 0,
+        "top_p": 0.0 if greedy or top_p >= 1.0 else float(top_p),
+        "temperature": 1.0 if greedy else float(temperature),
+        "random_seed": seed,
+        "ignore_eos": ignore_eos,
+    }
 
 
-def _parse_stop(body):
+def parse_stop(body):
     stop = body.get("stop")
     if stop is None:
         stops = []
@@ -122,14 +147,8 @@ def _parse_stop(body):
     return [s for s in stops if s]
 
 
-def _parse_output_options(body):
-    """logprobs, stream, stream_options.include_usage, model; unsupported options refused."""
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
-        raise CompletionError(
-            f"'logprobs' must be null or an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}",
-            "logprobs",
-        )
+def parse_stream_options(body):
+    """stream, stream_options.include_usage, model."""
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise CompletionError(f"'stream' must be a boolean, got {stream!r}", "stream")
@@ -141,165 +160,103 @@ def _parse_output_options(body):
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise CompletionError(f"'model' must be a string, got {model!r}", "model")
-    unsupported = {
-        "echo": (False, None),
-        "suffix": (None,),
-        "best_of": (None, 1),
-        "presence_penalty": (None, 0, 0.0),
-        "frequency_penalty": (None, 0, 0.0),
-        "logit_bias": (None, {}),
-    }
+    return stream, bool(options.get("include_usage", False)), model
+
+
+def refuse_unsupported(body, unsupported):
+    """CompletionError for the first field set to a value the server does not implement."""
     for name, accepted in unsupported.items():
         if name in body and body[name] not in accepted:
             raise CompletionError(f"'{name}' = {body[name]!r} is not supported", name)
-    return logprobs, stream, bool(options.get("include_usage", False)), model
+
+
+UNSUPPORTED = {
+    "echo": (False, None),
+    "suffix": (None,),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+}
 
 
 def parse_completion_request(body, limits):
-    """Validate an OpenAI completions body; returns the generation settings.
+    """Validate an OpenAI completions body.
 
     Raises:
         CompletionError: naming the field and the value.
     """
-    prompts = _parse_prompts(body, limits)
-    max_tokens, temperature, top_p, seed = _parse_sampling(body, limits)
-    stops = _parse_stop(body)
-    logprobs, stream, include_usage, model = _parse_output_options(body)
-    greedy = temperature == 0.0
-    return {
-        "prompts": prompts,
-        "max_tokens": max_tokens,
-        # Megatron samples greedily with top_k = 1 (temperature ignored); top_p = 0 means no
-        # nucleus filtering.
-        "top_k": 1 if greedy else 0,
-        "top_p": 0.0 if greedy or top_p >= 1.0 else float(top_p),
-        "temperature": 1.0 if greedy else float(temperature),
-        "stops": stops,
-        "logprobs": logprobs,
-        "random_seed": -1 if seed is None else seed,
-        "stream": stream,
-        "include_usage": include_usage,
-        "model": model or limits.get('model_name'),
-    }
+    params = {"prompts": _parse_prompts(body, limits)}
+    params["max_tokens"] = parse_max_tokens(body, limits)
+    params.update(parse_sampling(body))
+    params["stops"] = parse_stop(body)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise CompletionError(
+            f"'logprobs' must be null or an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}",
+            "logprobs",
+        )
+    params["logprobs"] = logprobs is not None
+    params["stream"], params["include_usage"], model = parse_stream_options(body)
+    refuse_unsupported(body, UNSUPPORTED)
+    params["model"] = model or limits.get('model_name')
+    return params
 
 
-def settings_for(params):
-    """Generation settings of a parsed completions request (rank 0 ends the loop early)."""
-    return GenerationSettings(
-        mode=SAMPLING,
-        tokens_to_generate=params['max_tokens'],
-        return_output_log_probs=params['logprobs'] is not None,
-        top_k_sampling=params['top_k'],
-        top_p_sampling=params['top_p'],
+def sampling_params(params, max_tokens):
+    """The engine's settings of one choice of a parsed request."""
+    return SamplingParams(
         temperature=params['temperature'],
-        add_BOS=False,
-        use_eod_token_for_early_termination=True,
+        top_k=params['top_k'],
+        top_p=params['top_p'],
+        return_log_probs=params['logprobs'],
+        num_tokens_to_generate=max_tokens,
+        skip_prompt_log_probs=True,
+        termination_id=-1 if params['ignore_eos'] else None,
         random_seed=params['random_seed'],
-        host_stop=True,
     )
 
 
-class _Row:
-    """One prompt's completion, rebuilt from its generated ids (stops, usage, streaming)."""
-
-    def __init__(self, prompt_length, max_tokens, stops, tokenizer):
-        self.prompt_length = prompt_length
-        self.max_tokens = max_tokens
-        self.stops = stops
-        self.tokenizer = tokenizer
-        self.eod = eod_id(tokenizer)
-        self.emitted = 0
-        self.finished = False
-        # Tokens that can hold the longest stop sequence (a token holds at least one character
-        # once its neighbours complete it).
-        self.window = max((len(s) for s in stops), default=0) + 4
-
-    def update_finished(self, ids):
-        """Whether the row is finished (end of text, max_tokens, or a stop sequence), cheaply:
-        only the newest token and the tail that may hold a stop sequence are looked at."""
-        if not self.finished:
-            generated = ids[self.prompt_length :]
-            if len(generated) >= self.max_tokens or (generated and generated[-1] == self.eod):
-                self.finished = True
-            elif generated and self.stops:
-                tail = self.tokenizer.detokenize(generated[-self.window :])
-                self.finished = any(s in tail for s in self.stops)
-        return self.finished
-
-    def completion(self, ids):
-        """(text, the generated ids that make up that text, finish_reason or None)."""
-        generated = list(ids[self.prompt_length :])[: self.max_tokens]
-        finish = "length" if len(generated) == self.max_tokens else None
-        if self.eod in generated:
-            generated = generated[: generated.index(self.eod)]
-            finish = "stop"
-        text = self.tokenizer.detokenize(generated) if generated else ""
-        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
-        if cut >= 0:
-            text = text[:cut]
-            finish = "stop"
-            generated = generated[: self._tokens_for(generated, cut)]
-        return text, generated, finish
-
-    def _tokens_for(self, generated, chars):
-        """The fewest leading tokens whose text covers `chars` characters."""
-        for k in range(len(generated) + 1):
-            if len(self.tokenizer.detokenize(generated[:k])) >= chars:
-                return k
-        return len(generated)
-
-    def safe_prefix(self, text, finish):
-        """How much of `text` can be streamed now: not a trailing partial UTF-8 character, nor
-        a tail that may still become a stop sequence."""
-        if finish is not None:
-            return len(text)
-        end = len(text.rstrip("\ufffd"))
-        for s in self.stops:
-            for k in range(min(len(s) - 1, end), 0, -1):
-                if text[:end].endswith(s[:k]):
-                    end -= k
-                    break
-        return max(end, self.emitted)
-
-
-def _logprobs_block(row, generated, logprobs):
-    """OpenAI's logprobs object of one choice (the returned tokens only)."""
-    tokens, token_logprobs, offsets = [], [], []
-    offset = 0
-    for k, token_id in enumerate(generated):
-        piece = row.tokenizer.detokenize([token_id])
-        tokens.append(piece)
-        # Megatron's entry j is log P(token j + 1 | tokens 0..j).
-        token_logprobs.append(logprobs[row.prompt_length + k - 1])
-        offsets.append(offset)
-        offset += len(piece)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": None,
-        "text_offset": offsets,
-    }
-
-
-def _check_lengths(prompt_lengths, max_tokens):
-    """Megatron's generation limits, checked before any work so they answer 400."""
-    args = get_args()
-    width = max(prompt_lengths) + max_tokens
-    if width > args.max_position_embeddings:
+def check_length(prompt_length, max_tokens, limits):
+    """The engine's limit on prompt + generated tokens (Megatron's message), as a 400."""
+    if prompt_length + max_tokens > limits['max_sequence_length']:
         raise CompletionError(
-            f"Length of prompt + tokens_to_generate longer than allowed: {max(prompt_lengths)} "
-            f"prompt tokens + {max_tokens} > {args.max_position_embeddings}",
+            f"Length of prompt + tokens_to_generate longer than allowed: {prompt_length} "
+            f"prompt tokens + {max_tokens} > {limits['max_sequence_length']}",
             "max_tokens",
         )
-    if width * len(prompt_lengths) > args.max_tokens_to_oom:
+
+
+def tokenize_prompts(tokenizer, prompts):
+    """Token ids of each prompt (CompletionError for a prompt the tokenizer refuses)."""
+    rows = []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids = list(tokenizer.tokenize(prompt))
+        except Exception as exc:  # the request's text, not the server's fault
+            raise CompletionError(
+                f"prompt[{i}] cannot be tokenized: {type(exc).__name__}: {exc}", "prompt"
+            ) from None
+        if not ids:
+            raise CompletionError(f"prompt[{i}] has no tokens", "prompt")
+        rows.append(ids)
+    return rows
+
+
+def start_generation(serving, prompts_ids, params_list, stops):
+    """The generation of a request on the serving loop; CompletionError for what the engine
+    refuses (400) or a full queue (503)."""
+    try:
+        return serving.generation(prompts_ids, params_list, stops)
+    except QueueFullError as exc:
         raise CompletionError(
-            f"Too many tokens.  {width * len(prompt_lengths)} is greater than "
-            f"{args.max_tokens_to_oom}",
-            "prompt",
-        )
+            serving.busy_message(exc), status=503, kind='server_error', code='queue_full'
+        ) from None
+    except ValueError as exc:
+        raise CompletionError(str(exc)) from None
 
 
-def _usage(prompt_lengths, completion_tokens):
+def usage(prompt_lengths, completion_tokens):
     prompt_tokens = sum(prompt_lengths)
     return {
         "prompt_tokens": prompt_tokens,
@@ -308,129 +265,121 @@ def _usage(prompt_lengths, completion_tokens):
     }
 
 
-class StopCheck:
-    """The generation's step callback (rank 0): True once every choice is finished or the
-    client is gone, which ends the loop on every rank. `steps` and `reason` tell how it ended."""
-
-    def __init__(self, rows, cancelled=None, on_step=None):
-        self.rows, self.cancelled, self.on_step = rows, cancelled, on_step
-        self.steps, self.reason = 0, 'max_tokens'
-
-    def __call__(self, tokens, context_length):
-        self.steps += 1
-        ids = tokens[:, : context_length + 1].tolist()
-        if self.on_step is not None:
-            self.on_step(ids)
-        if self.cancelled is not None and self.cancelled.is_set():
-            self.reason = 'the client went away'
-            return True
-        if all([row.update_finished(row_ids) for row, row_ids in zip(self.rows, ids)]):
-            self.reason = 'every choice finished'
-            return True
-        return False
-
-    def log(self, request_id, max_tokens):
-        print(
-            f'{request_id}: generation ended after {self.steps} step(s) of at most {max_tokens} '
-            f'({self.reason})',
-            flush=True,
-        )
+def _logprobs_block(choice, generated):
+    """OpenAI's logprobs object of one choice (the returned tokens only)."""
+    tokens, offsets = [], []
+    offset = 0
+    for token_id in generated:
+        piece = choice.tokenizer.detokenize([token_id])
+        tokens.append(piece)
+        offsets.append(offset)
+        offset += len(piece)
+    return {
+        "tokens": tokens,
+        "token_logprobs": list((choice.log_probs or [])[: len(generated)]),
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
 
 
-def _choices(rows, params, tokens, logprobs):
-    """(choices, completion tokens) of a finished generation."""
-    choices, completion_tokens = [], 0
-    for i, (row, ids) in enumerate(zip(rows, tokens)):
-        text, generated, finish = row.completion(ids)
-        completion_tokens += len(generated)
-        block = None
-        if params['logprobs'] is not None:
-            block = _logprobs_block(row, generated, logprobs[i])
-        finish = finish or "length"
-        choices.append({"text": text, "index": i, "logprobs": block, "finish_reason": finish})
-    return choices, completion_tokens
+def _choice_body(index, choice, params):
+    text, generated, finish = choice.completion()
+    block = _logprobs_block(choice, generated) if params['logprobs'] else None
+    return {"text": text, "index": index, "logprobs": block, "finish_reason": finish}, generated
 
 
-def _prepare(params, limits):
-    """(prepared request, prompt lengths) or CompletionError: all checks before any work."""
-    tokenizer = get_tokenizer()
-    prompt_lengths = [len(tokenizer.tokenize(p)) for p in params['prompts']]
-    _check_lengths(prompt_lengths, params['max_tokens'])
-    try:
-        prepared = generation_api.prepare(params['prompts'], settings_for(params))
-    except ValueError as exc:
-        raise CompletionError(str(exc)) from None
-    return prepared, prompt_lengths
+def stream_events(generation, meta, params, prompt_lengths, chunk_of, usage_object):
+    """Server-sent events of a generation: `chunk_of(index, text, finish, choice)` gives the
+    body of one chunk (None: nothing to send); a last usage chunk with include_usage, then
+    `data: [DONE]`; a `: keep-alive` comment after KEEPALIVE_S without news. A client that goes
+    away (the response is closed, found at the next write) cancels the generation."""
 
-
-def _stream(model, prepared, params, rows, meta, prompt_lengths):
-    """Server-sent events: generation runs in a thread that holds the lock and reports each
-    new column; the response emits the new text of every row as it comes. A client that goes
-    away (the response is closed) ends the generation at its next step."""
-    events = queue.Queue()
-    cancelled = threading.Event()
-
-    def worker():
-        try:
-            step = StopCheck(rows, cancelled, on_step=lambda ids: events.put(("step", ids)))
-            result = serve(model, prepared, step_callback=step)
-            step.log(meta["id"], params['max_tokens'])
-            events.put(("done", result))
-        except Exception as exc:  # reported to the client (and in this log)
-            print(f'streaming request failed: {type(exc).__name__}: {exc}', flush=True)
-            events.put(("error", f"{type(exc).__name__}: {exc}"))
-
-    def chunk(index, text, finish, logprobs=None):
-        choice = {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
-        return "data: " + dumps(dict(meta, object="text_completion", choices=[choice])) + "\n\n"
-
-    def step_chunks(payload):
-        for i, (row, ids) in enumerate(zip(rows, payload)):
-            text, _, finish = row.completion(ids)
-            end = row.safe_prefix(text, finish)
-            if end > row.emitted:
-                yield chunk(i, text[row.emitted : end], None)
-                row.emitted = end
-
-    def final_chunks(payload):
-        # The last chunk of each choice carries its finish reason (and log probs).
-        _, _, logprobs, tokens = payload
+    def events():
         completion_tokens = 0
-        for i, (row, ids) in enumerate(zip(rows, tokens)):
-            text, generated, finish = row.completion(ids)
-            completion_tokens += len(generated)
-            block = None
-            if params['logprobs'] is not None:
-                block = _logprobs_block(row, generated, logprobs[i])
-            yield chunk(i, text[row.emitted :], finish or "length", block)
-        if params['include_usage']:
-            usage = dict(meta, object="text_completion", choices=[])
-            usage["usage"] = _usage(prompt_lengths, completion_tokens)
-            yield "data: " + dumps(usage) + "\n\n"
-
-    def generate_events():
-        threading.Thread(target=worker, daemon=True).start()
         try:
             while True:
-                kind, payload = events.get()
-                if kind == "step":
-                    yield from step_chunks(payload)
+                try:
+                    i = generation.next_update(timeout=KEEPALIVE_S)
+                except queue.Empty:
+                    # An SSE comment (clients skip it): writing it finds a client that went
+                    # away while its requests wait, so they leave the queue.
+                    yield ": keep-alive\n\n"
                     continue
-                if kind == "error":
-                    error = {"error": {"message": payload, "type": "server_error"}}
+                if i is None:
+                    break
+                choice = generation.choices[i]
+                if choice.finished and choice.end == "error":
+                    error = {"error": {"message": choice.error, "type": "server_error"}}
                     yield "data: " + dumps(error) + "\n\n"
+                    generation.cancel()
+                    break
+                text, generated, finish = choice.completion()
+                end = choice.safe_prefix(text, finish)
+                if choice.finished:
+                    completion_tokens += len(generated)
+                    body = chunk_of(i, text[choice.emitted :], finish, choice)
+                elif end > choice.emitted:
+                    body = chunk_of(i, text[choice.emitted : end], None, choice)
                 else:
-                    yield from final_chunks(payload)
-                break
+                    continue
+                choice.emitted = end
+                if body is not None:
+                    yield "data: " + dumps(dict(meta, **body)) + "\n\n"
+            if generation.error is None and params['include_usage']:
+                body = dict(meta, object=usage_object, choices=[])
+                body["usage"] = usage(prompt_lengths, completion_tokens)
+                yield "data: " + dumps(body) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            # Closed early (the client went away) or done: either way nothing more is wanted.
-            cancelled.set()
+            # Closed early (the client went away) or done: nothing more is wanted.
+            if not generation.finished:
+                generation.cancel(client_gone=True)
+            generation.log(meta["id"], params['max_tokens'])
 
-    return Response(generate_events(), mimetype="text/event-stream")
+    return Response(events(), mimetype="text/event-stream")
 
 
-def register_completions(app, model, limits, model_name):
+def _completions(serving, limits, body):
+    params = parse_completion_request(body, limits)
+    tokenizer = serving.tokenizer
+    prompts_ids = tokenize_prompts(tokenizer, params['prompts'])
+    for ids in prompts_ids:
+        check_length(len(ids), params['max_tokens'], limits)
+    choice_params = [sampling_params(params, params['max_tokens']) for _ in prompts_ids]
+    generation = start_generation(serving, prompts_ids, choice_params, params['stops'])
+    meta = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time())}
+    meta["model"] = params['model']
+    prompt_lengths = [len(ids) for ids in prompts_ids]
+    if params['stream']:
+
+        def chunk_of(index, text, finish, choice):
+            block = None
+            if finish is not None and params['logprobs']:
+                block = _logprobs_block(choice, choice.completion()[1])
+            out = {"text": text, "index": index, "logprobs": block, "finish_reason": finish}
+            return {"object": "text_completion", "choices": [out]}
+
+        return stream_events(generation, meta, params, prompt_lengths, chunk_of, "text_completion")
+    generation.wait()
+    generation.log(meta["id"], params['max_tokens'])
+    if generation.error is not None:
+        raise CompletionError(generation.error, status=500, kind='server_error')
+    choices, completion_tokens = [], 0
+    for i, choice in enumerate(generation.choices):
+        out, generated = _choice_body(i, choice, params)
+        choices.append(out)
+        completion_tokens += len(generated)
+    return jsonify(
+        dict(
+            meta,
+            object="text_completion",
+            choices=choices,
+            usage=usage(prompt_lengths, completion_tokens),
+        )
+    )
+
+
+def register_completions(app, serving, limits, model_name):
     """Add `POST /v1/completions` and `GET /v1/models` to the Flask app."""
     limits = dict(limits, model_name=model_name)
     created = int(time.time())
@@ -443,25 +392,8 @@ def register_completions(app, model, limits, model_name):
     @app.route('/v1/completions', methods=['POST'])
     def completions():
         try:
-            params = parse_completion_request(read_json_object(limits['max_request_bytes']), limits)
-            prepared, prompt_lengths = _prepare(params, limits)
+            return _completions(serving, limits, read_json_object(limits['max_request_bytes']))
         except BadRequest as exc:
             return error_response(str(exc))
         except CompletionError as exc:
-            return error_response(str(exc), exc.param)
-
-        tokenizer = get_tokenizer()
-        rows = [_Row(n, params['max_tokens'], params['stops'], tokenizer) for n in prompt_lengths]
-        meta = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time())}
-        meta["model"] = params['model']
-        if params['stream']:
-            return _stream(model, prepared, params, rows, meta, prompt_lengths)
-        step = StopCheck(rows)
-        try:
-            _, _, logprobs, tokens = serve(model, prepared, step_callback=step)
-        except generation_api.GenerationFailed as exc:
-            return error_response(str(exc), status=500, kind='server_error')
-        step.log(meta["id"], params['max_tokens'])
-        choices, completion_tokens = _choices(rows, params, tokens, logprobs)
-        usage = _usage(prompt_lengths, completion_tokens)
-        return jsonify(dict(meta, object="text_completion", choices=choices, usage=usage))
+            return error_of(exc)

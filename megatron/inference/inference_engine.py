@@ -32,9 +32,10 @@ def get_inference_wrapper_config(args) -> InferenceWrapperConfig:
     )
 
 
-def get_dynamic_inference_context(args) -> DynamicInferenceContext:
+def get_dynamic_inference_context(args, max_requests=None) -> DynamicInferenceContext:
     """The paged KV cache of the --inference-dynamic-batching-* flags (ValueError naming the flag
-    when a size is out of range)."""
+    when a size is out of range); `max_requests` overrides
+    --inference-dynamic-batching-max-requests."""
     max_seq = args.inference_max_seq_length or args.max_position_embeddings
     if (
         max_seq > args.max_position_embeddings
@@ -61,8 +62,44 @@ def get_dynamic_inference_context(args) -> DynamicInferenceContext:
         max_sequence_length=max_seq,
         buffer_size_gb=args.inference_dynamic_batching_buffer_size_gb,
         block_size_tokens=args.inference_dynamic_batching_block_size,
-        max_requests=args.inference_dynamic_batching_max_requests,
+        max_requests=max_requests or args.inference_dynamic_batching_max_requests,
         max_tokens=args.inference_dynamic_batching_max_tokens,
+    )
+
+
+def get_dynamic_inference_engine(
+    args,
+    model,
+    tokenizer=None,
+    random_seed=None,
+    request_source_rank=None,
+    max_requests=None,
+    max_waiting_requests=None,
+    isolate_failures=False,
+) -> DynamicInferenceEngine:
+    """The dynamic-batching engine of `model` (one pipeline stage) from the
+    --inference-dynamic-batching-* flags and --enable-chunked-prefill, whatever
+    --inference-dynamic-batching says (the text generation server always uses it).
+
+    Args:
+        max_requests: most requests running at once (a server's --max-batch-size; default
+            --inference-dynamic-batching-max-requests).
+        max_waiting_requests, isolate_failures, request_source_rank, random_seed: see
+            DynamicInferenceEngine.
+    """
+    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
+    wrapper = GPTInferenceWrapper(model, get_inference_wrapper_config(args))
+    controller = SimpleTextGenerationController(
+        inference_wrapped_model=wrapper, tokenizer=tokenizer
+    )
+    return DynamicInferenceEngine(
+        controller,
+        get_dynamic_inference_context(args, max_requests=max_requests),
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        random_seed=random_seed,
+        max_waiting_requests=max_waiting_requests,
+        request_source_rank=request_source_rank,
+        isolate_failures=isolate_failures,
     )
 
 
@@ -81,19 +118,19 @@ def get_inference_engine(
         request_source_rank: dynamic engine only: the rank whose submissions are broadcast to
             the others at each step (a server), None when every rank submits the same requests.
     """
+    if getattr(args, 'inference_dynamic_batching', False):
+        return get_dynamic_inference_engine(
+            args,
+            model,
+            tokenizer,
+            random_seed=random_seed,
+            request_source_rank=request_source_rank,
+        )
     tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
     wrapper = GPTInferenceWrapper(model, get_inference_wrapper_config(args))
     controller = SimpleTextGenerationController(
         inference_wrapped_model=wrapper, tokenizer=tokenizer
     )
-    if getattr(args, 'inference_dynamic_batching', False):
-        return DynamicInferenceEngine(
-            controller,
-            get_dynamic_inference_context(args),
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            random_seed=random_seed,
-            request_source_rank=request_source_rank,
-        )
     if max_batch_size is None:
         max_batch_size = getattr(args, 'max_batch_size', None) or 1
     return MCoreEngine(

@@ -1,19 +1,27 @@
-"""Megatron's REST text generation server: `PUT /api` (Flask + Flask-RESTful), plus an
-OpenAI-compatible `POST /v1/completions` and `GET /v1/models` (see `completions.py`).
+"""Megatron's REST text generation server: `PUT /api` (Flask + Flask-RESTful), plus
+OpenAI-compatible `POST /v1/completions`, `POST /v1/chat/completions` and `GET /v1/models`
+(`completions.py`, `chat_completions.py`), and `GET /health`.
 
-Global rank 0 serves; the other ranks wait in `run_generation_worker_loop` (see
-`worker_loop.py` for how the ranks run a request together and stay in step when one fails).
-Requests are validated and tokenized before anything is broadcast, and generation runs under
-one lock, so concurrent requests are served one at a time.
+Global rank 0 serves; its `ServingLoop` thread runs the dynamic-batching engine (and the legacy
+generate() loop where the engine cannot serve) and the other ranks follow it in
+`run_generation_worker_loop` (see `worker_loop.py`). Concurrent requests are batched: each prompt
+is an engine request that joins the next step and leaves when it is done, and its greedy output
+is the one it gets alone. A full queue answers 503.
 
-Megatron's validation messages and statuses are kept (most are error strings with HTTP 200, and
-every error body is a JSON-encoded string). Beyond Megatron, and before any work: bodies over the
-size limit, bodies that are not a JSON object (or hold NaN / Infinity), prompts that are not
-strings, tokens_to_generate above the model's max_position_embeddings and values the ranks
-cannot carry get HTTP 400 with a one-line reason; a generation that fails on any rank answers
-HTTP 500 with its reason, and the server goes on serving. Responses never hold NaN or Infinity
-(null instead). Errors under `/v1/` (unknown path, wrong method, server error) use OpenAI's
-`{"error": {...}}` body.
+`PUT /api` keeps Megatron's fields, validation messages and statuses (most are error strings
+with HTTP 200, and every error body is a JSON-encoded string) and its answers: each text holds
+the prompt and the generation, a shorter prompt of a batch generates up to the longest prompt +
+tokens_to_generate as in Megatron's padded batch, the end-of-text token stays in the text, and log
+probs cover the prompt. Requests with `beam_width`, `top_p_decay` / `top_p_bound` or
+`prevent_newline_after_colon` (and every request under `--use-legacy-static-engine`) run
+through Megatron's generate() loop, one at a time, between engine steps.
+
+Beyond Megatron, and before any work: bodies over the size limit, bodies that are not a JSON
+object (or hold NaN / Infinity), prompts that are not strings, tokens_to_generate above the
+model's max_position_embeddings and values the ranks cannot carry get HTTP 400 with a one-line
+reason; a generation that fails answers HTTP 500 with its reason, and the server goes on serving.
+Responses never hold NaN or Infinity (null instead). Errors under `/v1/` (unknown path, wrong
+method, server error) use OpenAI's `{"error": {...}}` body.
 """
 
 import datetime
@@ -24,15 +32,21 @@ from flask import Flask, jsonify, request
 from flask_restful import Api, Resource
 from werkzeug.exceptions import HTTPException, InternalServerError
 
+from megatron.core.inference.engines.dynamic_engine import QueueFullError
+from megatron.core.inference.sampling_params import SamplingParams
 from megatron.inference.api_validation import ApiError, validate_api_request
+from megatron.inference.chat_completions import register_chat_completions
 from megatron.inference.completions import error_response, register_completions
+from megatron.inference.generations import Serving, legacy_serving
 from megatron.inference.json_io import BadRequest, FiniteJSONProvider, read_json_object
 from megatron.inference.text_generation import api as generation_api
+from megatron.inference.text_generation.generation import DOUBLE_EOL_ID, EOL_ID
 from megatron.inference.text_generation.request import (
     BEAM_SEARCH,
     SAMPLING,
     GenerationSettings,
 )
+from megatron.inference.text_generation.tokenization import eod_id, token_strings, tokenize_batch
 from megatron.inference.worker_loop import (  # noqa: F401  (Megatron's names, re-exported)
     BEAM_NUM,
     GENERATE_NUM,
@@ -40,7 +54,6 @@ from megatron.inference.worker_loop import (  # noqa: F401  (Megatron's names, r
     run_generation_worker_loop,
     send_do_beam_search,
     send_do_generate,
-    serve,
 )
 
 #: Megatron's limit on the number of prompts of one request.
@@ -50,7 +63,7 @@ MAX_REQUEST_BYTES = 1 << 20
 
 
 def settings_from_params(params):
-    """The generation settings of a validated `PUT /api` request."""
+    """The legacy generation settings of a validated `PUT /api` request."""
     if params['beam_width'] is not None:
         return GenerationSettings(
             mode=BEAM_SEARCH,
@@ -80,11 +93,51 @@ def settings_from_params(params):
     )
 
 
+def needs_legacy_path(params) -> bool:
+    """Whether a validated `PUT /api` request needs Megatron's generate() loop: beam search, and
+    the per-batch rules the engine's per-request sampling does not have (top_p decaying with the
+    batch's steps, the colon rule rewriting logits)."""
+    return (
+        params['beam_width'] is not None
+        or params['top_p_decay'] > 0.0
+        or params['top_p_bound'] > 0.0
+        or params['prevent_newline_after_colon']
+    )
+
+
+def engine_sampling_params(params, prompt_lengths, eod):
+    """One SamplingParams per prompt of a `PUT /api` request, reproducing Megatron's padded
+    batch: every row runs to the longest prompt + tokens_to_generate (scoring: none generates),
+    stops at the end-of-text id (kept in its text) or, with stop_on_eol / stop_on_double_eol, at
+    GPT-2's newline ids instead."""
+    n = params['tokens_to_generate']
+    width = max(prompt_lengths) + n
+    stop_ids, termination = None, eod
+    if params['stop_on_double_eol']:
+        stop_ids, termination = [[DOUBLE_EOL_ID], [EOL_ID, EOL_ID]], -1
+    elif params['stop_on_eol']:
+        stop_ids, termination = [[DOUBLE_EOL_ID], [EOL_ID]], -1
+    seed = params['random_seed']
+    return [
+        SamplingParams(
+            temperature=float(params['temperature']),
+            top_k=int(params['top_k']),
+            top_p=float(params['top_p']),
+            return_log_probs=params['logprobs'],
+            num_tokens_to_generate=0 if n == 0 else width - length,
+            termination_id=termination,
+            stop_token_ids=stop_ids,
+            random_seed=None if seed == -1 else seed,
+        )
+        for length in prompt_lengths
+    ]
+
+
 class MegatronGenerate(Resource):
     """`PUT /api`: Megatron's generation resource."""
 
-    def __init__(self, model, limits):
-        self.model = model
+    def __init__(self, serving, limits):
+        self.serving = serving
         self.limits = limits
 
     @staticmethod
@@ -96,8 +149,8 @@ class MegatronGenerate(Resource):
         send_do_beam_search()
 
     def put(self):
-        """Validate the request (Megatron's order and messages), prepare it, then generate under
-        the lock."""
+        """Validate the request (Megatron's order and messages), then generate on the engine
+        (or the legacy loop)."""
         if not request.is_json:
             # Megatron reads the body with Flask's get_json(), which refuses a non-JSON content
             # type with 415 and its own message: keep that answer.
@@ -114,7 +167,11 @@ class MegatronGenerate(Resource):
             print("request IP: " + str(request.remote_addr))
             print(json.dumps(body), flush=True)
             print("start time: ", datetime.datetime.now())
+        if self.serving.legacy or needs_legacy_path(params):
+            return self._legacy(params)
+        return self._engine(params)
 
+    def _legacy(self, params):
         settings = settings_from_params(params)
         try:
             # Megatron's generation-time ValueErrors (lengths) answer 200 with their message.
@@ -122,14 +179,46 @@ class MegatronGenerate(Resource):
         except ValueError as ve:
             return str(ve)
         try:
-            result = serve(self.model, prepared)
-        except generation_api.GenerationFailed as exc:
+            result = self.serving.loop.run_legacy(prepared)
+        except (generation_api.GenerationFailed, RuntimeError) as exc:
             return str(exc), 500
         if settings.mode == BEAM_SEARCH:
             response, response_seg, response_scores = result
             return jsonify({"text": response, "segments": response_seg, "scores": response_scores})
         response, response_seg, response_logprobs, _ = result
         return jsonify({"text": response, "segments": response_seg, "logprobs": response_logprobs})
+
+    def _engine(self, params):
+        tokenizer = self.serving.tokenizer
+        try:
+            rows, lengths = tokenize_batch(tokenizer, params['prompts'], 0, params['add_BOS'])
+        except ValueError as ve:
+            return str(ve)
+        rows = [row[:length] for row, length in zip(rows, lengths)]  # no padding
+        if max(lengths) + params['tokens_to_generate'] > self.serving.max_sequence_length:
+            return 'Length of prompt + tokens_to_generate longer than allowed'
+        choice_params = engine_sampling_params(params, lengths, eod_id(tokenizer))
+        try:
+            generation = self.serving.generation(rows, choice_params)
+        except QueueFullError as exc:
+            return self.serving.busy_message(exc), 503
+        except ValueError as exc:
+            return str(exc), 400
+        generation.wait()
+        if generation.error is not None:
+            return f"generation failed: {generation.error}", 500
+        texts, segments, logprobs = [], [], []
+        for choice in generation.choices:
+            ids = choice.prompt_ids + choice.generated
+            texts.append(tokenizer.detokenize(ids))
+            segments.append(token_strings(tokenizer, ids))
+            if params['logprobs']:
+                # Entry k is log P(token k + 1 | tokens 0..k), prompt tokens included.
+                row = (choice.prompt_log_probs or []) + (choice.log_probs or [])
+                logprobs.append(row[: len(ids) - 1])
+        return jsonify(
+            {"text": texts, "segments": segments, "logprobs": logprobs if logprobs else None}
+        )
 
 
 def _openai_errors_under_v1(app):
@@ -161,45 +250,59 @@ class MegatronServer:
     """The Flask app of rank 0.
 
     Args:
-        model: the model of this rank (first pipeline stage, tensor-parallel rank 0).
-        max_position_embeddings (int): the model's limit (tokens_to_generate above it: 400).
+        serving (generations.Serving): the serving loop, tokenizer and limits. A model instead
+            (Megatron's `MegatronServer(model)`) serves every request through the legacy
+            generate() loop, one at a time, as Megatron's server does (its other ranks may run
+            Megatron's own worker loop).
+        max_position_embeddings (int): the model's limit (tokens_to_generate above it: 400;
+            default --max-position-embeddings).
         max_prompts (int): prompts per request (Megatron: 128).
         max_request_bytes (int): request body limit.
         model_name (str): the name `/v1/models` reports.
-        vocab_size (int): the tokenizer's vocabulary (bounds top_k and beam_width).
+        vocab_size (int): the tokenizer's vocabulary (bounds top_k and beam_width; default the
+            serving tokenizer's).
     """
 
     def __init__(
         self,
-        model,
+        serving,
         max_position_embeddings=None,
         max_prompts=MAX_PROMPTS,
         max_request_bytes=MAX_REQUEST_BYTES,
         model_name='megatron-gpt',
         vocab_size=None,
     ):
-        if max_position_embeddings is None or vocab_size is None:
-            from megatron.training.global_vars import get_args, get_tokenizer
+        if not isinstance(serving, Serving):
+            serving = legacy_serving(serving)
+        if max_position_embeddings is None:
+            from megatron.training.global_vars import get_args
 
-            if max_position_embeddings is None:
-                max_position_embeddings = get_args().max_position_embeddings
-            if vocab_size is None:
-                vocab_size = get_tokenizer().vocab_size
+            max_position_embeddings = get_args().max_position_embeddings
+        self.serving = serving
         limits = {
             "max_position_embeddings": max_position_embeddings,
+            "max_sequence_length": serving.max_sequence_length,
             "max_prompts": max_prompts,
             "max_request_bytes": max_request_bytes,
-            "vocab_size": vocab_size,
+            "vocab_size": vocab_size if vocab_size is not None else serving.tokenizer.vocab_size,
         }
         self.app = Flask(__name__, static_url_path='')
         self.app.json = FiniteJSONProvider(self.app)
         # Bodies are read up to the limit only; a larger declared length is refused by Flask.
         self.app.config['MAX_CONTENT_LENGTH'] = max_request_bytes + 1
         api = Api(self.app)
-        api.add_resource(MegatronGenerate, '/api', resource_class_args=[model, limits])
-        register_completions(self.app, model, limits, model_name)
+        api.add_resource(MegatronGenerate, '/api', resource_class_args=[serving, limits])
+        register_completions(self.app, serving, limits, model_name)
+        register_chat_completions(self.app, serving, limits, model_name)
+
+        def health():
+            body, status = serving.health()
+            return jsonify(body), status
+
+        self.app.add_url_rule('/health', 'health', health, methods=['GET'])
+        self.app.add_url_rule('/v1/health', 'v1_health', health, methods=['GET'])
         _openai_errors_under_v1(self.app)
 
     def run(self, url, port):
-        """Serve forever on url:port, one thread per request (generation itself is serialised)."""
+        """Serve forever on url:port, one thread per request (the serving loop batches them)."""
         self.app.run(url, threaded=True, debug=False, port=port)

@@ -27,8 +27,11 @@ def _free_port():
 class Server:
     """A server process, its base URL and its log."""
 
-    def __init__(self, ckpt, tp, log_path, extra=()):
+    def __init__(self, ckpt, tp, log_path, extra=(), flags=None):
+        """`flags` replace the default start flags (`hc.server_flags(ckpt)`: the checkpoint's
+        own args and the GPT-2 tokenizer files); `extra` are added."""
         self.log_path = log_path
+        self.flags = list(flags) if flags is not None else hc.server_flags(ckpt)
         # A port found free may be taken (by another process's ephemeral socket) before the
         # server binds it; the server then refuses in one line and is started on another port.
         for attempt in range(3):
@@ -47,7 +50,7 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # No architecture or layout flags: they come from the converted checkpoint.
-        flags = hc.server_flags(ckpt) + ["--port", str(self.port)]
+        flags = self.flags + ["--port", str(self.port)]
         flags += list(extra)
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
         if tp == 1:
@@ -109,3 +112,34 @@ class Server:
 
     def put(self, body, **kw):
         return requests.put(self.url + "/api", json=body, timeout=REQUEST_TIMEOUT, **kw)
+
+
+#: The shared tensor-parallel engine server: a random tiny GPT-2 with 1024 positions (so that an
+#: abandoned generation would take seconds), converted to TP 2, served by 2 ranks under torchrun
+#: with small queue limits (16 running + 16 waiting) and a 0.01 GiB KV cache of 16-token blocks.
+TP2_POSITIONS = 1024
+TP2_MAX_BATCH = 16
+TP2_MAX_WAITING = 16
+TP2_FLAGS = (
+    "--max-batch-size", str(TP2_MAX_BATCH), "--max-waiting-requests", str(TP2_MAX_WAITING),
+    "--max-prompts", str(TP2_MAX_WAITING), "--inference-dynamic-batching-block-size", "16",
+    "--inference-dynamic-batching-buffer-size-gb", "0.01",
+)  # fmt: skip
+
+
+def start_tp2_engine_server(root):
+    """(server, the HF model it serves) for the session's `tp2_server` fixture."""
+    from tests.functional_tests import convert_utils as cu
+
+    hf_dir, ckpt = str(root / "hf"), str(root / "ckpt_tp2")
+    hf = hc.build_hf_model("gpt2", max_positions=TP2_POSITIONS)
+    hf.save_pretrained(hf_dir, safe_serialization=True)
+    cu.convert(
+        "--loader", "hf", "--saver", "mcore", "--load-dir", hf_dir, "--save-dir", ckpt,
+        "--target-tensor-parallel-size", "2",
+    )  # fmt: skip
+    return Server(ckpt, 2, str(root / "server.log"), extra=TP2_FLAGS), hf
+
+
+def health(server):
+    return requests.get(server.url + "/health", timeout=REQUEST_TIMEOUT).json()

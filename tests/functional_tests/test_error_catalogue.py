@@ -130,6 +130,8 @@ OTHER_ENTRY_POINTS = {
     'checkpoint-args-no-load',
     'server-tokenizer-files',
     'server-no-weights',
+    'server-queue-limits',
+    'server-batch-size',
     'server-port',
     'server-unreachable',
     'convert-target-size',
@@ -779,6 +781,23 @@ def test_server_without_weights_or_port(tmp_path_factory):
         'error: the text generation server needs --load (the checkpoint to serve); pass '
         '--random-weights to serve randomly initialized weights',
     )
+    # server-queue-limits, server-batch-size: checked before the model is built.
+    for extra, message in (
+        (
+            ['--max-waiting-requests', '4', '--max-prompts', '8'],
+            'error: --max-waiting-requests (4) must be at least --max-prompts (8): a request of '
+            'that many prompts must fit the queue',
+        ),
+        (
+            ['--max-batch-size', '4', '--inference-dynamic-batching-max-requests', '8'],
+            'error: --max-batch-size (4) and --inference-dynamic-batching-max-requests (8) '
+            'disagree; give one of them',
+        ),
+    ):
+        _, (code, _, err) = run_distributed(
+            _server_in_rank, world_size=1, args=(flags + extra, False)
+        )[0]
+        assert (code, _one_error_line(err)) == (1, message)
     port, (code, _, err) = run_distributed(
         _server_in_rank, world_size=1, args=(flags + ['--host', '127.0.0.1'], True), timeout=600
     )[0]

@@ -6,8 +6,9 @@ requests that must still be answered exactly as before. A streaming client that 
 ends its generation at once, stop sequences end generation, and `usage` counts the returned
 tokens only.
 
-The model is a random tiny GPT-2 with 1024 positions (so that an abandoned generation would take
-seconds), converted to TP 2 by tools/checkpoint/convert.py; the server is stopped by the fixture.
+The server is the session's shared TP2 engine server (`tp2_server` in conftest.py: a random tiny
+GPT-2 with 1024 positions, so that an abandoned generation would take seconds, converted to TP 2
+by tools/checkpoint/convert.py); it is stopped after the last test that uses it.
 """
 
 import json
@@ -17,14 +18,11 @@ import time
 
 import pytest
 
-from tests.functional_tests.server_utils import Server
-from tests.unit_tests.inference import hf_checkpoints as hc
+from tests.functional_tests.server_utils import TP2_POSITIONS as POSITIONS
 
 requests = pytest.importorskip("requests")
 pytest.importorskip("transformers")
 pytest.importorskip("flask_restful")
-
-POSITIONS = 1024
 
 
 def _refuse_nan(name):
@@ -36,22 +34,9 @@ def strict_json(text):
     return json.loads(text, parse_constant=_refuse_nan)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from tests.functional_tests import convert_utils as cu
-
-    root = tmp_path_factory.mktemp("reliability")
-    hf_dir, ckpt = str(root / "hf"), str(root / "ckpt_tp2")
-    hc.build_hf_model("gpt2", max_positions=POSITIONS).save_pretrained(
-        hf_dir, safe_serialization=True
-    )
-    cu.convert(
-        "--loader", "hf", "--saver", "mcore", "--load-dir", hf_dir, "--save-dir", ckpt,
-        "--target-tensor-parallel-size", "2",
-    )  # fmt: skip
-    srv = Server(ckpt, 2, str(root / "server.log"))
-    yield srv
-    srv.stop()
+@pytest.fixture
+def server(tp2_server):
+    return tp2_server[0]
 
 
 GREEDY = {"prompts": ["Hello world"], "tokens_to_generate": 4, "top_k": 1, "no_log": True}

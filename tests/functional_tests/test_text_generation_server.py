@@ -3,8 +3,8 @@ real process on a loopback port, queried with `requests`, the `openai` client an
 
 One single-process server (a random tiny HF GPT-2, saved with save_pretrained and converted by
 tools/checkpoint/convert.py; started with --load, --use-checkpoint-args and the tokenizer files
-only) serves most tests; one tensor-parallel server (2 ranks, gloo, on the same model converted
-to TP 2) checks the rank choreography. Both are stopped by their fixtures.
+only) serves these tests and is stopped by its fixture. The tensor-parallel server's tests
+(batching, queue limits, the rank choreography) are in test_server_engine.py.
 """
 
 import json
@@ -15,7 +15,6 @@ import sys
 import threading
 
 import pytest
-import torch
 
 from tests.functional_tests.server_utils import REQUEST_TIMEOUT
 from tests.functional_tests.server_utils import Server as _Server
@@ -396,31 +395,3 @@ def test_cli(server):
     assert proc.returncode == 0, proc.stderr
     assert "Megatron Response: \nHello world" in proc.stdout
     assert "Error: tokens_to_generate must be an integer greater than or equal to 0" in proc.stdout
-
-
-# ------------------------------------------------------------------------------------------------
-# Tensor-parallel server: rank 0 serves, rank 1 joins through the broadcasts
-
-
-def test_tensor_parallel_server(hf_gpt2, tmp_path, tmp_path_factory):
-    ckpt = hc.converted_checkpoint("gpt2", 2, 1, tmp_path_factory)
-    srv = _Server(ckpt, 2, str(tmp_path / "server.log"))
-    try:
-        prompt = "Hello world, this is"
-        body = srv.put({"prompts": [prompt], "tokens_to_generate": 6, "top_k": 1}).json()
-        assert body["text"][0] == _hf_text(hf_gpt2, prompt, 6), srv.read_log()
-        # A generation-time error on every rank, then beam search, then sampling again.
-        too_long = srv.put({"prompts": ["a " * 40], "tokens_to_generate": 40})
-        assert too_long.json() == "Length of prompt + tokens_to_generate longer than allowed"
-        beams = srv.put({"prompts": [prompt], "tokens_to_generate": 3, "beam_width": 2}).json()
-        assert len(beams["scores"]) == 2
-        # Concurrent requests must not interleave the broadcasts the other rank follows.
-        _check_concurrent_clients(srv, ["Alpha beta gamma", "Numbers one two"])
-        client = openai.OpenAI(
-            base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT
-        )
-        text = client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0)
-        assert prompt + text.choices[0].text == body["text"][0].split("<|endoftext|>")[0]
-    finally:
-        srv.stop()
-    assert torch.distributed.is_available()

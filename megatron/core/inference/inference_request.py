@@ -71,7 +71,8 @@ class DynamicInferenceRequest(InferenceRequest):
 
     Attributes:
         finish_reason (str): "length" (num_tokens_to_generate or the max sequence length
-            reached), "stop" (termination id or a stop sequence), "cancelled", or None while
+            reached), "stop" (termination id or a stop sequence), "cancelled", "error" (the
+            step it was in failed, see `error`; engines built with isolate_failures), or None while
             running.
         time_first_token (float): `time.time()` when its first token was sampled.
         time_finished (float): `time.time()` when it finished.

@@ -34,6 +34,22 @@ def _filter_top_p(logits: torch.Tensor, top_p: float) -> None:
     logits.masked_fill_(drop, float('-inf'))
 
 
+def _finite_probs(logits: torch.Tensor, raw_logits: torch.Tensor) -> torch.Tensor:
+    """softmax(logits) without NaN. A row whose scaled logits overflowed (a temperature so small
+    that logits / temperature is infinite) or hold no finite value samples its largest raw logit:
+    the limit of the distribution as the temperature goes to 0 (Megatron's sampling raised in
+    torch.multinomial instead, taking the request's ranks down)."""
+    probs = logits.softmax(dim=-1)
+    bad = ~torch.isfinite(probs).all(dim=-1) | ~torch.isfinite(logits).any(dim=-1)
+    if bad.any():
+        largest = torch.finfo(raw_logits.dtype).max
+        raw = torch.nan_to_num(raw_logits[bad], nan=-largest, posinf=largest, neginf=-largest)
+        greedy = torch.zeros_like(probs[bad])
+        greedy.scatter_(1, raw.argmax(dim=-1, keepdim=True), 1.0)
+        probs[bad] = greedy
+    return probs
+
+
 def sample(
     logits: torch.Tensor,
     top_k: int = 0,
@@ -52,6 +68,7 @@ def sample(
     if top_k == 1:
         samples = torch.argmax(logits, dim=-1)
     else:
+        raw_logits = logits
         logits = logits.clone()
         if temperature != 1.0:
             logits.div_(temperature)
@@ -62,7 +79,7 @@ def sample(
             _filter_top_k(logits, top_k)
         elif top_p > 0.0:
             _filter_top_p(logits, top_p)
-        probs = logits.softmax(dim=-1)
+        probs = _finite_probs(logits, raw_logits)
         samples = torch.multinomial(probs, num_samples=1, generator=generator).view(-1)
     if vocab_size:
         samples = torch.clamp(samples, min=0, max=vocab_size - 1)

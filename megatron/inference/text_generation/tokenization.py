@@ -41,6 +41,12 @@ def _token_string(tokenizer, token_id, byte_decoder):
     return bytearray([byte_decoder[c] for c in word]).decode('utf-8', errors='replace')
 
 
+def token_strings(tokenizer, token_ids):
+    """One string per token (Megatron's `segments`)."""
+    byte_decoder = getattr(getattr(tokenizer, 'tokenizer', None), 'byte_decoder', None)
+    return [_token_string(tokenizer, t, byte_decoder) for t in token_ids]
+
+
 def tokenize_batch(tokenizer, prompts, tokens_to_generate: int, add_BOS: bool):
     """Token rows of the prompts (EOD prepended with add_BOS: GPT tokenizers have no BOS) and
     their lengths; ValueError if a prompt yields no token (the loop needs one to start)."""
@@ -80,13 +86,11 @@ def detokenize_generations(tokens_gpu_tensor, lengths_gpu_tensor, return_segment
 
     tokens = tokens_gpu_tensor.cpu().numpy().tolist()
     lengths = lengths_gpu_tensor.cpu().numpy().tolist()
-    byte_decoder = getattr(getattr(tokenizer, 'tokenizer', None), 'byte_decoder', None)
     for sequence_tokens, length in zip(tokens, lengths):
         sequence_tokens = sequence_tokens[:length]
         prompts_plus_generations.append(tokenizer.detokenize(sequence_tokens))
         if return_segments:
-            words = [_token_string(tokenizer, t, byte_decoder) for t in sequence_tokens]
-            prompts_plus_generations_segments.append(words)
+            prompts_plus_generations_segments.append(token_strings(tokenizer, sequence_tokens))
 
     if return_segments:
         return tokens, prompts_plus_generations, prompts_plus_generations_segments

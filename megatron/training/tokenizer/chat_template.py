@@ -26,19 +26,27 @@ def _check_messages(messages) -> None:
             raise ValueError(f"messages[{i}].content must be a string")
 
 
-def _sft_format(tokenizer):
-    """The SFTTokenizer prompt format that is not the tokenizer's own template, or None."""
-    prompt_format = getattr(tokenizer, "prompt_format", None)
-    if prompt_format is not None and prompt_format != "default" and hasattr(tokenizer, "render"):
-        return prompt_format
-    return None
+def _is_sft_tokenizer(tokenizer) -> bool:
+    """An SFTTokenizer: its prompt format (`default` included: the template) is the chat
+    format the model was fine-tuned with."""
+    return getattr(tokenizer, "prompt_format", None) is not None and hasattr(
+        tokenizer, "tokenize_conversation"
+    )
 
 
 def _render(tokenizer, messages, add_generation_prompt, tokenize, template_kwargs):
     _check_messages(messages)
-    if _sft_format(tokenizer) is not None:
+    if _is_sft_tokenizer(tokenizer):
+        if tokenize:
+            # Exactly the tokens fine-tuning saw for this conversation (no special tokens added).
+            return [
+                int(t)
+                for t in tokenizer.tokenize_conversation(
+                    messages, return_target=False, add_generation_prompt=add_generation_prompt
+                )
+            ]
         text, _ = tokenizer.render(messages, add_generation_prompt=add_generation_prompt)
-        return tokenizer.tokenize(text) if tokenize else text
+        return text
     if get_chat_template(tokenizer) is None:
         raise ValueError(
             f"the tokenizer ({type(tokenizer).__name__.lstrip('_')}) has no chat template: chat "

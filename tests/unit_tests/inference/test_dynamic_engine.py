@@ -298,7 +298,7 @@ def test_sampling_seeds_stops_streaming_and_cancel():
 def _admission():
     _, config, controller = eu.build_model("gpt2")
     engine = eu.dynamic_engine(
-        controller, config, num_blocks=8, max_tokens=16, max_waiting_requests=2
+        controller, config, num_blocks=8, max_tokens=16, max_requests=1, max_waiting_requests=2
     )
     errors = {}
     cases = {
@@ -320,6 +320,8 @@ def _admission():
         engine.add_request([1, 2], eu.greedy(2), request_id="x")
     except ValueError as exc:
         errors["duplicate"] = str(exc)
+    # One request takes the free row at the next step, two more may wait: the fourth is refused.
+    engine.add_request([1, 2], eu.greedy(2))
     engine.add_request([1, 2], eu.greedy(2))
     try:
         engine.add_request([1, 2], eu.greedy(2))

@@ -86,4 +86,14 @@ def test_sft_tokenizer_renders_with_its_prompt_format(tmp_path):
     messages = [{"role": "user", "content": "hi "}, {"role": "assistant", "content": "there"}]
     text, _ = tokenizer.render(messages, add_generation_prompt=True)
     assert apply_chat_template(tokenizer, messages) == text == "hi there"
-    assert chat_prompt_token_ids(tokenizer, messages) == tokenizer.tokenize(text)
+    # The prompt's tokens are those fine-tuning saw for the conversation.
+    trained = tokenizer.tokenize_conversation(messages, False, add_generation_prompt=True)
+    assert (
+        chat_prompt_token_ids(tokenizer, messages) == trained.tolist() == tokenizer.tokenize(text)
+    )
+
+    # `default`: the tokenizer's own template is the prompt format.
+    templated = SFTTokenizer(_save_tokenizer(tmp_path / "sft_t", TEMPLATE), prompt_format="default")
+    chat = [{"role": "user", "content": "hi there"}]
+    assert apply_chat_template(templated, chat) == "<s><user> hi there <assistant>"
+    assert chat_prompt_token_ids(templated, chat) == [0, 3, 6, 7, 4]

@@ -193,6 +193,7 @@ class DynamicInferenceContext:
         self.step_position_ids = None
         self.slot_mapping = None
         self.attention_requests = []
+        self.attention_slots = None
         self.logit_positions = None
         self.logit_slices: Dict[str, tuple] = {}
 
@@ -230,6 +231,10 @@ class DynamicInferenceContext:
         self.step_position_ids = torch.tensor([positions], dtype=torch.long, device=device)
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         self.logit_positions = torch.tensor(logit_positions, dtype=torch.long, device=device)
+        # Every request's key slots, gathered once per layer by `paged_attention`.
+        self.attention_slots = (
+            torch.cat([r[3] for r in self.attention_requests]) if self.attention_requests else None
+        )
 
     # ------------------------------------------------------------------ model hooks
     def attention(self, layer_number, query, key, value, rotary_pos_emb, config) -> torch.Tensor:
@@ -254,7 +259,9 @@ class DynamicInferenceContext:
             key = apply_rotary_pos_emb(key, k_emb, config=config)
         key_pool, value_pool = self._layer_pools(layer_number, key)
         write_to_paged_cache(key, value, key_pool, value_pool, self.slot_mapping)
-        return paged_attention(query, key_pool, value_pool, self.attention_requests)
+        return paged_attention(
+            query, key_pool, value_pool, self.attention_requests, all_slots=self.attention_slots
+        )
 
     def select_logit_positions(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[T, 1, h] -> [N, 1, h]: the positions whose logits the engine needs."""

@@ -49,6 +49,7 @@ def paged_attention(
     value_pool: torch.Tensor,
     requests: List[Tuple[int, int, int, torch.Tensor]],
     softmax_scale: float = None,
+    all_slots: torch.Tensor = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached keys.
 
@@ -57,6 +58,8 @@ def paged_attention(
         key_pool, value_pool: [num_blocks, B, ng, hn], this step's keys already written.
         requests: per request (q_start, q_end, kv_len, slots [kv_len] int64 from `kv_slots`).
         softmax_scale: default 1 / sqrt(hn).
+        all_slots: the requests' slots concatenated (default: concatenated here; a step passes
+            it once for all its layers).
 
     Returns:
         context [T, 1, np * hn].
@@ -64,14 +67,19 @@ def paged_attention(
     num_tokens, _, np_, hn = query.shape
     ng = key_pool.size(-2)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
-    keys = key_pool.view(-1, ng, hn)  # [num_blocks * B, ng, hn]
-    values = value_pool.view(-1, ng, hn)
+    # Every request's keys / values in one gather each (a copy, so exact); request r's are the
+    # rows [offset_r, offset_r + kv_len_r), with the strides its own gather would have.
+    slots = all_slots if all_slots is not None else torch.cat([r[3] for r in requests])
+    keys = key_pool.view(-1, ng, hn).index_select(0, slots)  # [sum of kv_len, ng, hn]
+    values = value_pool.view(-1, ng, hn).index_select(0, slots)
     out = query.new_empty(num_tokens, np_, hn)
-    for q_start, q_end, kv_len, slots in requests:
+    offset = 0
+    for q_start, q_end, kv_len, _ in requests:
         q_len = q_end - q_start
         q = query[q_start:q_end, 0].transpose(0, 1).unsqueeze(0)  # [1, np, q, hn]
-        k = keys.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, ng, kv, hn]
-        v = values.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        k = keys[offset : offset + kv_len].transpose(0, 1).unsqueeze(0)  # [1, ng, kv, hn]
+        v = values[offset : offset + kv_len].transpose(0, 1).unsqueeze(0)
+        offset += kv_len
         mask = None
         if 1 < q_len < kv_len:
             mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(

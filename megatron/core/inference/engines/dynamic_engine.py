@@ -117,12 +117,18 @@ class DynamicInferenceEngine(AbstractEngine):
             max_tokens is refused).
         random_seed (int, optional): seeds the random generators of requests without their own
             random_seed (default: torch's initial seed, i.e. Megatron's --seed).
-        max_waiting_requests (int, optional): add_request raises QueueFullError beyond this many
-            waiting requests.
+        max_waiting_requests (int, optional): add_request raises QueueFullError when this many
+            requests already wait beyond the rows that are free (those start at the next step),
+            so a burst that the next step admits is never refused.
         request_source_rank (int, optional): global rank whose add_request / cancel_request
             calls are broadcast to every rank of `sync_group` at each step (a server on one rank
             drives all ranks). None: every rank makes the same calls itself.
         sync_group: process group of that broadcast (default: the default group).
+        isolate_failures (bool): an exception in a step's forward or sampling fails the requests
+            of that step (status FAILED, `error` set, blocks freed) and the engine goes on with
+            the others; with `request_source_rank`, the ranks of `sync_group` agree on whether
+            any of them failed (one all-reduce per step), so they stay in step. Default False:
+            the exception propagates (offline use).
     """
 
     def __init__(
@@ -134,6 +140,7 @@ class DynamicInferenceEngine(AbstractEngine):
         max_waiting_requests: Optional[int] = None,
         request_source_rank: Optional[int] = None,
         sync_group=None,
+        isolate_failures: bool = False,
     ):
         _refuse_batch_dependent_model(context.config)
         self.controller = self.text_generation_controller = text_generation_controller
@@ -147,6 +154,7 @@ class DynamicInferenceEngine(AbstractEngine):
         self.max_waiting_requests = max_waiting_requests
         self.request_source_rank = request_source_rank
         self.sync_group = sync_group
+        self.isolate_failures = isolate_failures
         self.request_counter = Counter()
         self.requests: Dict[str, DynamicInferenceRequest] = {}
         self._states: Dict[str, _RequestState] = {}
@@ -198,13 +206,7 @@ class DynamicInferenceEngine(AbstractEngine):
             text = None
         max_new = self._check_request(tokens, params)
         with self._lock:
-            if (
-                self.max_waiting_requests is not None
-                and len(self.waiting) + len(self._inbox) >= self.max_waiting_requests
-            ):
-                raise QueueFullError(
-                    f"{self.max_waiting_requests} requests are already waiting; try again later"
-                )
+            self._check_queue()
             index = next(self.request_counter)
             if request_id is None:
                 request_id = str(index)
@@ -223,6 +225,19 @@ class DynamicInferenceEngine(AbstractEngine):
             self._make_state(entry)
             self._inbox.append(entry)
         return request_id
+
+    def _check_queue(self) -> None:
+        """QueueFullError when max_waiting_requests wait beyond the free rows (under the lock)."""
+        if self.max_waiting_requests is None:
+            return
+        queued = len(self.waiting) + sum(1 for entry in self._inbox if entry[0] == "add")
+        free_rows = max(0, self.context.max_requests - len(self.running))
+        if queued - free_rows >= self.max_waiting_requests:
+            raise QueueFullError(
+                f"{queued - free_rows} requests are already waiting for a free row (at most "
+                f"{self.max_waiting_requests} may wait, {self.context.max_requests} run at "
+                "once)"
+            )
 
     def cancel_request(self, request_id: str) -> None:
         """Cancel a waiting or running request (thread safe): at the next step its blocks are
@@ -427,18 +442,54 @@ class DynamicInferenceEngine(AbstractEngine):
                 self.stopped = True
         plan, result.num_preempted = self._schedule()
         if plan:
-            chunks, rows = self._step_rows(plan)
-            self.context.build_step(chunks)
-            with torch.no_grad():
-                outputs = self.controller.dynamic_step(self.context, rows)
+            outputs, error = self._run_plan(plan)
             result.num_tokens = sum(n for _, n in plan)
             now = time.time()
-            for (state, n), row in zip(plan, rows):
-                self._account(state, n, row[4], outputs[state.request_id], now, result)
+            if error is not None:
+                for state, _ in plan:
+                    state.request.error = error
+                    self._finish(state, "error", now, result, status=Status.FAILED)
+            else:
+                for state, n in plan:
+                    sampled = outputs[state.request_id][0] is not None
+                    self._account(state, n, sampled, outputs[state.request_id], now, result)
             self.step_count += 1
         result.active_request_ids = [s.request_id for s in self.running]
         result.step_time = time.time() - t0
         return result
+
+    def _run_plan(self, plan):
+        """The packed forward and samples of a plan: (outputs, None), or with isolate_failures
+        (None, error message) when it raised here or on another rank of the replica."""
+        chunks, rows = self._step_rows(plan)
+        if not self.isolate_failures:
+            self.context.build_step(chunks)
+            with torch.no_grad():
+                return self.controller.dynamic_step(self.context, rows), None
+        outputs, error = None, None
+        try:
+            self.context.build_step(chunks)
+            with torch.no_grad():
+                outputs = self.controller.dynamic_step(self.context, rows)
+        except Exception as exc:  # the step's requests fail; the engine goes on
+            error = f"{type(exc).__name__}: {exc}"
+        if self.request_source_rank is not None:
+            failed = torch.tensor(
+                [int(error is not None)], dtype=torch.int32, device=get_current_device()
+            )
+            torch.distributed.all_reduce(
+                failed, op=torch.distributed.ReduceOp.MAX, group=self.sync_group
+            )
+            if failed.item() and error is None:
+                error = "the step failed on another rank (see its log)"
+        if error is not None:
+            print(
+                f"rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 0}"
+                f": inference step failed, its {len(plan)} request(s) fail: {error}",
+                flush=True,
+            )
+            return None, error
+        return outputs, None
 
     def _account(self, state, n, sampled, output, now, result):
         """Book one request's part of the step: its cached tokens, its sample, its stop."""

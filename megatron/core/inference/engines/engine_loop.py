@@ -13,7 +13,7 @@ and `stop()` sends them a stop message.
 
 import queue
 import threading
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional, Tuple
 
 from megatron.core.inference.inference_request import DynamicInferenceRequest
 
@@ -21,23 +21,49 @@ _FINISHED = object()
 
 
 class RequestStream:
-    """The tokens of one request, as the engine samples them (thread safe, one reader)."""
+    """The tokens of one request, as the engine samples them (thread safe, one reader).
 
-    def __init__(self, request_id: str):
+    Args:
+        request_id (str): the request.
+        notify (queue.Queue, optional): also receives `request_id` whenever new tokens or the
+            end arrive, so that one reader can follow many streams (`poll()` each one notified).
+    """
+
+    def __init__(self, request_id: str, notify: Optional["queue.Queue"] = None):
         self.request_id = request_id
         self._queue: "queue.Queue" = queue.Queue()
         self._done = threading.Event()
+        self._notify = notify
+        self._end_seen = False
         self.request: Optional[DynamicInferenceRequest] = None
         self.error: Optional[BaseException] = None
 
     def _put_tokens(self, tokens):
         for token in tokens:
             self._queue.put(token)
+        if self._notify is not None:
+            self._notify.put(self.request_id)
 
     def _finish(self, request=None, error=None):
         self.request, self.error = request, error
         self._queue.put(_FINISHED)
         self._done.set()
+        if self._notify is not None:
+            self._notify.put(self.request_id)
+
+    def poll(self) -> Tuple[List[int], bool]:
+        """(the tokens that arrived since the last poll, whether the request has finished),
+        without waiting. After it finished, `result()` holds the record."""
+        tokens = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return tokens, self._end_seen
+            if item is _FINISHED:
+                self._end_seen = True
+                return tokens, True
+            tokens.append(item)
 
     def __iter__(self) -> Iterator[int]:
         """Yield each new token id until the request finishes (raises the loop's error, if it
@@ -90,14 +116,17 @@ class EngineLoop:
         self._thread.start()
         return self
 
-    def submit(self, prompt, sampling_params=None, request_id=None, add_BOS=False) -> RequestStream:
-        """Queue a request; returns its stream. Raises ValueError / QueueFullError at once for a
-        request the engine refuses, RuntimeError once the loop has stopped or failed."""
+    def submit(
+        self, prompt, sampling_params=None, request_id=None, add_BOS=False, notify=None
+    ) -> RequestStream:
+        """Queue a request; returns its stream (`notify`: see RequestStream). Raises ValueError /
+        QueueFullError at once for a request the engine refuses, RuntimeError once the loop has
+        stopped or failed."""
         if self.error is not None or self._stop.is_set():
             raise RuntimeError(f"the inference engine is not running ({self.error or 'stopped'})")
         with self._lock:
             request_id = self.engine.add_request(prompt, sampling_params, request_id, add_BOS)
-            stream = RequestStream(request_id)
+            stream = RequestStream(request_id, notify)
             self._streams[request_id] = stream
         self._wake.set()
         return stream
@@ -114,19 +143,37 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    @property
+    def running(self) -> bool:
+        """Whether the loop thread is alive and has not failed."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # Steps of the loop thread; a subclass may interleave other collective work (a server's
+    # other request kinds) by overriding them.
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def _iterate(self) -> None:
+        """One unit of work (also the idle heartbeat): an engine step."""
+        self._dispatch(self.engine.step())
+
+    def _shutdown(self) -> None:
+        """On stop: release the follower ranks."""
+        if self.engine.request_source_rank is not None:
+            self.engine.stop_followers()
+
     def _run(self):
         try:
             while not self._stop.is_set():
-                if not self.engine.has_unfinished_requests():
+                if not self._has_work():
                     self._wake.wait(self.heartbeat_s)
                     self._wake.clear()
                     if self._stop.is_set():
                         break
-                    if not self.engine.has_unfinished_requests() and self.heartbeat_s is None:
+                    if not self._has_work() and self.heartbeat_s is None:
                         continue
-                self._dispatch(self.engine.step())
-            if self.engine.request_source_rank is not None:
-                self.engine.stop_followers()
+                self._iterate()
+            self._shutdown()
             self._fail_streams(RuntimeError("the engine loop was stopped"))
         except BaseException as exc:  # fail every waiting client rather than leave it hanging
             self.error = exc

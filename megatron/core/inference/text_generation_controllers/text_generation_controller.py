@@ -226,7 +226,10 @@ class TextGenerationController:
                 vocab_size=self.tokenizer.vocab_size,
                 generators=[r[2] for r in sampled],
             )
-            lps = token_log_probs(last_logits, tokens)
+            if any(r[1].return_log_probs for r in sampled):
+                lps = token_log_probs(last_logits, tokens)
+            else:  # no log_softmax over the vocabulary when nobody asked for log probs
+                lps = torch.zeros(len(sampled), device=device)
         else:
             tokens = torch.zeros(0, dtype=torch.long, device=device)
             lps = torch.zeros(0, device=device)

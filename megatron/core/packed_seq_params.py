@@ -11,9 +11,18 @@ Megatron's 'thd' layout after its `flatten_batch_for_packed_sequences`; for b > 
 activations keep their [s, b, h] shape (so pipeline stages exchange the usual tensors) and the
 attention reads the stream through a transpose. Each segment attends only to itself (causally for
 causal layers), and rotary position embeddings restart at every segment start.
+
+Padding inside segments (Megatron's `cu_seqlens_*_padded`, Transformer Engine's THD semantics):
+when `cu_seqlens_q_padded` is set, segment k occupies positions cu_seqlens_q_padded[k] ..
+cu_seqlens_q_padded[k + 1] - 1 of the stream, of which only the first
+cu_seqlens_q[k + 1] - cu_seqlens_q[k] are real tokens; the rest are padding, whose attention output
+is zero (real tokens never attend to them: they follow the real tokens of their segment). Under
+context parallelism the values are those of this CP rank's local stream
+(megatron.core.transformer.context_parallel.packed).
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -37,6 +46,17 @@ class PackedSeqParams:
 
     max_seqlen_kv: Tensor = None
     """Longest key/value sequence."""
+
+    cu_seqlens_q_padded: Tensor = None
+    """Segment offsets including the padding inside segments, int32 [num_seqs + 1]; None: no
+    padding (the offsets are cu_seqlens_q)."""
+
+    cu_seqlens_kv_padded: Tensor = None
+    """Key/value counterpart of cu_seqlens_q_padded."""
+
+    def segment_offsets(self) -> Tensor:
+        """Where the segments start in the stream (then its end): the padded offsets if set."""
+        return self.cu_seqlens_q if self.cu_seqlens_q_padded is None else self.cu_seqlens_q_padded
 
 
 def packed_seq_params_from_samples(cu_seqlens: Tensor, max_seqlen: Tensor) -> PackedSeqParams:
@@ -76,3 +96,17 @@ def packed_position_ids(cu_seqlens: Tensor, total: int) -> Tensor:
     segment = packed_segment_ids(cu_seqlens, total)
     positions = torch.arange(total, device=cu_seqlens.device)
     return positions - cu_seqlens.to(torch.int64)[segment]
+
+
+def packed_real_rows(packed_seq_params: PackedSeqParams, total: int) -> Optional[Tensor]:
+    """bool [total]: True where the stream holds a real token, False on padding inside a segment;
+    None when the params describe no padding."""
+    if packed_seq_params.cu_seqlens_q_padded is None:
+        return None
+    offsets = packed_seq_params.cu_seqlens_q_padded.to(torch.int64)
+    real = torch.diff(packed_seq_params.cu_seqlens_q.to(torch.int64))
+    if torch.equal(real, torch.diff(offsets)):
+        return None
+    segment = packed_segment_ids(offsets, total)
+    position = torch.arange(total, device=offsets.device) - offsets[segment]
+    return position < real[segment]

@@ -17,7 +17,10 @@ A sample of length L is a *pack* of L + 1 tokens made of whole conversations:
 - loss_mask[i] = 1 exactly when labels[i] is an assistant token of the SAME conversation as
   tokens[i] (a conversation's last token never learns the next conversation's first token);
 - cu_seqlens = segment starts in token coordinates, then L, right-filled with L to length L + 1
-  (so samples collate); max_seqlen = the longest segment.
+  (so samples collate); max_seqlen = the longest segment;
+- cu_seqlens_unpadded = the cumulative real-token counts of the segments (without the CP pads and
+  the pad tail), right-filled with the total to length L + 1 (Megatron's `cu_seqlens` beside its
+  `cu_seqlens_padded`: what attention under CP needs to leave the pads out).
 
 `plan_packs` decides which conversations share a pack: online best fit in data order (each
 conversation goes to the open pack it fills most tightly, else a new pack), deterministic.
@@ -149,7 +152,8 @@ def build_packed_sample(
 
     Returns:
         tokens, labels, position_ids (int64 [L]), loss_mask (float32 [L]), cu_seqlens (int32
-        [L + 1]), max_seqlen (int32 scalar), num_truncated (tokens cut off, int).
+        [L + 1]), cu_seqlens_unpadded (int32 [L + 1]), max_seqlen (int32 scalar), num_truncated
+        (tokens cut off, int).
     """
     length = seq_length + 1
     tokens, trained, positions, ends = [], [], [], []
@@ -181,6 +185,14 @@ def build_packed_sample(
     boundaries = [0] + [e for e in ends[:-1] if e < seq_length] + [seq_length]
     cu_seqlens = numpy.full(length, seq_length, dtype=numpy.int32)
     cu_seqlens[: len(boundaries)] = boundaries
+    # Real tokens of each segment (its conversation, without the CP pads and the pad tail).
+    real = [
+        min(start + len(ids), seq_length) - start
+        for start, (ids, _) in zip(boundaries[:-1], conversations)
+    ]
+    real += [0] * (len(boundaries) - 1 - len(real))  # no conversation: one segment of pads
+    cu_seqlens_unpadded = numpy.full(length, sum(real), dtype=numpy.int32)
+    cu_seqlens_unpadded[: len(boundaries)] = numpy.concatenate(([0], numpy.cumsum(real)))
     segment = numpy.zeros(length, dtype=numpy.int64)
     for end in ends:
         if end < length:
@@ -192,6 +204,7 @@ def build_packed_sample(
         "loss_mask": loss_mask,
         "position_ids": position[:-1].copy(),
         "cu_seqlens": cu_seqlens,
+        "cu_seqlens_unpadded": cu_seqlens_unpadded,
         "max_seqlen": numpy.int32(numpy.diff(boundaries).max()),
         "num_truncated": int(num_truncated),
     }

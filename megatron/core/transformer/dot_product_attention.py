@@ -12,7 +12,11 @@ from torch import Tensor
 
 from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
-from megatron.core.packed_seq_params import PackedSeqParams, packed_segment_ids
+from megatron.core.packed_seq_params import (
+    PackedSeqParams,
+    packed_real_rows,
+    packed_segment_ids,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.context_parallel.attention import (
     context_parallel_attention,
@@ -47,10 +51,11 @@ class DotProductAttention(MegatronModule):
             (default: the global tensor model parallel group); with context_parallel_size > 1
             its `cp` group (and `hcp` for 'a2a+p2p') splits the sequence.
 
-    With context parallelism each rank holds s/cp tokens in the dual-chunk layout and the
-    attention runs over the CP group (`config.cp_comm_type`: ring, all-gather or all-to-all;
-    see megatron/core/transformer/context_parallel); only causal and no_mask layers are exact
-    there, other mask types raise ValueError.
+    With context parallelism each rank holds s/cp tokens in the dual-chunk layout (packed
+    sequences: the per-sequence layout, with this rank's PackedSeqParams) and the attention runs
+    over the CP group (`config.cp_comm_type`: ring, all-gather or all-to-all; see
+    megatron/core/transformer/context_parallel); only causal and no_mask layers are exact there,
+    other mask types raise ValueError.
     """
 
     def __init__(
@@ -132,12 +137,15 @@ class DotProductAttention(MegatronModule):
             return False
         return True
 
-    def _context_parallel_forward(self, query, key, value, attn_mask_type) -> Tensor:
+    def _context_parallel_forward(
+        self, query, key, value, attn_mask_type, packed_seq_params=None
+    ) -> Tensor:
         """Exact attention over the whole sequence of the context parallel group.
 
-        query [s/cp, b, np, hn], key / value [s/cp, b, ng, hn] in the dual-chunk layout ->
-        context [s/cp, b, hp]; the communication (`cp_comm_type`) runs forward and backward
-        over the CP group (see megatron/core/transformer/context_parallel).
+        query [s/cp, b, np, hn], key / value [s/cp, b, ng, hn] in the dual-chunk layout (packed
+        sequences: the per-sequence layout, with this rank's packed_seq_params) -> context
+        [s/cp, b, hp]; the communication (`cp_comm_type`) runs forward and backward over the CP
+        group (see megatron/core/transformer/context_parallel).
         """
         if query.size(0) != key.size(0):
             raise ValueError(
@@ -169,6 +177,7 @@ class DotProductAttention(MegatronModule):
             scale=1.0 / math.sqrt(self.hidden_size_per_attention_head),
             dropout_p=dropout_p,
             dropout_seed=seed,
+            packed_seq_params=packed_seq_params,
         )
 
     def _packed_sdpa(self, query, key, value, cu_seqlens: Tensor, causal: bool) -> Tensor:
@@ -209,17 +218,14 @@ class DotProductAttention(MegatronModule):
 
         With packed_seq_params (cu_seqlens over the b * sq stream, see PackedSeqParams) the
         passed mask is ignored and every segment attends only to itself: one fused call per
-        segment where `_can_use_sdpa` allows, else the masked path with a block-diagonal mask.
+        segment where `_can_use_sdpa` allows, else the masked path with a block-diagonal mask;
+        padding rows inside a segment (cu_seqlens_q_padded) get a zero output.
         """
         attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if self.cp_groups is not None:
-            if packed_seq_params is not None:
-                raise ValueError(
-                    "packed sequences (packed_seq_params) cannot be split over the context "
-                    f"parallel group yet; use context_parallel_size 1 (got "
-                    f"{self.config.context_parallel_size})"
-                )
-            return self._context_parallel_forward(query, key, value, attn_mask_type)
+            return self._context_parallel_forward(
+                query, key, value, attn_mask_type, packed_seq_params
+            )
 
         # Expand key/value heads to one per query head (grouped-query attention).
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
@@ -231,14 +237,20 @@ class DotProductAttention(MegatronModule):
         sk = key.size(0)
 
         if packed_seq_params is not None:
-            # Each packed segment attends to itself only.
+            # Each packed segment attends to itself only; padding inside a segment gets no output.
             assert sq == sk, "packed sequences need self attention over the whole sequence"
             causal = attn_mask_type == AttnMaskType.causal
+            offsets = packed_seq_params.segment_offsets()
+            real = packed_real_rows(packed_seq_params, b * sq)
             if self._can_use_sdpa(query, None, attn_mask_type):
-                return self._packed_sdpa(query, key, value, packed_seq_params.cu_seqlens_q, causal)
-            # Dropout or a 16-bit softmax in fp32: the exact masked path, segments masked apart.
-            attention_mask = packed_attention_mask(packed_seq_params.cu_seqlens_q, sq, b, causal)
-            attn_mask_type = AttnMaskType.arbitrary
+                context = self._packed_sdpa(query, key, value, offsets, causal)
+            else:
+                # Dropout or a 16-bit softmax in fp32: the exact masked path, segments apart.
+                mask = packed_attention_mask(offsets, sq, b, causal)
+                context = self._masked_attention(query, key, value, mask, AttnMaskType.arbitrary)
+            if real is not None:
+                context = context * real.view(b, sq).t().unsqueeze(-1).to(context.dtype)
+            return context
 
         if self._can_use_sdpa(query, attention_mask, attn_mask_type):
             q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
@@ -256,6 +268,16 @@ class DotProductAttention(MegatronModule):
             context = context.permute(2, 0, 1, 3).contiguous()  # [b, np, sq, hn] -> [sq, b, np, hn]
             return context.view(sq, b, self.hidden_size_per_partition)  # [sq, b, hp]
 
+        return self._masked_attention(query, key, value, attention_mask, attn_mask_type)
+
+    def _masked_attention(self, query, key, value, attention_mask, attn_mask_type) -> Tensor:
+        """The unfused path: scores, masked softmax, dropout, weighted values.
+
+        query [sq, b, np, hn], key / value [sk, b, np, hn] (heads already expanded) ->
+        [sq, b, hp].
+        """
+        sq, b, np_, hn = query.shape
+        sk = key.size(0)
         # Raw attention scores [b, np, sq, sk].
         query = query.reshape(sq, b * np_, hn)  # [sq, b, np, hn] -> [sq, b * np, hn]
         key = key.reshape(sk, b * np_, hn)  # [sk, b, np, hn] -> [sk, b * np, hn]

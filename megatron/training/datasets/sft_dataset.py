@@ -87,7 +87,8 @@ class SFTDatasetConfig(BlendedMegatronDatasetConfig):
 
 class SFTDataset(MegatronDataset):
     """Packed chat samples: tokens, labels, loss_mask, position_ids (each [L]), cu_seqlens (int32
-    [L + 1], right-filled with L) and max_seqlen (int32 scalar); no attention mask.
+    [L + 1], right-filled with L), cu_seqlens_unpadded (int32 [L + 1], the segments' real tokens)
+    and max_seqlen (int32 scalar); no attention mask.
 
     Args:
         dataset: the rows of one JSONL file.
@@ -168,6 +169,7 @@ class SFTDataset(MegatronDataset):
             "loss_mask": torch.from_numpy(sample["loss_mask"]),
             "position_ids": torch.from_numpy(sample["position_ids"]),
             "cu_seqlens": torch.from_numpy(sample["cu_seqlens"]),
+            "cu_seqlens_unpadded": torch.from_numpy(sample["cu_seqlens_unpadded"]),
             "max_seqlen": torch.tensor(int(sample["max_seqlen"]), dtype=torch.int32),
         }
 

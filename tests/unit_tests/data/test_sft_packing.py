@@ -63,6 +63,11 @@ def test_packed_sample_invariants(cp, lengths):
     if cp > 1:
         assert all(b % (2 * cp) == 0 for b in cu)
     assert int(s["max_seqlen"]) == max(numpy.diff(cu[: k + 1]))
+    # The real tokens of each segment: its conversation without CP pads and pad tail.
+    real = [min(lo + len(convs[j][0]), L) - lo for j, lo in enumerate(starts)]
+    unpadded = s["cu_seqlens_unpadded"].tolist()
+    assert unpadded[: k + 1] == [0] + numpy.cumsum(real).tolist()
+    assert set(unpadded[k:]) == {sum(real)}
     # Positions restart at every start and continue through pads (the tail included).
     for lo, hi in zip(starts, starts[1:] + [L]):
         assert s["position_ids"][lo:hi].tolist() == list(range(hi - lo))

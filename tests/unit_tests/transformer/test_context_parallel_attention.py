@@ -187,8 +187,8 @@ def _dropout_reference_mask(cp, hq, seed, p):
         for step in range(cp):
             owner = (rank - step) % cp
             k_pos = cp_global_positions(s, cp, owner)
-            q_rows, kv_rows, _ = _block_plan(step, rank, cp, True, chunk)
-            block = _dropout_for(p, seed, rank, step, cp)
+            ((q_rows, kv_rows, _, segment),) = _block_plan(step, rank, cp, True, [(0, 2 * chunk)])
+            block = _dropout_for(p, seed, rank, step, cp, segment)
             rows, cols = q_pos[q_rows], k_pos[kv_rows]
             keep = block.keep_mask((B, hq, len(rows), len(cols)), "cpu", torch.float64)
             mask[:, :, rows[:, None], cols[None, :]] = keep

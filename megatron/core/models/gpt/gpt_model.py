@@ -13,8 +13,9 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
-from megatron.core.packed_seq_params import PackedSeqParams, packed_position_ids
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.context_parallel.packed import packed_position_ids_on_cp_rank
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -216,9 +217,16 @@ class GPTModel(LanguageModule):
             rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
                 inference_params, self.decoder, decoder_input, self.config
             )
-            rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len)
-            if packed_seq_params is not None:
-                rotary_pos_emb = _restart_per_segment(rotary_pos_emb, packed_seq_params)
+            packed = packed_seq_params is not None
+            rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len, packed_seq=packed)
+            if packed:
+                cp_group = self.rotary_pos_emb.cp_group
+                rotary_pos_emb = _restart_per_segment(
+                    rotary_pos_emb,
+                    packed_seq_params,
+                    cp_size=1 if cp_group is None else cp_group.size(),
+                    cp_rank=0 if cp_group is None else cp_group.rank(),
+                )
 
         # Run decoder.
         hidden_states = self.decoder(
@@ -254,11 +262,15 @@ def _inference_logit_positions(
     return hidden_states
 
 
-def _restart_per_segment(rotary_pos_emb: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
-    """Rotary angles [s, 1, 1, d] of positions 0..s-1 -> angles [s, b, 1, d] of each token's
-    position within its packed segment."""
-    s = rotary_pos_emb.size(0)
-    cu_seqlens = packed_seq_params.cu_seqlens_q
-    b = int(cu_seqlens[-1]) // s
-    positions = packed_position_ids(cu_seqlens, b * s).view(b, s).t()  # [s, b]
-    return rotary_pos_emb[:, 0, 0, :][positions].unsqueeze(2)  # [s, b, d] -> [s, b, 1, d]
+def _restart_per_segment(
+    rotary_pos_emb: Tensor, packed_seq_params: PackedSeqParams, cp_size: int = 1, cp_rank: int = 0
+) -> Tensor:
+    """Rotary angles [s, 1, 1, d] of positions 0..s-1 (s the global length) -> angles
+    [s/cp, b, 1, d] of each local token's position within its packed segment (with context
+    parallelism, the per-sequence split of context_parallel/packed.py)."""
+    local = rotary_pos_emb.size(0) // cp_size
+    offsets = packed_seq_params.segment_offsets()
+    b = int(offsets[-1]) // local
+    positions = packed_position_ids_on_cp_rank(offsets, b * local, cp_size, cp_rank)
+    positions = positions.view(b, local).t()  # [b, s/cp] -> [s/cp, b]
+    return rotary_pos_emb[:, 0, 0, :][positions].unsqueeze(2)  # [s/cp, b, d] -> [s/cp, b, 1, d]

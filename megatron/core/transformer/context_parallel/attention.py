@@ -15,9 +15,13 @@ over the whole sequence of the CP group, and returns [s/P, b, hq * hn]. The comm
 - 'a2a+p2p': all-to-all inside the level-0 groups of `--hierarchical-context-parallel-sizes`,
   ring across the level-1 groups.
 
-Only masks that follow the sequence layout are exact here: causal and no mask. Attention dropout
-uses one seed per call (drawn by the caller under the model-parallel RNG) and per-block
-keep-masks; it is statistically the same as CP=1 dropout, not bitwise.
+Only masks that follow the sequence layout are exact here: causal and no mask, and packed
+sequences (`packed_seq_params`, the per-sequence split of `packed.py`): each sequence attends
+only to itself, causally, with every comm type; padding rows inside a sequence get a zero output.
+The micro-batch's samples are then one batch-major stream (b folded into the sequence).
+
+Attention dropout uses one seed per call (drawn by the caller under the model-parallel RNG) and
+per-block keep-masks; it is statistically the same as CP=1 dropout, not bitwise.
 """
 
 from dataclasses import dataclass
@@ -26,8 +30,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from megatron.core.packed_seq_params import PackedSeqParams, packed_real_rows
+
 from .all_gather_attention import all_gather_attention
-from .all_to_all import HeadsToSeq, SeqToHeads
+from .all_to_all import HeadsToSeq, SeqToHeads, gathered_segments
+from .packed import packed_segments
 from .ring_attention import ring_attention
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
@@ -111,14 +118,16 @@ def check_cp_attention_shapes(
         )
 
 
-def _a2a_then(q, k, v, a2a_group, inner, **kwargs) -> Tensor:
+def _a2a_then(q, k, v, a2a_group, inner, segments=None, **kwargs) -> Tensor:
     """All-to-all q, k, v to head groups, run `inner` on them, all-to-all the output back."""
-    q, k, v = (SeqToHeads.apply(t, a2a_group) for t in (q, k, v))
+    q, k, v = (SeqToHeads.apply(t, a2a_group, segments) for t in (q, k, v))
     rank = torch.distributed.get_rank(group=a2a_group)
+    size = torch.distributed.get_world_size(group=a2a_group)
     # Different head groups must not share dropout masks.
     kwargs["dropout_seed"] = (kwargs["dropout_seed"] + 104729 * rank) % (2**63)
-    out = inner(q, k, v, **kwargs)
-    return HeadsToSeq.apply(out, a2a_group)
+    inner_segments = None if segments is None else gathered_segments(segments, size)
+    out = inner(q, k, v, segments=inner_segments, **kwargs)
+    return HeadsToSeq.apply(out, a2a_group, segments)
 
 
 def context_parallel_attention(
@@ -132,11 +141,13 @@ def context_parallel_attention(
     scale: float,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
+    packed_seq_params: Optional[PackedSeqParams] = None,
 ) -> Tensor:
     """Exact attention over the CP group's sequence (see the module docstring).
 
     Args:
-        query: [s/P, b, hq, hn] this rank's queries (dual-chunk layout).
+        query: [s/P, b, hq, hn] this rank's queries (dual-chunk layout, or the per-sequence
+            layout of packed sequences).
         key, value: [s/P, b, hkv, hn] (hq a multiple of hkv).
         groups: the CP groups.
         comm_type: 'p2p', 'all_gather', 'a2a' or 'a2a+p2p'.
@@ -144,6 +155,8 @@ def context_parallel_attention(
         scale: softmax scale, usually 1 / sqrt(hn).
         dropout_p: attention dropout probability (0 when not training).
         dropout_seed: seed of this call's dropout masks (same on all CP ranks).
+        packed_seq_params: this rank's packed sequences (from
+            `packed.get_thd_batch_on_this_cp_rank`) over the batch-major b * s/P stream, or None.
 
     Returns:
         [s/P, b, hq * hn] in query's dtype.
@@ -151,9 +164,24 @@ def context_parallel_attention(
     sq, b, hq, hn = query.shape
     if sq % 2:
         raise ValueError(f"context parallel attention needs an even local length, got {sq}")
-    # [s, b, h, hn] -> [b, h, s, hn]
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-    kwargs = dict(causal=causal, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    segments = None
+    if packed_seq_params is None:
+        # [s, b, h, hn] -> [b, h, s, hn]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    else:
+        segments = packed_segments(packed_seq_params, b * sq)
+        # [s, b, h, hn] -> [b, s, h, hn] -> [1, h, b s, hn]: the batch-major stream
+        q, k, v = (
+            t.transpose(0, 1).reshape(1, b * sq, t.size(2), hn).transpose(1, 2)
+            for t in (query, key, value)
+        )
+    kwargs = dict(
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        segments=segments,
+    )
     if comm_type == "p2p":
         out = ring_attention(q, k, v, groups.cp, **kwargs)
     elif comm_type == "all_gather":
@@ -169,5 +197,13 @@ def context_parallel_attention(
         out = _a2a_then(q, k, v, groups.a2a, ring_attention, group=groups.p2p, **kwargs)
     else:
         raise ValueError(f"--cp-comm-type {comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
-    # [b, hq, s, hn] -> [s, b, hq, hn] -> [s, b, hq * hn]
-    return out.permute(2, 0, 1, 3).reshape(sq, b, hq * hn)
+    if packed_seq_params is None:
+        # [b, hq, s, hn] -> [s, b, hq, hn] -> [s, b, hq * hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, hq * hn)
+    # [1, hq, b s, hn] -> [b s, hq, hn] -> [b, s, hq hn] -> [s, b, hq hn]
+    out = out[0].transpose(0, 1).reshape(b, sq, hq * hn)
+    real = packed_real_rows(packed_seq_params, b * sq)
+    if real is not None:
+        # Padding inside a sequence gets no output (Transformer Engine's THD semantics).
+        out = out * real.view(b, sq, 1).to(out.dtype)
+    return out.transpose(0, 1).contiguous()

@@ -25,6 +25,11 @@ fp32).
 
 Communication: `torch.distributed.batch_isend_irecv` on the CP group (global peer ranks), which
 works with gloo and NCCL, also for P = 2 where both directions share one peer.
+
+Packed sequences (`segments`): with the per-sequence split (`packed.py`) every sequence is its own
+dual-chunk sequence inside the local stream, so each step runs the plan above once per segment
+(its halves are the segment's two chunks) and a segment never meets another one's keys. Without
+segments the whole local sequence is the one segment.
 """
 
 from typing import List, Optional
@@ -65,39 +70,48 @@ def _wait(requests) -> None:
         request.wait()
 
 
-def _block_plan(step: int, rank: int, size: int, causal: bool, chunk: int):
-    """(query rows, kv rows, causal mask) of the block at forward step `step` on `rank`."""
-    full = slice(None)
-    if not causal:
-        return full, full, False
-    if step == 0:
-        return full, full, True
+def _block_plan(step: int, rank: int, size: int, causal: bool, segments):
+    """[(query rows, kv rows, causal mask, segment index)] of forward step `step` on `rank`: the
+    plan of the module docstring applied to every (offset, length) segment."""
     owner = (rank - step) % size
-    if owner < rank:
-        return full, slice(0, chunk), False
-    return slice(chunk, None), full, False
+    plan = []
+    for index, (offset, length) in enumerate(segments):
+        chunk = length // 2
+        full = slice(offset, offset + length)
+        if not causal:
+            plan.append((full, full, False, index))
+        elif step == 0:
+            plan.append((full, full, True, index))
+        elif owner < rank:
+            plan.append((full, slice(offset, offset + chunk), False, index))
+        else:
+            plan.append((slice(offset + chunk, offset + length), full, False, index))
+    return plan
 
 
-def _dropout_for(dropout_p: float, seed: int, rank: int, step: int, size: int):
+def _dropout_for(dropout_p: float, seed: int, rank: int, step: int, size: int, segment: int):
     if dropout_p == 0.0:
         return None
     owner = (rank - step) % size
-    # One mask per (query rank, key owner) pair; the backward rebuilds the same one.
-    return BlockDropout(dropout_p, (seed + 1000003 * rank + 7919 * owner) % (2**63))
+    # One mask per (query rank, key owner, segment); the backward rebuilds the same one.
+    return BlockDropout(
+        dropout_p, (seed + 1000003 * rank + 7919 * owner + 104723 * segment) % (2**63)
+    )
 
 
 class RingAttention(torch.autograd.Function):
     """Load-balanced causal ring attention over a CP group (see the module docstring).
 
-    forward(q, k, v, group, causal, scale, dropout_p, dropout_seed):
+    forward(q, k, v, group, causal, scale, dropout_p, dropout_seed, segments):
         q [b, hq, 2c, d], k / v [b, hkv, 2c, d] (this rank's dual-chunk sequence); group None
-        means one rank. Returns out [b, hq, 2c, d] in q's dtype.
+        means one rank; segments [(offset, length)] of packed sequences (None: one). Returns
+        out [b, hq, 2c, d] in q's dtype.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, dropout_p, dropout_seed):
+    def forward(ctx, q, k, v, group, causal, scale, dropout_p, dropout_seed, segments):
         rank, size, next_rank, prev_rank = _ring_peers(group)
-        chunk = q.size(2) // 2
+        segments = segments or [(0, q.size(2))]
         kv = torch.stack([k, v]).contiguous()  # [2, b, hkv, 2c, d]
         acc = accumulation_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -107,16 +121,18 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < size:
                 next_kv = torch.empty_like(kv)
                 requests = _start_exchange([(kv, next_rank)], [(next_kv, prev_rank)], group)
-            q_rows, kv_rows, block_causal = _block_plan(step, rank, size, causal, chunk)
-            block_out, block_lse = block_forward(
-                q[:, :, q_rows],
-                kv[0][:, :, kv_rows],
-                kv[1][:, :, kv_rows],
-                causal=block_causal,
-                scale=scale,
-                dropout=_dropout_for(dropout_p, dropout_seed, rank, step, size),
-            )
-            merge_block_output(out, lse, block_out, block_lse, q_rows)
+            for q_rows, kv_rows, block_causal, segment in _block_plan(
+                step, rank, size, causal, segments
+            ):
+                block_out, block_lse = block_forward(
+                    q[:, :, q_rows],
+                    kv[0][:, :, kv_rows],
+                    kv[1][:, :, kv_rows],
+                    causal=block_causal,
+                    scale=scale,
+                    dropout=_dropout_for(dropout_p, dropout_seed, rank, step, size, segment),
+                )
+                merge_block_output(out, lse, block_out, block_lse, q_rows)
             _wait(requests)
             if next_kv is not None:
                 kv = next_kv
@@ -125,7 +141,7 @@ class RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, kv, out, lse)
         ctx.group, ctx.causal, ctx.scale = group, causal, scale
         ctx.dropout_p, ctx.dropout_seed = dropout_p, dropout_seed
-        ctx.k_dtype = k.dtype
+        ctx.k_dtype, ctx.segments = k.dtype, segments
         return out
 
     @staticmethod
@@ -133,7 +149,6 @@ class RingAttention(torch.autograd.Function):
         q, kv, out, lse = ctx.saved_tensors
         group = ctx.group
         rank, size, next_rank, prev_rank = _ring_peers(group)
-        chunk = q.size(2) // 2
         acc = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv: Optional[Tensor] = None
@@ -150,31 +165,38 @@ class RingAttention(torch.autograd.Function):
                 sends.append((dkv, prev_rank))
                 recvs.append((dkv_in, next_rank))
             requests = _start_exchange(sends, recvs, group)
-            q_rows, kv_rows, block_causal = _block_plan(step, rank, size, ctx.causal, chunk)
-            block_dq, block_dk, block_dv = block_backward(
-                dout[:, :, q_rows],
-                q[:, :, q_rows],
-                kv[0][:, :, kv_rows],
-                kv[1][:, :, kv_rows],
-                out[:, :, q_rows],
-                lse[:, :, q_rows],
-                causal=block_causal,
-                scale=ctx.scale,
-                dropout=_dropout_for(ctx.dropout_p, ctx.dropout_seed, rank, step, size),
-            )
-            dq[:, :, q_rows] += block_dq
+            block_grads = []
+            for q_rows, kv_rows, block_causal, segment in _block_plan(
+                step, rank, size, ctx.causal, ctx.segments
+            ):
+                block_dq, block_dk, block_dv = block_backward(
+                    dout[:, :, q_rows],
+                    q[:, :, q_rows],
+                    kv[0][:, :, kv_rows],
+                    kv[1][:, :, kv_rows],
+                    out[:, :, q_rows],
+                    lse[:, :, q_rows],
+                    causal=block_causal,
+                    scale=ctx.scale,
+                    dropout=_dropout_for(
+                        ctx.dropout_p, ctx.dropout_seed, rank, step, size, segment
+                    ),
+                )
+                dq[:, :, q_rows] += block_dq
+                block_grads.append((kv_rows, block_dk, block_dv))
             _wait(requests)
             if dkv_in is None:
                 dkv_in = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            dkv_in[0][:, :, kv_rows] += block_dk
-            dkv_in[1][:, :, kv_rows] += block_dv
+            for kv_rows, block_dk, block_dv in block_grads:
+                dkv_in[0][:, :, kv_rows] += block_dk
+                dkv_in[1][:, :, kv_rows] += block_dv
             dkv = dkv_in
             if next_kv is not None:
                 kv = next_kv
         # After P-1 hops the accumulator holds the full gradient of this rank's own keys/values.
         dk = dkv[0].to(ctx.k_dtype)
         dv = dkv[1].to(ctx.k_dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -187,6 +209,8 @@ def ring_attention(
     scale: float,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
+    segments: Optional[List] = None,
 ) -> Tensor:
-    """Ring attention of this rank's dual-chunk sequence; see `RingAttention`."""
-    return RingAttention.apply(q, k, v, group, causal, scale, dropout_p, dropout_seed)
+    """Ring attention of this rank's dual-chunk sequence (or packed segments); see
+    `RingAttention`."""
+    return RingAttention.apply(q, k, v, group, causal, scale, dropout_p, dropout_seed, segments)

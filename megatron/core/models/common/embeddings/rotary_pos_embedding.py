@@ -59,11 +59,13 @@ class RotaryEmbedding(torch.nn.Module):
             rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
         )
 
-    def forward(self, max_seq_len: int, offset: int = 0) -> Tensor:
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> Tensor:
         """Angles for positions offset .. offset + max_seq_len - 1: [max_seq_len, 1, 1, d].
 
         With context parallelism `max_seq_len` is the global length and the result holds this
-        rank's positions only ([max_seq_len / cp, 1, 1, d], chunks r and 2cp-1-r).
+        rank's positions only ([max_seq_len / cp, 1, 1, d], chunks r and 2cp-1-r), unless
+        `packed_seq` (later Megatron's flag): packed sequences are split per sequence, so the
+        caller picks each token's angles from the whole table by its position in its sequence.
         """
         inv_freq = self.inv_freq.to(get_current_device())
         seq = torch.arange(max_seq_len, device=inv_freq.device, dtype=inv_freq.dtype) + offset
@@ -78,7 +80,7 @@ class RotaryEmbedding(torch.nn.Module):
                 freqs.shape[0], -1
             )  # [s, d] with each angle repeated for its channel pair
         emb = emb[:, None, None, :]  # [s, 1, 1, d]
-        if self.cp_group is not None and self.cp_group.size() > 1:
+        if self.cp_group is not None and self.cp_group.size() > 1 and not packed_seq:
             # Built for the global positions, then sliced: never from local positions.
             emb = slice_for_cp_rank(emb, 0, self.cp_group.size(), self.cp_group.rank())
         return emb

@@ -26,7 +26,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from megatron.core.device import get_current_device
+from megatron.core.global_memory_buffer import GlobalMemoryBuffer
 from megatron.core.parallel_layout import (  # noqa: F401 (re-exported, as in Megatron)
     RankGenerator,
     default_embedding_ranks,
@@ -206,6 +206,23 @@ def initialize_model_parallel(
         )
     timeout = timedelta(minutes=distributed_timeout_minutes)
 
+    _set_virtual_pipeline_and_split_rank(
+        virtual_pipeline_model_parallel_size, pipeline_model_parallel_split_rank
+    )
+    _build_data_and_context_parallel_groups(groups, timeout, hierarchical_context_parallel_sizes)
+    _build_model_and_tensor_parallel_groups(groups, timeout)
+    _build_pipeline_and_embedding_groups(groups, timeout, rank)
+    _build_tensor_data_context_groups(groups, timeout)
+    _build_expert_parallel_groups(groups, timeout)
+    _set_global_memory_buffer()
+
+
+def _set_virtual_pipeline_and_split_rank(
+    virtual_pipeline_model_parallel_size: Optional[int],
+    pipeline_model_parallel_split_rank: Optional[int],
+) -> None:
+    """The interleaved schedule starts on model chunk 0; the split rank is the first decoder
+    stage."""
     global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     global _PIPELINE_MODEL_PARALLEL_SPLIT_RANK
     if virtual_pipeline_model_parallel_size is not None:
@@ -213,6 +230,11 @@ def initialize_model_parallel(
         _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = virtual_pipeline_model_parallel_size
     _PIPELINE_MODEL_PARALLEL_SPLIT_RANK = pipeline_model_parallel_split_rank
 
+
+def _build_data_and_context_parallel_groups(
+    groups: dict, timeout: timedelta, hierarchical_context_parallel_sizes: Optional[List[int]]
+) -> None:
+    """Data parallel groups (without and with CP, each with a gloo copy) and the CP groups."""
     global _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GROUP_GLOO, _DATA_PARALLEL_GLOBAL_RANKS
     global _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GROUP_WITH_CP_GLOO
     global _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP
@@ -235,6 +257,9 @@ def initialize_model_parallel(
             for level in range(len(hierarchical_context_parallel_sizes))
         ]
 
+
+def _build_model_and_tensor_parallel_groups(groups: dict, timeout: timedelta) -> None:
+    """Model parallel (tp x pp, and with ep) and tensor parallel groups."""
     global _MODEL_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP_WITH_EP
     _MODEL_PARALLEL_GROUP, _, _ = _build(groups["mp"], timeout)
     _MODEL_PARALLEL_GROUP_WITH_EP, _, _ = _build(groups["mp-ep"], timeout)
@@ -242,6 +267,9 @@ def initialize_model_parallel(
     global _TENSOR_MODEL_PARALLEL_GROUP
     _TENSOR_MODEL_PARALLEL_GROUP, _, _ = _build(groups["tp"], timeout)
 
+
+def _build_pipeline_and_embedding_groups(groups: dict, timeout: timedelta, rank: int) -> None:
+    """Pipeline groups with the word- and position-embedding groups of each (made in one pass)."""
     global _PIPELINE_MODEL_PARALLEL_GROUP, _PIPELINE_GLOBAL_RANKS
     global _EMBEDDING_GROUP, _EMBEDDING_GLOBAL_RANKS
     global _POSITION_EMBEDDING_GROUP, _POSITION_EMBEDDING_GLOBAL_RANKS
@@ -262,12 +290,19 @@ def initialize_model_parallel(
         if rank in pp_ranks:
             _POSITION_EMBEDDING_GLOBAL_RANKS = pos_ranks
 
+
+def _build_tensor_data_context_groups(groups: dict, timeout: timedelta) -> None:
+    """The combined tp-dp-cp, tp-dp and tp-cp groups."""
     global _TENSOR_AND_DATA_PARALLEL_GROUP, _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP
     global _TENSOR_AND_CONTEXT_PARALLEL_GROUP
     _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP, _, _ = _build(groups["tp-dp-cp"], timeout)
     _TENSOR_AND_DATA_PARALLEL_GROUP, _, _ = _build(groups["tp-dp"], timeout)
     _TENSOR_AND_CONTEXT_PARALLEL_GROUP, _, _ = _build(groups["tp-cp"], timeout)
 
+
+def _build_expert_parallel_groups(groups: dict, timeout: timedelta) -> None:
+    """Expert parallel groups: tp-ep, ep and data-modulo-expert (without and with CP, each with
+    a gloo copy)."""
     global _TENSOR_AND_EXPERT_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_GROUP
     global _DATA_MODULO_EXPERT_PARALLEL_GROUP, _DATA_MODULO_EXPERT_PARALLEL_GROUP_GLOO
     global _DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP
@@ -282,8 +317,6 @@ def initialize_model_parallel(
         _DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP_GLOO,
         _,
     ) = _build(groups["dp-modulo-ep-cp"], timeout, with_gloo=True)
-
-    _set_global_memory_buffer()
 
 
 def model_parallel_is_initialized() -> bool:
@@ -913,31 +946,6 @@ def get_data_modulo_expert_parallel_world_size(with_context_parallel: bool = Fal
 # --------------------------------------------------------------------------------------------
 # Global memory buffer
 # --------------------------------------------------------------------------------------------
-
-
-class GlobalMemoryBuffer:
-    """Scratch tensors reused across calls, one per (name, dtype), grown on demand.
-
-    Used for temporary activations that would otherwise be allocated every step (e.g. the
-    attention score buffer of baddbmm). A returned tensor stays valid until the next
-    get_tensor() call with the same name and dtype.
-    """
-
-    def __init__(self):
-        self.buffer = {}
-
-    def get_tensor(self, tensor_shape, dtype, name):
-        """A tensor of `tensor_shape` and `dtype` backed by the buffer `name` (contents
-        undefined)."""
-        required_len = 1
-        for dim in tensor_shape:
-            required_len *= dim
-        key = (name, dtype)
-        if key not in self.buffer or self.buffer[key].numel() < required_len:
-            self.buffer[key] = torch.empty(
-                required_len, dtype=dtype, device=get_current_device(), requires_grad=False
-            )
-        return self.buffer[key][0:required_len].view(*tensor_shape)
 
 
 def _set_global_memory_buffer():

@@ -17,6 +17,7 @@ from megatron.core.device import (  # noqa: F401 (re-exported)
     get_current_device_type,
     uses_cuda,
 )
+from megatron.core.global_memory_buffer import GlobalMemoryBuffer  # noqa: F401 (Megatron's home)
 from megatron.core.straggler_detector import StragglerDetector  # noqa: F401 (Megatron's home)
 
 logger = logging.getLogger(__name__)

@@ -158,3 +158,9 @@ def run_main(main: Callable[..., Any], *args, **kwargs) -> Any:
         if os.environ.get('MEGATRON_TRACEBACK', '0') not in ('', '0'):
             raise
         exit_with_user_error(exc)
+
+
+def note(args, message: str) -> None:
+    """Print a rank-0 note about a flag that was adjusted or has no effect here (no exit)."""
+    if args.rank == 0:
+        print(f'NOTE: {message}', flush=True)

@@ -286,9 +286,20 @@ class TransformerConfig(ModelParallelConfig):
 
     def __post_init__(self):
         """Fill derived defaults and check cross-field rules (ValueError naming fields and
-        values)."""
+        values), in this order: the first failing rule is the one reported."""
         super().__post_init__()
+        self._check_sizes()
+        self._check_pipeline_layout()
+        self._check_normalization_and_dropout()
+        self._check_context_parallel()
+        self._check_moe_and_unsupported()
+        self._check_recompute()
+        self._check_bias_activation_fusion()
+        self._set_init_methods()
 
+    def _check_sizes(self) -> None:
+        """Positive sizes, heads and query groups against TP; derive ffn_hidden_size,
+        kv_channels and num_query_groups."""
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -326,6 +337,8 @@ class TransformerConfig(ModelParallelConfig):
                 f"tensor_model_parallel_size ({self.tensor_model_parallel_size})."
             )
 
+    def _check_pipeline_layout(self) -> None:
+        """Layers against the pipeline and virtual-pipeline stages."""
         # With an encoder-decoder split rank each stack is spread over its own stages (T5Model
         # checks both shares).
         if (
@@ -347,6 +360,8 @@ class TransformerConfig(ModelParallelConfig):
                     f" ({self.virtual_pipeline_model_parallel_size})."
                 )
 
+    def _check_normalization_and_dropout(self) -> None:
+        """Normalization, dropout probabilities and the softmax precision."""
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(
                 f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}"
@@ -360,8 +375,8 @@ class TransformerConfig(ModelParallelConfig):
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
 
-        self._check_context_parallel()
-
+    def _check_moe_and_unsupported(self) -> None:
+        """Expert parallelism and the MoE fields; refuse fp8 and sliding windows."""
         if self.expert_model_parallel_size > 1 and self.num_moe_experts is None:
             raise ValueError(
                 f"expert_model_parallel_size ({self.expert_model_parallel_size}) > 1 needs "
@@ -380,6 +395,8 @@ class TransformerConfig(ModelParallelConfig):
                 f"window_size ({self.window_size}): sliding-window attention is not supported."
             )
 
+    def _check_recompute(self) -> None:
+        """Activation recomputation: granularity, method and layer count go together."""
         if self.recompute_granularity is not None:
             if self.recompute_granularity not in ("full", "selective"):
                 raise ValueError(
@@ -433,6 +450,8 @@ class TransformerConfig(ModelParallelConfig):
                 f"({self.recompute_num_layers}) need recompute_granularity 'full'."
             )
 
+    def _check_bias_activation_fusion(self) -> None:
+        """The fused bias-activation supports gelu with a bias and gated silu."""
         if self.bias_activation_fusion:
             if self.activation_func not in (F.gelu, F.silu):
                 raise ValueError(
@@ -449,6 +468,8 @@ class TransformerConfig(ModelParallelConfig):
                     " needs gated_linear_unit=True."
                 )
 
+    def _set_init_methods(self) -> None:
+        """Default init methods: normal(init_method_std), output layers scaled by depth."""
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
 

@@ -381,6 +381,11 @@ class T5Model(LanguageModule):
             return self.output_layer.weight
         return None
 
+    def output_logits(self, hidden_states: Tensor) -> Tensor:
+        """Logits [s_dec, b, v/p] of hidden_states [s_dec, b, h] through the LM head (with its bias
+        when tied to the word embedding)."""
+        return self.lm_head(hidden_states, word_embeddings_weight=self.tied_output_weight())
+
     def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
         """Distributed checkpoint: `embedding.*`, `encoder.*`, `decoder.*` and `output_layer.*`
         (the head under its second name, never `lm_head.*`).
@@ -513,13 +518,4 @@ class T5Model(LanguageModule):
         if not self.post_process:
             return decoder_hidden_states
 
-        output_weight = None
-        if self.share_embeddings_and_output_weights:
-            output_weight = self.shared_embedding_or_output_weight()
-        logits = self.lm_head(decoder_hidden_states, word_embeddings_weight=output_weight)
-
-        if lm_labels is None:
-            # [s, b, v] -> [b, s, v]
-            return logits.transpose(0, 1).contiguous()
-
-        return self.compute_language_model_loss(lm_labels, logits)
+        return self.logits_or_loss(self.output_logits(decoder_hidden_states), lm_labels)

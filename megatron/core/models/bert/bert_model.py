@@ -79,6 +79,9 @@ class BertModel(LanguageModule):
             output weights); None fields fall back to the global groups.
     """
 
+    # megatron-core's BERT ignores fp16_lm_cross_entropy: the loss is taken on fp32 logits.
+    lm_loss_on_fp32_logits = True
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -252,25 +255,14 @@ class BertModel(LanguageModule):
         if self.add_binary_head:
             pooled_output = self.pooler(hidden_states, 0)
 
-        output_weight = None
-        if self.share_embeddings_and_output_weights:
-            output_weight = self.shared_embedding_or_output_weight()
-
-        hidden_states_after_lm_head = self.lm_head(hidden_states=hidden_states)
         # [s, b, h] -> [s, b, v/p]
-        logits, _ = self.output_layer(hidden_states_after_lm_head, weight=output_weight)
+        logits = self.output_logits(self.lm_head(hidden_states=hidden_states))
 
         binary_logits = None
         if self.binary_head is not None:
             binary_logits = self.binary_head(pooled_output)  # [b, 2]
 
-        if lm_labels is None:
-            # [s, b, v/p] -> [b, s, v/p]
-            return logits.transpose(0, 1).contiguous(), binary_logits
-
-        # megatron-core's BERT ignores fp16_lm_cross_entropy: the loss is taken on fp32 logits.
-        loss = self.compute_language_model_loss(lm_labels, logits.float())
-        return loss, binary_logits
+        return self.logits_or_loss(logits, lm_labels), binary_logits
 
     def _mean_pooled_embeddings(self, hidden_states: Tensor, attention_mask: Tensor) -> Tensor:
         """Per sample, the mean of the final hidden states over positions 1 .. n-2 (dropping

@@ -241,29 +241,25 @@ class GPTModel(LanguageModule):
         if not self.post_process:
             return hidden_states
 
-        if inference_params is not None and inference_params.is_dynamic_batching():
-            # Packed requests: logits only where the engine samples or scores.
-            hidden_states = inference_params.select_logit_positions(hidden_states)
-        elif (
-            inference_params is not None
-            and getattr(inference_params, 'materialize_only_last_token_logits', False)
-            and labels is None
-        ):
-            # Sampling needs the last position only: skip the output layer elsewhere.
-            hidden_states = hidden_states[-1:, :, :]  # [s, b, h] -> [1, b, h]
+        hidden_states = _inference_logit_positions(hidden_states, inference_params, labels)
+        return self.logits_or_loss(self.output_logits(hidden_states), labels)
 
-        # Logits [s, b, v/p].
-        output_weight = None
-        if self.share_embeddings_and_output_weights:
-            output_weight = self.shared_embedding_or_output_weight()
-        logits, _ = self.output_layer(hidden_states, weight=output_weight)
 
-        if labels is None:
-            # [s, b, v] -> [b, s, v]
-            return logits.transpose(0, 1).contiguous()
-
-        loss = self.compute_language_model_loss(labels, logits)
-        return loss
+def _inference_logit_positions(
+    hidden_states: Tensor, inference_params, labels: Optional[Tensor]
+) -> Tensor:
+    """The positions of hidden_states [s, b, h] that inference needs logits of (all in training)."""
+    if inference_params is not None and inference_params.is_dynamic_batching():
+        # Packed requests: logits only where the engine samples or scores.
+        return inference_params.select_logit_positions(hidden_states)
+    if (
+        inference_params is not None
+        and getattr(inference_params, 'materialize_only_last_token_logits', False)
+        and labels is None
+    ):
+        # Sampling needs the last position only: skip the output layer elsewhere.
+        return hidden_states[-1:, :, :]  # [s, b, h] -> [1, b, h]
+    return hidden_states
 
 
 def _restart_per_segment(

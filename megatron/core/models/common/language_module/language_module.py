@@ -1,4 +1,5 @@
-"""Base class of language models: the loss and the tying of input embedding and output layer."""
+"""Base class of language models: the output layer and loss tail, and the tying of input
+embedding and output layer."""
 
 import logging
 from typing import Optional
@@ -15,11 +16,13 @@ logger = logging.getLogger(__name__)
 
 
 class LanguageModule(MegatronModule):
-    """Base language module: per-token loss over vocab-parallel logits and tied embeddings.
+    """Base language module: the output layer and loss tail, and tied embeddings.
 
     Subclasses set `pre_process`, `post_process`, `share_embeddings_and_output_weights`,
     `embedding` (first stage) and `output_layer` (last stage), then call
-    `setup_embeddings_and_output_layer()`.
+    `setup_embeddings_and_output_layer()`. Their last stage ends with
+    `self.logits_or_loss(self.output_logits(hidden_states), labels)`, after what differs
+    (BERT's LM-head transform, T5's head with its bias, GPT's inference logit positions).
 
     Args:
         config (TransformerConfig): the model config.
@@ -28,11 +31,49 @@ class LanguageModule(MegatronModule):
             to the global groups. Stored resolved as `self.pg_collection` for subclasses.
     """
 
+    #: Take the loss on fp32 logits even with `fp16_lm_cross_entropy` (megatron-core's BERT).
+    lm_loss_on_fp32_logits: bool = False
+
     def __init__(
         self, config: TransformerConfig, pg_collection: Optional[ProcessGroupCollection] = None
     ) -> None:
         super().__init__(config=config)
         self.pg_collection = resolve_process_groups(pg_collection, ("tp", "pp", "embd"))
+
+    def output_logits(self, hidden_states: Tensor) -> Tensor:
+        """The output layer's logits, reading the shared word-embedding table when tied.
+
+        Args:
+            hidden_states: [s, b, h] final hidden states (after any head transform).
+
+        Returns:
+            [s, b, v/p] vocab-parallel logits ([s, b, v] when the output layer gathers them).
+        """
+        logits, _ = self.output_layer(hidden_states, weight=self.tied_output_weight())
+        return logits
+
+    def tied_output_weight(self) -> Optional[Tensor]:
+        """The weight the output layer reads instead of its own: the shared word-embedding table
+        (or this last stage's synchronised copy) when tied, else None."""
+        if not self.share_embeddings_and_output_weights:
+            return None
+        return self.shared_embedding_or_output_weight()
+
+    def logits_or_loss(self, logits: Tensor, labels: Optional[Tensor]) -> Tensor:
+        """The last stage's output: the logits batch-first without labels, else the loss.
+
+        Args:
+            logits: [s, b, v/p] from `output_logits`.
+            labels: [b, s] target ids, or None.
+
+        Returns:
+            logits [b, s, v/p] when labels is None, else the per-token loss [b, s]
+            (`compute_language_model_loss`).
+        """
+        if labels is None:
+            # [s, b, v/p] -> [b, s, v/p]
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)
 
     def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
         """Per-token cross entropy.
@@ -48,7 +89,7 @@ class LanguageModule(MegatronModule):
         """
         # [b, s] -> [s, b]
         labels = labels.transpose(0, 1).contiguous()
-        if not getattr(self, 'fp16_lm_cross_entropy', False):
+        if self.lm_loss_on_fp32_logits or not getattr(self, 'fp16_lm_cross_entropy', False):
             logits = logits.float()
         # Softmax statistics are all-reduced across the TP group inside.
         loss = tensor_parallel.vocab_parallel_cross_entropy(

@@ -30,8 +30,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
 )
 from megatron.core.utils import get_current_device
-from megatron.inference.generations import Serving
 from megatron.inference.inference_engine import get_dynamic_inference_engine
+from megatron.inference.serving import Serving
 from megatron.inference.text_generation_server import (
     MAX_PROMPTS,
     MAX_REQUEST_BYTES,

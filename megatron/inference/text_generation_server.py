@@ -37,8 +37,8 @@ from megatron.core.inference.sampling_params import SamplingParams
 from megatron.inference.api_validation import ApiError, validate_api_request
 from megatron.inference.chat_completions import register_chat_completions
 from megatron.inference.completions import error_response, register_completions
-from megatron.inference.generations import Serving, legacy_serving
 from megatron.inference.json_io import BadRequest, FiniteJSONProvider, read_json_object
+from megatron.inference.serving import Serving, legacy_serving
 from megatron.inference.text_generation import api as generation_api
 from megatron.inference.text_generation.generation import DOUBLE_EOL_ID, EOL_ID
 from megatron.inference.text_generation.request import (
@@ -250,7 +250,7 @@ class MegatronServer:
     """The Flask app of rank 0.
 
     Args:
-        serving (generations.Serving): the serving loop, tokenizer and limits. A model instead
+        serving (serving.Serving): the serving loop, tokenizer and limits. A model instead
             (Megatron's `MegatronServer(model)`) serves every request through the legacy
             generate() loop, one at a time, as Megatron's server does (its other ranks may run
             Megatron's own worker loop).

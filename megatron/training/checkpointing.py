@@ -475,7 +475,7 @@ def _take_recorded_tokenizer_files(args, checkpoint_args) -> None:
     """The tokenizer files a converted checkpoint records (tokenizer_model, vocab_file,
     merge_file) for flags the user left unset, when the run uses the checkpoint's tokenizer type
     and the files still exist."""
-    if args.tokenizer_type != getattr(checkpoint_args, 'tokenizer_type', None):
+    if getattr(args, 'tokenizer_type', None) != getattr(checkpoint_args, 'tokenizer_type', None):
         return
     for name in ('tokenizer_model', 'vocab_file', 'merge_file'):
         recorded = getattr(checkpoint_args, name, None)

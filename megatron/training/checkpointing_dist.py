@@ -42,7 +42,7 @@ from megatron.core.dist_checkpointing.optimizer import (
     FULLY_SHARDED_MODEL_SPACE,
 )
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron.core.dist_checkpointing.strategies.base import (
+from megatron.core.dist_checkpointing.strategies.defaults import (
     get_default_load_sharded_strategy,
 )
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (

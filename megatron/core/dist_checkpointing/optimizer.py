@@ -198,10 +198,20 @@ def distributed_sharded_state_dict(
     return state_dict
 
 
-def distributed_state_keys(dist_optimizer) -> List[str]:
-    from megatron.core.optimizer.distrib_optimizer import _state_keys
+def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> List[str]:
+    """Per-element optimizer state tensors saved in parameter-state files."""
+    if isinstance(optimizer, torch.optim.Adam) or isinstance(optimizer, torch.optim.AdamW):
+        return ['exp_avg', 'exp_avg_sq']
+    if isinstance(optimizer, torch.optim.SGD):
+        momentum = optimizer.defaults.get('momentum', 0.0)
+        return ['momentum_buffer'] if momentum else []
+    raise TypeError(
+        f'the distributed optimizer does not know the state of {type(optimizer).__name__}'
+    )
 
-    return ['fp32_param'] + _state_keys(dist_optimizer.optimizer)
+
+def distributed_state_keys(dist_optimizer) -> List[str]:
+    return ['fp32_param'] + optimizer_state_keys(dist_optimizer.optimizer)
 
 
 def _fs_model_space_state(dist_optimizer, model_sharded_state_dict) -> Dict[int, Dict]:

@@ -11,7 +11,6 @@ Loading is weights only: `common.pt` and every stored object are read with
 `SAFE_GLOBALS`), and DCP's `.metadata` with an unpickler restricted to DCP's classes.
 """
 
-import argparse
 import io
 import logging
 import os
@@ -39,12 +38,18 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensor,
     ShardedTensorFactory,
 )
+from megatron.core.dist_checkpointing.safe_load import (  # noqa: F401  (Megatron's names)
+    SAFE_GLOBALS,
+    weights_only_load,
+)
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
     SavePreflight,
     SaveShardedStrategy,
+)
+from megatron.core.dist_checkpointing.strategies.defaults import (
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
 )
@@ -56,31 +61,10 @@ from megatron.core.dist_checkpointing.validation import (
     parse_strict_flag,
     validate_sharding_integrity,
 )
-from megatron.core.enums import ModelType
 
 logger = logging.getLogger(__name__)
 
 COMMON_STATE_FNAME = 'common.pt'
-
-#: Classes (besides tensors and plain containers) that may be unpickled from common.pt and
-#: stored objects.
-SAFE_GLOBALS = [argparse.Namespace, ModelType]
-
-
-def weights_only_load(source: Union[str, io.BytesIO], what: str = 'checkpoint file') -> Any:
-    """torch.load(weights_only=True) with SAFE_GLOBALS; a refusal names the offending global."""
-    try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(source, map_location='cpu', weights_only=True)
-    except Exception as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        reason = next(
-            (line for line in lines if 'GLOBAL' in line or 'global' in line),
-            lines[0] if lines else type(exc).__name__,
-        )
-        raise CheckpointingException(
-            f'{what} cannot be loaded as weights only (tensors and plain data): {reason}'
-        ) from exc
 
 
 def _rank() -> int:

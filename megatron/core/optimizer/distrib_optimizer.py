@@ -37,6 +37,7 @@ from typing import Callable, Dict, List, Optional, Union
 import torch
 
 from .. import tensor_parallel
+from ..dist_checkpointing.optimizer import optimizer_state_keys as _state_keys
 from ..distributed.param_and_grad_buffer import ParamAndGradBuffer
 from .grad_scaler import MegatronGradScaler
 from .optimizer import _FLOAT16_DTYPES, MixedPrecisionOptimizer, _timed, _zero_grad_group_helper
@@ -64,16 +65,6 @@ class Range:
     def normalize(self, start: int = 0) -> 'Range':
         """The same size, shifted to begin at `start`."""
         return Range(start, start + self.size)
-
-
-def _state_keys(optimizer: torch.optim.Optimizer) -> List[str]:
-    """Per-element optimizer state tensors saved in parameter-state files."""
-    if isinstance(optimizer, torch.optim.Adam) or isinstance(optimizer, torch.optim.AdamW):
-        return ['exp_avg', 'exp_avg_sq']
-    if isinstance(optimizer, torch.optim.SGD):
-        momentum = optimizer.defaults.get('momentum', 0.0)
-        return ['momentum_buffer'] if momentum else []
-    raise TypeError(f'DistributedOptimizer does not know the state of {type(optimizer).__name__}')
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):

@@ -48,8 +48,9 @@ def _greedy(n):
 def _serve(ckpt, poison):
     import torch
 
-    from megatron.inference.generations import EngineGeneration, Serving
+    from megatron.inference.generations import EngineGeneration
     from megatron.inference.inference_engine import get_dynamic_inference_engine
+    from megatron.inference.serving import Serving
     from megatron.inference.text_generation import api
     from megatron.inference.text_generation.request import BEAM_SEARCH, GenerationSettings
     from megatron.inference.worker_loop import ServingLoop, run_generation_worker_loop

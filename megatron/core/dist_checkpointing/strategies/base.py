@@ -1,10 +1,10 @@
-"""Strategy interfaces and the registry of default strategies per (backend, version)."""
+"""Strategy interfaces (the default strategies per backend are in `defaults.py`)."""
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional
 
-from megatron.core.dist_checkpointing.mapping import CheckpointingException, ShardedStateDict
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 
 
 class SaveShardedStrategy(ABC):
@@ -65,43 +65,3 @@ class LoadShardedStrategy(ABC):
 
     def check_version_compatibility(self, loaded_version):
         pass
-
-
-_DEFAULT_SAVE: Dict[Tuple[str, int], SaveShardedStrategy] = {}
-_DEFAULT_LOAD: Dict[Tuple[str, int], LoadShardedStrategy] = {}
-
-
-def get_default_save_sharded_strategy(
-    backend: str = 'torch_dist', version: int = 1
-) -> SaveShardedStrategy:
-    """The default save strategy of a backend (Megatron's registry, torch_dist only here)."""
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
-    if backend != 'torch_dist':
-        raise CheckpointingException(
-            f'distributed checkpoint format {backend!r} is not supported (only torch_dist; '
-            f'zarr is deprecated in Megatron and not implemented here)'
-        )
-    key = (backend, version)
-    if key not in _DEFAULT_SAVE:
-        _DEFAULT_SAVE[key] = TorchDistSaveShardedStrategy(backend, version)
-    return _DEFAULT_SAVE[key]
-
-
-def get_default_load_sharded_strategy(checkpoint_dir: str) -> LoadShardedStrategy:
-    """The load strategy for the backend named in the checkpoint's metadata.json."""
-    from megatron.core.dist_checkpointing.core import maybe_load_config
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-
-    config = maybe_load_config(checkpoint_dir)
-    if config is None:
-        raise CheckpointingException(f'{checkpoint_dir} is not a distributed checkpoint')
-    if config.sharded_backend != 'torch_dist':
-        raise CheckpointingException(
-            f'{checkpoint_dir} was written with the {config.sharded_backend!r} backend; only '
-            f'torch_dist checkpoints can be read here'
-        )
-    key = (config.sharded_backend, config.sharded_backend_version)
-    if key not in _DEFAULT_LOAD:
-        _DEFAULT_LOAD[key] = TorchDistLoadShardedStrategy()
-    return _DEFAULT_LOAD[key]

@@ -69,6 +69,7 @@ from megatron.core.dist_checkpointing.mapping import (
     flat_range_boxes,
     is_main_replica,
 )
+from megatron.core.dist_checkpointing.safe_load import weights_only_load
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -606,8 +607,6 @@ class MCoreLoadPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        from megatron.core.dist_checkpointing.serialization import weights_only_load
-
         loaded = weights_only_load(value, what=f'object {read_item.dest_index.fqn}')
         if isinstance(loaded, list) and len(loaded) >= 1:
             loaded = loaded[0]

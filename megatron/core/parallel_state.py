@@ -102,6 +102,14 @@ _CREATED_GROUPS = []
 # Reusable scratch buffers (see get_global_memory_buffer).
 _GLOBAL_MEMORY_BUFFER = None
 
+# Every global above that starts as None: destroy_model_parallel resets them all, so a global
+# added above cannot be forgotten there.
+_RESET_TO_NONE = [
+    name
+    for name, value in list(globals().items())
+    if name.startswith("_") and name.isupper() and value is None
+]
+
 _INIT_HINT = "call megatron.core.parallel_state.initialize_model_parallel() first"
 
 
@@ -967,46 +975,6 @@ def destroy_global_memory_buffer() -> None:
 # --------------------------------------------------------------------------------------------
 # Teardown
 # --------------------------------------------------------------------------------------------
-
-_RESET_TO_NONE = [
-    "_TENSOR_MODEL_PARALLEL_GROUP",
-    "_PIPELINE_MODEL_PARALLEL_GROUP",
-    "_MODEL_PARALLEL_GROUP",
-    "_MODEL_PARALLEL_GROUP_WITH_EP",
-    "_EMBEDDING_GROUP",
-    "_POSITION_EMBEDDING_GROUP",
-    "_DATA_PARALLEL_GROUP",
-    "_DATA_PARALLEL_GROUP_GLOO",
-    "_TENSOR_AND_DATA_PARALLEL_GROUP",
-    "_EXPERT_MODEL_PARALLEL_GROUP",
-    "_TENSOR_AND_EXPERT_PARALLEL_GROUP",
-    "_DATA_MODULO_EXPERT_PARALLEL_GROUP",
-    "_DATA_MODULO_EXPERT_PARALLEL_GROUP_GLOO",
-    "_DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP",
-    "_DATA_MODULO_EXPERT_PARALLEL_GROUP_WITH_CP_GLOO",
-    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK",
-    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE",
-    "_PIPELINE_MODEL_PARALLEL_SPLIT_RANK",
-    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
-    "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE",
-    "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE",
-    "_MPU_TENSOR_MODEL_PARALLEL_RANK",
-    "_MPU_PIPELINE_MODEL_PARALLEL_RANK",
-    "_MPU_EXPERT_MODEL_PARALLEL_RANK",
-    "_EMBEDDING_GLOBAL_RANKS",
-    "_POSITION_EMBEDDING_GLOBAL_RANKS",
-    "_PIPELINE_GLOBAL_RANKS",
-    "_DATA_PARALLEL_GLOBAL_RANKS",
-    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP",
-    "_CONTEXT_PARALLEL_GROUP",
-    "_CONTEXT_PARALLEL_GLOBAL_RANKS",
-    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS",
-    "_DATA_PARALLEL_GROUP_WITH_CP",
-    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
-    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP",
-    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
-    "_GLOBAL_MEMORY_BUFFER",
-]
 
 
 def destroy_model_parallel() -> None:

@@ -100,6 +100,11 @@ def _process_alive(pid: int) -> bool:
 def _reset_state(tp, pp, vpp, cp, ep, split_rank):
     from megatron.core import parallel_state
 
+    training_globals = sys.modules.get("megatron.training.global_vars")
+    if training_globals is not None:
+        # A job never inherits an earlier job's args, tokenizer or writers (whatever the order
+        # pytest runs the tests in).
+        training_globals.destroy_global_vars()
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,

@@ -151,24 +151,13 @@ def generate_tokens_probs_and_return_on_first_stage(
     device = get_current_device()
 
     # Only the last stage computes these; the first stage receives them at the end.
-    output_log_probs = None
-    output_log_probs_size = (batch_size, max_sequence_length - 1)
-    generated_sequence_lengths = None
-    if mpu.is_pipeline_last_stage():
-        if return_output_log_probs:
-            output_log_probs = torch.empty(
-                output_log_probs_size, dtype=torch.float32, device=device
-            )
-        generated_sequence_lengths = (
-            torch.ones(batch_size, dtype=torch.int64, device=device) * max_sequence_length
-        )
+    output_log_probs, generated_sequence_lengths = _last_stage_outputs(
+        batch_size, max_sequence_length, return_output_log_probs
+    )
     # Whether each row has finished.
     is_generation_done = torch.zeros(batch_size, dtype=torch.uint8, device=device)
 
-    colon_id = newline_id = None
-    if prevent_newline_after_colon:
-        colon_id = tokenizer.tokenize(':')[0]
-        newline_id = tokenizer.tokenize('\n')[0]
+    colon_id, newline_id = _colon_and_newline_ids(tokenizer, prevent_newline_after_colon)
 
     attention_mask, position_ids = _build_attention_mask_and_position_ids(tokens)
 
@@ -183,21 +172,16 @@ def generate_tokens_probs_and_return_on_first_stage(
             logits = forward_step(tokens2use, positions2use, attention_mask)
 
             if mpu.is_pipeline_last_stage():
-                if prevent_newline_after_colon:
-                    logits[tokens2use[:, -1] == colon_id, -1, newline_id] = -1e10
+                _forbid_newline_after_colon(logits, tokens2use, colon_id, newline_id)
                 # Sample from the last position.
-                last_token_logits = logits[:, -1, :]
                 new_sample = sample(
-                    last_token_logits,
+                    logits[:, -1, :],
                     top_k=top_k,
                     top_p=top_p,
                     temperature=temperature,
                     vocab_size=tokenizer.vocab_size,
                 )
-                if top_p > 0.0 and top_p_decay > 0.0:
-                    top_p = top_p * top_p_decay
-                    if top_p_bound > 0.0:
-                        top_p = max(top_p, top_p_bound)
+                top_p = _decayed_top_p(top_p, top_p_decay, top_p_bound)
 
                 # Rows still inside their prompt keep the prompt token.
                 started = lengths <= context_length
@@ -225,10 +209,9 @@ def generate_tokens_probs_and_return_on_first_stage(
                     stop_on_double_eol,
                     stop_on_eol,
                 )
-                just_finished = (done_token & ~is_generation_done).bool()
-                generated_sequence_lengths[just_finished.view(-1)] = context_length + 1
-                is_generation_done = is_generation_done | done_token
-                done = torch.all(is_generation_done).to(torch.uint8).view(1)
+                is_generation_done, done = _mark_finished_rows(
+                    done_token, is_generation_done, generated_sequence_lengths, context_length
+                )
             done = broadcast_from_last_pipeline_stage(1, torch.uint8, tensor=done)
             if use_eod_token_for_early_termination and bool(done):
                 break
@@ -245,11 +228,25 @@ def generate_tokens_probs_and_return_on_first_stage(
         batch_size, torch.int64, generated_sequence_lengths
     )
     if return_output_log_probs:
-        output_log_probs_size = (batch_size, context_length)
         output_log_probs = broadcast_from_last_to_first_pipeline_stage(
-            output_log_probs_size, torch.float32, output_log_probs
+            (batch_size, context_length), torch.float32, output_log_probs
         )
     return tokens, generated_sequence_lengths, output_log_probs, None
+
+
+def _last_stage_outputs(batch_size, max_sequence_length, return_output_log_probs):
+    """(log probs [b, s - 1] float32 or None, generated lengths [b] = s) on the last stage,
+    (None, None) elsewhere."""
+    if not mpu.is_pipeline_last_stage():
+        return None, None
+    device = get_current_device()
+    output_log_probs = None
+    if return_output_log_probs:
+        output_log_probs = torch.empty(
+            (batch_size, max_sequence_length - 1), dtype=torch.float32, device=device
+        )
+    lengths = torch.full((batch_size,), max_sequence_length, dtype=torch.int64, device=device)
+    return output_log_probs, lengths
 
 
 def _store_log_probs(output_log_probs, logits, tokens, prev_context_length, context_length):
@@ -349,16 +346,12 @@ def beam_search_and_return_on_first_stage(
     best_batches = None
     done = torch.zeros(1, dtype=torch.uint8, device=device)
     scores = torch.zeros(beam_size, dtype=torch.float32, device=device).unsqueeze(1)
-    scores_size_tensor, tokens_size_tensor = None, None
     # Run on every beam.
     tokens = tokens.repeat(beam_size, 1)
     attention_mask, position_ids = _build_attention_mask_and_position_ids(tokens)
     prev_context_length = 0
 
-    colon_id = newline_id = None
-    if prevent_newline_after_colon:
-        colon_id = tokenizer.tokenize(':')[0]
-        newline_id = tokenizer.tokenize('\n')[0]
+    colon_id, newline_id = _colon_and_newline_ids(tokenizer, prevent_newline_after_colon)
 
     with torch.no_grad():
         for context_length in range(prompt_length, final_sequence_length):
@@ -369,8 +362,7 @@ def beam_search_and_return_on_first_stage(
             logits = forward_step(tokens2use, positions2use, attention_mask)
 
             if mpu.is_pipeline_last_stage():
-                if prevent_newline_after_colon:
-                    logits[tokens2use[:, -1] == colon_id, -1, newline_id] = -1e10
+                _forbid_newline_after_colon(logits, tokens2use, colon_id, newline_id)
                 vocab_size = logits.size(2)
                 log_probs = F.log_softmax(logits, dim=2)
                 new_scores = log_probs[:, -1, :] + scores
@@ -387,26 +379,14 @@ def beam_search_and_return_on_first_stage(
                 best_words = indices[: 2 * beam_size] % vocab_size
                 best_scores = sorted_scores[: 2 * beam_size]
 
-                next_beams = []
-                for beam_token_rank, (token_id, beam_score, beam_id) in enumerate(
-                    zip(best_words, best_scores, best_beam_ids)
-                ):
-                    if token_id.item() == stop_token:
-                        # If beam_token does not belong to top num_beams tokens, skip it.
-                        is_beam_token_worse_than_top_num_beams = beam_token_rank >= beam_size
-                        if is_beam_token_worse_than_top_num_beams:
-                            continue
-                        beam_hyp.add(
-                            tokens[beam_id].clone(),
-                            beam_score,
-                            context_length + 1 - prompt_length,
-                        )
-                    else:
-                        # Add next predicted token since it is not eos_token.
-                        next_beams.append((token_id, beam_score, beam_id))
-
-                    if len(next_beams) == beam_size:
-                        break
+                next_beams = _next_beams(
+                    (best_words, best_scores, best_beam_ids),
+                    beam_size,
+                    stop_token,
+                    beam_hyp,
+                    tokens,
+                    context_length + 1 - prompt_length,
+                )
 
                 if beam_hyp.is_done(best_scores.max().item(), context_length + 1 - prompt_length):
                     done = torch.ones(1, dtype=torch.uint8, device=device)
@@ -439,27 +419,85 @@ def beam_search_and_return_on_first_stage(
                         scores[beam_id].squeeze(),
                         context_length + 1 - prompt_length,
                     )
+        return _best_hypotheses_on_first_stage(beam_hyp, num_return_gen)
 
-            # Rank based on scores.
-            sorted_hyps = sorted(beam_hyp.beams, key=lambda x: x[0], reverse=True)
-            num_return_gen = min(num_return_gen, len(sorted_hyps))
-            scores = [sorted_hyps[i][0] for i in range(num_return_gen)]
-            tokens = [sorted_hyps[i][1] for i in range(num_return_gen)]
-            scores = torch.stack(scores, dim=0)
-            tokens = torch.stack(tokens)
-            scores_size_tensor = torch.tensor(scores.shape, dtype=torch.int64, device=device)
-            tokens_size_tensor = torch.tensor(tokens.shape, dtype=torch.int64, device=device)
 
-        scores_size_tensor = broadcast_from_last_pipeline_stage(1, torch.int64, scores_size_tensor)
-        tokens_size_tensor = broadcast_from_last_pipeline_stage(2, torch.int64, tokens_size_tensor)
+def _colon_and_newline_ids(tokenizer, prevent_newline_after_colon):
+    """The ids of ":" and "\\n" when a newline right after a colon is forbidden, else Nones."""
+    if not prevent_newline_after_colon:
+        return None, None
+    return tokenizer.tokenize(':')[0], tokenizer.tokenize('\n')[0]
 
-        scores = broadcast_from_last_to_first_pipeline_stage(
-            tuple(scores_size_tensor.tolist()), torch.float32, scores
-        )
-        tokens = broadcast_from_last_to_first_pipeline_stage(
-            tuple(tokens_size_tensor.tolist()), torch.int64, tokens
-        )
 
+def _forbid_newline_after_colon(logits, fed_tokens, colon_id, newline_id):
+    """In place: rows whose last fed token is ":" cannot sample "\\n" next ([b, width, v])."""
+    if colon_id is not None:
+        logits[fed_tokens[:, -1] == colon_id, -1, newline_id] = -1e10
+
+
+def _decayed_top_p(top_p, top_p_decay, top_p_bound):
+    """top_p after one step: times top_p_decay, floored at top_p_bound (when each is set)."""
+    if top_p > 0.0 and top_p_decay > 0.0:
+        top_p = top_p * top_p_decay
+        if top_p_bound > 0.0:
+            top_p = max(top_p, top_p_bound)
+    return top_p
+
+
+def _mark_finished_rows(done_token, is_generation_done, generated_lengths, context_length):
+    """Record the rows that end at column context_length: their length becomes
+    context_length + 1 (in place in generated_lengths [b]).
+
+    Returns:
+        (the updated done flags [b] uint8, whether every row is done [1] uint8).
+    """
+    just_finished = (done_token & ~is_generation_done).bool()
+    generated_lengths[just_finished.view(-1)] = context_length + 1
+    is_generation_done = is_generation_done | done_token
+    return is_generation_done, torch.all(is_generation_done).to(torch.uint8).view(1)
+
+
+def _next_beams(candidates, beam_size, stop_token, beam_hyp, tokens, generated_length):
+    """The beams to continue, from the 2 * beam_size best (token, score, beam) candidates in
+    rank order: a stop token ranked within the first beam_size finishes its beam's hypothesis
+    (added to beam_hyp as its row stands); the first beam_size other candidates continue.
+
+    Returns:
+        list of (token id, score, beam id), beam_size long.
+    """
+    next_beams = []
+    for rank, (token_id, beam_score, beam_id) in enumerate(zip(*candidates)):
+        if token_id.item() == stop_token:
+            if rank >= beam_size:
+                continue
+            beam_hyp.add(tokens[beam_id].clone(), beam_score, generated_length)
+        else:
+            next_beams.append((token_id, beam_score, beam_id))
+        if len(next_beams) == beam_size:
+            break
+    return next_beams
+
+
+def _best_hypotheses_on_first_stage(beam_hyp, num_return_gen):
+    """The num_return_gen best finished hypotheses of the last stage, by score, as
+    (tokens [n, s'], scores [n]) on the first stage (their sizes broadcast first)."""
+    scores = tokens = scores_size = tokens_size = None
+    if mpu.is_pipeline_last_stage():
+        device = get_current_device()
+        sorted_hyps = sorted(beam_hyp.beams, key=lambda x: x[0], reverse=True)
+        best = sorted_hyps[: min(num_return_gen, len(sorted_hyps))]
+        scores = torch.stack([score for score, _ in best], dim=0)
+        tokens = torch.stack([row for _, row in best])
+        scores_size = torch.tensor(scores.shape, dtype=torch.int64, device=device)
+        tokens_size = torch.tensor(tokens.shape, dtype=torch.int64, device=device)
+    scores_size = broadcast_from_last_pipeline_stage(1, torch.int64, scores_size)
+    tokens_size = broadcast_from_last_pipeline_stage(2, torch.int64, tokens_size)
+    scores = broadcast_from_last_to_first_pipeline_stage(
+        tuple(scores_size.tolist()), torch.float32, scores
+    )
+    tokens = broadcast_from_last_to_first_pipeline_stage(
+        tuple(tokens_size.tolist()), torch.int64, tokens
+    )
     return tokens, scores
 
 

@@ -116,7 +116,6 @@ UNSUPPORTED_FLAGS = {
     '--standalone-embedding-stage': 'a pipeline stage holding only the input embedding is not '
     'implemented',
     '--lazy-mpu-init': 'lazy model-parallel initialization is not implemented',
-    '--onnx-safe': 'ONNX export workarounds are not implemented',
     '--non-persistent-save-interval': 'non-persistent checkpoints are not implemented',
     '--non-persistent-ckpt-type': 'non-persistent checkpoints are not implemented',
     '--non-persistent-global-ckpt-dir': 'non-persistent checkpoints are not implemented',

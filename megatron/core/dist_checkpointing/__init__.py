@@ -21,6 +21,7 @@ from megatron.core.dist_checkpointing.serialization import (  # noqa: F401
     load,
     load_common_state_dict,
     load_plain_tensors,
+    load_sharded_metadata,
     load_tensors_metadata,
     save,
 )

@@ -1,6 +1,8 @@
 """Walking and transforming the nested dicts / lists of a (sharded) state dict."""
 
-from typing import Any, Callable, Iterator, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple
+
+import torch
 
 
 def nested_values(x: Any) -> Iterator[Any]:
@@ -124,3 +126,67 @@ def merge(x1: Any, x2: Any) -> Any:
             raise ValueError(f'cannot merge lists of lengths {len(x1)} and {len(x2)}')
         return [merge(a, b) for a, b in zip(x1, x2)]
     return x2
+
+
+def dict_list_map_outplace(fn: Callable[[Any], Any], x: Any) -> Any:
+    """A copy of nested dicts / lists with every leaf v replaced by fn(v)."""
+    if isinstance(x, dict):
+        return {k: dict_list_map_outplace(fn, v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [dict_list_map_outplace(fn, v) for v in x]
+    return fn(x)
+
+
+def map_reduce(
+    xs: Iterable,
+    key_fn: Callable[[Any], Any] = lambda x: x,
+    value_fn: Callable[[Any], Any] = lambda x: x,
+    reduce_fn: Callable[[List], Any] = lambda x: x,
+) -> Dict:
+    """Group `xs` by key_fn, map each member with value_fn, then reduce each group's list."""
+    groups: Dict[Any, List] = {}
+    for x in xs:
+        groups.setdefault(key_fn(x), []).append(value_fn(x))
+    return {k: reduce_fn(v) for k, v in groups.items()}
+
+
+def _leaves_differ(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return True
+        return a.shape != b.shape or not bool(torch.all(a == b))
+    try:
+        differ = a != b
+        return bool(differ.any()) if hasattr(differ, 'any') else bool(differ)
+    except Exception:  # an object without a usable comparison counts as different
+        return True
+
+
+def diff(x1: Any, x2: Any, prefix: Tuple = ()) -> Tuple[List, List, List]:
+    """Compare two nested dicts / lists.
+
+    Returns:
+        (only_left, only_right, mismatch): the paths (tuples of keys / indices) present only in
+        x1, only in x2, and `(path, type(leaf1), type(leaf2))` for leaves that differ (tensors by
+        shape and value, other leaves by `!=`).
+    """
+    only_left, only_right, mismatch = [], [], []
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        only_left = [prefix + (k,) for k in x1.keys() - x2.keys()]
+        only_right = [prefix + (k,) for k in x2.keys() - x1.keys()]
+        for k in x1.keys() & x2.keys():
+            left, right, mis = diff(x1[k], x2[k], prefix + (k,))
+            only_left += left
+            only_right += right
+            mismatch += mis
+    elif isinstance(x1, list) and isinstance(x2, list):
+        only_left = [prefix + (i,) for i in range(len(x2), len(x1))]
+        only_right = [prefix + (i,) for i in range(len(x1), len(x2))]
+        for i, (a, b) in enumerate(zip(x1, x2)):
+            left, right, mis = diff(a, b, prefix + (i,))
+            only_left += left
+            only_right += right
+            mismatch += mis
+    elif _leaves_differ(x1, x2):
+        mismatch.append((prefix, type(x1), type(x2)))
+    return only_left, only_right, mismatch

@@ -48,6 +48,8 @@ from megatron.core.dist_checkpointing.strategies.base import (
     LoadShardedStrategy,
     SavePreflight,
     SaveShardedStrategy,
+    StrategyAction,
+    get_default_strategy,
 )
 from megatron.core.dist_checkpointing.strategies.defaults import (
     get_default_load_sharded_strategy,
@@ -185,6 +187,8 @@ def save(
         raise CheckpointingException('only the torch common backend is supported')
     if sharded_strategy is None:
         sharded_strategy = get_default_save_sharded_strategy()
+    elif isinstance(sharded_strategy, tuple):  # Megatron's (backend, version) form
+        sharded_strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, *sharded_strategy)
     if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
         raise CheckpointingException(
             f'{type(sharded_strategy).__name__} cannot save asynchronously'
@@ -268,6 +272,15 @@ def load_tensors_metadata(
     _require_dist_checkpoint(checkpoint_dir)
     strategy = sharded_strategy or get_default_load_sharded_strategy(checkpoint_dir)
     return strategy.load_tensors_metadata(checkpoint_dir)
+
+
+def load_sharded_metadata(
+    checkpoint_dir: str, sharded_strategy: Optional[LoadShardedStrategy] = None
+) -> Dict[str, Any]:
+    """{key: metadata} of the stored tensors (and objects, where the strategy lists them)."""
+    _require_dist_checkpoint(checkpoint_dir)
+    strategy = sharded_strategy or get_default_load_sharded_strategy(checkpoint_dir)
+    return strategy.load_sharded_metadata(checkpoint_dir)
 
 
 def load_plain_tensors(checkpoint_dir: str) -> Dict[str, torch.Tensor]:

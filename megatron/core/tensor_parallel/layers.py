@@ -26,6 +26,7 @@ from megatron.core.tensor_parallel.mappings import (
     _start_gather_along_first_dim,
     _start_reduce_scatter_along_first_dim,
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -469,25 +470,52 @@ def linear_with_grad_accumulation_and_async_allreduce(
 linear_with_grad_accumulation_and_async_allreduce.warned = False
 
 
-def _linear_with_frozen_weight(
-    input,
-    weight,
-    bias,
-    gradient_accumulation_fusion,
-    async_grad_allreduce=None,
-    sequence_parallel=False,
-    grad_output_buffer=None,
-    wgrad_deferral_limit=None,
-    allreduce_dgrad=None,
+def linear_with_frozen_weight(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    gradient_accumulation_fusion: bool,
+    async_grad_allreduce: Optional[bool] = None,
+    sequence_parallel: bool = False,
+    grad_output_buffer: Optional[List[torch.Tensor]] = None,
+    wgrad_deferral_limit: Optional[int] = None,
+    allreduce_dgrad: Optional[bool] = None,
     tp_group=None,
-):
-    """linear_with_grad_accumulation_and_async_allreduce for a weight without gradient."""
-    if sequence_parallel:
-        raise ValueError('a frozen-weight linear layer does not support sequence_parallel')
+) -> torch.Tensor:
+    """Y = X A^T + b for a weight that takes no gradient (Megatron's signature).
+
+    Only the weight is kept for the backward (not the input), and no weight gradient is
+    computed. With sequence_parallel the input is all-gathered along the sequence first
+    ([s/tp, b, h] -> [s, b, h]; backward: reduce-scatter of its gradient); otherwise the input
+    gradient is all-reduced over tp when `allreduce_dgrad`.
+
+    Args:
+        input: [s, b, h] (or [s/tp, b, h] with sequence_parallel).
+        weight: [o, h] this rank's partition.
+        bias: [o] or None.
+        gradient_accumulation_fusion: unused (no weight gradient); keeps the API of
+            linear_with_grad_accumulation_and_async_allreduce.
+        async_grad_allreduce: deprecated name of allreduce_dgrad.
+        sequence_parallel: all-gather the input along the first dim.
+        grad_output_buffer: must be None (deferred weight gradients need a weight gradient).
+        wgrad_deferral_limit: unused, for API parity.
+        allreduce_dgrad: all-reduce the input gradient over tp.
+        tp_group: tensor parallel group (default: the global one).
+    """
+    if grad_output_buffer is not None:
+        raise ValueError(
+            'grad_output_buffer (deferred embedding weight gradients) needs a trainable weight; '
+            'use linear_with_grad_accumulation_and_async_allreduce'
+        )
     if allreduce_dgrad is None:
         allreduce_dgrad = bool(async_grad_allreduce)
     # Fall back to the global tensor model parallel group when none is given.
     tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(
+            input, tensor_parallel_output_grad=True, group=tp_group
+        )  # [s, b, h]
+        allreduce_dgrad = False  # the gather's backward already reduce-scatters the gradient
     return LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad, tp_group)
 
 
@@ -697,7 +725,7 @@ class ColumnParallelLinear(torch.nn.Module):
             self.embedding_activation_buffer.append(input_parallel)
 
         if not weight.requires_grad:
-            self._forward_impl = _linear_with_frozen_weight
+            self._forward_impl = linear_with_frozen_weight
         else:
             self._forward_impl = linear_with_grad_accumulation_and_async_allreduce
 
@@ -887,7 +915,7 @@ class RowParallelLinear(torch.nn.Module):
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
 
         if not self.weight.requires_grad:
-            self._forward_impl = _linear_with_frozen_weight
+            self._forward_impl = linear_with_frozen_weight
         else:
             self._forward_impl = linear_with_grad_accumulation_and_async_allreduce
 

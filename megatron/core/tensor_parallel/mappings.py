@@ -190,69 +190,104 @@ def _start_reduce_scatter_along_first_dim(input_: torch.Tensor, group):
 # --------------------------------------------------------------------------------------------
 
 
+def _group_of(ctx):
+    # The group the forward was given; None (or a ctx without one, as when a library user calls
+    # `backward(None, grad)` directly, the way Megatron's unit tests do) means the default group.
+    return _resolve(getattr(ctx, 'group', None))
+
+
+def _with_group_grad(ctx, grads: tuple):
+    # One gradient per forward input: an explicit `group` argument adds a None after the
+    # tensor's gradient. Without one the result is r0.8's (a bare tensor for one input).
+    if getattr(ctx, 'group', None) is None:
+        return grads[0] if len(grads) == 1 else grads
+    return (grads[0], None) + grads[1:]
+
+
 class _CopyToModelParallelRegion(torch.autograd.Function):
     """Forward: identity. Backward: all-reduce the gradient over the tp group."""
 
     @staticmethod
-    def forward(ctx, input_, group):
+    def symbolic(graph, input_, group=None):
+        return input_
+
+    @staticmethod
+    def forward(ctx, input_, group=None):
         ctx.group = group
         return input_
 
     @staticmethod
     def backward(ctx, grad_output):
         # Clone: the incoming gradient may be a tensor the caller still holds.
-        return _reduce(grad_output.clone(), ctx.group), None
+        return _with_group_grad(ctx, (_reduce(grad_output.clone(), _group_of(ctx)),))
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
     """Forward: all-reduce over the tp group (in place). Backward: identity."""
 
     @staticmethod
-    def forward(ctx, input_, group):
-        return _reduce(input_, group)
+    def symbolic(graph, input_, group=None):
+        return _reduce(input_, _resolve(group))
+
+    @staticmethod
+    def forward(ctx, input_, group=None):
+        ctx.group = group
+        return _reduce(input_, _resolve(group))
 
     @staticmethod
     def backward(ctx, grad_output):
-        return grad_output, None
+        return _with_group_grad(ctx, (grad_output,))
 
 
 class _ScatterToModelParallelRegion(torch.autograd.Function):
     """Forward: keep this rank's last-dim chunk. Backward: all-gather along the last dim."""
 
     @staticmethod
-    def forward(ctx, input_, group):
+    def symbolic(graph, input_, group=None):
+        return _split_along_last_dim(input_, _resolve(group))
+
+    @staticmethod
+    def forward(ctx, input_, group=None):
         ctx.group = group
-        return _split_along_last_dim(input_, group)
+        return _split_along_last_dim(input_, _resolve(group))
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_last_dim(grad_output, ctx.group), None
+        return _with_group_grad(ctx, (_gather_along_last_dim(grad_output, _group_of(ctx)),))
 
 
 class _GatherFromModelParallelRegion(torch.autograd.Function):
     """Forward: all-gather along the last dim. Backward: keep this rank's last-dim chunk."""
 
     @staticmethod
-    def forward(ctx, input_, group):
+    def symbolic(graph, input_, group=None):
+        return _gather_along_last_dim(input_, _resolve(group))
+
+    @staticmethod
+    def forward(ctx, input_, group=None):
         ctx.group = group
-        return _gather_along_last_dim(input_, group)
+        return _gather_along_last_dim(input_, _resolve(group))
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _split_along_last_dim(grad_output, ctx.group), None
+        return _with_group_grad(ctx, (_split_along_last_dim(grad_output, _group_of(ctx)),))
 
 
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
     """Forward: keep this rank's first-dim chunk. Backward: all-gather along the first dim."""
 
     @staticmethod
-    def forward(ctx, input_, group):
+    def symbolic(graph, input_, group=None):
+        return _split_along_first_dim(input_, _resolve(group))
+
+    @staticmethod
+    def forward(ctx, input_, group=None):
         ctx.group = group
-        return _split_along_first_dim(input_, group)
+        return _split_along_first_dim(input_, _resolve(group))
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_first_dim(grad_output, ctx.group), None
+        return _with_group_grad(ctx, (_gather_along_first_dim(grad_output, _group_of(ctx)),))
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -263,74 +298,100 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input_, group, tensor_parallel_output_grad=True, output_split_sizes=None):
+    def symbolic(
+        graph, input_, group=None, tensor_parallel_output_grad=True, output_split_sizes=None
+    ):
+        return _gather_along_first_dim(input_, _resolve(group), output_split_sizes)
+
+    @staticmethod
+    def forward(ctx, input_, group=None, tensor_parallel_output_grad=True, output_split_sizes=None):
         ctx.group = group
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
         ctx.output_split_sizes = output_split_sizes
-        return _gather_along_first_dim(input_, group, output_split_sizes)
+        return _gather_along_first_dim(input_, _resolve(group), output_split_sizes)
 
     @staticmethod
     def backward(ctx, grad_output):
-        if ctx.tensor_parallel_output_grad:
-            grad = _reduce_scatter_along_first_dim(grad_output, ctx.group, ctx.output_split_sizes)
-        elif ctx.output_split_sizes is not None:
-            offset = sum(ctx.output_split_sizes[: ctx.group.rank()])
-            grad = grad_output[
-                offset : offset + ctx.output_split_sizes[ctx.group.rank()]
-            ].contiguous()
+        group = _group_of(ctx)
+        split_sizes = getattr(ctx, 'output_split_sizes', None)
+        if getattr(ctx, 'tensor_parallel_output_grad', True):
+            grad = _reduce_scatter_along_first_dim(grad_output, group, split_sizes)
+        elif split_sizes is not None:
+            offset = sum(split_sizes[: group.rank()])
+            grad = grad_output[offset : offset + split_sizes[group.rank()]].contiguous()
         else:
-            grad = _split_along_first_dim(grad_output, ctx.group)
-        return grad, None, None, None
+            grad = _split_along_first_dim(grad_output, group)
+        return _with_group_grad(ctx, (grad, None, None))
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """Forward: reduce-scatter along the first dim. Backward: all-gather along the first dim."""
 
     @staticmethod
-    def forward(ctx, input_, group, input_split_sizes=None):
+    def symbolic(graph, input_, group=None, input_split_sizes=None):
+        return _reduce_scatter_along_first_dim(input_, _resolve(group), input_split_sizes)
+
+    @staticmethod
+    def forward(ctx, input_, group=None, input_split_sizes=None):
         ctx.group = group
         ctx.input_split_sizes = input_split_sizes
-        return _reduce_scatter_along_first_dim(input_, group, input_split_sizes)
+        return _reduce_scatter_along_first_dim(input_, _resolve(group), input_split_sizes)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_first_dim(grad_output, ctx.group, ctx.input_split_sizes), None, None
+        split_sizes = getattr(ctx, 'input_split_sizes', None)
+        grad = _gather_along_first_dim(grad_output, _group_of(ctx), split_sizes)
+        return _with_group_grad(ctx, (grad, None))
 
 
 class _AllGatherFromTensorParallelRegion(torch.autograd.Function):
     """Forward: all-gather along the last dim. Backward: reduce-scatter along the last dim."""
 
     @staticmethod
-    def forward(ctx, input_, group):
+    def symbolic(graph, input_, group=None):
+        return _gather_along_last_dim(input_, _resolve(group))
+
+    @staticmethod
+    def forward(ctx, input_, group=None):
         ctx.group = group
-        return _gather_along_last_dim(input_, group)
+        return _gather_along_last_dim(input_, _resolve(group))
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _reduce_scatter_along_last_dim(grad_output, ctx.group), None
+        grad = _reduce_scatter_along_last_dim(grad_output, _group_of(ctx))
+        return _with_group_grad(ctx, (grad,))
 
 
 class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
     """Forward: reduce-scatter along the last dim. Backward: all-gather along the last dim."""
 
     @staticmethod
-    def forward(ctx, input_, group):
+    def symbolic(graph, input_, group=None):
+        return _reduce_scatter_along_last_dim(input_, _resolve(group))
+
+    @staticmethod
+    def forward(ctx, input_, group=None):
         ctx.group = group
-        return _reduce_scatter_along_last_dim(input_, group)
+        return _reduce_scatter_along_last_dim(input_, _resolve(group))
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_last_dim(grad_output, ctx.group), None
+        return _with_group_grad(ctx, (_gather_along_last_dim(grad_output, _group_of(ctx)),))
 
 
 class _AllToAll(torch.autograd.Function):
     """Forward: all-to-all along the first dim. Backward: the reverse all-to-all."""
 
     @staticmethod
+    def symbolic(graph, group, input_, output_split_sizes, input_split_sizes):
+        return _AllToAll.forward(None, group, input_, output_split_sizes, input_split_sizes)
+
+    @staticmethod
     def forward(ctx, group, input_, output_split_sizes, input_split_sizes):
-        ctx.group = group
-        ctx.output_split_sizes = output_split_sizes
-        ctx.input_split_sizes = input_split_sizes
+        if ctx is not None:  # None when called from `symbolic`
+            ctx.group = group
+            ctx.output_split_sizes = output_split_sizes
+            ctx.input_split_sizes = input_split_sizes
         world_size = group.size()
         if world_size == 1:
             return input_

@@ -80,6 +80,10 @@ def get_data_parallel_rng_tracker_name() -> str:
     return _DATA_PARALLEL_RNG_TRACKER_NAME
 
 
+def _copy_state(state):
+    return state.clone() if isinstance(state, torch.Tensor) else state
+
+
 class CudaRNGStatesTracker:
     """Named RNG states that can be swapped into the device's default generator.
 
@@ -102,13 +106,17 @@ class CudaRNGStatesTracker:
         self.seeds_ = set()
 
     def get_states(self) -> Dict[str, torch.Tensor]:
-        """A copy of the name -> state dict (for checkpoints)."""
-        return {name: state.clone() for name, state in self.states_.items()}
+        """A copy of the name -> state dict (for checkpoints); tensor states are cloned."""
+        return {name: _copy_state(state) for name, state in self.states_.items()}
 
     def set_states(self, states: Dict[str, torch.Tensor]) -> None:
-        """Replace the states (from get_states()); seeds are not restored."""
+        """Replace the states (from get_states()); seeds are not restored.
+
+        Any value is kept as given (Megatron stores whatever it is handed, e.g. a number in its
+        unit tests); tensors are cloned so the caller's copy cannot be advanced by a fork.
+        """
         self._is_initialized = True
-        self.states_ = {name: state.clone() for name, state in states.items()}
+        self.states_ = {name: _copy_state(state) for name, state in states.items()}
 
     def add(self, name: str, seed: int) -> None:
         """Create the state `name` from `seed`, leaving the default generator untouched.

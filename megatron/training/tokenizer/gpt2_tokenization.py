@@ -6,6 +6,7 @@ are kept in an LRU cache, which makes natural text several times faster.
 """
 
 import json
+import os
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
@@ -16,6 +17,19 @@ from .fast_encoders import build_fast_gpt2_encode
 GPT2_PRETOKENIZE_PATTERN = (
     r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 )
+
+# Megatron's names for where GPT-2's files were published (library users and Megatron's data
+# tests fetch them themselves; this package never downloads at run time).
+PRETRAINED_VOCAB_ARCHIVE_MAP = {
+    'gpt2': 'https://s3.amazonaws.com/models.huggingface.co/bert/gpt2-vocab.json',
+}
+PRETRAINED_MERGES_ARCHIVE_MAP = {
+    'gpt2': 'https://s3.amazonaws.com/models.huggingface.co/bert/gpt2-merges.txt',
+}
+PRETRAINED_VOCAB_POSITIONAL_EMBEDDINGS_SIZE_MAP = {'gpt2': 1024}
+VOCAB_NAME = 'vocab.json'
+MERGES_NAME = 'merges.txt'
+SPECIAL_TOKENS_NAME = 'special_tokens.txt'
 
 
 @lru_cache()
@@ -153,6 +167,34 @@ class GPT2Tokenizer(object):
         # A compiled library's encoder giving the same ids (tiktoken / tokenizers), if installed.
         self._fast_encode, self.encode_backend = build_fast_gpt2_encode(
             self.encoder, bpe_merges, self.byte_decoder, GPT2_PRETOKENIZE_PATTERN
+        )
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str, cache_dir=None, *inputs, **kwargs):
+        """A tokenizer from a local directory holding vocab.json and merges.txt (and optionally
+        special_tokens.txt, one token per line).
+
+        A name of PRETRAINED_VOCAB_ARCHIVE_MAP is refused: its files would be downloaded, and
+        nothing is fetched at run time here (download them and pass their directory).
+        """
+        path = pretrained_model_name_or_path
+        if not os.path.isdir(path):
+            if path in PRETRAINED_VOCAB_ARCHIVE_MAP:
+                raise ValueError(
+                    f'{path!r} names files to download ({PRETRAINED_VOCAB_ARCHIVE_MAP[path]}, '
+                    f'{PRETRAINED_MERGES_ARCHIVE_MAP[path]}); nothing is downloaded here: fetch '
+                    f'them and pass their directory'
+                )
+            raise ValueError(f'{path!r} is not a directory holding {VOCAB_NAME} and {MERGES_NAME}')
+        special_file = os.path.join(path, SPECIAL_TOKENS_NAME)
+        if 'special_tokens' not in kwargs and os.path.exists(special_file):
+            with open(special_file, encoding='utf-8') as f:
+                kwargs['special_tokens'] = f.read().split('\n')[:-1]
+        if path in PRETRAINED_VOCAB_POSITIONAL_EMBEDDINGS_SIZE_MAP:
+            max_len = PRETRAINED_VOCAB_POSITIONAL_EMBEDDINGS_SIZE_MAP[path]
+            kwargs['max_len'] = min(kwargs.get('max_len', int(1e12)), max_len)
+        return cls(
+            os.path.join(path, VOCAB_NAME), os.path.join(path, MERGES_NAME), *inputs, **kwargs
         )
 
     def __len__(self) -> int:

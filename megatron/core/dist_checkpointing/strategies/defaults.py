@@ -4,21 +4,34 @@ Kept apart from `base.py` (the interfaces the strategies implement) so that the 
 strategy can import its base classes without a cycle.
 """
 
-from typing import Dict, Tuple
-
 from megatron.core.dist_checkpointing.core import maybe_load_config
 from megatron.core.dist_checkpointing.mapping import CheckpointingException
 from megatron.core.dist_checkpointing.strategies.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
+    StrategyAction,
+    default_strategies,
+    get_default_strategy,
+    register_default_strategy,
 )
 from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
 )
 
-_DEFAULT_SAVE: Dict[Tuple[str, int], SaveShardedStrategy] = {}
-_DEFAULT_LOAD: Dict[Tuple[str, int], LoadShardedStrategy] = {}
+
+def register_default_torch_strategies() -> None:
+    """Register the torch_dist (version 1) save and load strategies, once per process."""
+    key = ('torch_dist', 1)
+    if key not in default_strategies[StrategyAction.SAVE_SHARDED.value]:
+        register_default_strategy(
+            StrategyAction.SAVE_SHARDED, *key, TorchDistSaveShardedStrategy(*key)
+        )
+    if key not in default_strategies[StrategyAction.LOAD_SHARDED.value]:
+        register_default_strategy(StrategyAction.LOAD_SHARDED, *key, TorchDistLoadShardedStrategy())
+
+
+register_default_torch_strategies()
 
 
 def get_default_save_sharded_strategy(
@@ -30,10 +43,7 @@ def get_default_save_sharded_strategy(
             f'distributed checkpoint format {backend!r} is not supported (only torch_dist; '
             f'zarr is deprecated in Megatron and not implemented here)'
         )
-    key = (backend, version)
-    if key not in _DEFAULT_SAVE:
-        _DEFAULT_SAVE[key] = TorchDistSaveShardedStrategy(backend, version)
-    return _DEFAULT_SAVE[key]
+    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
 
 
 def get_default_load_sharded_strategy(checkpoint_dir: str) -> LoadShardedStrategy:
@@ -46,7 +56,6 @@ def get_default_load_sharded_strategy(checkpoint_dir: str) -> LoadShardedStrateg
             f'{checkpoint_dir} was written with the {config.sharded_backend!r} backend; only '
             f'torch_dist checkpoints can be read here'
         )
-    key = (config.sharded_backend, config.sharded_backend_version)
-    if key not in _DEFAULT_LOAD:
-        _DEFAULT_LOAD[key] = TorchDistLoadShardedStrategy()
-    return _DEFAULT_LOAD[key]
+    return get_default_strategy(
+        StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+    )

@@ -40,6 +40,14 @@ def _virtual_pipeline_rank() -> Optional[int]:
         return None
 
 
+class MissingBlendSizeError(ValueError, AssertionError):
+    """A weighted blend was given no requested size.
+
+    A ValueError (a user error, reported as one line); also an AssertionError because Megatron
+    r0.8 asserts here and library code (its own unit tests among it) catches AssertionError.
+    """
+
+
 class BlendedMegatronDatasetBuilder(object):
     """Builder for the BlendedDataset and MegatronDataset classes.
 
@@ -88,7 +96,7 @@ class BlendedMegatronDatasetBuilder(object):
                         continue
                     weights_are_none = self.config.blend_per_split[split.value][1] is None
                 if size_is_none and not weights_are_none:
-                    raise ValueError(
+                    raise MissingBlendSizeError(
                         f"the {split.name} split has blend weights but no requested size"
                     )
 

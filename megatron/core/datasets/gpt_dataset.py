@@ -524,7 +524,11 @@ class MockGPTLowLevelDataset:
 
 
 class MockGPTDataset(GPTDataset):
-    """GPTDataset over MockGPTLowLevelDataset (`--mock-data`); length = num_samples."""
+    """GPTDataset over MockGPTLowLevelDataset (`--mock-data`).
+
+    As in Megatron r0.8 its length is the GPTDataset's: every sample of the epochs built for
+    `num_samples` (one epoch when None), so any position of `shuffle_index` can be read.
+    """
 
     def __init__(
         self,
@@ -536,8 +540,6 @@ class MockGPTDataset(GPTDataset):
         config: GPTDatasetConfig,
     ) -> None:
         assert config.mock
-        if num_samples is None:
-            num_samples = len(indices)
         super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
 
     @staticmethod
@@ -549,13 +551,3 @@ class MockGPTDataset(GPTDataset):
         dataset_path: Optional[str], config: GPTDatasetConfig
     ) -> MockGPTLowLevelDataset:
         return MockGPTLowLevelDataset(config.tokenizer)
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
-        if idx is not None and idx >= self.num_samples:
-            raise IndexError(
-                f"The index {idx} exceeds the available number of samples ({self.num_samples})"
-            )
-        return super().__getitem__(idx)

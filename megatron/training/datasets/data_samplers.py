@@ -253,13 +253,19 @@ def build_pretraining_data_loader(dataset, consumed_samples):
 
     Reads args.dataloader_type (None -> 'single'), micro_batch_size, num_workers, data_sharding.
     """
-    if dataset is None or len(dataset) == 0:
-        # A split nobody asked samples from (--eval-iters 0, --train-iters 0): no loader.
+    if dataset is None:
         return None
     from megatron.core import parallel_state
     from megatron.training.global_vars import get_args
 
     args = get_args()
+    if getattr(args, "dataloader_type", None) == "external":
+        # The provider's object is the loader (any iterable, or anything the user's forward step
+        # knows how to read): passed through untouched, unsized ones included, as Megatron does.
+        return dataset
+    if len(dataset) == 0:
+        # A split nobody asked samples from (--eval-iters 0, --train-iters 0): no loader.
+        return None
     if parallel_state.model_parallel_is_initialized():
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()

@@ -24,6 +24,11 @@ def get_current_global_batch_size() -> int:
     return _get_calculator().get_current_global_batch_size()
 
 
+def get_micro_batch_size() -> int:
+    """The micro-batch size the calculator was built with."""
+    return _get_calculator().micro_batch_size
+
+
 def update_num_microbatches(consumed_samples: int, consistency_check: bool = True) -> None:
     """Recompute the micro-batch count for `consumed_samples` (a no-op without ramp-up)."""
     _get_calculator().update(consumed_samples, consistency_check)
@@ -124,6 +129,14 @@ def build_num_microbatches_calculator(
         batch_size_increment,
         ramup_samples,
     )
+
+
+class BatchSizeConsistencyError(ValueError, AssertionError):
+    """A ramp-up step's global batch size is not a multiple of micro batch x data parallel.
+
+    A ValueError (the one-line user error); also an AssertionError, which Megatron r0.8 raises
+    here and library code (its unit tests among it) catches.
+    """
 
 
 class NumMicroBatchesCalculator(ABC):
@@ -234,7 +247,7 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         if consistency_check and (
             self.current_global_batch_size % self.micro_batch_times_data_parallel_size != 0
         ):
-            raise ValueError(
+            raise BatchSizeConsistencyError(
                 f'current global batch size ({self.current_global_batch_size}) is not divisible by '
                 f'micro-batch-size ({self.micro_batch_size}) times data parallel size '
                 f'({self.data_parallel_size})'

@@ -11,6 +11,21 @@ from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence
 
 
+class ParallelLayoutError(ValueError, RuntimeError):
+    """Sizes or an order that do not describe a layout of the world.
+
+    A ValueError (a user error, one line with the numbers); also a RuntimeError, which Megatron
+    r0.8 raises for these and library code (its unit tests among it) catches.
+    """
+
+
+class ModelParallelInitError(RuntimeError, AssertionError):
+    """initialize_model_parallel cannot run: no torch.distributed, or groups already exist.
+
+    Megatron r0.8 asserts both, so this is also an AssertionError for library code catching it.
+    """
+
+
 def _prefix_product(sizes: Sequence[int]) -> List[int]:
     out = [1]
     for size in sizes:
@@ -73,17 +88,17 @@ class RankGenerator:
         tokens = order.lower().split("-")
         for token in tokens:
             if token not in sizes:
-                raise ValueError(
+                raise ParallelLayoutError(
                     f"order {order!r}: unknown dimension {token!r} (expected tp/cp/ep/dp/pp)"
                 )
         if len(set(tokens)) != len(tokens):
-            raise ValueError(f"order {order!r} repeats a dimension")
+            raise ParallelLayoutError(f"order {order!r} repeats a dimension")
         if "ep" in tokens and "ep-dp" not in order and "dp-ep" not in order:
-            raise ValueError(f"order {order!r}: ep and dp must be adjacent")
+            raise ParallelLayoutError(f"order {order!r}: ep and dp must be adjacent")
         for name, size in sizes.items():
             if name not in tokens:
                 if size != 1:
-                    raise ValueError(
+                    raise ParallelLayoutError(
                         f"order {order!r} lacks {name!r} but its size is {size}, not 1"
                     )
                 tokens.append(name)
@@ -145,10 +160,10 @@ def _check_sizes(
     }
     for name, value in sizes.items():
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise ParallelLayoutError(f"{name} must be a positive integer, got {value!r}")
     model_size = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
     if world_size % model_size != 0:
-        raise ValueError(
+        raise ParallelLayoutError(
             f"world_size ({world_size}) is not divisible by tensor_model_parallel_size "
             f"({tensor_model_parallel_size}) x pipeline_model_parallel_size "
             f"({pipeline_model_parallel_size}) x context_parallel_size ({context_parallel_size}) "
@@ -158,7 +173,7 @@ def _check_sizes(
     if data_parallel_size % expert_model_parallel_size != 0:
         # Expert parallelism splits the data-parallel ranks only (Megatron core_r0.8's
         # initialize_model_parallel): dp x cp divisible by ep is not enough.
-        raise ValueError(
+        raise ParallelLayoutError(
             f"data parallel size ({data_parallel_size} = world size {world_size} / (TP "
             f"{tensor_model_parallel_size} x PP {pipeline_model_parallel_size} x CP "
             f"{context_parallel_size})) is not divisible by expert_model_parallel_size "
@@ -167,19 +182,19 @@ def _check_sizes(
         )
     if virtual_pipeline_model_parallel_size is not None:
         if pipeline_model_parallel_size <= 1:
-            raise ValueError(
+            raise ParallelLayoutError(
                 f"virtual_pipeline_model_parallel_size ({virtual_pipeline_model_parallel_size}) "
                 f"needs pipeline_model_parallel_size > 1, got {pipeline_model_parallel_size}"
             )
         if virtual_pipeline_model_parallel_size < 1:
-            raise ValueError(
+            raise ParallelLayoutError(
                 "virtual_pipeline_model_parallel_size must be >= 1, got "
                 f"{virtual_pipeline_model_parallel_size}"
             )
     if pipeline_model_parallel_split_rank is not None and not (
         0 <= pipeline_model_parallel_split_rank < pipeline_model_parallel_size
     ):
-        raise ValueError(
+        raise ParallelLayoutError(
             f"pipeline_model_parallel_split_rank ({pipeline_model_parallel_split_rank}) must be in "
             f"[0, pipeline_model_parallel_size ({pipeline_model_parallel_size}))"
         )
@@ -206,7 +221,7 @@ def hierarchical_context_parallel_groups(
         for size in sizes:
             product *= size
         if product != len(ranks):
-            raise ValueError(
+            raise ParallelLayoutError(
                 f"hierarchical context parallel sizes {sizes} multiply to {product}, not to the "
                 f"context parallel size {len(ranks)}"
             )

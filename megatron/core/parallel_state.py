@@ -28,6 +28,8 @@ import torch
 
 from megatron.core.global_memory_buffer import GlobalMemoryBuffer
 from megatron.core.parallel_layout import (  # noqa: F401 (re-exported, as in Megatron)
+    ModelParallelInitError,
+    ParallelLayoutError,
     RankGenerator,
     default_embedding_ranks,
     default_position_embedding_ranks,
@@ -181,11 +183,11 @@ def initialize_model_parallel(
             level 1 strided), for cp_comm_type 'a2a+p2p'.
 
     Raises:
-        RuntimeError: torch.distributed is not initialized.
-        ValueError: the sizes do not divide the world size (the message gives the numbers).
+        ModelParallelInitError: torch.distributed is not initialized, or groups already exist.
+        ParallelLayoutError: the sizes do not divide the world size (the message has numbers).
     """
     if not torch.distributed.is_initialized():
-        raise RuntimeError(
+        raise ModelParallelInitError(
             "initialize_model_parallel needs torch.distributed; call "
             "torch.distributed.init_process_group() first"
         )
@@ -205,7 +207,7 @@ def initialize_model_parallel(
         hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
     )
     if model_parallel_is_initialized():
-        raise RuntimeError(
+        raise ModelParallelInitError(
             "initialize_model_parallel called twice; call destroy_model_parallel() in between"
         )
     if (use_sharp or nccl_communicator_config_path is not None) and rank == 0:

@@ -14,7 +14,8 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
     Args:
         input_in_fp16: scores arrive in fp16.
         input_in_bf16: scores arrive in bf16.
-        attn_mask_type: causal builds a causal mask when none is given.
+        attn_mask_type: causal builds a causal mask when none is given (square scores only, as
+            in Megatron: sq != sk asserts; pass `causal_mask_for_queries(sq, sk)` instead).
         scaled_masked_softmax_fusion: accepted for API parity; the plain-torch path is always used.
         mask_func: fills masked positions (True in the mask) of the scores.
         softmax_in_fp32: compute the softmax in fp32 and cast back.
@@ -62,12 +63,10 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
 
         sq, sk = input.size(2), input.size(3)
         if self.attn_mask_type == AttnMaskType.causal and mask is None and sq > 1:
-            # Causal mask for the last sq queries against sk keys.
-            mask = (
-                get_default_causal_mask(sq, sk)
-                if sq == sk
-                else _offset_causal_mask(sq, sk, input.device)
-            )
+            # sq == 1 is one query (a decode step against a KV cache): it sees every key. Other
+            # shapes need the caller's mask (see causal_mask_for_queries), as in Megatron.
+            assert sq == sk, "causal mask is only for self attention"
+            mask = get_default_causal_mask(sq, sk)
 
         mask_output = self.mask_func(input, mask) if mask is not None else input
         probs = torch.nn.Softmax(dim=-1)(mask_output)
@@ -77,6 +76,7 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
         return probs
 
 
-def _offset_causal_mask(sq: int, sk: int, device) -> torch.Tensor:
-    # Queries are the last sq positions of a length-sk sequence.
+def causal_mask_for_queries(sq: int, sk: int, device) -> torch.Tensor:
+    """bool [sq, sk], True = masked: the queries are the last sq positions of sk keys (a prefill
+    chunk after a KV cache). For sq == sk it is the usual upper triangle."""
     return torch.triu(torch.ones(sq, sk, dtype=torch.bool, device=device), diagonal=sk - sq + 1)

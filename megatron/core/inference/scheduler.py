@@ -76,9 +76,12 @@ class Scheduler:
     def update_requests_pools(self, result_dict: Optional[Dict[str, InferenceRequest]] = None):
         """Move the COMPLETED requests of `result_dict` from active to completed, then refill the
         active pool from the waiting one."""
-        for request_id, request in (result_dict or {}).items():
+        # A snapshot of the ids: `result_dict` may be the active pool itself (as when a caller
+        # passes scheduler.active_request_pool back), which this loop shrinks.
+        for request_id in list(result_dict or {}):
+            request = self.active_request_pool.get(request_id, result_dict[request_id])
             if request.status == Status.COMPLETED:
-                self.active_request_pool.pop(request_id)
+                self.active_request_pool.pop(request_id, None)
                 self.completed_request_pool[request_id] = request
         while (
             len(self.active_request_pool) < self.max_batch_size

@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import p2p_communication
 from megatron.core.pipeline_parallel.microbatch_step import (
+    PipelineScheduleError,
     backward_step,
     check_first_val_step,
     deallocate_output_tensor,
@@ -570,28 +571,30 @@ class _InterleavedSchedule:
         )
 
 
-def _check_chunks(model, data_iterator):
-    """Raise ValueError unless model and data_iterator are per-chunk lists of one length."""
-    if not isinstance(model, list):
-        raise ValueError("interleaving needs a list of model chunks (one per virtual stage)")
+def _check_chunks(model, data_iterator) -> list:
+    """Per-chunk data iterators: a list of one per chunk, or one iterator (or None) shared by
+    every chunk, as Megatron r0.8 takes it; raises PipelineScheduleError otherwise."""
     if not isinstance(data_iterator, list):
-        raise ValueError("interleaving needs a list of data iterators (one per model chunk)")
+        return [data_iterator] * len(model)
     if len(data_iterator) != len(model):
-        raise ValueError(
+        raise PipelineScheduleError(
             f"got {len(data_iterator)} data iterators for {len(model)} model chunks; "
-            "pass one per chunk"
+            "pass one per chunk, or a single iterator shared by every chunk"
         )
+    return data_iterator
 
 
 def _check_config(model, config, num_microbatches, seq_length, decoder_seq_length):
     """Raise ValueError for settings the interleaved schedule cannot run."""
     if config.overlap_p2p_comm and config.batch_p2p_comm:
-        raise ValueError("Can not use both overlap_p2p_comm and batch_p2p_comm")
+        raise PipelineScheduleError("Can not use both overlap_p2p_comm and batch_p2p_comm")
     validate_pipeline_config(config, num_microbatches, num_model_chunks=len(model))
     if get_model_type(model[0]) == ModelType.encoder_and_decoder:
-        raise ValueError("Interleaving is not supported with an encoder and decoder model.")
+        raise PipelineScheduleError(
+            "Interleaving is not supported with an encoder and decoder model."
+        )
     if decoder_seq_length is not None and decoder_seq_length != seq_length:
-        raise ValueError(
+        raise PipelineScheduleError(
             f"Interleaving is not supported with a different decoder sequence length "
             f"(decoder_seq_length={decoder_seq_length}, seq_length={seq_length})."
         )
@@ -643,8 +646,9 @@ def forward_backward_pipelining_with_interleaving(
 
     Each rank holds `len(model)` chunks; chunk c of rank r is virtual stage c * pp + r.
     Micro-batches go through the chunks in groups of pp: the k-th forward step runs chunk
-    (k mod (pp * v)) // pp, the k-th backward step the mirrored chunk. `model` and
-    `data_iterator` are lists with one entry per chunk.
+    (k mod (pp * v)) // pp, the k-th backward step the mirrored chunk. `model` is a list with
+    one entry per chunk; `data_iterator` is such a list too, or one iterator (or None) that every
+    chunk reads from.
 
     The pipeline is `pp_group` (None: the global pipeline group): its rank and size place this
     rank's stages, and every send and receive goes to its neighbours there (the last stage's
@@ -654,9 +658,14 @@ def forward_backward_pipelining_with_interleaving(
     Returns:
         The list of loss-reduction dicts on the last stage, [] on the others.
     """
-    _check_chunks(model, data_iterator)
+    if not isinstance(model, list):
+        raise PipelineScheduleError(
+            "interleaving needs a list of model chunks (one per virtual stage)"
+        )
     config = get_model_config(model[0])
+    # The layout is checked before the iterators (Megatron raises its errors first).
     _check_config(model, config, num_microbatches, seq_length, decoder_seq_length)
+    data_iterator = _check_chunks(model, data_iterator)
     start_timer(config, 'forward-backward')
 
     num_chunks = len(model)

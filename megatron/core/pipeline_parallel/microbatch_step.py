@@ -17,8 +17,16 @@ from megatron.core.enums import ModelType
 from megatron.core.utils import get_attr_wrapped_model, get_current_device, get_model_type
 
 
+class PipelineScheduleError(ValueError, RuntimeError):
+    """A layout or setting the schedules cannot run.
+
+    A ValueError (a user error, one line with the numbers); also a RuntimeError, which Megatron
+    r0.8's schedules raise for these and library code (its unit tests among it) catches.
+    """
+
+
 def validate_pipeline_config(config, num_microbatches: int, num_model_chunks: int = 1) -> None:
-    """Raise ValueError for layouts no schedule can run; called before any communication.
+    """Raise PipelineScheduleError for layouts no schedule can run, before any communication.
 
     Checks that config.num_layers (when the config has one) splits evenly over
     pipeline size x virtual size, and that the interleaved schedule gets a number of
@@ -32,9 +40,9 @@ def validate_pipeline_config(config, num_microbatches: int, num_model_chunks: in
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if num_microbatches < 1:
-        raise ValueError(f"num_microbatches ({num_microbatches}) must be at least 1")
+        raise PipelineScheduleError(f"num_microbatches ({num_microbatches}) must be at least 1")
     if vp_size is not None and num_model_chunks != vp_size:
-        raise ValueError(
+        raise PipelineScheduleError(
             f"got {num_model_chunks} model chunks but virtual_pipeline_model_parallel_size is "
             f"{vp_size}; pass one model chunk per virtual stage"
         )
@@ -44,24 +52,24 @@ def validate_pipeline_config(config, num_microbatches: int, num_model_chunks: in
         # Encoder-decoder: config.num_layers is the encoder depth, spread over the stages before
         # the split (the model checks the decoder's share).
         if vp_size is not None:
-            raise ValueError(
+            raise PipelineScheduleError(
                 "interleaved (virtual) pipelines are not supported for encoder-decoder models "
                 f"(pipeline_model_parallel_split_rank {split_rank})"
             )
         if num_layers % split_rank != 0:
-            raise ValueError(
+            raise PipelineScheduleError(
                 f"encoder num_layers ({num_layers}) is not divisible by the "
                 f"{split_rank} encoder pipeline stages (pipeline_model_parallel_split_rank)"
             )
     elif num_layers is not None:
         stages = pp_size * (vp_size or 1)
         if num_layers % stages != 0:
-            raise ValueError(
+            raise PipelineScheduleError(
                 f"num_layers ({num_layers}) is not divisible by pipeline_model_parallel_size "
                 f"({pp_size}) x virtual_pipeline_model_parallel_size ({vp_size or 1}) = {stages}"
             )
     if vp_size is not None and num_microbatches % pp_size != 0:
-        raise ValueError(
+        raise PipelineScheduleError(
             f"number of microbatches ({num_microbatches}) is not divisible by "
             f"pipeline-model-parallel-size ({pp_size}) when using interleaved schedule"
         )

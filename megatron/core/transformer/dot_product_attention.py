@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from megatron.core import tensor_parallel
-from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax, causal_mask_for_queries
 from megatron.core.packed_seq_params import (
     PackedSeqParams,
     packed_real_rows,
@@ -288,7 +288,11 @@ class DotProductAttention(MegatronModule):
         attention_scores = matmul_result.view(b, np_, sq, sk)  # [b, np, sq, sk]
 
         if attn_mask_type == AttnMaskType.causal:
-            attention_mask = None  # causal layers ignore the passed mask (see `_can_use_sdpa`)
+            # Causal layers ignore the passed mask (see `_can_use_sdpa`); the softmax builds the
+            # square one, and queries after a KV cache get theirs here.
+            attention_mask = (
+                None if sq == sk or sq == 1 else causal_mask_for_queries(sq, sk, query.device)
+            )
         attention_probs = self.scale_mask_softmax(attention_scores, attention_mask)
 
         if not self.config.sequence_parallel:

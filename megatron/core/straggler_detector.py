@@ -26,6 +26,7 @@ from typing import List, Tuple
 import torch
 
 from megatron.core.device import get_current_device, uses_cuda
+from megatron.core.straggler_controller import StragglerController
 
 logger = logging.getLogger('megatron.core.utils')
 
@@ -75,6 +76,10 @@ class StragglerDetector:
         return cls._instance
 
     def _set_defaults(self):
+        controller = getattr(self, 'controller', None)
+        if controller is not None:
+            controller.stop()
+        self.controller = None
         self.world = 1
         self.rank = 0
         self.mmcnt = 1
@@ -96,6 +101,7 @@ class StragglerDetector:
         port: int = 65535,
         prefill: int = 1024,
         enabled: bool = False,
+        ctrlr_host: str = '127.0.0.1',
     ) -> None:
         """Arm the detector (Megatron's signature; `prefill` sizes CUDA-event queues there).
 
@@ -104,8 +110,11 @@ class StragglerDetector:
             rank: this rank.
             mmcnt: with > 1, also log this many slowest and fastest ranks by throughput.
             amp: kept for API parity (Megatron's amplification factor of its timing loop).
-            port: the on/off controller's port (the controller is not implemented).
-            enabled: start timing now; with False every call stays a no-op.
+            port: rank 0 listens here for HTTP requests that flip the detector on / off at the
+                next report (straggler_controller.py); 0 picks a free port, None starts none.
+            enabled: start timing now; with False every call stays a no-op until switched on.
+            ctrlr_host: the controller's address (Megatron listens on all interfaces; the
+                default here is loopback only).
         """
         if mmcnt < 1:
             raise ValueError(f'StragglerDetector: mmcnt must be >= 1, got {mmcnt}')
@@ -113,6 +122,15 @@ class StragglerDetector:
         self.world, self.rank, self.mmcnt, self.amp, self.port = world, rank, mmcnt, amp, port
         self._enabled = bool(enabled)
         StragglerDetector._configured = True
+        if rank == 0 and port is not None:
+            self.controller = StragglerController(is_off=lambda: not self._enabled)
+            self.controller.start(port, ctrlr_host)
+
+    def stop_controller(self) -> None:
+        """Close the on/off controller's port (rank 0), if one is running."""
+        if self.controller is not None:
+            self.controller.stop()
+            self.controller = None
 
     @property
     def configured(self) -> bool:
@@ -177,10 +195,15 @@ class StragglerDetector:
             log_interval: iterations in the interval (the per-iteration averages divide by it).
 
         Returns:
-            True if a report was made (enabled and log_interval > 0), else False.
+            True if a report was made (enabled and log_interval > 0), else False. Either way a
+            flip requested through the controller since the last report is applied on every
+            rank (one broadcast from rank 0 when configured with more than one rank).
         """
-        if not self._enabled or log_interval <= 0:
-            return False
+        made = self._enabled and log_interval > 0 and self._report(total_flops, log_interval)
+        self._check_toggle()
+        return made
+
+    def _report(self, total_flops: float, log_interval: int) -> bool:
         compute_ms, data_ms = self.elapsed()
         rtt = compute_ms / log_interval
         flops_per_iteration = total_flops / log_interval
@@ -192,6 +215,27 @@ class StragglerDetector:
             self._log(per_rank)
         self.reset()
         return True
+
+    def _check_toggle(self) -> None:
+        if not StragglerDetector._configured:
+            return
+        off = not self._enabled
+        if self.rank == 0 and self.controller is not None and self.controller.take_toggle():
+            off = not off
+        if (
+            self.world > 1
+            and torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+        ):
+            state = torch.tensor([int(off)], dtype=torch.int32, device=get_current_device())
+            torch.distributed.broadcast(state, 0)
+            off = bool(state.item())
+        if off == self._enabled:  # the state flips
+            self._enabled = not off
+            self.reset()
+            self._section_start = None
+            if self.rank == 0:
+                logger.info(f'Toggling StragglerDetector State {"OFF" if off else "ON"}')
 
     def _gather(self, values: List[float]) -> List[List[float]]:
         """values of every rank, indexed by rank."""

@@ -104,8 +104,6 @@ UNSUPPORTED_FLAGS = {
     '--one-logger-async': _ONE_LOGGER,
     '--app-tag-run-name': _ONE_LOGGER,
     '--app-tag-run-version': _ONE_LOGGER,
-    # Straggler detection: the run-time on/off HTTP controller is not implemented.
-    '--straggler-ctrlr-port': 'the straggler detector\'s HTTP on/off controller is not implemented',
     # Others.
     '--adlr-autoresume': 'ADLR autoresume (a cluster-internal service) is not available',
     '--adlr-autoresume-interval': 'ADLR autoresume (a cluster-internal service) is not available',

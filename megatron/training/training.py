@@ -916,6 +916,8 @@ def train(
                     gc.collect()
     finally:
         profiler.close()
+        if args.log_straggler:  # close the on/off controller's port (rank 0)
+            StragglerDetector().stop_controller()
 
     progress('after training', state.iteration, deadline=False)
     if args.async_save:  # exits (SIGTERM, --exit-interval) wait for the pending save

@@ -14,7 +14,7 @@ from tests.unit_tests.dist_utils import run_distributed
 def test_singleton_and_no_op_until_enabled():
     stimer = StragglerDetector()
     assert StragglerDetector() is stimer
-    stimer.configure(1, 0, enabled=False)
+    stimer.configure(1, 0, port=None, enabled=False)
     with stimer:
         time.sleep(0.01)
     assert stimer.elapsed() == (0.0, 0.0)
@@ -23,7 +23,7 @@ def test_singleton_and_no_op_until_enabled():
 
 def test_compute_and_data_sections_are_timed_apart(caplog):
     stimer = StragglerDetector()
-    stimer.configure(1, 0, enabled=True)
+    stimer.configure(1, 0, port=None, enabled=True)
     try:
         with stimer(bdata=True):
             time.sleep(0.02)
@@ -40,13 +40,13 @@ def test_compute_and_data_sections_are_timed_apart(caplog):
         assert line.split('MnRtt/Rnk: ')[1].startswith(f'{compute_ms / 2:.2f}ms/0')
         assert stimer.elapsed() == (0.0, 0.0)  # report() starts a new interval
     finally:
-        stimer.configure(1, 0, enabled=False)
+        stimer.configure(1, 0, port=None, enabled=False)
 
 
 def _straggler_body():
     rank = torch.distributed.get_rank()
     stimer = StragglerDetector()
-    stimer.configure(2, rank, mmcnt=2, enabled=True)
+    stimer.configure(2, rank, mmcnt=2, port=None, enabled=True)
     with stimer:
         time.sleep(0.02 if rank == 0 else 0.12)  # rank 1 is the straggler
     lines = []
@@ -63,7 +63,7 @@ def _straggler_body():
         reported = stimer.report(total_flops=1e12, log_interval=1)
     finally:
         logger.removeHandler(handler)
-        stimer.configure(1, 0, enabled=False)
+        stimer.configure(1, 0, port=None, enabled=False)
     return reported, lines
 
 
@@ -94,3 +94,35 @@ def test_weight_hashes_match_only_for_identical_replicas():
     assert run_distributed(_hash_body, world_size=2, args=(-1,)) == [True, True]
     # Rank 1 differs from DP rank 0 by one ulp-scale change in one bias.
     assert run_distributed(_hash_body, world_size=2, args=(1,)) == [True, False]
+
+
+def _toggle_body():
+    import socket
+
+    from megatron.core.utils import StragglerDetector
+
+    rank = torch.distributed.get_rank()
+    detector = StragglerDetector()
+    detector.configure(2, rank, port=0, enabled=True)
+    try:
+        if rank == 0:
+            with socket.create_connection(('127.0.0.1', detector.controller.port), timeout=5) as c:
+                c.sendall(b'GET / HTTP/1.0\r\n\r\n')
+                c.settimeout(5)
+                reply = c.recv(1024).decode()
+        else:
+            reply = None
+            assert detector.controller is None  # only rank 0 listens
+        torch.distributed.barrier()
+        before = detector.enabled
+        detector.report(1.0, 1)  # rank 0's flip is broadcast: both switch off together
+        return reply, before, detector.enabled
+    finally:
+        detector.stop_controller()
+        detector.configure(1, 0, port=None)
+
+
+def test_controller_flip_reaches_every_rank_at_the_same_report():
+    (reply, before0, after0), (_, before1, after1) = run_distributed(_toggle_body, world_size=2)
+    assert 'Will turn StragglerDetector OFF' in reply
+    assert (before0, after0, before1, after1) == (True, False, True, False)

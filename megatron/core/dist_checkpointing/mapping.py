@@ -226,6 +226,19 @@ class ShardedObject(ShardedBase):
     def without_data(self) -> 'ShardedObject':
         return replace(self, data=None)
 
+    @classmethod
+    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> 'ShardedObject':
+        """The data-less ShardedObject whose `unique_key` is `unique_key`."""
+        key, shard = unique_key.rsplit('/shard_', 1)
+        offsets, shape = shard.split('_')
+        return cls(
+            key,
+            None,
+            tuple(int(x) for x in shape.split('.')),
+            tuple(int(x) for x in offsets.split('.')),
+            replica_id,
+        )
+
 
 @dataclass
 class ShardedTensorFactory(ShardedBase):

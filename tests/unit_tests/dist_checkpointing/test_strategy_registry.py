@@ -52,7 +52,7 @@ def test_registry_returns_the_torch_dist_strategies():
 def _save_patched_then_tuple(root):
     """Save once through a patched default (as Megatron's conftest does) and once with a tuple."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import diff
     from megatron.core.dist_checkpointing.strategies.base import (
         StrategyAction,
@@ -68,7 +68,11 @@ def _save_patched_then_tuple(root):
 
     def state(scale):
         rows = torch.arange(8.0).view(2, 4)[rank : rank + 1] * scale
-        return {'w': ShardedTensor.from_rank_offsets('w', rows.clone(), (0, rank, 2)), 'it': 3}
+        return {
+            'w': ShardedTensor.from_rank_offsets('w', rows.clone(), (0, rank, 2)),
+            'o': ShardedObject('obj', {'rank': rank}, (2,), (rank,)),
+            'it': 3,
+        }
 
     dirs = [os.path.join(root, name) for name in ('a', 'b', 'c')]
     if rank == 0:
@@ -82,19 +86,26 @@ def _save_patched_then_tuple(root):
     dist_checkpointing.save(state(2.0), dirs[2])
     plain = [dist_checkpointing.load_plain_tensors(d) for d in dirs]
     metadata = dist_checkpointing.load_sharded_metadata(dirs[0])
+    objects = sorted((k, v.key, v.global_offset, v.data) for k, v in metadata.items() if k != 'w')
     return (
         len(calls),
         diff(plain[0], plain[1]),
         diff(plain[0], plain[2]),
         tuple(metadata['w'].global_shape),
+        objects,
     )
 
 
 def test_patched_default_and_tuple_strategy_are_used(tmp_path):
-    calls, same, different, shape = run_distributed(
+    calls, same, different, shape, objects = run_distributed(
         _save_patched_then_tuple, world_size=2, args=(str(tmp_path),)
     )[0]
     assert calls == 1
+    # load_sharded_metadata lists the object shards too, by unique key, without data.
+    assert objects == [
+        ('obj/shard_0_2', 'obj', (0,), None),
+        ('obj/shard_1_2', 'obj', (1,), None),
+    ]
     assert same == ([], [], [])
     assert different == ([], [], [(('w',), torch.Tensor, torch.Tensor)])
     assert shape == (2, 4)

@@ -734,6 +734,20 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 )
         return out
 
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def load_sharded_metadata(self, checkpoint_dir: str) -> Dict[str, Any]:
+        """load_tensors_metadata plus a data-less ShardedObject per stored object shard, keyed
+        by its unique key (`{key}/shard_{offsets}_{shape}`), as Megatron's."""
+        out: Dict[str, Any] = {}
+        for key, md in read_metadata(checkpoint_dir).state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata) and '/shard_' in key:
+                out[key] = ShardedObject.empty_from_unique_key(key)
+        out.update(self.load_tensors_metadata(checkpoint_dir))
+        return out
+
     def stored_keys(self, checkpoint_dir: str) -> set:
         """Every tensor key and object unique key in the checkpoint."""
         return set(read_metadata(checkpoint_dir).state_dict_metadata)

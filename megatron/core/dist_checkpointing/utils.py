@@ -22,8 +22,10 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
 from megatron.core.dist_checkpointing.mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
     ShardedObject,
     ShardedStateDict,
     ShardedTensor,
@@ -257,3 +259,36 @@ def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -
     """Prepend `prefix` to the key of every sharded leaf (objects included)."""
     for sh in _sharded_leaves(sharded_state_dict):
         sh.key = f'{prefix}{sh.key}'
+
+
+# Megatron's splitters of a sharded state dict: each returns (matching leaves, the rest).
+
+
+def extract_sharded_tensors(sharded_state_dict: ShardedStateDict):
+    """(ShardedTensors, everything else)."""
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedTensor))
+
+
+def extract_sharded_tensors_and_factories(sharded_state_dict: ShardedStateDict):
+    """(ShardedTensors and ShardedTensorFactories, everything else)."""
+    return extract_matching_values(
+        sharded_state_dict, lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory))
+    )
+
+
+def extract_sharded_tensors_or_nonpersistent(sharded_state_dict: ShardedStateDict):
+    """(ShardedTensors, factories and LocalNonpersistentObjects, everything else)."""
+    kinds = (ShardedTensor, ShardedTensorFactory, LocalNonpersistentObject)
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, kinds))
+
+
+def extract_sharded_base(sharded_state_dict: ShardedStateDict):
+    """(every ShardedBase: tensors, objects, factories; everything else)."""
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+
+
+def extract_nonpersistent(sharded_state_dict: ShardedStateDict):
+    """(LocalNonpersistentObjects, everything else)."""
+    return extract_matching_values(
+        sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
+    )

@@ -134,3 +134,30 @@ def test_dict_utils_diff_map_reduce_outplace():
 
     grouped = map_reduce(['ab', 'ac', 'b'], key_fn=lambda s: s[0], value_fn=len, reduce_fn=sum)
     assert grouped == {'a': 4, 'b': 1}
+
+
+def test_state_dict_splitters():
+    from megatron.core.dist_checkpointing import (
+        LocalNonpersistentObject,
+        ShardedObject,
+        ShardedTensor,
+    )
+    from megatron.core.dist_checkpointing.utils import (
+        extract_nonpersistent,
+        extract_sharded_base,
+        extract_sharded_tensors,
+        extract_sharded_tensors_or_nonpersistent,
+    )
+
+    ten = ShardedTensor.from_rank_offsets('t', torch.zeros(2))
+    obj = ShardedObject('o', 1, (1,), (0,))
+    local = LocalNonpersistentObject(5)
+    sd = {'a': {'t': ten, 'o': obj}, 'n': local, 'c': 7}
+    tensors, rest = extract_sharded_tensors(sd)
+    assert tensors == {'a': {'t': ten}} and rest == {'a': {'o': obj}, 'n': local, 'c': 7}
+    base, rest = extract_sharded_base(sd)
+    assert base == {'a': {'t': ten, 'o': obj}} and rest == {'n': local, 'c': 7}
+    nonpersistent, rest = extract_nonpersistent(sd)
+    assert nonpersistent == {'n': local} and 'n' not in rest
+    either, rest = extract_sharded_tensors_or_nonpersistent(sd)
+    assert either == {'a': {'t': ten}, 'n': local} and rest == {'a': {'o': obj}, 'c': 7}

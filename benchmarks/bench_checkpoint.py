@@ -49,12 +49,11 @@ import gc
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_checkpoint_common import REPO, _free_port, _synthetic_step
 
 
 def _parse():
@@ -92,12 +91,6 @@ def _parse():
     return parser.parse_args()
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
-        return sock.getsockname()[1]
-
-
 def _optimizer_state_bytes(model, optimizer) -> int:
     """Bytes of optimizer state tensors + main params that are not views of model params."""
     import torch
@@ -118,22 +111,6 @@ def _optimizer_state_bytes(model, optimizer) -> int:
                 seen.add(param.data_ptr())
                 total += param.numel() * param.element_size()
     return total
-
-
-def _synthetic_step(model, optimizer, opt_param_scheduler, args):
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    for chunk in model:
-        for param in chunk.parameters():
-            grad = torch.randn(param.shape, generator=gen) * 1e-3
-            param.main_grad.copy_(grad.to(param.main_grad.device, param.main_grad.dtype))
-    optimizer.step()
-    opt_param_scheduler.step(increment=args.global_batch_size)
-    args.consumed_train_samples += args.global_batch_size
 
 
 def _rank_main(rank, world_size, port, bench, use_dist_opt, ckpt_dir, result_file):

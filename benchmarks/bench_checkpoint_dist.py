@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from bench_checkpoint import REPO, _free_port, _synthetic_step
+from bench_checkpoint_common import REPO, _free_port, _synthetic_step
 
 
 def _argv(bench, ckpt_dir, tp, pp, world_size, dist_opt, extra=()):

@@ -22,8 +22,10 @@ torch_dist (`--format torch_dist`, distributed checkpoints; --use-distributed-op
 
 - sync save / load vs torch.save / torch.load of the same bytes (each rank its own .distcp
   bytes; goal <= 1.5);
-- async save: the time the training loop is blocked (planning + staging copy) as a share of the
-  sync save (goal <= 0.1), and the time until the background write is finalized;
+- async save: the time the training loop is blocked (the save call: planning) as a share of the
+  sync save (goal <= 0.1), when the snapshot (the staging copy, in the writer thread) is taken
+  (the next optimizer step waits for it if the forward and backward end earlier), and the time
+  until the background write is finalized;
 - fully parallel save at the run's DP vs a single writer per DP group
   (--no-ckpt-fully-parallel-save), DP > 1 only;
 - resharded load: saved at --tp x --pp, loaded at --load-tp x --load-pp (same world size) vs the

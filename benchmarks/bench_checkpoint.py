@@ -22,8 +22,10 @@ torch_dist (`--format torch_dist`, distributed checkpoints; --use-distributed-op
 
 - sync save / load vs torch.save / torch.load of the same bytes (each rank its own .distcp
   bytes; goal <= 1.5);
-- async save: the time the training loop is blocked (planning + staging copy) as a share of the
-  sync save (goal <= 0.1), and the time until the background write is finalized;
+- async save: the time the training loop is blocked (the save call: planning) as a share of the
+  sync save (goal <= 0.1), when the snapshot (the staging copy, in the writer thread) is taken
+  (the next optimizer step waits for it if the forward and backward end earlier), and the time
+  until the background write is finalized;
 - fully parallel save at the run's DP vs a single writer per DP group
   (--no-ckpt-fully-parallel-save), DP > 1 only;
 - resharded load: saved at --tp x --pp, loaded at --load-tp x --load-pp (same world size) vs the
@@ -49,12 +51,11 @@ import gc
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_checkpoint_common import REPO, _free_port, _synthetic_step
 
 
 def _parse():
@@ -92,12 +93,6 @@ def _parse():
     return parser.parse_args()
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
-        return sock.getsockname()[1]
-
-
 def _optimizer_state_bytes(model, optimizer) -> int:
     """Bytes of optimizer state tensors + main params that are not views of model params."""
     import torch
@@ -118,22 +113,6 @@ def _optimizer_state_bytes(model, optimizer) -> int:
                 seen.add(param.data_ptr())
                 total += param.numel() * param.element_size()
     return total
-
-
-def _synthetic_step(model, optimizer, opt_param_scheduler, args):
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    for chunk in model:
-        for param in chunk.parameters():
-            grad = torch.randn(param.shape, generator=gen) * 1e-3
-            param.main_grad.copy_(grad.to(param.main_grad.device, param.main_grad.dtype))
-    optimizer.step()
-    opt_param_scheduler.step(increment=args.global_batch_size)
-    args.consumed_train_samples += args.global_batch_size
 
 
 def _rank_main(rank, world_size, port, bench, use_dist_opt, ckpt_dir, result_file):

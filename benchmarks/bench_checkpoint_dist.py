@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from bench_checkpoint import REPO, _free_port, _synthetic_step
+from bench_checkpoint_common import REPO, _free_port, _synthetic_step
 
 
 def _argv(bench, ckpt_dir, tp, pp, world_size, dist_opt, extra=()):
@@ -123,8 +123,9 @@ class _Meter:
         wall = time.perf_counter() - start
         return wall, self._sum(time.process_time() - cpu0)
 
-    def measure_async(self, save, finalize, writers_finished, name=None):
-        """(blocked s (slowest rank), main-thread CPU s (all ranks), finalize s, total s)."""
+    def measure_async(self, save, finalize, writers_finished, wait_staged, name=None):
+        """(blocked s (slowest rank), main-thread CPU s (all ranks), finalize s, total s,
+        snapshot taken after s (slowest rank))."""
         torch = self.torch
         torch.distributed.barrier()
         start, cpu0 = time.perf_counter(), time.thread_time()
@@ -132,6 +133,10 @@ class _Meter:
             self._profiled(save, name)
         blocked = time.perf_counter() - start
         blocked_cpu = time.thread_time() - cpu0
+        # Training's next optimizer step waits for the snapshot only if its forward and
+        # backward take less than this (from the start of the save call).
+        wait_staged()
+        staged = time.perf_counter() - start
         while not writers_finished():  # the background write (training would run meanwhile)
             time.sleep(0.01)
         torch.distributed.barrier()
@@ -145,6 +150,7 @@ class _Meter:
             self._sum(blocked_cpu),
             end - fin_start,
             end - start,
+            self._sum(staged, 'max'),
         )
 
 
@@ -241,6 +247,7 @@ def _save_phase(torch, args, state, meter, ckpt_dir, rank, bench, phase):
                 lambda: checkpointing.save_checkpoint(it, *state, 0),
                 lambda: checkpointing.maybe_finalize_async_save(blocking=True),
                 checkpointing_dist.async_writers_finished,
+                checkpointing_dist.wait_for_async_staging,
                 f'{phase}_async' if i == bench.repeats else None,
             )
         )
@@ -362,13 +369,19 @@ def _report_async(saved):
         cpu = [r[1] for r in rows]
         fin = [r[2] for r in rows]
         total = [r[3] for r in rows]
+        staged = [r[4] for r in rows]
         share = statistics.median(blocked) / sync_wall
         cpu_share = statistics.median(cpu) / sync_cpu
-        out[what] = {'blocked_share': share, 'cpu_share': cpu_share}
+        out[what] = {
+            'blocked_share': share,
+            'cpu_share': cpu_share,
+            'staged_s': statistics.median(staged),
+        }
         print(
             f'async save ({what}, {len(rows)}x) blocked {_fmt(blocked, 3)} s = {share:.3f} of '
             f'the sync save (median); main-thread CPU {statistics.median(cpu):.2f} s = '
-            f'{cpu_share:.3f} of the sync save CPU; finalize {_fmt(fin, 3)} s; written and '
+            f'{cpu_share:.3f} of the sync save CPU; snapshot taken after {_fmt(staged, 3)} s '
+            f'(overlaps the next forward/backward); finalize {_fmt(fin, 3)} s; written and '
             f'finalized after {statistics.median(total):.2f} s',
             flush=True,
         )

@@ -94,7 +94,10 @@ from megatron.training.checkpoint_tracker import (  # noqa: F401
     fsync_path,
     write_tracker_atomically,
 )
-from megatron.training.checkpointing_dist import maybe_finalize_async_save  # noqa: F401
+from megatron.training.checkpointing_dist import (  # noqa: F401
+    maybe_finalize_async_save,
+    wait_for_async_staging,
+)
 
 #: Classes `torch.load(weights_only=True)` may build besides tensors and plain containers.
 SAFE_GLOBALS = [argparse.Namespace, ModelType]
@@ -720,6 +723,7 @@ def load_checkpoint(
             state requested but absent from the checkpoint.
     """
     args = get_args()
+    wait_for_async_staging()  # loading overwrites what a pending save may still be copying
     model = unwrap_model(model if isinstance(model, list) else [model])
     load_dir = _resolve_load_dir(args, load_arg)
 

@@ -20,7 +20,9 @@ Crash safety: files go into `iter_XXXXXXX/` (a leftover of a killed save there i
 first; the tracker never names it), `metadata.json` is written after every rank's files are
 complete, the tracker after that. With `--async-save` the files are written by a background
 thread; the tracker moves at the first iteration after every rank finished (or at the next
-save / the end of training / a SIGTERM exit, which wait).
+save / the end of training / a SIGTERM exit, which wait). That thread first copies the saved
+tensors to CPU while the next forward and backward run; every optimizer step (a torch optimizer
+step pre-hook) and every load wait for that copy before they change the parameters.
 """
 
 import os
@@ -28,6 +30,7 @@ import shutil
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
@@ -77,6 +80,7 @@ from megatron.training.checkpointing_dist_optimizer import (
 )
 
 _ASYNC_QUEUE = AsyncCallsQueue()
+_STEP_HOOK = []  # the handle of the optimizer-step hook that waits for async staging
 _SAVE_STRATEGY = {}
 
 
@@ -293,6 +297,7 @@ def save_dist_checkpoint(
         # the verdict broadcast that ends it lets the other ranks go on.
         request.add_coordinator_fn(lambda _results: write_tracker_atomically(args.save, iteration))
         request.add_finalize_fn(announce)
+        _wait_for_staging_before_optimizer_steps()
         _ASYNC_QUEUE.schedule_async_request(request)
         print_rank_0(
             f'  scheduled an async checkpoint save at iteration {iteration:7d} to {args.save}'
@@ -310,6 +315,24 @@ def maybe_finalize_async_save(blocking: bool = False, announce: bool = False) ->
     if blocking and announce:
         print_rank_0('Unfinalized async checkpoint saves. Finalizing them synchronously now.')
     _ASYNC_QUEUE.maybe_finalize_async_calls(blocking)
+
+
+def wait_for_async_staging() -> None:
+    """Block until every pending background save holds its CPU snapshot (local, no
+    collective): after it the saved parameters and optimizer state may change."""
+    _ASYNC_QUEUE.wait_for_staging()
+
+
+def _wait_for_staging_before_optimizer_steps() -> None:
+    """Make every torch optimizer step (a parameter update, whoever calls it) wait for the
+    snapshot of a pending background save; registered once per process."""
+    if _STEP_HOOK:
+        return
+
+    def hook(_optimizer, _args, _kwargs):
+        _ASYNC_QUEUE.wait_for_staging()
+
+    _STEP_HOOK.append(register_optimizer_step_pre_hook(hook))
 
 
 def async_writers_finished() -> bool:

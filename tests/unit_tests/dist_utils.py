@@ -15,10 +15,10 @@ How it works:
 
 - One persistent pool of worker processes per (world size, backend), at most `MAX_POOLS` alive
   (least recently used closed first). Workers are forked from a clean forkserver that has
-  imported torch once (or spawned, see START_METHOD). Each runs `torch.set_num_threads(1)`,
-  joins a gloo (or, with backend="nccl", NCCL) default process group on a free TCP port once,
-  then loops over jobs. Starting processes and importing torch is the slow part, so pools are
-  reused across tests.
+  imported torch and the heavy megatron modules once (or spawned, see START_METHOD). Each runs
+  `torch.set_num_threads(1)`, joins a gloo (or, with backend="nccl", NCCL) default process
+  group on a free TCP port once, then loops over jobs. Starting processes and importing torch
+  is the slow part, so pools are reused across tests.
 - Per job every rank: `destroy_model_parallel()`, `initialize_model_parallel(tp, pp, vpp,
   split_rank, context_parallel_size=cp, expert_model_parallel_size=ep)`, reset RNG
   (`torch.manual_seed(1234)` and `model_parallel_cuda_manual_seed(1234)`), run `fn(*args,
@@ -47,8 +47,9 @@ import torch.multiprocessing as mp
 
 #: Seed every rank's RNGs are reset to before each job.
 SEED = 1234
-#: Most pools (world size, backend) kept alive at once.
-MAX_POOLS = 2
+#: Most pools (world size, backend) kept alive at once: the suite's jobs use 1, 2 and 4 ranks
+#: in every order, and a pool evicted between them costs a restart (processes, gloo, imports).
+MAX_POOLS = 3
 #: Seconds to wait for a fresh pool's workers to join the default process group.
 POOL_START_TIMEOUT = 180.0
 #: After one rank failed, seconds to wait for the others' answers before killing the pool.
@@ -57,7 +58,18 @@ ERROR_GRACE = 5.0
 #: has imported torch once, which is much cheaper than importing torch in every spawned worker
 #: on a busy machine; "spawn" starts each from scratch. Override with DIST_UTILS_START_METHOD.
 START_METHOD = os.environ.get("DIST_UTILS_START_METHOD", "forkserver")
-_PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state"]
+#: Imported once by the forkserver, so every worker it forks starts with them (about 2 s of CPU
+#: per worker otherwise: torch.distributed.checkpoint pulls in DTensor, the models the MoE and
+#: checkpointing code, most parity tests transformers).
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "megatron.core.parallel_state",
+    "megatron.core.models.gpt",
+    "megatron.training.training",
+    "transformers",
+]
 
 
 def _mp_context():

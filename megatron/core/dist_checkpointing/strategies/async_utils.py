@@ -2,9 +2,12 @@
 
 A save is split into an `AsyncRequest`:
 
-- the collective, fast part runs at once on every rank (planning, and staging: a CPU copy of
-  every tensor this rank writes, so training may change the parameters right after);
-- `async_fn` writes this rank's files in a background thread (no collectives, so it never
+- the collective, fast part runs at once on every rank (planning);
+- `stage_fn` (when given) runs first in the background thread: a CPU snapshot of every tensor
+  this rank writes. The caller's tensors must not change until it is done: the trainer's
+  optimizer step waits for it (`AsyncCallsQueue.wait_for_staging`), so the copy overlaps the
+  next iteration's forward and backward instead of blocking training;
+- `async_fn` then writes this rank's files in the same thread (no collectives, so it never
   interleaves with the training loop's communication);
 - finalization runs on the main thread once *every* rank's writer is done: one gather of
   every rank's outcome to rank 0, which writes DCP's `.metadata` (from the gathered write
@@ -42,6 +45,8 @@ class AsyncRequest:
         async_fn_args: its positional arguments.
         finalize_fns: run in order on every rank after a successful finalization.
         coordinator_fns: run in order on rank 0 with every rank's async_fn result.
+        stage_fn: run before async_fn in the same thread; until it returns the caller must not
+            change the tensors being saved (`wait_until_staged`). None: nothing to stage.
     """
 
     def __init__(
@@ -50,11 +55,14 @@ class AsyncRequest:
         async_fn_args: Tuple = (),
         finalize_fns: Optional[List[Callable]] = None,
         coordinator_fns: Optional[List[Callable[[List[Any]], None]]] = None,
+        stage_fn: Optional[Callable[[], None]] = None,
     ):
         self.async_fn = async_fn
         self.async_fn_args = tuple(async_fn_args)
         self.finalize_fns = list(finalize_fns or [])
         self.coordinator_fns = list(coordinator_fns or [])
+        self.stage_fn = stage_fn
+        self.staged = threading.Event()
         self.result: Any = None
         self.error: Optional[BaseException] = None
 
@@ -65,12 +73,26 @@ class AsyncRequest:
         self.coordinator_fns.append(fn)
 
     def run_async_fn(self) -> None:
-        """Run the background part here, recording its result or error."""
+        """Run the background part here (staging, then writing), recording its result or
+        error."""
+        try:
+            if self.stage_fn is not None:
+                self.stage_fn()
+        except BaseException as exc:  # reported at finalization, on every rank
+            self.error = exc
+        finally:
+            self.staged.set()  # a failed staging must not leave the trainer waiting
+        if self.error is not None:
+            return
         try:
             if self.async_fn is not None:
                 self.result = self.async_fn(*self.async_fn_args)
-        except BaseException as exc:  # reported at finalization, on every rank
+        except BaseException as exc:
             self.error = exc
+
+    def wait_until_staged(self) -> None:
+        """Block until the tensors being saved may change (the snapshot is taken)."""
+        self.staged.wait()
 
     def execute_sync(self) -> None:
         """Write and finalize now (a synchronous save through the same steps)."""
@@ -128,6 +150,12 @@ class AsyncCallsQueue:
         thread.start()
         self._pending.append((self._call_idx, thread, request))
         return self._call_idx
+
+    def wait_for_staging(self) -> None:
+        """Block until every pending save has its snapshot (local, no collective): call it
+        before changing the saved tensors (the trainer's optimizer step does)."""
+        for _, _, request in self._pending:
+            request.wait_until_staged()
 
     def get_num_unfinalized_calls(self) -> int:
         return len(self._pending)

@@ -18,8 +18,8 @@ tuples, gathered on rank 0, which checks the sharding, builds the metadata, chec
 neither overlap nor leave holes, and broadcasts the verdict; none with an unchanged structure
 under `--ckpt-assume-constant-structure`); writing is local (no intermediate copy of a tensor
 that views a larger buffer); finishing gathers the write results to rank 0, which writes
-`.metadata`. The same steps serve asynchronous saves (see async_utils.py): staging copies the
-tensors to CPU first.
+`.metadata`. The same steps serve asynchronous saves (see async_utils.py): the writer thread
+first copies the tensors to CPU (staging), while the trainer's next forward and backward run.
 
 Loading needs no collective: every rank reads `.metadata` (with an unpickler that builds only
 DCP's metadata classes, so a planted file cannot run code; parsed once per load) and then the
@@ -244,9 +244,13 @@ class MCoreSavePlanner(SavePlanner):
     def __init__(self, items: List[Tuple[WriteItem, Any]]):
         self._items = items
         self._data = {}
+        self.set_data(items)
+        self.is_coordinator = False
+
+    def set_data(self, items: List[Tuple[WriteItem, Any]]) -> None:
+        """Write `items`' data (the same write items, e.g. their staged snapshots)."""
         for item, data in items:
             self._data[(item.index.fqn, item.index.offset)] = data
-        self.is_coordinator = False
 
     def set_up_planner(self, state_dict=None, storage_meta=None, is_coordinator=False) -> None:
         self.is_coordinator = is_coordinator
@@ -281,6 +285,13 @@ def build_write_items(
     `stage` snapshots every tensor on the CPU (for a background write while training changes
     the parameters); see `_stage_all`.
     """
+    items = _write_items(sharded_state_dict, pickle_objects=stage)
+    return _stage_all(items, staging) if stage else items
+
+
+def _write_items(sharded_state_dict: ShardedStateDict, pickle_objects: bool):
+    """(write item, data) for every main replica, tensors as they are; `pickle_objects`
+    pickles every object that is not a `snapshot` now (its value may change later)."""
     items = []
     for sh in nested_values(sharded_state_dict):
         if isinstance(sh, ShardedTensor):
@@ -302,11 +313,11 @@ def build_write_items(
             if not is_main_replica(sh.replica_id):
                 continue
             # Staging pickles the object now; a snapshot is pickled by the writer.
-            data = _object_bytes(sh.data) if stage and not sh.snapshot else sh.data
+            data = _object_bytes(sh.data) if pickle_objects and not sh.snapshot else sh.data
             items.append(
                 (WriteItem(index=MetadataIndex(sh.unique_key), type=WriteItemType.BYTE_IO), data)
             )
-    return _stage_all(items, staging) if stage else items
+    return items
 
 
 def _stage_all(items: List[Tuple[WriteItem, Any]], staging: Optional[Dict]) -> List[Tuple]:
@@ -478,10 +489,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         checkpoint_dir: str,
         preflight: Optional[SavePreflight] = None,
     ) -> AsyncRequest:
-        """Plan (collective) and snapshot now; the returned request writes and finishes.
+        """Plan (collective) now; the returned request snapshots (its `stage_fn`), writes and
+        finishes.
 
-        The caller finalizes a request before the next one starts (the snapshot buffers are
-        reused)."""
+        The caller does not change the saved tensors before the request is staged
+        (`AsyncRequest.wait_until_staged`) and finalizes a request before the next one starts
+        (the snapshot buffers are reused)."""
         return self.save_request(sharded_state_dict, checkpoint_dir, True, preflight)
 
     def save_request(
@@ -492,10 +505,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         preflight: Optional[SavePreflight] = None,
     ) -> AsyncRequest:
         """Plan (collective; raises on every rank) and return the request that writes this
-        rank's files and, when finalized, DCP's `.metadata` (rank 0)."""
+        rank's files and, when finalized, DCP's `.metadata` (rank 0). With `stage` the
+        request's `stage_fn` snapshots the tensors first (in the writer's thread)."""
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         coordinator = rank == 0
-        items = build_write_items(sharded_state_dict, stage=stage, staging=self._staging)
+        items = _write_items(sharded_state_dict, pickle_objects=stage)
         planner = MCoreSavePlanner(items)
         planner.set_up_planner(is_coordinator=coordinator)
         writer = FileSystemWriter(
@@ -516,13 +530,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         metadata = self._plan(_write_records(items), sharding, problem, coordinator)
         central_plan = dataclasses.replace(local_plan, storage_data=_StoragePrefix(f'__{rank}_'))
 
+        def snapshot():
+            planner.set_data(_stage_all(items, self._staging))
+
         def write():
             return writer.write_data(central_plan, planner).value()
 
         def write_metadata(results):
             writer.finish(metadata, results)
 
-        return AsyncRequest(write, (), coordinator_fns=[write_metadata])
+        return AsyncRequest(
+            write, (), coordinator_fns=[write_metadata], stage_fn=snapshot if stage else None
+        )
 
     def _plan(self, records, sharding, problem, coordinator) -> Optional[Metadata]:
         """Collective: the global metadata (rank 0; None elsewhere) or the same error raised

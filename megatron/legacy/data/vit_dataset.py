@@ -1,0 +1,89 @@
+"""Datasets of the vision scripts (Megatron's `megatron/legacy/data/vit_dataset.py` entry point).
+
+`build_train_valid_datasets(data_path, image_size, ...)` reads Megatron's `--data-path` layout:
+the training folder is `data_path[0]` (`data_path[2]` when more than two are given) and the
+validation folder `data_path[1]`, each an ImageFolder. Samples are `(image [c, h, w] float32
+tensor, label)` (inpainting: the image only, in [0, 1]).
+
+Randomness: the datasets subclass `RandomSeedDataset`, so the cyclic sampler hands them the
+epoch; each item draws its augmentation from a `numpy.random.Generator` seeded by (seed, epoch,
+index) and touches no global RNG. The same index gives the same image on every rank (tensor-
+parallel ranks read their batches themselves, without a broadcast) and after a resume.
+"""
+
+from typing import List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from megatron.legacy.data.image_folder import ImageFolder
+from megatron.legacy.data.image_transforms import classification_transform, inpainting_transform
+from megatron.training.datasets.data_samplers import RandomSeedDataset
+
+
+class TransformedImageDataset(RandomSeedDataset):
+    """An ImageFolder whose items go through a seeded transform.
+
+    Args:
+        folder (ImageFolder): the images.
+        transform: callable (PIL image, numpy Generator) -> [c, h, w] float32 array.
+        seed (int): base seed (--seed).
+        with_label (bool): items are (image, label); else the image alone.
+    """
+
+    def __init__(self, folder: ImageFolder, transform, seed: int, with_label: bool = True):
+        super().__init__(folder, seed)
+        self.transform = transform
+        self.with_label = with_label
+
+    @property
+    def classes(self) -> List[str]:
+        return self.dataset.classes
+
+    def __getitem__(self, idx: int):
+        img, label = self.dataset[idx]
+        epoch = self.curr_seed - self.base_seed
+        rng = np.random.default_rng([self.base_seed, epoch, idx])
+        image = torch.from_numpy(self.transform(img, rng))
+        return (image, label) if self.with_label else image
+
+
+def _folders(data_path: Sequence[str]) -> Tuple[str, str]:
+    if not data_path or len(data_path) < 2:
+        raise ValueError(
+            f"--data-path needs a training and a validation image folder, got {list(data_path)}"
+        )
+    train = data_path[2] if len(data_path) > 2 else data_path[0]
+    return train, data_path[1]
+
+
+def build_train_valid_datasets(
+    data_path: Sequence[str],
+    image_size: Tuple[int, int],
+    num_channels: int = 3,
+    classes_fraction: float = 1.0,
+    data_per_class_fraction: float = 1.0,
+    seed: int = 1234,
+    augment: bool = True,
+    pretraining_type: str = 'classify',
+):
+    """(train, valid) datasets of `--data-path` for `pretraining_type` classify or inpaint."""
+    train_dir, valid_dir = _folders(data_path)
+    train_folder = ImageFolder(train_dir, num_channels, classes_fraction, data_per_class_fraction)
+    valid_folder = ImageFolder(valid_dir, num_channels, classes_fraction, data_per_class_fraction)
+    if train_folder.classes != valid_folder.classes:
+        raise ValueError(
+            f"the training folder {train_dir!r} has classes {train_folder.classes[:5]}... and the "
+            f"validation folder {valid_dir!r} {valid_folder.classes[:5]}...: they must be equal"
+        )
+    if pretraining_type == 'inpaint':
+        train_tf = inpainting_transform(image_size, train=True, augment=augment)
+        valid_tf = inpainting_transform(image_size, train=False)
+        with_label = False
+    else:
+        train_tf = classification_transform(image_size, True, num_channels, augment)
+        valid_tf = classification_transform(image_size, False, num_channels)
+        with_label = True
+    train = TransformedImageDataset(train_folder, train_tf, seed, with_label)
+    valid = TransformedImageDataset(valid_folder, valid_tf, seed, with_label)
+    return train, valid

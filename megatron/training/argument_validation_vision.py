@@ -53,6 +53,8 @@ def validate_vision_args(args, defaults) -> None:
         )
     if args.num_classes < 2 and args.vision_pretraining_type == 'classify':
         raise ValueError(f"--num-classes must be at least 2, got {args.num_classes}")
+    if not 0.0 < args.mask_factor < float('inf'):
+        raise ValueError(f"--mask-factor must be positive and finite, got {args.mask_factor}")
     for flag in ('classes_fraction', 'data_per_class_fraction'):
         value = getattr(args, flag)
         if not 0.0 < value <= 1.0:

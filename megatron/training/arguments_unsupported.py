@@ -16,7 +16,6 @@ _TE_COMM = 'Transformer Engine tensor-parallel communication overlap is not avai
 _FP8 = 'fp8 training needs Transformer Engine, which this package does not use'
 _VISION = 'the Swin and MiT vision backbones are not included (the ViT is)'
 _VISION_DINO = 'DINO self-distillation (pretrain_vision_dino.py) is not included yet'
-_VISION_INPAINT = 'inpainting (pretrain_vision_inpaint.py) is not included yet'
 _VISION_FINETUNE = 'Megatron reads it only in tasks/vision finetuning, which is not included'
 _BIENCODER = 'ICT / biencoder (REALM-style retriever) models are not included'
 _RETRO = 'Retro models are not included'
@@ -48,12 +47,10 @@ UNSUPPORTED_FLAGS = {
     '--hybrid-attention-ratio': _HYBRID,
     '--hybrid-mlp-ratio': _HYBRID,
     '--hybrid-override-pattern': _HYBRID,
-    # Vision: the Swin / MiT backbones, DINO and inpainting-only flags, and the finetuning head
+    # Vision: the Swin / MiT backbones, DINO-only flags, and the finetuning head
     # multiplier (Megatron reads it in tasks/vision only).
     '--head-lr-mult': _VISION_FINETUNE,
     '--swin-backbone-type': _VISION,
-    '--mask-type': _VISION_INPAINT,
-    '--mask-factor': _VISION_INPAINT,
     '--iter-per-epoch': _VISION_DINO,
     '--dino-local-img-size': _VISION_DINO,
     '--dino-local-crops-number': _VISION_DINO,

@@ -7,11 +7,12 @@ import torch
 from megatron.core.utils import get_current_device
 
 
-def image_batch(data_iterator) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The next (images [b, c, h, w] float, labels [b] int64) on this rank's device."""
-    images, labels = next(data_iterator)
+def image_batch(data_iterator, second_dtype=torch.int64) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The next (images [b, c, h, w] float, labels [b] int64 or masks [b, 1, h, w]) on this
+    rank's device."""
+    images, second = next(data_iterator)
     device = get_current_device()
-    return images.to(device, non_blocking=True), labels.to(device, non_blocking=True).long()
+    return images.to(device, non_blocking=True), second.to(device, second_dtype)
 
 
 def check_class_count(args, classes: List[str]) -> None:

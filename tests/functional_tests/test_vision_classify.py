@@ -1,7 +1,7 @@
-"""End-to-end through pretrain_vision_classify.py on the bundled digits: TP2 (with and without
-sequence parallelism) and DP2 reproduce the serial run's `loss` and `accuracy`, training and
-evaluation; a stopped run resumes with the uninterrupted losses bit for bit; bad inputs stop
-start-up with one line.
+"""End-to-end through pretrain_vision_classify.py on the bundled digits: TP2 with sequence
+parallelism and DP2 reproduce the serial run's `loss` and `accuracy`, training and evaluation;
+pretrain_vision_inpaint.py at TP2 + SP reproduces its serial `loss`, `psnr` and `ssim`; a stopped
+run resumes with the uninterrupted losses bit for bit; bad inputs stop start-up with one line.
 
 Every layout starts from the same weights (drawn per global parameter name) and reads the same
 global batches (`--no-data-sharding`: one permutation dealt over the DP ranks), with the random
@@ -64,6 +64,20 @@ def test_layout_reproduces_serial_losses(layout, digits, reference):
         assert result['valid_losses'][metric] == pytest.approx(
             reference['valid_losses'][metric], rel=RTOL
         )
+
+
+def test_inpainting_tp2_reproduces_serial_losses(digits):
+    flags = _flags(digits, 1, ['--mask-factor', '0.5'], train_iters=3)
+    kw = {'script': 'pretrain_vision_inpaint'}
+    serial = run_distributed(run_vision_classify, world_size=1, args=(flags,), kwargs=kw)[0]
+    flags_tp = _flags(digits, 2, ['--mask-factor', '0.5', '--sequence-parallel'], train_iters=3)
+    tp2 = run_distributed(run_vision_classify, world_size=2, tp=2, args=(flags_tp,), kwargs=kw)[-1]
+    for metric in ('loss', 'psnr', 'ssim'):
+        ours = [tp2['train_losses'][i][metric] for i in (1, 2, 3)]
+        assert ours == pytest.approx(
+            [serial['train_losses'][i][metric] for i in (1, 2, 3)], rel=RTOL
+        )
+    assert serial['train_losses'][3]['loss'] < serial['train_losses'][1]['loss']
 
 
 def test_exact_resume(digits, reference, tmp_path):

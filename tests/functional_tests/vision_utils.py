@@ -43,14 +43,14 @@ def prepare_digits(work_dir: str) -> str:
     return os.path.join(work_dir, 'digits')
 
 
-def run_vision_classify(extra_args, capture_stdout=False):
-    """pretrain_vision_classify.py's pretrain() on this rank, from layout-independent weights
-    (see gpt_utils.set_reference_weights; QKV std 0.2 so that attention is not uniform)."""
+def run_vision_classify(extra_args, capture_stdout=False, script='pretrain_vision_classify'):
+    """A vision script's pretrain() on this rank, from layout-independent weights (see
+    gpt_utils.set_reference_weights; QKV std 0.2 so that attention is not uniform)."""
     return run_pretrain(
         extra_args,
         reference_weights=0.2,
         capture_stdout=capture_stdout,
-        script='pretrain_vision_classify',
+        script=script,
         base_args=TINY_VIT_ARGS,
         args_defaults=VISION_DEFAULTS,
     )

@@ -3,7 +3,7 @@
 `build_train_valid_datasets(data_path, image_size, ...)` reads Megatron's `--data-path` layout:
 the training folder is `data_path[0]` (`data_path[2]` when more than two are given) and the
 validation folder `data_path[1]`, each an ImageFolder. Samples are `(image [c, h, w] float32
-tensor, label)` (inpainting: the image only, in [0, 1]).
+tensor, label)`; for inpainting `(image in [0, 1], mask [1, h, w])` (1 = masked pixel).
 
 Randomness: the datasets subclass `RandomSeedDataset`, so the cyclic sampler hands them the
 epoch; each item draws its augmentation from a `numpy.random.Generator` seeded by (seed, epoch,
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from megatron.legacy.data.image_folder import ImageFolder
+from megatron.legacy.data.image_masks import inpainting_mask
 from megatron.legacy.data.image_transforms import classification_transform, inpainting_transform
 from megatron.training.datasets.data_samplers import RandomSeedDataset
 
@@ -28,13 +29,14 @@ class TransformedImageDataset(RandomSeedDataset):
         folder (ImageFolder): the images.
         transform: callable (PIL image, numpy Generator) -> [c, h, w] float32 array.
         seed (int): base seed (--seed).
-        with_label (bool): items are (image, label); else the image alone.
+        mask_fn: optional callable (numpy Generator) -> [1, h, w] mask; items are then
+            (image, mask) instead of (image, label).
     """
 
-    def __init__(self, folder: ImageFolder, transform, seed: int, with_label: bool = True):
+    def __init__(self, folder: ImageFolder, transform, seed: int, mask_fn=None):
         super().__init__(folder, seed)
         self.transform = transform
-        self.with_label = with_label
+        self.mask_fn = mask_fn
 
     @property
     def classes(self) -> List[str]:
@@ -45,7 +47,9 @@ class TransformedImageDataset(RandomSeedDataset):
         epoch = self.curr_seed - self.base_seed
         rng = np.random.default_rng([self.base_seed, epoch, idx])
         image = torch.from_numpy(self.transform(img, rng))
-        return (image, label) if self.with_label else image
+        if self.mask_fn is not None:
+            return image, torch.from_numpy(self.mask_fn(rng))
+        return image, label
 
 
 def _folders(data_path: Sequence[str]) -> Tuple[str, str]:
@@ -66,8 +70,12 @@ def build_train_valid_datasets(
     seed: int = 1234,
     augment: bool = True,
     pretraining_type: str = 'classify',
+    patch_dim: int = 16,
+    mask_factor: float = 1.0,
+    mask_type: str = 'random',
 ):
-    """(train, valid) datasets of `--data-path` for `pretraining_type` classify or inpaint."""
+    """(train, valid) datasets of `--data-path` for `pretraining_type` classify or inpaint
+    (whose masks cover `mask_factor` x the patches, see image_masks.py)."""
     train_dir, valid_dir = _folders(data_path)
     train_folder = ImageFolder(train_dir, num_channels, classes_fraction, data_per_class_fraction)
     valid_folder = ImageFolder(valid_dir, num_channels, classes_fraction, data_per_class_fraction)
@@ -76,14 +84,19 @@ def build_train_valid_datasets(
             f"the training folder {train_dir!r} has classes {train_folder.classes[:5]}... and the "
             f"validation folder {valid_dir!r} {valid_folder.classes[:5]}...: they must be equal"
         )
+    mask_fn = None
     if pretraining_type == 'inpaint':
+        # Megatron gives its training set the validation transform (no augmentation): here the
+        # training set is augmented unless --no-image-augmentation.
         train_tf = inpainting_transform(image_size, train=True, augment=augment)
         valid_tf = inpainting_transform(image_size, train=False)
-        with_label = False
+
+        def mask_fn(rng):
+            return inpainting_mask(image_size[0], patch_dim, mask_factor, mask_type, rng)
+
     else:
         train_tf = classification_transform(image_size, True, num_channels, augment)
         valid_tf = classification_transform(image_size, False, num_channels)
-        with_label = True
-    train = TransformedImageDataset(train_folder, train_tf, seed, with_label)
-    valid = TransformedImageDataset(valid_folder, valid_tf, seed, with_label)
+    train = TransformedImageDataset(train_folder, train_tf, seed, mask_fn)
+    valid = TransformedImageDataset(valid_folder, valid_tf, seed, mask_fn)
     return train, valid

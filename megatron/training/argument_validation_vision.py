@@ -60,6 +60,7 @@ def validate_vision_args(args, defaults) -> None:
         if not 0.0 < value <= 1.0:
             raise ValueError(f"--{flag.replace('_', '-')} must be in (0, 1], got {value}")
     _validate_vision_layout(args)
+    _validate_dino(args)
 
 
 def _validate_vision_layout(args) -> None:
@@ -73,11 +74,20 @@ def _validate_vision_layout(args) -> None:
             f"--context-parallel-size {args.context_parallel_size}: the vision models do not "
             "split the image tokens over ranks"
         )
-    tokens = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim) + _CLASS_TOKENS
-    tp = args.tensor_model_parallel_size
-    if args.sequence_parallel and tokens % tp:
+    # The token count of each model (patches + its class tokens) must divide TP under sequence
+    # parallelism: the encoder checks it when built (CLIPViTModel, DINO's local crops).
+
+
+def _validate_dino(args) -> None:
+    if args.iter_per_epoch <= 0:
+        raise ValueError(f"--iter-per-epoch must be positive, got {args.iter_per_epoch}")
+    if not 0 <= args.dino_warmup_teacher_temp_epochs <= 300:
         raise ValueError(
-            f"--sequence-parallel: the {tokens} image tokens ({args.img_h // args.patch_dim} x "
-            f"{args.img_w // args.patch_dim} patches + {_CLASS_TOKENS} class tokens) are not "
-            f"divisible by --tensor-model-parallel-size {tp}"
+            "--dino-warmup-teacher-temp-epochs must be in [0, 300] (DINO's temperature schedule "
+            f"spans 300 epochs), got {args.dino_warmup_teacher_temp_epochs}"
+        )
+    if args.dino_out_dim <= 0 or args.dino_local_crops_number < 0:
+        raise ValueError(
+            f"--dino-out-dim ({args.dino_out_dim}) must be positive and "
+            f"--dino-local-crops-number ({args.dino_local_crops_number}) not negative"
         )

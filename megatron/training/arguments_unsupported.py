@@ -15,7 +15,6 @@ supported group that are unsupported (fp8, ...) are defined with their group in
 _TE_COMM = 'Transformer Engine tensor-parallel communication overlap is not available'
 _FP8 = 'fp8 training needs Transformer Engine, which this package does not use'
 _VISION = 'the Swin and MiT vision backbones are not included (the ViT is)'
-_VISION_DINO = 'DINO self-distillation (pretrain_vision_dino.py) is not included yet'
 _VISION_FINETUNE = 'Megatron reads it only in tasks/vision finetuning, which is not included'
 _BIENCODER = 'ICT / biencoder (REALM-style retriever) models are not included'
 _RETRO = 'Retro models are not included'
@@ -47,20 +46,10 @@ UNSUPPORTED_FLAGS = {
     '--hybrid-attention-ratio': _HYBRID,
     '--hybrid-mlp-ratio': _HYBRID,
     '--hybrid-override-pattern': _HYBRID,
-    # Vision: the Swin / MiT backbones, DINO-only flags, and the finetuning head
-    # multiplier (Megatron reads it in tasks/vision only).
+    # Vision: the Swin / MiT backbones and the finetuning head multiplier (Megatron reads it in
+    # tasks/vision only).
     '--head-lr-mult': _VISION_FINETUNE,
     '--swin-backbone-type': _VISION,
-    '--iter-per-epoch': _VISION_DINO,
-    '--dino-local-img-size': _VISION_DINO,
-    '--dino-local-crops-number': _VISION_DINO,
-    '--dino-head-hidden-size': _VISION_DINO,
-    '--dino-bottleneck-size': _VISION_DINO,
-    '--dino-freeze-last-layer': _VISION_DINO,
-    '--dino-norm-last-layer': _VISION_DINO,
-    '--dino-warmup-teacher-temp': _VISION_DINO,
-    '--dino-teacher-temp': _VISION_DINO,
-    '--dino-warmup-teacher-temp-epochs': _VISION_DINO,
     # ICT / biencoder retriever.
     '--ict-head-size': _BIENCODER,
     '--biencoder-projection-dim': _BIENCODER,

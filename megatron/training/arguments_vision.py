@@ -1,10 +1,10 @@
 """Megatron's vision flags (its `_add_vision_args` group), read by pretrain_vision_*.py.
 
-Names, types, defaults and choices are Megatron core_r0.8.0's; `--no-image-augmentation` is this
-package's (the training images get the validation geometry, for data such as digits whose label
-a flip or a heavy crop changes). Flags of the parts not included here (Swin/MiT, DINO,
-inpainting masks, the finetuning head multiplier) parse and are refused when set, through
-`arguments_unsupported.UNSUPPORTED_FLAGS`.
+Names, types, defaults and choices are Megatron core_r0.8.0's. This package adds
+`--no-image-augmentation` (the training images get the validation geometry, for data such as
+digits whose label a flip or a heavy crop changes) and `--dino-out-dim` (Megatron hard-codes the
+DINO head's 65536 outputs). Flags of the parts not included here (Swin/MiT, the finetuning head
+multiplier) parse and are refused when set, through `arguments_unsupported.UNSUPPORTED_FLAGS`.
 """
 
 
@@ -121,6 +121,12 @@ def add_vision_args(parser):
         type=int,
         default=30,
         help='Epochs of the teacher-temperature warm-up (DINO).',
+    )
+    group.add_argument(
+        '--dino-out-dim',
+        type=int,
+        default=65536,
+        help='Output size of the DINO head (Megatron fixes it at 65536).',
     )
     group.add_argument(
         '--no-image-augmentation',

@@ -1,7 +1,8 @@
 """End-to-end through pretrain_vision_classify.py on the bundled digits: TP2 with sequence
 parallelism and DP2 reproduce the serial run's `loss` and `accuracy`, training and evaluation;
-pretrain_vision_inpaint.py at TP2 + SP reproduces its serial `loss`, `psnr` and `ssim`; a stopped
-run resumes with the uninterrupted losses bit for bit; bad inputs stop start-up with one line.
+pretrain_vision_inpaint.py at TP2 + SP reproduces its serial `loss`, `psnr` and `ssim`;
+pretrain_vision_dino.py at DP2 its serial `loss`; stopped runs resume with the uninterrupted
+losses bit for bit; bad inputs stop start-up with one line.
 
 Every layout starts from the same weights (drawn per global parameter name) and reads the same
 global batches (`--no-data-sharding`: one permutation dealt over the DP ranks), with the random
@@ -78,6 +79,50 @@ def test_inpainting_tp2_reproduces_serial_losses(digits):
             [serial['train_losses'][i][metric] for i in (1, 2, 3)], rel=RTOL
         )
     assert serial['train_losses'][3]['loss'] < serial['train_losses'][1]['loss']
+
+
+_DINO = [
+    '--dino-local-img-size', '4', '--dino-local-crops-number', '2', '--dino-head-hidden-size',
+    '32', '--dino-bottleneck-size', '16', '--dino-out-dim', '64', '--iter-per-epoch', '2',
+    '--dino-warmup-teacher-temp-epochs', '2',
+    # SGD: Adam turns the reduction-order noise of near-zero gradients (a nearly uniform teacher)
+    # into full-size steps, which would hide what this test compares.
+    '--optimizer', 'sgd', '--lr', '0.5',
+]  # fmt: skip
+
+
+def test_dino_dp2_reproduces_serial_losses_and_resumes(digits, tmp_path):
+    """Data parallel: the center is all-reduced over DP and the EMA teacher follows the student;
+    a run stopped at iteration 2 (teacher and center in the checkpoint) resumes exactly. The
+    center moves once per micro-batch, so the serial run takes the global batch in one."""
+    kw = {'script': 'pretrain_vision_dino'}
+    one_micro_batch = _DINO + ['--micro-batch-size', '8']
+    serial = run_distributed(
+        run_vision_classify,
+        world_size=1,
+        args=(_flags(digits, 1, one_micro_batch, train_iters=3),),
+        kwargs=kw,
+    )[0]
+    dp2 = run_distributed(
+        run_vision_classify,
+        world_size=2,
+        args=(_flags(digits, 1, _DINO, train_iters=3),),
+        kwargs=kw,
+    )[-1]
+    losses = [serial['train_losses'][i]['loss'] for i in (1, 2, 3)]
+    assert [dp2['train_losses'][i]['loss'] for i in (1, 2, 3)] == pytest.approx(losses, rel=RTOL)
+    ckpt = str(tmp_path / 'dino')
+    save = one_micro_batch + ['--save', ckpt, '--load', ckpt, '--save-interval', '2']
+    run_distributed(
+        run_vision_classify,
+        world_size=1,
+        args=(_flags(digits, 1, save + ['--exit-interval', '2'], train_iters=3),),
+        kwargs=kw,
+    )
+    resumed = run_distributed(
+        run_vision_classify, world_size=1, args=(_flags(digits, 1, save, train_iters=3),), kwargs=kw
+    )[0]
+    assert resumed['train_losses'][3]['loss'] == serial['train_losses'][3]['loss']
 
 
 def test_exact_resume(digits, reference, tmp_path):

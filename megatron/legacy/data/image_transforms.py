@@ -15,7 +15,7 @@ import math
 from typing import List, Sequence, Tuple
 
 import numpy as np
-from PIL import Image, ImageEnhance, ImageOps
+from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
 #: ImageNet statistics in [0, 1] units (Megatron's legacy classification / DINO transforms).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -129,6 +129,51 @@ def _shift_hue(img: Image.Image, shift: float) -> Image.Image:
     return Image.fromarray(hsv, 'HSV').convert('RGB')
 
 
+class RandomApply:
+    """Apply `transform` with probability p."""
+
+    def __init__(self, transform, p: float):
+        self.transform, self.p = transform, p
+
+    def __call__(self, img, rng):
+        return self.transform(img, rng) if rng.random() < self.p else img
+
+
+class RandomGrayscale:
+    """With probability p, an RGB image becomes gray (kept as 3 equal channels)."""
+
+    def __init__(self, p: float = 0.1):
+        self.p = p
+
+    def __call__(self, img: Image.Image, rng):
+        if rng.random() >= self.p or img.mode != 'RGB':
+            return img
+        return img.convert('L').convert('RGB')
+
+
+class GaussianBlur:
+    """With probability p, a Gaussian blur of radius drawn from [radius_min, radius_max]."""
+
+    def __init__(self, p: float = 0.5, radius_min: float = 0.1, radius_max: float = 2.0):
+        self.p, self.radius_min, self.radius_max = p, radius_min, radius_max
+
+    def __call__(self, img: Image.Image, rng):
+        if rng.random() >= self.p:
+            return img
+        radius = rng.uniform(self.radius_min, self.radius_max)
+        return img.filter(ImageFilter.GaussianBlur(radius=radius))
+
+
+class Solarization:
+    """With probability p, invert the pixels above 128."""
+
+    def __init__(self, p: float = 0.2):
+        self.p = p
+
+    def __call__(self, img: Image.Image, rng):
+        return ImageOps.solarize(img) if rng.random() < self.p else img
+
+
 class Resize:
     """Resize the shorter side to `size`, keeping the aspect ratio."""
 
@@ -217,3 +262,46 @@ def inpainting_transform(image_size: Tuple[int, int], train: bool, augment: bool
     if train and augment:
         return Compose([RandomResizedCrop(h), RandomHorizontalFlip(), ToArray()])
     return Compose([Resize(h), CenterCrop(h), ToArray()])
+
+
+class DinoMultiCrop:
+    """DINO's multi-crop augmentation: 2 global crops (scale 0.4-1) and `local_crops_number`
+    local crops (scale 0.05-0.4) of `local_size`, each flipped, colour-jittered (p 0.8) and
+    grayed (p 0.2); blur p 1.0 / 0.1 on the two global crops and 0.5 on the local ones; the
+    second global crop is solarised with p 0.2. Returns the list of [c, h, w] arrays, global
+    crops first."""
+
+    def __init__(
+        self,
+        global_size: int,
+        local_size: int,
+        local_crops_number: int,
+        num_channels: int = 3,
+        augment: bool = True,
+    ):
+        mean, std = mean_std(num_channels)
+        tail = [ToArray(), Normalize(mean, std)]
+        if not augment:
+            self.views = [Compose([Resize(global_size), CenterCrop(global_size)] + tail)] * 2
+            self.views += [Compose([Resize(local_size), CenterCrop(local_size)] + tail)] * (
+                local_crops_number
+            )
+            return
+        jitter = [
+            RandomHorizontalFlip(0.5),
+            RandomApply(ColorJitter(0.4, 0.4, 0.2, 0.1), p=0.8),
+            RandomGrayscale(0.2),
+        ]
+
+        def crop(size, scale):
+            return RandomResizedCrop(size, scale=scale, bicubic=True)
+
+        first = Compose([crop(global_size, (0.4, 1.0))] + jitter + [GaussianBlur(1.0)] + tail)
+        second = Compose(
+            [crop(global_size, (0.4, 1.0))] + jitter + [GaussianBlur(0.1), Solarization(0.2)] + tail
+        )
+        local = Compose([crop(local_size, (0.05, 0.4))] + jitter + [GaussianBlur(0.5)] + tail)
+        self.views = [first, second] + [local] * local_crops_number
+
+    def __call__(self, img: Image.Image, rng):
+        return [view(img, rng) for view in self.views]

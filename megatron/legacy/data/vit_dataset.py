@@ -18,7 +18,11 @@ import torch
 
 from megatron.legacy.data.image_folder import ImageFolder
 from megatron.legacy.data.image_masks import inpainting_mask
-from megatron.legacy.data.image_transforms import classification_transform, inpainting_transform
+from megatron.legacy.data.image_transforms import (
+    DinoMultiCrop,
+    classification_transform,
+    inpainting_transform,
+)
 from megatron.training.datasets.data_samplers import RandomSeedDataset
 
 
@@ -46,7 +50,11 @@ class TransformedImageDataset(RandomSeedDataset):
         img, label = self.dataset[idx]
         epoch = self.curr_seed - self.base_seed
         rng = np.random.default_rng([self.base_seed, epoch, idx])
-        image = torch.from_numpy(self.transform(img, rng))
+        out = self.transform(img, rng)
+        # DINO's multi-crop gives a list of views.
+        image = (
+            [torch.from_numpy(v) for v in out] if isinstance(out, list) else torch.from_numpy(out)
+        )
         if self.mask_fn is not None:
             return image, torch.from_numpy(self.mask_fn(rng))
         return image, label
@@ -73,9 +81,13 @@ def build_train_valid_datasets(
     patch_dim: int = 16,
     mask_factor: float = 1.0,
     mask_type: str = 'random',
+    local_img_size: int = 96,
+    local_crops_number: int = 10,
 ):
-    """(train, valid) datasets of `--data-path` for `pretraining_type` classify or inpaint
-    (whose masks cover `mask_factor` x the patches, see image_masks.py)."""
+    """(train, valid) datasets of `--data-path` for `pretraining_type` classify, inpaint (whose
+    masks cover `mask_factor` x the patches, see image_masks.py) or dino (items: the list of 2
+    global and `local_crops_number` local views, and the label; validation views are centred
+    crops)."""
     train_dir, valid_dir = _folders(data_path)
     train_folder = ImageFolder(train_dir, num_channels, classes_fraction, data_per_class_fraction)
     valid_folder = ImageFolder(valid_dir, num_channels, classes_fraction, data_per_class_fraction)
@@ -94,6 +106,10 @@ def build_train_valid_datasets(
         def mask_fn(rng):
             return inpainting_mask(image_size[0], patch_dim, mask_factor, mask_type, rng)
 
+    elif pretraining_type == 'dino':
+        views = (image_size[0], local_img_size, local_crops_number, num_channels)
+        train_tf = DinoMultiCrop(*views, augment=augment)
+        valid_tf = DinoMultiCrop(*views, augment=False)
     else:
         train_tf = classification_transform(image_size, True, num_channels, augment)
         valid_tf = classification_transform(image_size, False, num_channels)

@@ -71,6 +71,8 @@ class CLIPViTModel(VisionModule):
         num_channels (int): input channels (3 for RGB; 1 for grayscale data).
         add_ln_post (bool, optional): a norm after the last layer; default: SigLIP only (the
             classification models of the vision scripts add it to CLIP as their final norm).
+        interpolate_positions (bool): accept other image sizes (multiples of P): the patch
+            positions are resized bilinearly to the input's grid (DINO's local crops).
         pg_collection (ProcessGroupCollection, optional): the groups of the transformer block.
     """
 
@@ -88,6 +90,7 @@ class CLIPViTModel(VisionModule):
         model_subtype: str = 'clip',
         num_channels: int = 3,
         add_ln_post: Optional[bool] = None,
+        interpolate_positions: bool = False,
         pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
         super().__init__(config=transformer_config)
@@ -96,6 +99,7 @@ class CLIPViTModel(VisionModule):
         self.patch_dim = patch_dim
         self.img_h, self.img_w = img_h, img_w
         self.num_channels = num_channels
+        self.interpolate_positions = interpolate_positions
         self.visual_hidden_size = transformer_config.hidden_size
         self.add_class_token = add_class_token and model_subtype == 'clip'
         self.class_token_len = class_token_len if self.add_class_token else 0
@@ -144,6 +148,19 @@ class CLIPViTModel(VisionModule):
             pg_collection=pg_collection,
         )
         self.tp_group = self.decoder.pg_collection.tp
+        self.check_sequence_parallel(self.seq_length)
+
+    def check_sequence_parallel(self, num_tokens: int) -> None:
+        """Sequence parallelism splits the tokens evenly over the TP group."""
+        if not self.config.sequence_parallel:
+            return
+        tp = torch.distributed.get_world_size(self.tp_group)
+        if num_tokens % tp:
+            raise ValueError(
+                f"--sequence-parallel: the {num_tokens} image tokens ({self.num_patches} patches "
+                f"+ {self.class_token_len} class tokens) are not divisible by "
+                f"--tensor-model-parallel-size {tp}"
+            )
 
     def _build_norm(self, impl, sequence_parallel: bool):
         norm = build_module(
@@ -163,20 +180,42 @@ class CLIPViTModel(VisionModule):
         """The encoder runs on one pipeline stage only; the block still takes the call."""
         self.decoder.set_input_tensor(input_tensor)
 
-    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
-        """x [b, c, img_h, img_w] -> [b, s, h]; attention_mask None (every token sees every
-        other) or a bool [b, 1, s, s] mask with True = masked out."""
-        if tuple(x.shape[1:]) != (self.num_channels, self.img_h, self.img_w):
+    def _check_input(self, x: Tensor) -> None:
+        c, h, w = x.shape[1:]
+        resizable = (
+            self.interpolate_positions and h % self.patch_dim == 0 and w % self.patch_dim == 0
+        )
+        if c != self.num_channels or not (resizable or (h, w) == (self.img_h, self.img_w)):
             raise ValueError(
                 f"CLIPViTModel takes images [b, {self.num_channels}, {self.img_h}, {self.img_w}], "
                 f"got {list(x.shape)}"
             )
+
+    def _positions(self, grid_h: int, grid_w: int) -> Tensor:
+        """Position embeddings [1, s', h] for a grid_h x grid_w patch grid."""
+        pos = self.position_embeddings(self.position_ids)  # [1, s, h]
+        base = (self.img_h // self.patch_dim, self.img_w // self.patch_dim)
+        if (grid_h, grid_w) == base:
+            return pos
+        cls, patches = pos[:, : self.class_token_len], pos[:, self.class_token_len :]
+        patches = patches.reshape(1, base[0], base[1], -1).permute(0, 3, 1, 2)  # [1, h, gh, gw]
+        patches = torch.nn.functional.interpolate(
+            patches.float(), size=(grid_h, grid_w), mode='bilinear', align_corners=False
+        ).to(pos.dtype)
+        patches = patches.permute(0, 2, 3, 1).reshape(1, grid_h * grid_w, -1)  # [1, N', h]
+        return torch.cat([cls, patches], dim=1)
+
+    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        """x [b, c, img_h, img_w] -> [b, s, h]; attention_mask None (every token sees every
+        other) or a bool [b, 1, s, s] mask with True = masked out."""
+        self._check_input(x)
         x = self.conv1(x.to(self.conv1.weight.dtype))  # [b, h, img_h/P, img_w/P]
+        grid_h, grid_w = x.shape[2], x.shape[3]
         x = x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)  # [b, N, h]
         if self.add_class_token:
             cls = self.class_token.expand(x.shape[0], -1, -1)  # [b, L, h]
             x = torch.cat([cls, x], dim=1)  # [b, s, h]
-        x = x + self.position_embeddings(self.position_ids)  # [b, s, h]
+        x = x + self._positions(grid_h, grid_w)  # [b, s, h]
         if self.ln_pre is not None:
             x = self.ln_pre(x)
         x = x.permute(1, 0, 2).contiguous()  # [b, s, h] -> [s, b, h]

@@ -40,6 +40,10 @@ from megatron.training.argument_validation_run import (
     validate_weight_decay,
 )
 from megatron.training.argument_validation_sft_fim import validate_sft_and_fim_args
+from megatron.training.argument_validation_vision import (
+    apply_vision_defaults,
+    validate_vision_args,
+)
 from megatron.training.arguments_unsupported import check_unsupported_flags
 from megatron.training.context_parallel_checks import validate_context_parallel_args
 from megatron.training.dist_checkpoint_args import validate_dist_checkpoint_args
@@ -73,6 +77,7 @@ def validate_args(args, defaults={}):
     validate_parallel_sizes(args)
     refuse_removed_flags(args)
     apply_script_defaults(args, defaults)
+    apply_vision_defaults(args, defaults)
     select_distributed_backend(args)
     select_transformer_impl(args)
     validate_batch_sizes(args)
@@ -94,6 +99,7 @@ def validate_args(args, defaults={}):
     validate_megatron_r08_extras(args)
     validate_dist_checkpoint_args(args)
     validate_sft_and_fim_args(args)
+    validate_vision_args(args, defaults)
     validate_timing_log_level(args)
     _print_args('arguments', args)
     return args

@@ -34,8 +34,8 @@ from megatron.training.arguments_unsupported import (
     add_biencoder_args,
     add_one_logger_args,
     add_retro_args,
-    add_vision_args,
 )
+from megatron.training.arguments_vision import add_vision_args
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):

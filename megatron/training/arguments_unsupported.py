@@ -6,7 +6,7 @@ missing must not be silently ignored: `UNSUPPORTED_FLAGS` (flag -> reason) lists
 `check_unsupported_flags` (run first by `validate_args`, before any work starts) stops start-up
 with one line naming the flag when a run sets one of them to anything but its default.
 
-The argument groups below (biencoder, vision, retro, one logger, the TE communication-overlap
+The argument groups below (biencoder, retro, one logger, the TE communication-overlap
 flags of the training group) are the ones whose features are entirely absent; flags of a
 supported group that are unsupported (fp8, ...) are defined with their group in
 `arguments.py` and listed in the same table.
@@ -14,7 +14,8 @@ supported group that are unsupported (fp8, ...) are defined with their group in
 
 _TE_COMM = 'Transformer Engine tensor-parallel communication overlap is not available'
 _FP8 = 'fp8 training needs Transformer Engine, which this package does not use'
-_VISION = 'vision models (ViT/MiT/Swin, inpainting, DINO) are not included'
+_VISION = 'the Swin and MiT vision backbones are not included (the ViT is)'
+_VISION_FINETUNE = 'Megatron reads it only in tasks/vision finetuning, which is not included'
 _BIENCODER = 'ICT / biencoder (REALM-style retriever) models are not included'
 _RETRO = 'Retro models are not included'
 _ONE_LOGGER = 'one_logger (an NVIDIA-internal E2E metrics tool) is not available'
@@ -45,31 +46,10 @@ UNSUPPORTED_FLAGS = {
     '--hybrid-attention-ratio': _HYBRID,
     '--hybrid-mlp-ratio': _HYBRID,
     '--hybrid-override-pattern': _HYBRID,
-    # Vision.
-    '--num-classes': _VISION,
-    '--img-h': _VISION,
-    '--img-w': _VISION,
-    '--num-channels': _VISION,
-    '--patch-dim': _VISION,
-    '--classes-fraction': _VISION,
-    '--data-per-class-fraction': _VISION,
-    '--head-lr-mult': _VISION,
-    '--vision-pretraining': _VISION,
-    '--vision-pretraining-type': _VISION,
-    '--vision-backbone-type': _VISION,
+    # Vision: the Swin / MiT backbones and the finetuning head multiplier (Megatron reads it in
+    # tasks/vision only).
+    '--head-lr-mult': _VISION_FINETUNE,
     '--swin-backbone-type': _VISION,
-    '--mask-type': _VISION,
-    '--mask-factor': _VISION,
-    '--iter-per-epoch': _VISION,
-    '--dino-local-img-size': _VISION,
-    '--dino-local-crops-number': _VISION,
-    '--dino-head-hidden-size': _VISION,
-    '--dino-bottleneck-size': _VISION,
-    '--dino-freeze-last-layer': _VISION,
-    '--dino-norm-last-layer': _VISION,
-    '--dino-warmup-teacher-temp': _VISION,
-    '--dino-teacher-temp': _VISION,
-    '--dino-warmup-teacher-temp-epochs': _VISION,
     # ICT / biencoder retriever.
     '--ict-head-size': _BIENCODER,
     '--biencoder-projection-dim': _BIENCODER,
@@ -286,107 +266,6 @@ def add_biencoder_args(parser):
         type=int,
         default=1000,
         help='After how many batches should the indexer report progress',
-    )
-    return parser
-
-
-def add_vision_args(parser):
-    """Megatron's `_add_vision_args` (--no-data-sharding, defined here too, is supported)."""
-    group = parser.add_argument_group(title='vision')
-    group.add_argument(
-        '--num-classes', type=int, default=1000, help='num of classes in vision classificaiton task'
-    )
-    group.add_argument(
-        '--img-h', type=int, default=224, help='Image height for vision classification task'
-    )
-    group.add_argument(
-        '--img-w', type=int, default=224, help='Image height for vision classification task'
-    )
-    group.add_argument(
-        '--num-channels', type=int, default=3, help='Number of channels in input image data'
-    )
-    group.add_argument('--patch-dim', type=int, default=16, help='patch dimension')
-    group.add_argument(
-        '--classes-fraction', type=float, default=1.0, help='training with fraction of classes.'
-    )
-    group.add_argument(
-        '--data-per-class-fraction',
-        type=float,
-        default=1.0,
-        help='training with fraction of data per class.',
-    )
-    group.add_argument(
-        '--no-data-sharding',
-        action='store_false',
-        dest='data_sharding',
-        help='Disable data sharding (the cyclic data loader then shuffles the '
-        'whole epoch instead of each data-parallel rank\'s bucket).',
-    )
-    group.add_argument(
-        '--head-lr-mult',
-        type=float,
-        default=1.0,
-        help='learning rate multiplier for head during finetuning',
-    )
-    group.add_argument(
-        '--vision-pretraining', action='store_true', help='flag to indicate vision pretraining'
-    )
-    group.add_argument(
-        '--vision-pretraining-type',
-        type=str,
-        default='classify',
-        choices=['classify', 'inpaint', 'dino'],
-        help='pretraining objectives',
-    )
-    group.add_argument(
-        '--vision-backbone-type',
-        type=str,
-        default='vit',
-        choices=['vit', 'mit', 'swin'],
-        help='backbone types types',
-    )
-    group.add_argument(
-        '--swin-backbone-type',
-        type=str,
-        default='tiny',
-        choices=['tiny', 'base', 'h3'],
-        help='pretraining objectives',
-    )
-    group.add_argument(
-        '--mask-type', type=str, default='random', choices=['random', 'row'], help='mask types'
-    )
-    group.add_argument('--mask-factor', type=float, default=1.0, help='mask size scaling parameter')
-    group.add_argument('--iter-per-epoch', type=int, default=1250, help='iterations per epoch')
-    group.add_argument(
-        '--dino-local-img-size',
-        type=int,
-        default=96,
-        help='Image size for vision classification task',
-    )
-    group.add_argument(
-        '--dino-local-crops-number', type=int, default=10, help='Number of local crops'
-    )
-    group.add_argument(
-        '--dino-head-hidden-size', type=int, default=2048, help='Hidden dimension size in dino head'
-    )
-    group.add_argument(
-        '--dino-bottleneck-size', type=int, default=256, help='Bottle neck dimension in dino head '
-    )
-    group.add_argument(
-        '--dino-freeze-last-layer', type=float, default=1, help='Freezing last layer weights'
-    )
-    group.add_argument(
-        '--dino-norm-last-layer', action='store_true', help='Disable Norm in last layer.'
-    )
-    group.add_argument(
-        '--dino-warmup-teacher-temp', type=float, default=0.04, help='warump teacher temperature'
-    )
-    group.add_argument('--dino-teacher-temp', type=float, default=0.07, help='teacher temperature')
-    group.add_argument(
-        '--dino-warmup-teacher-temp-epochs',
-        type=int,
-        default=30,
-        help='warmup teacher temperaure epochs',
     )
     return parser
 

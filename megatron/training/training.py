@@ -618,9 +618,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     )
     empty_unused_memory(args, level=1)
 
+    _call_model_hook(model, 'cancel_gradients_last_layer', args.curr_iteration)
     timers('optimizer', log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     timers('optimizer').stop()
+    _call_model_hook(model, 'update_momentum', args.curr_iteration)
 
     if update_successful:
         increment = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
@@ -634,6 +636,14 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         loss_reduced = reduce_losses_over_microbatches(losses_reduced)
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def _call_model_hook(model, name, iteration):
+    """Megatron's vision hooks (DINO's `cancel_gradients_last_layer` before the optimizer step,
+    `update_momentum` after it): called when the unwrapped first model chunk has the method."""
+    hook = getattr(unwrap_model(model[0]), name, None)
+    if callable(hook):
+        hook(iteration)
 
 
 def reduce_losses_over_microbatches(losses_reduced):

@@ -129,7 +129,10 @@ class DotProductAttention(MegatronModule):
         causality (`--reset-attention-mask`) build their attention with `AttnMaskType.arbitrary`,
         which keeps the exact masked path.
         """
-        if attn_mask_type != AttnMaskType.causal:
+        # A no_mask layer given no mask (the ViT) attends to every key: the fused kernel's
+        # non-causal form computes exactly that.
+        unmasked = attn_mask_type == AttnMaskType.no_mask and attention_mask is None
+        if attn_mask_type != AttnMaskType.causal and not unmasked:
             return False
         if self.training and self.attention_dropout_p > 0.0:
             return False
@@ -256,7 +259,11 @@ class DotProductAttention(MegatronModule):
             q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
             k = key.permute(1, 2, 0, 3)  # [b, np, sk, hn]
             v = value.permute(1, 2, 0, 3)
-            if sq == sk:
+            if attn_mask_type == AttnMaskType.no_mask:
+                context = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, scale=1.0 / math.sqrt(hn)
+                )
+            elif sq == sk:
                 context = torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=sq > 1, scale=1.0 / math.sqrt(hn)
                 )

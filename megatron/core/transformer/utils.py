@@ -55,6 +55,16 @@ def erf_gelu(x: torch.Tensor) -> torch.Tensor:
     )
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x): the GeLU approximation of OpenAI's CLIP (HF's "quick_gelu")."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def fast_gelu(x: torch.Tensor) -> torch.Tensor:
+    """The tanh approximation of GeLU (HF's "gelu_pytorch_tanh", used by SigLIP)."""
+    return torch.nn.functional.gelu(x, approximate='tanh')
+
+
 def squared_relu(x: torch.Tensor) -> torch.Tensor:
     """relu(x) ** 2 (Megatron's `--squared-relu`, defined in its
     megatron/training/arguments.py::core_transformer_config_from_args)."""

@@ -74,6 +74,8 @@ OUR_OWN_FLAGS = {
     '--torch-compile',  # torch.compile of the transformer layers (megatron/training/training.py)
     '--sft-one-row-per-sample',  # Megatron's SFT packing (training/datasets/sft_dataset.py)
     '--sft-long-conversations',  # truncate or refuse data longer than a sample (same file)
+    '--no-image-augmentation',  # vision scripts: validation geometry for training images
+    '--dino-out-dim',  # DINO head size (Megatron hard-codes 65536)
 }
 
 

@@ -1,0 +1,106 @@
+"""Pretrain a ViT by DINO self-distillation (Megatron's pretrain_vision_dino.py).
+
+Thin entry script: the model provider (student + EMA teacher, megatron/legacy/model/vision/
+dino.py), the batch getter (2 global and --dino-local-crops-number local views of each image),
+the loss (`loss`, DINO's cross-view cross entropy at the epoch's teacher temperature), the
+forward step and the dataset provider; `pretrain()` does the rest and calls the model's
+`cancel_gradients_last_layer` / `update_momentum` hooks around each optimizer step.
+"""
+
+from functools import partial
+
+from megatron.core.enums import ModelType
+from megatron.core.utils import get_current_device, unwrap_model
+from megatron.legacy.data.vit_dataset import build_train_valid_datasets
+from megatron.legacy.model.vision.dino import DINOPretrainModel, teacher_temperatures
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.errors import run_main
+from megatron.training.global_vars import get_args, get_timers
+from megatron.training.training import pretrain
+from megatron.training.utils import average_losses_across_data_parallel_group, print_rank_0
+
+
+def model_provider(pre_process=True, post_process=True) -> DINOPretrainModel:
+    """Student and teacher ViTs with DINO heads (the whole model on one pipeline stage)."""
+    args = get_args()
+    config = core_transformer_config_from_args(args)
+    print_rank_0('building VIT model ...')
+    return DINOPretrainModel(
+        config,
+        img_size=args.img_h,
+        patch_dim=args.patch_dim,
+        num_channels=args.num_channels,
+        local_crops_number=args.dino_local_crops_number,
+        local_img_size=args.dino_local_img_size,
+        head_hidden=args.dino_head_hidden_size,
+        bottleneck=args.dino_bottleneck_size,
+        out_dim=args.dino_out_dim,
+        norm_last_layer=args.dino_norm_last_layer,
+        temperatures=teacher_temperatures(
+            args.dino_warmup_teacher_temp,
+            args.dino_teacher_temp,
+            args.dino_warmup_teacher_temp_epochs,
+        ),
+        freeze_last_layer=args.dino_freeze_last_layer,
+        iter_per_epoch=args.iter_per_epoch,
+        train_iters=args.train_iters,
+        pre_process=pre_process,
+        post_process=post_process,
+    )
+
+
+def loss_func(model: DINOPretrainModel, epoch: int, output_tensor):
+    """DINO loss of (student, teacher) logits; the center moves in training only."""
+    student_output, teacher_output = output_tensor
+    loss = model.dino_loss(student_output, teacher_output, epoch, update_center=model.training)
+    averaged = average_losses_across_data_parallel_group([loss])
+    return loss, {'loss': averaged[0]}
+
+
+def forward_step(data_iterator, model):
+    """Forward one micro-batch of multi-crop views: ((student, teacher) logits, loss function)."""
+    args = get_args()
+    timers = get_timers()
+    timers('batch-generator', log_level=2).start()
+    crops, _ = next(data_iterator)
+    device = get_current_device()
+    crops = [c.to(device, non_blocking=True) for c in crops]
+    timers('batch-generator').stop()
+    unwrapped = unwrap_model(model)
+    epoch = unwrapped.epoch(args.curr_iteration)
+    return model(crops), partial(loss_func, unwrapped, epoch)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """The training and validation image folders of --data-path, as multi-crop views."""
+    args = get_args()
+    print_rank_0('> building train, validation, and test datasets for VIT ...')
+    train_ds, valid_ds = build_train_valid_datasets(
+        data_path=args.data_path,
+        image_size=(args.img_h, args.img_w),
+        num_channels=args.num_channels,
+        classes_fraction=args.classes_fraction,
+        data_per_class_fraction=args.data_per_class_fraction,
+        seed=args.seed,
+        augment=args.image_augmentation,
+        pretraining_type='dino',
+        local_img_size=args.dino_local_img_size,
+        local_crops_number=args.dino_local_crops_number,
+    )
+    print_rank_0('> finished creating VIT datasets ...')
+    return train_ds, valid_ds, None
+
+
+# Every rank reads its own batches, as in pretrain_vision_classify.py.
+train_valid_test_datasets_provider.is_distributed = True
+
+
+if __name__ == '__main__':
+    run_main(
+        pretrain,
+        train_valid_test_datasets_provider,
+        model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        args_defaults={'dataloader_type': 'cyclic', 'vision_pretraining': True},
+    )

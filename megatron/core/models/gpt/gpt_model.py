@@ -105,7 +105,11 @@ class GPTModel(LanguageModule):
                 pg_collection=self.pg_collection,
             )
 
-        if self.position_embedding_type == 'rope':
+        # Multi-latent attention rotates its decoupled part itself (YaRN included).
+        self.use_gpt_rotary = position_embedding_type == 'rope' and not getattr(
+            config, 'multi_latent_attention', False
+        )
+        if self.use_gpt_rotary:
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=self.config.kv_channels,
                 rotary_percent=rotary_percent,
@@ -213,7 +217,7 @@ class GPTModel(LanguageModule):
 
         # Rotary positional embeddings (embedding is None for PP intermediate devices).
         rotary_pos_emb = None
-        if self.position_embedding_type == 'rope':
+        if self.use_gpt_rotary:
             rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
                 inference_params, self.decoder, decoder_input, self.config
             )

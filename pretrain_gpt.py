@@ -25,6 +25,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import StragglerDetector
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.arguments_mla import mla_config_from_args, mla_layer_spec
 from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
 from megatron.training.datasets.sft_dataset import SFTDataset, SFTDatasetConfig
 from megatron.training.errors import run_main
@@ -51,11 +52,15 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
     args = get_args()
     print_rank_0('building GPT model ...')
     config = core_transformer_config_from_args(args)
+    if args.multi_latent_attention:
+        config = mla_config_from_args(args)
     if args.spec is not None:
         import importlib
 
         module_name, function_name = args.spec
         transformer_layer_spec = getattr(importlib.import_module(module_name), function_name)()
+    elif args.multi_latent_attention:
+        transformer_layer_spec = mla_layer_spec(config)  # MLA, dense or MoE per layer
     elif args.num_experts is not None and args.moe_layer_freq != 1:
         # Dense and MoE layers mixed: one spec per layer of this stage.
         transformer_layer_spec = get_gpt_decoder_block_spec(config)

@@ -203,6 +203,13 @@ class TransformerConfig(ModelParallelConfig):
     moe_router_topk_scaling_factor: Optional[float] = None
     """Multiply the top-k routing probs by this factor."""
 
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing (DeepSeek-V3): experts form this many equal groups and each token
+    picks its experts from its `moe_router_group_topk` best groups only (None = off)."""
+
+    moe_router_group_topk: Optional[int] = None
+    """Groups each token may route to under group-limited routing."""
+
     moe_router_enable_expert_bias: bool = False
     """Aux-loss-free balancing: a per-expert bias added to the scores for the top-k selection
     only, updated once per global batch from the token counts."""

@@ -66,6 +66,24 @@ OUR_EXTRA_FLAGS = {
     '--fim-suffix-token',
     '--fim-pad-token',
     '--fim-eod-token',
+    # multi-latent attention, YaRN and group-limited routing (arguments_mla.py)
+    '--multi-latent-attention',
+    '--q-lora-rank',
+    '--kv-lora-rank',
+    '--qk-head-dim',
+    '--qk-pos-emb-head-dim',
+    '--v-head-dim',
+    '--rope-type',
+    '--rotary-scaling-factor',
+    '--mscale',
+    '--mscale-all-dim',
+    '--yarn-original-max-position-embeddings',
+    '--yarn-beta-fast',
+    '--yarn-beta-slow',
+    '--yarn-correction-range-round-to-int',
+    '--no-yarn-correction-range-round-to-int',
+    '--moe-router-num-groups',
+    '--moe-router-group-topk',
 }
 
 # Flags of this package only (no Megatron version has them).

@@ -357,6 +357,11 @@ _COLUMN_PARALLEL = (
     "self_attention.linear_q.bias",
     "self_attention.linear_kv.weight",
     "self_attention.linear_kv.bias",
+    # Multi-latent attention: the query and up projections are split by heads (the down
+    # projections are duplicated).
+    "self_attention.linear_q_proj.weight",
+    "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_up_proj.weight",
     "mlp.linear_fc1.weight",
     "mlp.linear_fc1.bias",
     # T5's decoder cross attention: column-parallel q and kv (whole heads per rank, kv rows

@@ -1,0 +1,32 @@
+"""Start-up checks of the multi-latent attention flags (one `ValueError` line each, raised before
+any work starts)."""
+
+
+def validate_mla_args(args):
+    """MLA sizes against TP and the features MLA cannot run with."""
+    if not getattr(args, 'multi_latent_attention', False):
+        return
+    tp = args.tensor_model_parallel_size
+    if args.num_attention_heads % tp != 0:
+        raise ValueError(
+            f'--multi-latent-attention: --num-attention-heads ({args.num_attention_heads}) must be '
+            f'a multiple of --tensor-model-parallel-size ({tp}) (MLA splits whole heads)'
+        )
+    if args.qk_pos_emb_head_dim % 2 != 0:
+        raise ValueError(
+            f'--qk-pos-emb-head-dim ({args.qk_pos_emb_head_dim}) must be even (rotary pairs)'
+        )
+    if args.group_query_attention:
+        raise ValueError('--multi-latent-attention excludes --group-query-attention')
+    if args.context_parallel_size > 1:
+        raise ValueError(
+            f'--multi-latent-attention with --context-parallel-size '
+            f'({args.context_parallel_size}) > 1 is not supported'
+        )
+    if args.rotary_interleaved:
+        raise ValueError('--multi-latent-attention does not take --rotary-interleaved')
+    if args.rotary_percent != 1.0:
+        raise ValueError(
+            f'--multi-latent-attention rotates the whole decoupled part: --rotary-percent must be '
+            f'1.0, got {args.rotary_percent}'
+        )

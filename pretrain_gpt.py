@@ -89,6 +89,8 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
     )
 
 

@@ -86,6 +86,17 @@ def _add_mla_args(parser):
         dest='yarn_correction_range_round_to_int',
         help='YaRN: keep the ramp ends fractional.',
     )
+    group.add_argument(
+        '--use-rope-scaling',
+        action='store_true',
+        help='Apply Llama-3.1 frequency scaling to RoPE.',
+    )
+    group.add_argument(
+        '--rope-scaling-factor',
+        type=float,
+        default=8.0,
+        help='Factor of the Llama-3.1 RoPE scaling.',
+    )
     routing = parser.add_argument_group(title='moe group-limited routing')
     routing.add_argument(
         '--moe-router-num-groups',

@@ -82,6 +82,8 @@ OUR_EXTRA_FLAGS = {
     '--yarn-beta-slow',
     '--yarn-correction-range-round-to-int',
     '--no-yarn-correction-range-round-to-int',
+    '--use-rope-scaling',
+    '--rope-scaling-factor',
     '--moe-router-num-groups',
     '--moe-router-group-topk',
 }

@@ -44,6 +44,8 @@ class GPTModel(LanguageModule):
         rotary_percent (float): fraction of each head rotated by RoPE.
         rotary_base (int): RoPE base.
         seq_len_interpolation_factor (float, optional): RoPE position interpolation.
+        rope_scaling (bool): Llama-3.1 frequency scaling of RoPE (later Megatron's name).
+        rope_scaling_factor (float): its factor.
         pg_collection (ProcessGroupCollection, optional): the groups of this model (tp splits
             every layer, pp / embd tie the embedding and output weights); None fields fall back
             to the global groups.
@@ -65,6 +67,8 @@ class GPTModel(LanguageModule):
         rotary_base: int = 10000,
         seq_len_interpolation_factor: Optional[float] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
     ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
 
@@ -117,6 +121,8 @@ class GPTModel(LanguageModule):
                 seq_len_interpolation_factor=seq_len_interpolation_factor,
                 rotary_base=rotary_base,
                 cp_group=self.pg_collection.cp,
+                rope_scaling=rope_scaling,
+                rope_scaling_factor=rope_scaling_factor,
             )
 
         self.decoder = TransformerBlock(

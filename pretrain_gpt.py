@@ -200,6 +200,7 @@ def forward_step(data_iterator, model: GPTModel):
             attention_mask,
             labels=labels,
             packed_seq_params=packed_seq_params,
+            **({'loss_mask': loss_mask} if get_args().mtp_num_layers else {}),
         )
     return output_tensor, partial(loss_func, loss_mask)
 

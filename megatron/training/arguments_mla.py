@@ -97,6 +97,19 @@ def _add_mla_args(parser):
         default=8.0,
         help='Factor of the Llama-3.1 RoPE scaling.',
     )
+    mtp = parser.add_argument_group(title='multi-token prediction')
+    mtp.add_argument(
+        '--mtp-num-layers',
+        type=int,
+        default=None,
+        help='Multi-token prediction depth: extra layers after the decoder (default: off).',
+    )
+    mtp.add_argument(
+        '--mtp-loss-scaling-factor',
+        type=float,
+        default=0.1,
+        help='Weight of the averaged multi-token-prediction losses in the backward pass.',
+    )
     routing = parser.add_argument_group(title='moe group-limited routing')
     routing.add_argument(
         '--moe-router-num-groups',
@@ -111,6 +124,31 @@ def _add_mla_args(parser):
         help='Group-limited routing: the groups each token may choose experts from.',
     )
     return parser
+
+
+#: Architecture args restored by --use-checkpoint-args (Megatron restores none of them: a model
+#: with qk-norm, Llama-3.1 rope scaling or MLA would otherwise silently change at load).
+ARCHITECTURE_CHECKPOINT_ARGS = (
+    'qk_layernorm',
+    'use_rope_scaling',
+    'rope_scaling_factor',
+    'multi_latent_attention',
+    'q_lora_rank',
+    'kv_lora_rank',
+    'qk_head_dim',
+    'qk_pos_emb_head_dim',
+    'v_head_dim',
+    'rope_type',
+    'rotary_scaling_factor',
+    'mscale',
+    'mscale_all_dim',
+    'yarn_original_max_position_embeddings',
+    'yarn_beta_fast',
+    'yarn_beta_slow',
+    'yarn_correction_range_round_to_int',
+    'mtp_num_layers',
+    'mtp_loss_scaling_factor',
+)
 
 
 def mla_config_from_args(args):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.moe.moe_config_checks import check_moe_config
+from megatron.core.transformer.mtp_config_checks import check_mtp_config
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
@@ -268,6 +269,16 @@ class TransformerConfig(ModelParallelConfig):
     """Recompute the MoE layers in backward (activation checkpointing)."""
 
     ####################
+    # multi-token prediction (see megatron/core/transformer/multi_token_prediction.py)
+    ####################
+    mtp_num_layers: Optional[int] = None
+    """Multi-token prediction depth D: D extra layers after the decoder, depth k predicting the
+    token k + 1 places ahead (None = off)."""
+
+    mtp_loss_scaling_factor: float = 0.1
+    """The MTP losses enter the backward pass as (factor / D) * sum_k L_k."""
+
+    ####################
     # context parallelism
     ####################
     cp_comm_type: Optional[Union[str, List[str]]] = None
@@ -301,6 +312,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_context_parallel()
         self._check_moe_and_unsupported()
         self._check_recompute()
+        check_mtp_config(self)
         self._check_bias_activation_fusion()
         self._set_init_methods()
 

@@ -84,6 +84,8 @@ OUR_EXTRA_FLAGS = {
     '--no-yarn-correction-range-round-to-int',
     '--use-rope-scaling',
     '--rope-scaling-factor',
+    '--mtp-num-layers',
+    '--mtp-loss-scaling-factor',
     '--moe-router-num-groups',
     '--moe-router-group-topk',
 }

@@ -147,6 +147,17 @@ class GPTModel(LanguageModule):
                 tp_group=self.pg_collection.tp,
             )
 
+        self.mtp = None
+        if self.post_process and config.mtp_num_layers:
+            from megatron.core.transformer.multi_token_prediction import (
+                MultiTokenPredictionBlock,
+            )
+
+            # The MTP layers take the last decoder layer's spec.
+            layer_spec = getattr(transformer_layer_spec, 'layer_specs', None)
+            layer_spec = layer_spec[-1] if layer_spec else transformer_layer_spec
+            self.mtp = MultiTokenPredictionBlock(config, layer_spec, self.pg_collection)
+
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
 
@@ -178,6 +189,7 @@ class GPTModel(LanguageModule):
         inference_params=None,
         packed_seq_params: Optional[PackedSeqParams] = None,
         extra_block_kwargs: Optional[Dict] = None,
+        loss_mask: Optional[Tensor] = None,
     ) -> Tensor:
         """Run this stage.
 
@@ -194,6 +206,8 @@ class GPTModel(LanguageModule):
                 stream): each segment attends only to itself and its rotary positions restart
                 at its start (learned absolute positions come from position_ids).
             extra_block_kwargs: extra keyword arguments for the TransformerBlock.
+            loss_mask: [b, s] loss mask of the multi-token-prediction losses (None = every
+                token); MTP runs only when labels are given.
 
         Returns:
             Last stage: the loss [b, s] (fp32) when labels are given, else logits [b, s, v/p]
@@ -251,6 +265,22 @@ class GPTModel(LanguageModule):
         if not self.post_process:
             return hidden_states
 
+        if self.mtp is not None and labels is not None:
+            if packed_seq_params is not None:
+                raise NotImplementedError("multi-token prediction with packed sequences")
+            hidden_states = self.mtp(
+                hidden_states,
+                input_ids=input_ids,
+                position_ids=position_ids,
+                labels=labels,
+                loss_mask=loss_mask,
+                embedding=self.embedding,
+                token_losses=lambda h, y: self.compute_language_model_loss(
+                    y, self.output_logits(h)
+                ),
+                attention_mask=attention_mask,
+                rotary_pos_emb=rotary_pos_emb,
+            )
         hidden_states = _inference_logit_positions(hidden_states, inference_params, labels)
         return self.logits_or_loss(self.output_logits(hidden_states), labels)
 

@@ -430,15 +430,15 @@ def save_to_aux_losses_tracker(
     avg_group: Optional[torch.distributed.ProcessGroup] = None,
 ):
     """Add `loss` (detached) to entry `name` at layer `layer_number` (1-based); summed over
-    micro-batches until `track_moe_metrics` clears it. Skipped without a layer number and
-    during recomputation.
+    micro-batches until `track_moe_metrics` clears it. Skipped without a layer number, for the
+    multi-token-prediction layers (numbered after the decoder's) and during recomputation.
 
     Args:
         loss: a scalar, or a [E] vector (expert loads).
         reduce_group: at log time the values are summed over this group.
         avg_group: at log time the values are averaged over this group.
     """
-    if layer_number is None or is_recomputing():
+    if layer_number is None or layer_number > num_layers or is_recomputing():
         return
     tracker = _MOE_LAYER_WISE_LOGGING_TRACKER
     shape = (num_layers,) + tuple(loss.shape)

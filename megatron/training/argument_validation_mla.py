@@ -1,11 +1,14 @@
-"""Start-up checks of the multi-latent attention flags (one `ValueError` line each, raised before
-any work starts)."""
+"""Start-up checks of the multi-latent attention, multi-token prediction and Muon flags (one
+`ValueError` line each, raised before any work starts)."""
+
+from megatron.training.arguments_muon import validate_muon_args
 
 
 def validate_mla_args(args):
     """MLA sizes against TP and the features MLA cannot run with; the layouts multi-token
     prediction cannot run."""
     validate_mtp_args(args)
+    validate_muon_args(args)
     if not getattr(args, 'multi_latent_attention', False):
         return
     tp = args.tensor_model_parallel_size

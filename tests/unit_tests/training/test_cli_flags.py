@@ -86,6 +86,15 @@ OUR_EXTRA_FLAGS = {
     '--rope-scaling-factor',
     '--mtp-num-layers',
     '--mtp-loss-scaling-factor',
+    '--muon-momentum',
+    '--muon-nesterov',
+    '--muon-use-nesterov',  # v0.16's spelling of --muon-nesterov
+    '--muon-no-split-qkv',
+    '--muon-scale-mode',
+    '--muon-fp32-matmul-prec',
+    '--muon-num-ns-steps',
+    '--muon-tp-mode',
+    '--muon-extra-scale-factor',
     '--moe-router-num-groups',
     '--moe-router-group-topk',
 }

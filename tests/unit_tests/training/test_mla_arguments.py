@@ -102,3 +102,17 @@ def test_group_limited_routing_refusals(extra, message):
     args = _args(['--num-experts', '8', '--moe-router-topk', '2'] + extra)
     with pytest.raises(ValueError, match=message):
         validate_moe_args(args)
+
+
+@pytest.mark.parametrize(
+    'extra,message',
+    [
+        (['--use-distributed-optimizer'], '--optimizer muon with --use-distributed-optimizer'),
+        (['--fp16'], '--optimizer muon with --fp16'),
+    ],
+)
+def test_muon_refuses_incompatible_flags(extra, message):
+    from megatron.training.argument_validation_mla import validate_mla_args
+
+    with pytest.raises(ValueError, match=message):
+        validate_mla_args(_args(['--optimizer', 'muon'] + extra))

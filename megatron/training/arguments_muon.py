@@ -43,11 +43,47 @@ def _add_muon_args(parser):
     group.add_argument(
         '--muon-extra-scale-factor', type=float, default=1.0, help='Extra factor on the update.'
     )
+    group.add_argument(
+        '--qk-clip',
+        action='store_true',
+        help='After each step, rescale the query/key weights of heads whose largest attention '
+        'logit exceeded --qk-clip-threshold.',
+    )
+    group.add_argument(
+        '--qk-clip-alpha',
+        type=float,
+        default=0.5,
+        help='Share of the QK-clip rescaling put on the queries (keys: 1 - alpha).',
+    )
+    group.add_argument(
+        '--qk-clip-threshold', type=float, default=100.0, help='Largest attention logit allowed.'
+    )
     return parser
 
 
+def validate_qk_clip_args(args):
+    """--qk-clip: alpha in (0, 1), a positive threshold, weights the optimizer steps in place."""
+    if not args.qk_clip:
+        return
+    if not 0.0 < args.qk_clip_alpha < 1.0:
+        raise ValueError(f'--qk-clip-alpha must be in (0, 1), got {args.qk_clip_alpha}')
+    if args.qk_clip_threshold <= 0:
+        raise ValueError(f'--qk-clip-threshold must be positive, got {args.qk_clip_threshold}')
+    for flag, value in (
+        ('--bf16', args.bf16),
+        ('--fp16', args.fp16),
+        ('--use-distributed-optimizer', args.use_distributed_optimizer),
+    ):
+        if value:
+            raise ValueError(
+                f'--qk-clip with {flag} is not supported (the clip rescales the model\'s own fp32 '
+                'weights, which that optimizer does not step)'
+            )
+
+
 def validate_muon_args(args):
-    """--optimizer muon with the flags it cannot run with (one ValueError line)."""
+    """--optimizer muon with the flags it cannot run with (one ValueError line); --qk-clip."""
+    validate_qk_clip_args(args)
     if args.optimizer != 'muon':
         return
     if args.use_distributed_optimizer:

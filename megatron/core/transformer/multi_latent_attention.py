@@ -344,5 +344,10 @@ class MLASelfAttention(MegatronModule):
         # Under sequence parallelism the latent stays [s/tp, b, rkv]: the up projection
         # all-gathers it.
         key, value = self._expand(latent, k_pos)
+        if self.config.qk_clip and self.training:
+            from megatron.core.optimizer.qk_clip import is_causal, record_max_logits
+
+            scale = self.core_attention.softmax_scale
+            record_max_logits(self, query, key, scale, is_causal(self))
         context = self.core_attention(query, key, value, attention_mask)  # [s, b, np * dv]
         return self.linear_proj(context)

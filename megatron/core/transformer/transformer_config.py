@@ -279,6 +279,19 @@ class TransformerConfig(ModelParallelConfig):
     """The MTP losses enter the backward pass as (factor / D) * sum_k L_k."""
 
     ####################
+    # qk-clip (see megatron/core/optimizer/qk_clip.py)
+    ####################
+    qk_clip: bool = False
+    """Record each head's largest attention logit in training, so that `clip_qk` can rescale
+    the query / key weights of heads above qk_clip_threshold after the optimizer step."""
+
+    qk_clip_alpha: float = 0.5
+    """Share of the rescaling applied to the queries (the keys get 1 - alpha)."""
+
+    qk_clip_threshold: float = 100.0
+    """Largest attention logit allowed."""
+
+    ####################
     # context parallelism
     ####################
     cp_comm_type: Optional[Union[str, List[str]]] = None

@@ -95,6 +95,9 @@ OUR_EXTRA_FLAGS = {
     '--muon-num-ns-steps',
     '--muon-tp-mode',
     '--muon-extra-scale-factor',
+    '--qk-clip',
+    '--qk-clip-alpha',
+    '--qk-clip-threshold',
     '--moe-router-num-groups',
     '--moe-router-group-topk',
 }

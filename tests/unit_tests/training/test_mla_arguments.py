@@ -109,9 +109,11 @@ def test_group_limited_routing_refusals(extra, message):
     [
         (['--use-distributed-optimizer'], '--optimizer muon with --use-distributed-optimizer'),
         (['--fp16'], '--optimizer muon with --fp16'),
+        (['--qk-clip', '--bf16'], '--qk-clip with --bf16 is not supported'),
+        (['--qk-clip', '--qk-clip-alpha', '1.5'], r'--qk-clip-alpha must be in \(0, 1\)'),
     ],
 )
-def test_muon_refuses_incompatible_flags(extra, message):
+def test_muon_and_qk_clip_refuse_incompatible_flags(extra, message):
     from megatron.training.argument_validation_mla import validate_mla_args
 
     with pytest.raises(ValueError, match=message):

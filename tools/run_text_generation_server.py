@@ -57,7 +57,7 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
     args = get_args()
     print_rank_0('building GPT model ...')
     config = core_transformer_config_from_args(args)
-    if args.multi_latent_attention:
+    if getattr(args, 'multi_latent_attention', False):
         config = mla_config_from_args(args)
         transformer_layer_spec = mla_layer_spec(config)
     elif args.num_experts is not None and args.moe_layer_freq != 1:
@@ -77,8 +77,8 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
-        rope_scaling=args.use_rope_scaling,
-        rope_scaling_factor=args.rope_scaling_factor,
+        rope_scaling=getattr(args, 'use_rope_scaling', False),
+        rope_scaling_factor=getattr(args, 'rope_scaling_factor', 8.0),
     )
 
 

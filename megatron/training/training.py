@@ -620,7 +620,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
 
     timers('optimizer', log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
-    if args.qk_clip and update_successful:
+    if getattr(args, 'qk_clip', False) and update_successful:
         from megatron.core.optimizer.qk_clip import clip_qk
 
         dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)

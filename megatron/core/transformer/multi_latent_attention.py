@@ -106,8 +106,15 @@ class MLACoreAttention(MegatronModule):
             keep = None
         dropout = self.training and self.dropout_p > 0.0
         if not dropout and q.dtype == torch.float32:
+            # Square causal attention takes the fused causal kernel instead of an explicit mask.
+            square_causal = self.attn_mask_type == AttnMaskType.causal and sq == sk
             context = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=keep, scale=self.softmax_scale
+                q,
+                k,
+                v,
+                attn_mask=None if square_causal else keep,
+                is_causal=square_causal and sq > 1,
+                scale=self.softmax_scale,
             )
         else:
             scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.softmax_scale

@@ -25,6 +25,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import StragglerDetector
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.arguments_mla import mla_config_from_args, mla_layer_spec
 from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
 from megatron.training.datasets.sft_dataset import SFTDataset, SFTDatasetConfig
 from megatron.training.errors import run_main
@@ -51,11 +52,15 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
     args = get_args()
     print_rank_0('building GPT model ...')
     config = core_transformer_config_from_args(args)
+    if getattr(args, 'multi_latent_attention', False):
+        config = mla_config_from_args(args)
     if args.spec is not None:
         import importlib
 
         module_name, function_name = args.spec
         transformer_layer_spec = getattr(importlib.import_module(module_name), function_name)()
+    elif getattr(args, 'multi_latent_attention', False):
+        transformer_layer_spec = mla_layer_spec(config)  # MLA, dense or MoE per layer
     elif args.num_experts is not None and args.moe_layer_freq != 1:
         # Dense and MoE layers mixed: one spec per layer of this stage.
         transformer_layer_spec = get_gpt_decoder_block_spec(config)
@@ -84,6 +89,8 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        rope_scaling=getattr(args, 'use_rope_scaling', False),
+        rope_scaling_factor=getattr(args, 'rope_scaling_factor', 8.0),
     )
 
 
@@ -193,6 +200,7 @@ def forward_step(data_iterator, model: GPTModel):
             attention_mask,
             labels=labels,
             packed_seq_params=packed_seq_params,
+            **({'loss_mask': loss_mask} if getattr(get_args(), 'mtp_num_layers', None) else {}),
         )
     return output_tensor, partial(loss_func, loss_mask)
 

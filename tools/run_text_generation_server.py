@@ -40,6 +40,7 @@ from megatron.inference.text_generation_server import (
 )
 from megatron.inference.worker_loop import ServingLoop
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.arguments_mla import mla_config_from_args, mla_layer_spec
 from megatron.training.checkpointing import load_checkpoint
 from megatron.training.context_parallel_checks import refuse_context_parallel
 from megatron.training.errors import run_main
@@ -56,7 +57,10 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
     args = get_args()
     print_rank_0('building GPT model ...')
     config = core_transformer_config_from_args(args)
-    if args.num_experts is not None and args.moe_layer_freq != 1:
+    if getattr(args, 'multi_latent_attention', False):
+        config = mla_config_from_args(args)
+        transformer_layer_spec = mla_layer_spec(config)
+    elif args.num_experts is not None and args.moe_layer_freq != 1:
         transformer_layer_spec = get_gpt_decoder_block_spec(config)  # dense and MoE layers
     else:
         transformer_layer_spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm)
@@ -73,6 +77,8 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=getattr(args, 'use_rope_scaling', False),
+        rope_scaling_factor=getattr(args, 'rope_scaling_factor', 8.0),
     )
 
 

@@ -11,6 +11,7 @@ it from.
 
 import math
 
+from megatron.training.argument_validation_mla import validate_mla_args
 from megatron.training.argument_validation_model import (
     select_transformer_impl,
     validate_mixed_precision,
@@ -96,6 +97,7 @@ def validate_args(args, defaults={}):
     validate_context_parallel_args(args)
     validate_data_and_logging(args)
     validate_moe_args(args)
+    validate_mla_args(args)
     validate_megatron_r08_extras(args)
     validate_dist_checkpoint_args(args)
     validate_sft_and_fim_args(args)

@@ -19,6 +19,8 @@ MOE_CHECKPOINT_ARGS = (
     'moe_router_pre_softmax',
     'moe_router_score_function',
     'moe_router_topk_scaling_factor',
+    'moe_router_num_groups',
+    'moe_router_group_topk',
     'moe_router_enable_expert_bias',
     'moe_router_load_balancing_type',
     'moe_router_dtype',

@@ -427,7 +427,11 @@ def _add_training_args(parser):
         '--add-qkv-bias', action='store_true', help='Enable bias only in the QKV linear layers'
     )
     group.add_argument(
-        '--optimizer', type=str, default='adam', choices=['adam', 'sgd'], help='Optimizer function'
+        '--optimizer',
+        type=str,
+        default='adam',
+        choices=['adam', 'sgd', 'muon'],
+        help='Optimizer function',
     )
     group.add_argument(
         '--dataloader-type',

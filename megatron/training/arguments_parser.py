@@ -7,6 +7,7 @@ defaults from here (without importing `arguments.py`, which imports it).
 import argparse
 import sys
 
+from megatron.training.arguments_mla import _add_mla_args
 from megatron.training.arguments_model import (
     _add_experimental_args,
     _add_inference_args,
@@ -19,6 +20,7 @@ from megatron.training.arguments_model import (
     _add_training_args,
     _add_transformer_engine_args,
 )
+from megatron.training.arguments_muon import _add_muon_args
 from megatron.training.arguments_run import (
     _add_autoresume_args,
     _add_checkpointing_args,
@@ -70,6 +72,8 @@ def get_args_parser(extra_args_provider=None):
     parser = add_biencoder_args(parser)
     parser = add_vision_args(parser)
     parser = _add_moe_args(parser)
+    parser = _add_mla_args(parser)
+    parser = _add_muon_args(parser)
     parser = _add_logging_args(parser)
     parser = _add_straggler_detector_args(parser)
     parser = _add_inference_args(parser)

@@ -61,6 +61,8 @@ LAYER_MESSAGE_KEYS = {
     'self_attention.linear_qkv.bias': 'qkv bias',
     'self_attention.linear_proj.weight': 'dense weight',
     'self_attention.linear_proj.bias': 'dense bias',
+    'self_attention.q_layernorm.weight': 'q norm weight',
+    'self_attention.k_layernorm.weight': 'k norm weight',
     'mlp.linear_fc1.weight': 'mlp l0 weight',
     'mlp.linear_fc1.bias': 'mlp l0 bias',
     'mlp.linear_fc2.weight': 'mlp l1 weight',

@@ -45,6 +45,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.enums import ModelType
 from megatron.core.utils import get_current_device, unwrap_model
 from megatron.training import distrib_optim_shards
+from megatron.training.arguments_mla import ARCHITECTURE_CHECKPOINT_ARGS
 from megatron.training.global_vars import get_args
 
 # isort: split
@@ -567,6 +568,7 @@ def load_args_from_checkpoint(
         'rotary_base',
         'norm_epsilon',
         'openai_gelu',
+        *ARCHITECTURE_CHECKPOINT_ARGS,
     ):
         _set_arg(name, force=True)
     if getattr(checkpoint_args, 'num_experts', None):

@@ -6,7 +6,11 @@ listed in `model.safetensors.index.json`), plus tokenizer files. Two families ar
 - GPT-2 (`model_type` "gpt2"): learned positions, LayerNorm, GeLU (the tanh approximation,
   which Megatron's default fused bias-GeLU computes), linear biases, tied output layer.
 - Llama (`model_type` "llama" or "mistral" without a sliding window): RoPE, RMSNorm, SwiGLU,
-  grouped-query attention, no biases, untied output layer.
+  grouped-query attention, no biases, untied output layer; Llama-3.1 rope scaling becomes
+  `--use-rope-scaling --rope-scaling-factor`.
+- Qwen2 / Qwen2.5 (`model_type` "qwen2"): Llama with q/k/v biases only (`--add-qkv-bias`).
+- Qwen3 (`model_type` "qwen3"): Llama with per-head RMSNorm of queries and keys before RoPE
+  (`--qk-layernorm`; `q_norm` / `k_norm` are `self_attention.q_layernorm` / `k_layernorm`).
 
 The weight renaming itself lives in megatron/core/models/gpt/hf_weight_mapping.py.
 """
@@ -102,6 +106,12 @@ def hf_family(config: dict) -> str:
     model_type = config.get('model_type')
     if model_type == 'gpt2':
         return 'gpt2'
+    if model_type in ('qwen2', 'qwen3'):
+        if config.get('use_sliding_window'):
+            raise ValueError(
+                f'Hugging Face config: {model_type} with use_sliding_window is not supported'
+            )
+        return 'llama'
     if model_type in ('llama', 'mistral'):
         window = config.get('sliding_window')
         max_pos = config.get('max_position_embeddings', 0)
@@ -113,7 +123,8 @@ def hf_family(config: dict) -> str:
         return 'llama'
     raise ValueError(
         f'Hugging Face config: unsupported architecture model_type={model_type!r} '
-        f'(architectures {config.get("architectures")}); supported: gpt2, llama, mistral'
+        f'(architectures {config.get("architectures")}); supported: gpt2, llama, mistral, '
+        'qwen2, qwen3'
     )
 
 
@@ -149,6 +160,9 @@ def hf_config_namespace(config: dict) -> types.SimpleNamespace:
         values.setdefault('rope_theta', rope.get('rope_theta', 10000.0))
         if rope.get('rope_type', 'default') != 'default' and not values.get('rope_scaling'):
             values['rope_scaling'] = rope
+        # Qwen2 has q/k/v biases (no output bias); Qwen3 normalises queries and keys per head.
+        values['qkv_bias'] = config.get('model_type') == 'qwen2'
+        values['qk_norm'] = config.get('model_type') == 'qwen3'
     return types.SimpleNamespace(**values)
 
 
@@ -250,6 +264,17 @@ def expected_hf_shapes(config: dict) -> Dict[str, tuple]:
             'mlp.up_proj.weight': (ffn, h),
             'mlp.down_proj.weight': (h, ffn),
         }
+        if c.qkv_bias:
+            per_layer.update(
+                {
+                    'self_attn.q_proj.bias': (q,),
+                    'self_attn.k_proj.bias': (kv,),
+                    'self_attn.v_proj.bias': (kv,),
+                }
+            )
+        if c.qk_norm:
+            per_layer.update({'self_attn.q_norm.weight': (head_dim,)})
+            per_layer.update({'self_attn.k_norm.weight': (head_dim,)})
         if c.attention_bias:
             per_layer.update(
                 {
@@ -407,6 +432,16 @@ def megatron_args_list(
             args += ['--group-query-attention', '--num-query-groups', c.num_key_value_heads]
         if not c.mlp_bias:
             args.append('--disable-bias-linear')
+        if c.qkv_bias:
+            args.append('--add-qkv-bias')
+        if c.qk_norm:
+            args.append('--qk-layernorm')
+        if kw['model'].get('rope_scaling'):
+            args += [
+                '--use-rope-scaling',
+                '--rope-scaling-factor',
+                kw['model']['rope_scaling_factor'],
+            ]
         if not c.tie_word_embeddings:
             args.append('--untie-embeddings-and-output-weights')
     args += ['--tokenizer-type', tokenizer_type, '--micro-batch-size', 1, '--mock-data']
@@ -470,6 +505,18 @@ def hf_family_of_args(args) -> str:
                 'linear biases (--disable-bias-linear is set)'
             )
         return 'gpt2'
+    if pos == 'rope' and norm == 'RMSNorm' and args.swiglu and getattr(args, 'qk_layernorm', False):
+        if args.add_bias_linear or getattr(args, 'add_qkv_bias', False):
+            raise ValueError('saver_hf: --qk-layernorm (Qwen3) with linear biases is not supported')
+        return 'qwen3'
+    if (
+        pos == 'rope'
+        and norm == 'RMSNorm'
+        and args.swiglu
+        and getattr(args, 'add_qkv_bias', False)
+        and not args.add_bias_linear
+    ):
+        return 'qwen2'
     if pos == 'rope' and norm == 'RMSNorm' and args.swiglu:
         if getattr(args, 'rotary_percent', 1.0) != 1.0 or getattr(
             args, 'rotary_interleaved', False
@@ -528,9 +575,23 @@ def hf_config_from_args(args, vocab_size: int, dtype: torch.dtype) -> dict:
             'eos_token_id': min(50256, vocab_size - 1),
         }
     groups = args.num_query_groups if args.group_query_attention else heads
+    architecture = {
+        'llama': 'LlamaForCausalLM',
+        'qwen2': 'Qwen2ForCausalLM',
+        'qwen3': 'Qwen3ForCausalLM',
+    }[family]
+    rope = {'rope_theta': float(args.rotary_base), 'rope_type': 'default'}
+    if getattr(args, 'use_rope_scaling', False):
+        rope.update(
+            rope_type='llama3',
+            factor=float(args.rope_scaling_factor),
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        )
     return {
-        'architectures': ['LlamaForCausalLM'],
-        'model_type': 'llama',
+        'architectures': [architecture],
+        'model_type': family,
         'vocab_size': vocab_size,
         'hidden_size': args.hidden_size,
         'intermediate_size': args.ffn_hidden_size,
@@ -542,7 +603,7 @@ def hf_config_from_args(args, vocab_size: int, dtype: torch.dtype) -> dict:
         'max_position_embeddings': args.max_position_embeddings,
         'rms_norm_eps': args.norm_epsilon,
         'rope_theta': float(args.rotary_base),
-        'rope_parameters': {'rope_theta': float(args.rotary_base), 'rope_type': 'default'},
+        'rope_parameters': rope,
         'attention_bias': bool(args.add_bias_linear),
         'mlp_bias': bool(args.add_bias_linear),
         'attention_dropout': args.attention_dropout,

@@ -621,6 +621,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     _call_model_hook(model, 'cancel_gradients_last_layer', args.curr_iteration)
     timers('optimizer', log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    if getattr(args, 'qk_clip', False) and update_successful:
+        from megatron.core.optimizer.qk_clip import clip_qk
+
+        dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)
+        clip_qk(model, args.qk_clip_threshold, args.qk_clip_alpha, dp_cp)
     timers('optimizer').stop()
     _call_model_hook(model, 'update_momentum', args.curr_iteration)
 

@@ -17,6 +17,7 @@ from megatron.training.global_vars import get_args, get_timers
 from megatron.training.scalar_writers import get_scalar_writer
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
 from megatron.training.training_log_moe import log_moe_metrics
+from megatron.training.training_log_mtp import log_mtp_metrics
 from megatron.training.utils import (
     _max_rss_bytes,
     _rss_bytes,
@@ -196,6 +197,7 @@ def training_log(
             writer.add_scalar('mem-rss-bytes', _rss_bytes(), iteration)
             writer.add_scalar('mem-max-rss-bytes', _max_rss_bytes(), iteration)
     log_moe_metrics(args, iteration, writer, total_loss_dict)
+    log_mtp_metrics(args, iteration, writer, total_loss_dict)
     if args.log_timers_to_tensorboard and (iteration % args.tensorboard_log_interval == 0):
         # reset=False: the log line below still reports these timers (Megatron resets here, so
         # its log line shows zeros with --log-timers-to-tensorboard).

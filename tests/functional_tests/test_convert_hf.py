@@ -45,6 +45,25 @@ def _hf_model(arch):
             attn_pdrop=0.0,
         )
         model = transformers.GPT2LMHeadModel(config)
+    elif arch in ('qwen2', 'qwen3'):
+        # Qwen2.5: q/k/v biases; Qwen3: per-head q/k RMSNorm, explicit head_dim.
+        kind = transformers.Qwen2Config if arch == 'qwen2' else transformers.Qwen3Config
+        config = kind(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=8 if arch == 'qwen2' else 16,
+            max_position_embeddings=32,
+            rms_norm_eps=1e-6,
+            rope_theta=20000.0,
+            tie_word_embeddings=arch == 'qwen3',
+        )
+        model = (
+            transformers.Qwen2ForCausalLM if arch == 'qwen2' else transformers.Qwen3ForCausalLM
+        )(config)
     else:
         config = transformers.LlamaConfig(
             vocab_size=VOCAB,
@@ -58,6 +77,16 @@ def _hf_model(arch):
             rope_theta=5000.0,
             tie_word_embeddings=False,
         )
+        if arch == 'llama31':
+            # Llama-3.1 rope scaling with a short original context, so it changes the logits.
+            config.rope_parameters = dict(
+                rope_type='llama3',
+                rope_theta=5000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            )
         model = transformers.LlamaForCausalLM(config)
     _randomize(model, seed=3)
     return model.eval()
@@ -72,7 +101,7 @@ def _our_logits(load_dir, tokens, tp, pp):
     return [o for o in outs if o is not None][0][..., :VOCAB]
 
 
-@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+@pytest.mark.parametrize('arch', ['gpt2', 'llama', 'qwen2', 'qwen3', 'llama31'])
 def test_hf_import_export(tmp_path, arch):
     hf = _hf_model(arch)
     hf_dir, tok_dir = str(tmp_path / 'hf'), str(tmp_path / 'tokenizer')
@@ -152,6 +181,12 @@ def test_hf_import_export(tmp_path, arch):
     )
     if arch == 'llama':
         assert (args.rotary_base, args.num_query_groups, args.norm_epsilon) == (5000, 2, 1e-6)
+    elif arch == 'qwen2':
+        assert args.add_qkv_bias and not args.add_bias_linear and not args.qk_layernorm
+    elif arch == 'qwen3':
+        assert args.qk_layernorm and args.kv_channels == 16 and not args.add_qkv_bias
+    elif arch == 'llama31':
+        assert args.use_rope_scaling and args.rope_scaling_factor == 8.0
     else:
         assert args.bias_gelu_fusion and args.position_embedding_type == 'learned_absolute'
 

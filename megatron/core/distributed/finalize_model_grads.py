@@ -111,8 +111,11 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, pgs=None) -
             for name, param in get_attr_wrapped_model(model_chunk, 'named_parameters')():
                 if param.requires_grad and (
                     getattr(param, 'sequence_parallel', False)
-                    or 'q_layernorm' in name
-                    or 'k_layernorm' in name
+                    or (
+                        ('q_layernorm' in name or 'k_layernorm' in name)
+                        # MLA's latent norms are not per-head: full gradients on every rank.
+                        and not getattr(param, 'is_latent_norm', False)
+                    )
                 ):
                     grads.append(_grad_for_reduction(param).data)
         if grads:

@@ -155,8 +155,30 @@ def _get_megatron_optimizer_based_on_param_groups(
             param_groups, lr=lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum
         )
         init_state_fn = None
+    elif config.optimizer == 'muon':
+        from .muon import Muon, muon_init_state_fn, split_muon_groups
+
+        optimizer = Muon(
+            split_muon_groups(param_groups),
+            lr=lr,
+            weight_decay=config.weight_decay,
+            momentum=config.muon_momentum,
+            nesterov=config.muon_nesterov,
+            num_ns_steps=config.muon_num_ns_steps,
+            scale_mode=config.muon_scale_mode,
+            extra_scale_factor=config.muon_extra_scale_factor,
+            matmul_precision=config.muon_fp32_matmul_prec,
+            split_qkv=not config.muon_no_split_qkv,
+            tp_mode=config.muon_tp_mode,
+            tp_group=parallel_state.get_tensor_model_parallel_group(check_initialized=False),
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+        )
+        init_state_fn = muon_init_state_fn
     else:
-        raise ValueError(f"{config.optimizer} optimizer is not supported (use 'adam' or 'sgd')")
+        raise ValueError(
+            f"{config.optimizer} optimizer is not supported (use 'adam', 'sgd' or 'muon')"
+        )
 
     if config.fp16 or config.bf16 or config.use_distributed_optimizer:
         grad_scaler = None
@@ -212,6 +234,10 @@ def get_megatron_optimizer(
         raise ValueError('OptimizerConfig.lr (--lr) must be set to build an optimizer')
     if not isinstance(model_chunks, list):
         model_chunks = [model_chunks]
+    if config.optimizer == 'muon':
+        from .muon import mark_muon_params
+
+        mark_muon_params(model_chunks)
     param_groups = _get_param_groups(
         model_chunks,
         no_weight_decay_cond,

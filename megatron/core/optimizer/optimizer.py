@@ -361,6 +361,9 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                     tensor_parallel.copy_tensor_model_parallel_attributes(main_param, param)
                     if hasattr(param, 'shared'):
                         main_param.shared = param.shared
+                    for attr in ('use_muon', 'muon_qkv_layout'):  # Muon's parameter tags
+                        if hasattr(param, attr):
+                            setattr(main_param, attr, getattr(param, attr))
                     param_group['params'][i] = main_param
                     fp32_from_float16_params_this_group.append(main_param)
                     if param in self.optimizer.state:

@@ -104,10 +104,39 @@ class OptimizerConfig:
     timers: Optional[Callable] = None
     """Function to get timers (Megatron's Timers object), or None."""
 
+    muon_momentum: float = 0.9
+    """Muon: momentum of the orthogonalised updates."""
+
+    muon_nesterov: bool = False
+    """Muon: Nesterov momentum."""
+
+    muon_no_split_qkv: bool = False
+    """Muon: orthogonalise the fused QKV weight as one matrix (default: q, k, v apart)."""
+
+    muon_scale_mode: str = "spectral"
+    """Muon: update scale, "spectral", "shape_scaling" or "unit_rms_norm"."""
+
+    muon_fp32_matmul_prec: str = "medium"
+    """Muon: Newton-Schulz precision, "low", "medium" or "high"."""
+
+    muon_num_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations."""
+
+    muon_tp_mode: str = "duplicated"
+    """Muon: TP-split weights orthogonalised whole ("duplicated") or per shard ("blockwise")."""
+
+    muon_extra_scale_factor: float = 1.0
+    """Muon: extra factor on the update."""
+
     def __post_init__(self):
-        if self.optimizer not in ('adam', 'sgd'):
+        if self.optimizer not in ('adam', 'sgd', 'muon'):
             raise ValueError(
-                f"optimizer (--optimizer) must be 'adam' or 'sgd', got {self.optimizer!r}"
+                f"optimizer (--optimizer) must be 'adam', 'sgd' or 'muon', got {self.optimizer!r}"
+            )
+        if self.optimizer == 'muon' and self.use_distributed_optimizer:
+            raise ValueError(
+                "--optimizer muon with --use-distributed-optimizer is not supported (the "
+                "distributed optimizer shards the matrices Muon orthogonalises)"
             )
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 (--fp16, --bf16) cannot both be set")

@@ -270,7 +270,10 @@ def forward_step(
     if config.timers is not None:
         config.timers('forward-compute').stop()
 
-    if getattr(config, 'num_moe_experts', None) is not None:
+    if getattr(config, 'num_moe_experts', None) is not None or getattr(
+        config, 'mtp_num_layers', None
+    ):
+        # MTP injects its losses through the same autoscaler.
         _set_moe_aux_loss_scale(config, num_microbatches)
 
     # If T5 model (or other model with encoder and decoder) and in decoder stack, then send encoder

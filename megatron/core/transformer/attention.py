@@ -9,6 +9,7 @@ query heads, then its key head, then its value head. The tensor-parallel split o
 (ColumnParallelLinear, dim 0) therefore hands each rank whole query groups.
 """
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -293,6 +294,12 @@ class Attention(MegatronModule, ABC):
             q_pos_emb, k_pos_emb = rotary_pos_emb
             query = apply_rotary_pos_emb(query, q_pos_emb[: query.size(0)], config=self.config)
             key = apply_rotary_pos_emb(key, k_pos_emb[: key.size(0)], config=self.config)
+
+        if getattr(self.config, 'qk_clip', False) and self.training:
+            from megatron.core.optimizer.qk_clip import is_causal, record_max_logits
+
+            scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+            record_max_logits(self, query, key, scale, is_causal(self))
 
         if self.checkpoint_core_attention and self.training:
             core_attn_out = self._checkpointed_attention_forward(

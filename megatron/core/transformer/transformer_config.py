@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.moe.moe_config_checks import check_moe_config
+from megatron.core.transformer.mtp_config_checks import check_mtp_config
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
@@ -203,6 +204,13 @@ class TransformerConfig(ModelParallelConfig):
     moe_router_topk_scaling_factor: Optional[float] = None
     """Multiply the top-k routing probs by this factor."""
 
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing (DeepSeek-V3): experts form this many equal groups and each token
+    picks its experts from its `moe_router_group_topk` best groups only (None = off)."""
+
+    moe_router_group_topk: Optional[int] = None
+    """Groups each token may route to under group-limited routing."""
+
     moe_router_enable_expert_bias: bool = False
     """Aux-loss-free balancing: a per-expert bias added to the scores for the top-k selection
     only, updated once per global batch from the token counts."""
@@ -261,6 +269,29 @@ class TransformerConfig(ModelParallelConfig):
     """Recompute the MoE layers in backward (activation checkpointing)."""
 
     ####################
+    # multi-token prediction (see megatron/core/transformer/multi_token_prediction.py)
+    ####################
+    mtp_num_layers: Optional[int] = None
+    """Multi-token prediction depth D: D extra layers after the decoder, depth k predicting the
+    token k + 1 places ahead (None = off)."""
+
+    mtp_loss_scaling_factor: float = 0.1
+    """The MTP losses enter the backward pass as (factor / D) * sum_k L_k."""
+
+    ####################
+    # qk-clip (see megatron/core/optimizer/qk_clip.py)
+    ####################
+    qk_clip: bool = False
+    """Record each head's largest attention logit in training, so that `clip_qk` can rescale
+    the query / key weights of heads above qk_clip_threshold after the optimizer step."""
+
+    qk_clip_alpha: float = 0.5
+    """Share of the rescaling applied to the queries (the keys get 1 - alpha)."""
+
+    qk_clip_threshold: float = 100.0
+    """Largest attention logit allowed."""
+
+    ####################
     # context parallelism
     ####################
     cp_comm_type: Optional[Union[str, List[str]]] = None
@@ -294,6 +325,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_context_parallel()
         self._check_moe_and_unsupported()
         self._check_recompute()
+        check_mtp_config(self)
         self._check_bias_activation_fusion()
         self._set_init_methods()
 

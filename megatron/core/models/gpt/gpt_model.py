@@ -44,6 +44,8 @@ class GPTModel(LanguageModule):
         rotary_percent (float): fraction of each head rotated by RoPE.
         rotary_base (int): RoPE base.
         seq_len_interpolation_factor (float, optional): RoPE position interpolation.
+        rope_scaling (bool): Llama-3.1 frequency scaling of RoPE (later Megatron's name).
+        rope_scaling_factor (float): its factor.
         pg_collection (ProcessGroupCollection, optional): the groups of this model (tp splits
             every layer, pp / embd tie the embedding and output weights); None fields fall back
             to the global groups.
@@ -65,6 +67,8 @@ class GPTModel(LanguageModule):
         rotary_base: int = 10000,
         seq_len_interpolation_factor: Optional[float] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
     ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
 
@@ -105,7 +109,11 @@ class GPTModel(LanguageModule):
                 pg_collection=self.pg_collection,
             )
 
-        if self.position_embedding_type == 'rope':
+        # Multi-latent attention rotates its decoupled part itself (YaRN included).
+        self.use_gpt_rotary = position_embedding_type == 'rope' and not getattr(
+            config, 'multi_latent_attention', False
+        )
+        if self.use_gpt_rotary:
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=self.config.kv_channels,
                 rotary_percent=rotary_percent,
@@ -113,6 +121,8 @@ class GPTModel(LanguageModule):
                 seq_len_interpolation_factor=seq_len_interpolation_factor,
                 rotary_base=rotary_base,
                 cp_group=self.pg_collection.cp,
+                rope_scaling=rope_scaling,
+                rope_scaling_factor=rope_scaling_factor,
             )
 
         self.decoder = TransformerBlock(
@@ -136,6 +146,17 @@ class GPTModel(LanguageModule):
                 and self.share_embeddings_and_output_weights,
                 tp_group=self.pg_collection.tp,
             )
+
+        self.mtp = None
+        if self.post_process and config.mtp_num_layers:
+            from megatron.core.transformer.multi_token_prediction import (
+                MultiTokenPredictionBlock,
+            )
+
+            # The MTP layers take the last decoder layer's spec.
+            layer_spec = getattr(transformer_layer_spec, 'layer_specs', None)
+            layer_spec = layer_spec[-1] if layer_spec else transformer_layer_spec
+            self.mtp = MultiTokenPredictionBlock(config, layer_spec, self.pg_collection)
 
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
@@ -168,6 +189,7 @@ class GPTModel(LanguageModule):
         inference_params=None,
         packed_seq_params: Optional[PackedSeqParams] = None,
         extra_block_kwargs: Optional[Dict] = None,
+        loss_mask: Optional[Tensor] = None,
     ) -> Tensor:
         """Run this stage.
 
@@ -184,6 +206,8 @@ class GPTModel(LanguageModule):
                 stream): each segment attends only to itself and its rotary positions restart
                 at its start (learned absolute positions come from position_ids).
             extra_block_kwargs: extra keyword arguments for the TransformerBlock.
+            loss_mask: [b, s] loss mask of the multi-token-prediction losses (None = every
+                token); MTP runs only when labels are given.
 
         Returns:
             Last stage: the loss [b, s] (fp32) when labels are given, else logits [b, s, v/p]
@@ -213,7 +237,7 @@ class GPTModel(LanguageModule):
 
         # Rotary positional embeddings (embedding is None for PP intermediate devices).
         rotary_pos_emb = None
-        if self.position_embedding_type == 'rope':
+        if self.use_gpt_rotary:
             rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
                 inference_params, self.decoder, decoder_input, self.config
             )
@@ -241,6 +265,22 @@ class GPTModel(LanguageModule):
         if not self.post_process:
             return hidden_states
 
+        if self.mtp is not None and labels is not None:
+            if packed_seq_params is not None:
+                raise NotImplementedError("multi-token prediction with packed sequences")
+            hidden_states = self.mtp(
+                hidden_states,
+                input_ids=input_ids,
+                position_ids=position_ids,
+                labels=labels,
+                loss_mask=loss_mask,
+                embedding=self.embedding,
+                token_losses=lambda h, y: self.compute_language_model_loss(
+                    y, self.output_logits(h)
+                ),
+                attention_mask=attention_mask,
+                rotary_pos_emb=rotary_pos_emb,
+            )
         hidden_states = _inference_logit_positions(hidden_states, inference_params, labels)
         return self.logits_or_loss(self.output_logits(hidden_states), labels)
 

@@ -209,11 +209,22 @@ def llama_config_kwargs(hf_config) -> dict:
         raise ValueError(
             f"Llama hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')"
         )
-    rope_scaling = getattr(hf_config, "rope_scaling", None)
-    if (
-        rope_scaling
-        and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default"
-    ):
+    rope_scaling = getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    scaling = {}
+    if rope_type == "llama3":
+        # Megatron's --use-rope-scaling fixes the other Llama-3.1 constants.
+        fixed = dict(
+            low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+        )
+        other = {k: rope_scaling.get(k) for k in fixed if rope_scaling.get(k) != fixed[k]}
+        if other:
+            raise ValueError(
+                f"Llama-3.1 rope scaling with {other} is not supported (Megatron's "
+                f"--use-rope-scaling fixes {fixed})"
+            )
+        scaling = dict(rope_scaling=True, rope_scaling_factor=float(rope_scaling["factor"]))
+    elif rope_type != "default":
         raise ValueError(f"Llama rope_scaling {rope_scaling} is not supported")
     rope_theta = getattr(hf_config, "rope_theta", None)
     if rope_theta is None:
@@ -246,6 +257,7 @@ def llama_config_kwargs(hf_config) -> dict:
             position_embedding_type="rope",
             rotary_base=rope_theta,
             share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+            **scaling,
         ),
     }
 
@@ -282,6 +294,11 @@ def llama_hf_to_mcore_state_dict(
                 hn,
             )
         out[m + "self_attention.linear_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
+        for norm in ("q", "k"):  # Qwen3's per-head query / key RMSNorm
+            if f"{p}self_attn.{norm}_norm.weight" in sd:
+                out[f"{m}self_attention.{norm}_layernorm.weight"] = sd[
+                    f"{p}self_attn.{norm}_norm.weight"
+                ]
         if p + "self_attn.o_proj.bias" in sd:
             out[m + "self_attention.linear_proj.bias"] = sd[p + "self_attn.o_proj.bias"]
         out[m + "pre_mlp_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
@@ -328,6 +345,11 @@ def mcore_to_llama_hf_state_dict(
             out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"] = q, k
             out[p + "self_attn.v_proj.bias"] = v
         out[p + "self_attn.o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"]
+        for norm in ("q", "k"):
+            if f"{m}self_attention.{norm}_layernorm.weight" in sd:
+                out[f"{p}self_attn.{norm}_norm.weight"] = sd[
+                    f"{m}self_attention.{norm}_layernorm.weight"
+                ]
         if m + "self_attention.linear_proj.bias" in sd:
             out[p + "self_attn.o_proj.bias"] = sd[m + "self_attention.linear_proj.bias"]
         out[p + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"]
@@ -357,6 +379,13 @@ _COLUMN_PARALLEL = (
     "self_attention.linear_q.bias",
     "self_attention.linear_kv.weight",
     "self_attention.linear_kv.bias",
+    # Multi-latent attention: the query and up projections are split by heads (the down
+    # projections are duplicated).
+    "self_attention.linear_q_proj.weight",
+    "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_up_proj.weight",
+    # Multi-token prediction: eh_proj [h, 2h] is split along its output.
+    "eh_proj.weight",
     "mlp.linear_fc1.weight",
     "mlp.linear_fc1.bias",
     # T5's decoder cross attention: column-parallel q and kv (whole heads per rank, kv rows

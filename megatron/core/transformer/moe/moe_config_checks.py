@@ -42,6 +42,7 @@ def check_moe_config(config) -> None:
         ):
             # The softmax of a single logit is 1: the router would get no gradient.
             raise ValueError("Please use --moe-router-pre-softmax when topk is 1.")
+    _check_group_limited_routing(config, num_experts, topk)
     if config.moe_router_load_balancing_type == "sinkhorn" and config.moe_aux_loss_coeff:
         raise ValueError("Sinkhorn routing does not support aux loss.")
 
@@ -113,3 +114,32 @@ def moe_layer_pattern(config) -> list:
             f"got {pattern}"
         )
     return pattern
+
+
+def _check_group_limited_routing(config, num_experts: int, topk: int) -> None:
+    """moe_router_num_groups / moe_router_group_topk: both or neither, groups that divide the
+    experts, a group top-k within the groups, and enough experts in the chosen groups."""
+    groups, group_topk = config.moe_router_num_groups, config.moe_router_group_topk
+    if groups is None and group_topk is None:
+        return
+    if groups is None or group_topk is None:
+        raise ValueError(
+            f"moe_router_num_groups ({groups}) and moe_router_group_topk ({group_topk}) must be "
+            "set together"
+        )
+    if groups <= 0 or num_experts % groups != 0:
+        raise ValueError(
+            f"moe_router_num_groups ({groups}) must divide num_moe_experts ({num_experts})"
+        )
+    if not 1 <= group_topk <= groups:
+        raise ValueError(
+            f"moe_router_group_topk ({group_topk}) must be between 1 and moe_router_num_groups "
+            f"({groups})"
+        )
+    if topk % group_topk != 0 or topk > group_topk * (num_experts // groups):
+        raise ValueError(
+            f"moe_router_topk ({topk}) must be a multiple of moe_router_group_topk ({group_topk}) "
+            f"and at most the {group_topk * (num_experts // groups)} experts of the chosen groups"
+        )
+    if config.moe_router_load_balancing_type == "sinkhorn":
+        raise ValueError("group-limited routing (moe_router_num_groups) excludes sinkhorn routing")

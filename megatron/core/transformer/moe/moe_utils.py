@@ -129,12 +129,45 @@ def get_capacity(
     return capacity
 
 
-def _topk(scores: torch.Tensor, topk: int, expert_bias: Optional[torch.Tensor]):
+def group_limited_selection(
+    selection: torch.Tensor, topk: int, num_groups: int, group_topk: int
+) -> torch.Tensor:
+    """Keep the experts of each token's `group_topk` best groups, -inf elsewhere.
+
+    A group's score is the sum of its topk / group_topk highest selection scores (DeepSeek-V3:
+    the top 2 of each of 8 groups, 4 groups kept).
+
+    Args:
+        selection: [T, E] the scores the top-k is taken over.
+
+    Returns:
+        [T, E] selection scores with the experts of the other groups at -inf.
+    """
+    num_tokens, num_experts = selection.shape
+    grouped = selection.view(num_tokens, num_groups, num_experts // num_groups)  # [T, G, E/G]
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)  # [T, G]
+    chosen = torch.topk(group_scores, k=group_topk, dim=-1).indices  # [T, group_topk]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)  # [T, G]
+    keep = keep.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)  # [T, E]
+    return selection.masked_fill(~keep, float("-inf"))
+
+
+def _topk(
+    scores: torch.Tensor,
+    topk: int,
+    expert_bias: Optional[torch.Tensor],
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+):
     """(values of `scores`, indices) of the top-k per row; with an expert bias the selection
-    uses scores + bias, the values stay unbiased (aux-loss-free balancing)."""
-    if expert_bias is None:
+    uses scores + bias, the values stay unbiased (aux-loss-free balancing); with groups the
+    selection is limited to each row's best groups (`group_limited_selection`)."""
+    if expert_bias is None and num_groups is None:
         return torch.topk(scores, k=topk, dim=1)
-    _, indices = torch.topk(scores + expert_bias.to(scores.dtype), k=topk, dim=1)
+    selection = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
+    if num_groups is not None:
+        selection = group_limited_selection(selection, topk, num_groups, group_topk)
+    _, indices = torch.topk(selection, k=topk, dim=1)
     return torch.gather(scores, 1, indices), indices
 
 
@@ -155,6 +188,8 @@ def topk_softmax_with_capacity(
     score_function: str = "softmax",
     expert_bias: Optional[torch.Tensor] = None,
     scaling_factor: Optional[float] = None,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k routing with optional capacity.
 
@@ -163,7 +198,8 @@ def topk_softmax_with_capacity(
         back); equals "softmax over E, top-k, renormalize" (Hugging Face's Mixtral routing);
       - softmax with `use_pre_softmax`: softmax over E, then top-k, not renormalized;
       - sigmoid: sigmoid of the logits, top-k, renormalized over the k when k > 1.
-    With `expert_bias` the top-k selection uses score + bias; the probs stay unbiased.
+    With `expert_bias` the top-k selection uses score + bias; the probs stay unbiased. With
+    `num_groups` / `group_topk` each token selects only among the experts of its best groups.
 
     Capacity (`capacity_factor` set): cap = ceil(T k / E x factor) slots per expert. The `probs`
     policy keeps each expert's cap highest routing probs, `position` its cap earliest tokens.
@@ -184,13 +220,13 @@ def topk_softmax_with_capacity(
     if score_function == "softmax":
         if use_pre_softmax:
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
-            probs, top_indices = _topk(scores, topk, expert_bias)
+            probs, top_indices = _topk(scores, topk, expert_bias, num_groups, group_topk)
         else:
-            top_logits, top_indices = _topk(logits, topk, expert_bias)
+            top_logits, top_indices = _topk(logits, topk, expert_bias, num_groups, group_topk)
             probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32).type_as(logits)
     elif score_function == "sigmoid":
         scores = torch.sigmoid(logits.float()).type_as(logits)
-        probs, top_indices = _topk(scores, topk, expert_bias)
+        probs, top_indices = _topk(scores, topk, expert_bias, num_groups, group_topk)
         if topk > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     else:
@@ -394,15 +430,15 @@ def save_to_aux_losses_tracker(
     avg_group: Optional[torch.distributed.ProcessGroup] = None,
 ):
     """Add `loss` (detached) to entry `name` at layer `layer_number` (1-based); summed over
-    micro-batches until `track_moe_metrics` clears it. Skipped without a layer number and
-    during recomputation.
+    micro-batches until `track_moe_metrics` clears it. Skipped without a layer number, for the
+    multi-token-prediction layers (numbered after the decoder's) and during recomputation.
 
     Args:
         loss: a scalar, or a [E] vector (expert loads).
         reduce_group: at log time the values are summed over this group.
         avg_group: at log time the values are averaged over this group.
     """
-    if layer_number is None or is_recomputing():
+    if layer_number is None or layer_number > num_layers or is_recomputing():
         return
     tracker = _MOE_LAYER_WISE_LOGGING_TRACKER
     shape = (num_layers,) + tuple(loss.shape)

@@ -222,6 +222,8 @@ class TopKRouter(Router):
             score_function=self.config.moe_router_score_function,
             expert_bias=self.expert_bias,
             scaling_factor=self.config.moe_router_topk_scaling_factor,
+            num_groups=self.config.moe_router_num_groups,
+            group_topk=self.config.moe_router_group_topk,
         )
 
     def sinkhorn_load_balancing(self, logits: torch.Tensor):

@@ -30,6 +30,9 @@ class RotaryEmbedding(torch.nn.Module):
         cp_group (ProcessGroup, optional): context parallel group; with more than one rank the
             angles of the global sequence are sliced to this rank's dual-chunk positions
             (default: the global context parallel group, if initialized).
+        rope_scaling (bool): apply Llama-3.1's frequency scaling (later Megatron's
+            `--use-rope-scaling`: low / high frequency factors 1 and 4, original context 8192).
+        rope_scaling_factor (float): its factor (`--rope-scaling-factor`).
     """
 
     def __init__(
@@ -41,6 +44,8 @@ class RotaryEmbedding(torch.nn.Module):
         rotary_base: int = 10000,
         use_cpu_initialization: bool = False,
         cp_group: Optional[torch.distributed.ProcessGroup] = None,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
     ) -> None:
         super().__init__()
         # Fallback: the global CP group (None before initialize_model_parallel: no slicing).
@@ -58,6 +63,12 @@ class RotaryEmbedding(torch.nn.Module):
         self.inv_freq = 1.0 / (
             rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
         )
+        if rope_scaling:
+            from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+                llama3_inv_freq,
+            )
+
+            self.inv_freq = llama3_inv_freq(self.inv_freq, rope_scaling_factor)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> Tensor:
         """Angles for positions offset .. offset + max_seq_len - 1: [max_seq_len, 1, 1, d].

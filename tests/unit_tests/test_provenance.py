@@ -18,8 +18,8 @@ _ORGANISATIONS = (
     r'nvidia|meta platforms|facebook|microsoft|google|hugging ?face|openai|deepmind|'
     r'alibaba|amazon|ibm|intel|baidu|tencent'
 )
-# "Copyright (c) 2023, NVIDIA CORPORATION.", "Copyright 2018 The Google AI Language Team",
-# "(c) Meta Platforms, Inc. and affiliates", "<Company> ... All rights reserved."
+# The usual shapes: "<C> (c) <year>, <Company>", "<C> <year> The <Company> ... Authors",
+# "(c) <Company>, Inc. and affiliates", "<Company> ... All rights reserved." (<C>: the word).
 FOREIGN_HEADER = re.compile(
     rf'copyright\s*(\(c\)|©)?\s*(\d{{4}}(\s*-\s*\d{{4}})?)?[ ,]*(the\s+)?[^\n]{{0,60}}?'
     rf'\b({_ORGANISATIONS})\b'
@@ -98,19 +98,20 @@ def test_no_python_file_repeats_a_megatron_only_sentence():
     assert not found, f'Megatron docstring/comment text in: {found}'
 
 
+# Each header is built from pieces so that this file itself carries none (the scan covers it).
 @pytest.mark.parametrize(
-    'header',
+    'pieces',
     [
-        '# Copyright (c) 2023, NVIDIA CORPORATION. All rights reserved.',
-        '# Copyright (c) Meta Platforms, Inc. and affiliates.',
-        '# Copyright 2018 The Google AI Language Team Authors.',
-        '# Copyright 2020 The HuggingFace Team. All rights reserved.',
-        '// Copyright (c) Microsoft Corporation.',
-        '# Copyright (c) Facebook, Inc. and its affiliates.',
+        ('# Copy', 'right (c) 2023, ', 'NVIDIA CORPORATION. All ', 'rights reserved.'),
+        ('# Copy', 'right (c) ', 'Meta Platforms, Inc. and affiliates.'),
+        ('# Copy', 'right 2018 The ', 'Google AI Language Team Authors.'),
+        ('# Copy', 'right 2020 The ', 'Hugging', 'Face Team. All rights reserved.'),
+        ('// Copy', 'right (c) ', 'Microsoft Corporation.'),
+        ('# Copy', 'right (c) ', 'Facebook, Inc. and its affiliates.'),
     ],
 )
-def test_the_pattern_catches_the_usual_headers(header):
-    assert FOREIGN_HEADER.search(header)
+def test_the_pattern_catches_the_usual_headers(pieces):
+    assert FOREIGN_HEADER.search(''.join(pieces))
 
 
 @pytest.mark.parametrize(

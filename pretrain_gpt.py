@@ -157,7 +157,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     if args.context_parallel_size > 1:
         torch.distributed.all_reduce(reduced, group=mpu.get_context_parallel_group())
 
-    # Reduce loss for logging.
+    # The data-parallel sum below feeds the log only.
     reporting_loss = reduced.clone()
     torch.distributed.all_reduce(reporting_loss, group=mpu.get_data_parallel_group())
 

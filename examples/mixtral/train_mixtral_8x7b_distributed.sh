@@ -1,13 +1,11 @@
 #!/bin/bash
-# Trains (or fine-tunes) Mixtral 8x7B on a cluster with Megatron's flags: 8 GPUs per node,
-# pipeline parallel 4, expert parallel 8 (each expert-parallel rank holds one of the 8 experts of
-# every layer), sequence parallel, the alltoall token dispatcher, grouped GEMM experts. Data
-# parallelism must be a multiple of 8 (expert parallelism is carved out of it): 32 GPUs (4 nodes)
-# at the least.
-# Run this script on every node with NUM_NODES, NODE_RANK and MASTER_ADDR set for the node.
-# To fine-tune the Hugging Face model, convert it first (see examples/mixtral/README.md) and pass
-# the converted directory as PRETRAINED: the run starts from it and resumes from CHECKPOINT_PATH
-# once that holds a checkpoint of its own.
+# Mixtral 8x7B pretraining or fine-tuning with the settings of Megatron's published example:
+# 8 GPUs a node, PP 4, EP 8 (every expert-parallel rank owns one of each layer's 8 experts),
+# sequence parallelism, alltoall dispatch and grouped-GEMM experts. EP is carved out of data
+# parallelism, so DP must be a multiple of 8: 32 GPUs (4 nodes) is the smallest layout.
+# Start it on every node with NUM_NODES, NODE_RANK and MASTER_ADDR exported for that node.
+# Fine-tuning: convert the Hugging Face weights first (examples/mixtral/README.md) and pass the
+# result as PRETRAINED; training starts from it, and from CHECKPOINT_PATH once that holds one.
 #
 # Usage: bash examples/mixtral/train_mixtral_8x7b_distributed.sh CHECKPOINT_PATH TOKENIZER_MODEL \
 #            DATA_PATH [PRETRAINED] [TENSORBOARD_LOGS_PATH]
@@ -15,106 +13,50 @@
 set -euo pipefail
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
-NUM_NODES=${NUM_NODES:-1}
-NODE_RANK=${NODE_RANK:-0}
+ckpt_dir=${1:?checkpoint directory}
+tokenizer_model=${2:?tokenizer.model of Mixtral}
+data_prefix=${3:?data prefix, e.g. my-mixtral_text_document}
+pretrained=${4:-}
+tb_dir=${5:-$ckpt_dir/tensorboard}
 
-CHECKPOINT_PATH=${1:?checkpoint directory}
-TOKENIZER_MODEL=${2:?tokenizer.model of Mixtral}
-DATA_PATH=${3:?data prefix, e.g. my-mixtral_text_document}
-PRETRAINED=${4:-}
-TENSORBOARD_LOGS_PATH=${5:-$CHECKPOINT_PATH/tensorboard}
-
-DISTRIBUTED_ARGS=(
-    --nproc_per_node "$GPUS_PER_NODE"
-    --nnodes "$NUM_NODES"
-    --node_rank "$NODE_RANK"
-    --master_addr "$MASTER_ADDR"
-    --master_port "$MASTER_PORT"
+launcher=(
+    --nproc_per_node "${GPUS_PER_NODE:-8}" --nnodes "${NUM_NODES:-1}"
+    --node_rank "${NODE_RANK:-0}"
+    --master_addr "${MASTER_ADDR:-localhost}" --master_port "${MASTER_PORT:-6000}"
 )
 
-MODEL_ARGS=(
+flags=(
     --use-mcore-models
-    --disable-bias-linear
-    --seq-length 4096
-    --max-position-embeddings 32768
-    --num-layers 32
-    --hidden-size 4096
-    --ffn-hidden-size 14336
-    --num-attention-heads 32
-    --init-method-std 0.01
-    --attention-dropout 0.0
-    --hidden-dropout 0.0
-    --normalization RMSNorm
-    --position-embedding-type rope
-    --swiglu
-    --untie-embeddings-and-output-weights
-    --group-query-attention
-    --num-query-groups 8
-    --no-masked-softmax-fusion
-    --no-position-embedding
-    --rotary-base 1000000
+    # the dense skeleton: 32 layers of 4096, GQA with 8 KV groups, RoPE base 1e6, no biases
+    --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
+    --num-attention-heads 32 --group-query-attention --num-query-groups 8
+    --seq-length 4096 --max-position-embeddings 32768
+    --position-embedding-type rope --rotary-base 1000000 --no-position-embedding
+    --normalization RMSNorm --swiglu --disable-bias-linear
+    --untie-embeddings-and-output-weights --init-method-std 0.01
+    --attention-dropout 0.0 --hidden-dropout 0.0 --no-masked-softmax-fusion
+    # the sparse part: 8 experts, top-2 routing with the auxiliary balancing loss
+    --num-experts 8 --moe-router-topk 2
+    --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
+    --moe-grouped-gemm --moe-token-dispatcher-type alltoall
+    # layout and communication overlap
+    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4
+    --expert-model-parallel-size 8 --sequence-parallel
+    --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+    # tokens
+    --tokenizer-type Llama2Tokenizer --tokenizer-model "$tokenizer_model"
+    --data-path "$data_prefix" --split 99990,8,2
+    # optimization: bf16, cosine decay after 500 warm-up steps
+    --micro-batch-size 1 --global-batch-size 256 --bf16
+    --train-iters 500000 --lr 1e-4 --min-lr 1.0e-5 --lr-decay-style cosine
+    --lr-decay-iters 320000 --lr-warmup-iters 500 --weight-decay 0.1 --clip-grad 1.0
+    # checkpoints, evaluation and logs
+    --save "$ckpt_dir" --load "$ckpt_dir" --save-interval 10000
+    --eval-interval 1000 --eval-iters 10
+    --log-interval 1 --tensorboard-dir "$tb_dir"
 )
-
-MOE_ARGS=(
-    --num-experts 8
-    --moe-router-topk 2
-    --moe-router-load-balancing-type aux_loss
-    --moe-aux-loss-coeff 1e-2
-    --moe-grouped-gemm
-    --moe-token-dispatcher-type alltoall
-    --overlap-param-gather
-    --overlap-grad-reduce
-)
-
-DATA_ARGS=(
-    --tokenizer-type Llama2Tokenizer
-    --tokenizer-model "$TOKENIZER_MODEL"
-    --data-path "$DATA_PATH"
-    --split 99990,8,2
-)
-
-TRAINING_ARGS=(
-    --micro-batch-size 1
-    --global-batch-size 256
-    --lr 1e-4
-    --train-iters 500000
-    --lr-decay-iters 320000
-    --lr-decay-style cosine
-    --min-lr 1.0e-5
-    --weight-decay 0.1
-    --lr-warmup-iters 500
-    --clip-grad 1.0
-    --bf16
-)
-
-MODEL_PARALLEL_ARGS=(
-    --tensor-model-parallel-size 1
-    --pipeline-model-parallel-size 4
-    --expert-model-parallel-size 8
-    --use-distributed-optimizer
-    --sequence-parallel
-)
-
-LOGGING_ARGS=(
-    --log-interval 1
-    --save-interval 10000
-    --eval-interval 1000
-    --eval-iters 10
-    --save "$CHECKPOINT_PATH"
-    --load "$CHECKPOINT_PATH"
-    --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
-)
-if [ -n "$PRETRAINED" ]; then
-    LOGGING_ARGS+=(--pretrained-checkpoint "$PRETRAINED")
+if [[ -n "$pretrained" ]]; then
+    flags+=(--pretrained-checkpoint "$pretrained")
 fi
 
-torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
-    "${MODEL_ARGS[@]}" \
-    "${MOE_ARGS[@]}" \
-    "${DATA_ARGS[@]}" \
-    "${TRAINING_ARGS[@]}" \
-    "${MODEL_PARALLEL_ARGS[@]}" \
-    "${LOGGING_ARGS[@]}"
+exec torchrun "${launcher[@]}" pretrain_gpt.py "${flags[@]}"

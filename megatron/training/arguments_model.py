@@ -11,14 +11,22 @@ from megatron.training.arguments_unsupported import add_tp_comm_overlap_args
 
 def _add_network_size_args(parser):
     group = parser.add_argument_group(title='network size')
-    group.add_argument('--num-layers', type=int, default=None, help='Number of transformer layers.')
     group.add_argument(
-        '--encoder-num-layers', type=int, default=None, help='Number of encoder transformer layers.'
+        '--num-layers', type=int, default=None, help='Transformer layers of the model.'
     )
     group.add_argument(
-        '--decoder-num-layers', type=int, default=None, help='Number of decoder transformer layers.'
+        '--encoder-num-layers',
+        type=int,
+        default=None,
+        help='Transformer layers of the encoder (encoder-decoder models).',
     )
-    group.add_argument('--hidden-size', type=int, default=None, help='Transformer hidden size.')
+    group.add_argument(
+        '--decoder-num-layers',
+        type=int,
+        default=None,
+        help='Transformer layers of the decoder (encoder-decoder models).',
+    )
+    group.add_argument('--hidden-size', type=int, default=None, help='Width of the hidden states.')
     group.add_argument(
         '--ffn-hidden-size',
         type=int,
@@ -30,130 +38,133 @@ def _add_network_size_args(parser):
         '--num-attention-heads',
         type=int,
         default=None,
-        help='Number of transformer attention heads.',
+        help='Attention heads per layer.',
     )
     group.add_argument(
         '--kv-channels',
         type=int,
         default=None,
-        help='Projection weights dimension in multi-head attention. Defaults to '
-        'hidden-size / num-attention-heads.',
+        help='Width of each attention head (default: hidden size / heads).',
     )
     group.add_argument(
-        '--group-query-attention', action='store_true', help='Use group-query attention.'
+        '--group-query-attention',
+        action='store_true',
+        help='Share key/value heads between groups of query heads (GQA).',
     )
     group.add_argument(
         '--num-query-groups',
         type=int,
         default=1,
-        help='Number of query groups with --group-query-attention.',
+        help='Key/value head count with --group-query-attention.',
     )
     group.add_argument(
         '--max-position-embeddings',
         type=int,
         default=None,
-        help='Maximum number of position embeddings to use. This is the size of '
-        'position embedding.',
+        help='Rows of the position-embedding table: the longest position the model can take.',
     )
     group.add_argument(
         '--position-embedding-type',
         type=str,
         default='learned_absolute',
         choices=['learned_absolute', 'rope', 'none'],
-        help='Position embedding type.',
+        help='How positions enter the model.',
     )
     group.add_argument(
         '--use-rotary-position-embeddings',
         action='store_true',
-        help='Use rotary positional embeddings or not. Deprecated: use '
-        '--position-embedding-type rope.',
+        help='Rotary position embeddings (deprecated; say --position-embedding-type rope).',
     )
     group.add_argument(
         '--rotary-base',
         type=int,
         default=10000,
-        help='Base to use for rotary positional embeddings.',
+        help='Base of the rotary frequencies.',
     )
     group.add_argument(
-        '--rotary-percent', type=float, default=1.0, help='Percent of rotary dimension to use.'
+        '--rotary-percent',
+        type=float,
+        default=1.0,
+        help='Fraction of each head the rotary embedding rotates.',
     )
     group.add_argument(
-        '--rotary-interleaved', action='store_true', help='Use interleaved rotary embedding.'
+        '--rotary-interleaved',
+        action='store_true',
+        help='Rotate interleaved pairs of channels instead of the two halves.',
     )
     group.add_argument(
         '--rotary-seq-len-interpolation-factor',
         type=int,
         default=None,
-        help='Sequence length interpolation factor for rotary embeddings.',
+        help='Divide rotary positions by this factor (position interpolation).',
     )
     group.add_argument(
         '--no-position-embedding',
         action='store_false',
         dest='add_position_embedding',
-        help='Disable position embedding. Deprecated: use --position-embedding-type none.',
+        help='No learned absolute positions (deprecated; say --position-embedding-type none).',
     )
     group.add_argument(
         '--make-vocab-size-divisible-by',
         type=int,
         default=128,
-        help='Pad the vocab size to be divisible by this value times the tensor '
-        'model parallel size.',
+        help='Round the vocabulary up to a multiple of this times the tensor-parallel size.',
     )
     group.add_argument(
         '--normalization',
         default='LayerNorm',
         choices=['LayerNorm', 'RMSNorm'],
-        help='Which normalization technique to use.',
+        help='Normalization layer of the blocks.',
     )
     group.add_argument(
-        '--norm-epsilon', type=float, default=1e-5, help='Epsilon for layer norm and RMS norm.'
+        '--norm-epsilon', type=float, default=1e-5, help='Epsilon of LayerNorm / RMSNorm.'
     )
     group.add_argument(
         '--apply-layernorm-1p',
         action='store_true',
-        help='Adjust LayerNorm weights such that they are centered around zero.',
+        help='LayerNorm weights stored as offsets from 1 (zero-centred).',
     )
     group.add_argument(
         '--apply-residual-connection-post-layernorm',
         action='store_true',
-        help='If set, use original BERT residual connection ordering.',
+        help='Take the residual after the layer norm (the original BERT order).',
     )
     group.add_argument(
         '--openai-gelu',
         action='store_true',
-        help='Use OpenAIs GeLU implementation (for backward compatibility).',
+        help='The tanh approximation of GeLU (as GPT-2), kept for old checkpoints.',
     )
     group.add_argument(
         '--squared-relu',
         action='store_true',
-        help='Use squared relu activation instead of default gelu.',
+        help='Squared ReLU as the MLP activation instead of GeLU.',
     )
     group.add_argument(
         '--swiglu',
         action='store_true',
-        help='Use gated linear units and SiLU activation instead of default gelu.',
+        help='SwiGLU MLP (SiLU-gated linear unit) instead of GeLU.',
     )
     group.add_argument(
         '--onnx-safe',
         type=bool,
         required=False,
-        help='Use workarounds for known problems with Torch ONNX exporter.',
+        help='Avoid operations the torch ONNX exporter mishandles.',
     )
     group.add_argument(
         '--bert-no-binary-head',
         action='store_false',
         dest='bert_binary_head',
-        help='Disable BERT binary head.',
+        help='BERT without the sentence-order (binary) head.',
     )
     group.add_argument(
         '--qk-layernorm',
         action='store_true',
-        help='Whether to layer normalize the q and k attention embeddings.',
+        help='Normalize queries and keys before the attention product.',
     )
     group.add_argument(
         '--untie-embeddings-and-output-weights',
         action='store_true',
-        help='Untie embeddings and output weights.',
+        help='Separate output-layer weights instead of the transposed input embedding.',
     )
     return parser
 
@@ -161,59 +172,62 @@ def _add_network_size_args(parser):
 def _add_regularization_args(parser):
     group = parser.add_argument_group(title='regularization')
     group.add_argument(
-        '--attention-dropout', type=float, default=0.1, help='Post attention dropout probability.'
+        '--attention-dropout',
+        type=float,
+        default=0.1,
+        help='Dropout on the attention probabilities.',
     )
     group.add_argument(
         '--hidden-dropout',
         type=float,
         default=0.1,
-        help='Dropout probability for hidden state transformer.',
+        help='Dropout on the hidden states after attention and MLP.',
     )
     group.add_argument(
         '--weight-decay',
         type=float,
         default=0.01,
-        help='Weight decay coefficient for L2 regularization.',
+        help='L2 weight-decay coefficient.',
     )
     group.add_argument(
         '--start-weight-decay',
         type=float,
-        help='Initial weight decay coefficient for L2 regularization.',
+        help='Weight decay at the first iteration (with an increment style).',
     )
     group.add_argument(
         '--end-weight-decay',
         type=float,
-        help='End of run weight decay coefficient for L2 regularization.',
+        help='Weight decay at the last iteration (with an increment style).',
     )
     group.add_argument(
         '--weight-decay-incr-style',
         type=str,
         default='constant',
         choices=['constant', 'linear', 'cosine'],
-        help='Weight decay increment function.',
+        help='How weight decay moves from its start to its end value.',
     )
     group.add_argument(
-        '--clip-grad', type=float, default=1.0, help='Gradient clipping based on global L2 norm.'
+        '--clip-grad', type=float, default=1.0, help='Clip gradients to this global L2 norm.'
     )
     group.add_argument(
         '--adam-beta1',
         type=float,
         default=0.9,
-        help='First coefficient for computing running averages of gradient and its square',
+        help='Adam decay rate of the first-moment (mean) estimate.',
     )
     group.add_argument(
         '--adam-beta2',
         type=float,
         default=0.999,
-        help='Second coefficient for computing running averages of gradient and its square',
+        help='Adam decay rate of the second-moment (squared) estimate.',
     )
     group.add_argument(
         '--adam-eps',
         type=float,
         default=1e-08,
-        help='Term added to the denominator to improve numerical stability',
+        help='Adam epsilon, added to the denominator for stability.',
     )
-    group.add_argument('--sgd-momentum', type=float, default=0.9, help='Momentum factor for sgd')
+    group.add_argument('--sgd-momentum', type=float, default=0.9, help='SGD momentum.')
     return parser
 
 
@@ -223,59 +237,56 @@ def _add_training_args(parser):
         '--micro-batch-size',
         type=int,
         default=None,
-        help='Batch size per model instance (local batch size). Global batch size is '
-        'local batch size times data parallel size times number of micro batches.',
+        help='Samples per forward pass on one model replica; the global batch is this '
+        'x data-parallel size x micro-batches.',
     )
     group.add_argument(
         '--batch-size',
         type=int,
         default=None,
-        help='Old batch size parameter, do not use. Use --micro-batch-size instead',
+        help='Removed; use --micro-batch-size.',
     )
     group.add_argument(
         '--global-batch-size',
         type=int,
         default=None,
-        help='Training batch size. If set, it should be a multiple of micro-batch-size '
-        'times data-parallel-size. Defaults to micro-batch-size times data-parallel-size.',
+        help='Samples per optimizer step, a multiple of micro-batch x data-parallel '
+        'size (its default).',
     )
     group.add_argument(
         '--rampup-batch-size',
         nargs='*',
         default=None,
-        help='Batch size ramp up with the following values: <start batch size> '
-        '<batch size increment> <ramp-up samples>.',
+        help='Grow the global batch: <start size> <increment> <samples over which to ramp>.',
     )
     group.add_argument(
         '--decrease-batch-size-if-needed',
         action='store_true',
-        help='If set, decrease batch size if microbatch_size * dp_size does not divide '
-        'batch_size (useful for KSO).',
+        help='Shrink the global batch to a multiple of micro-batch x data-parallel '
+        'size when needed.',
     )
     group.add_argument(
         '--recompute-activations',
         action='store_true',
-        help='recompute activation to allow for training with larger models, sequences, '
-        'and batch sizes.',
+        help='Recompute activations in the backward pass to save memory (selective granularity).',
     )
     group.add_argument(
         '--recompute-granularity',
         type=str,
         default=None,
         choices=['full', 'selective'],
-        help='Checkpoint activations to allow for training with larger models, sequences, '
-        'and batch sizes: full or selective.',
+        help='Which activations to recompute in the backward pass: full layers or selected parts.',
     )
     group.add_argument(
         '--no-check-for-nan-in-loss-and-grad',
         action='store_false',
         dest='check_for_nan_in_loss_and_grad',
-        help='Check for NaNs in loss and grad',
+        help='Skip the NaN check of the loss and gradients.',
     )
     group.add_argument(
         '--distribute-saved-activations',
         action='store_true',
-        help='If set, distribute recomputed activations across model parallel group.',
+        help='Shard recomputation checkpoints over the tensor-parallel group.',
     )
     group.add_argument(
         '--recompute-method',
@@ -313,13 +324,13 @@ def _add_training_args(parser):
         'rank in --tensorboard-dir (open it in Perfetto or TensorBoard).',
     )
     group.add_argument(
-        '--profile-step-start', type=int, default=10, help='Global step to start profiling.'
+        '--profile-step-start', type=int, default=10, help='First profiled global step.'
     )
     group.add_argument(
-        '--profile-step-end', type=int, default=12, help='Global step to stop profiling.'
+        '--profile-step-end', type=int, default=12, help='Global step where profiling stops.'
     )
     group.add_argument(
-        '--profile-ranks', nargs='+', type=int, default=[0], help='Global ranks to profile.'
+        '--profile-ranks', nargs='+', type=int, default=[0], help='Ranks that profile.'
     )
     group.add_argument(
         '--tp-comm-overlap',
@@ -333,59 +344,57 @@ def _add_training_args(parser):
     group.add_argument(
         '--checkpoint-activations',
         action='store_true',
-        help='Checkpoint activation (deprecated: use --recompute-activations).',
+        help='Old name of --recompute-activations (deprecated).',
     )
     group.add_argument(
         '--train-iters',
         type=int,
         default=None,
-        help='Total number of iterations to train over all training runs. Note that '
-        'either train-iters or train-samples should be provided.',
+        help='Iterations to train in all, over every restart (or give --train-samples).',
     )
     group.add_argument(
         '--train-samples',
         type=int,
         default=None,
-        help='Total number of samples to train over all training runs. Note that either '
-        'train-iters or train-samples should be provided.',
+        help='Samples to train in all, over every restart (or give --train-iters).',
     )
     group.add_argument(
-        '--log-interval', type=int, default=100, help='Report loss and timing interval.'
+        '--log-interval', type=int, default=100, help='Iterations between training log lines.'
     )
     group.add_argument(
         '--exit-interval',
         type=int,
         default=None,
-        help='Exit the program after the iteration is divisible by this value.',
+        help='Stop once the iteration number is a multiple of this.',
     )
     group.add_argument(
         '--exit-duration-in-mins',
         type=int,
         default=None,
-        help='Exit the program after this many minutes.',
+        help='Stop after this many minutes of training.',
     )
     group.add_argument(
         '--exit-signal-handler',
         action='store_true',
-        help='Dynamically save the checkpoint and shutdown the training if SIGTERM is received',
+        help='On SIGTERM, save a checkpoint and stop.',
     )
     group.add_argument(
         '--tensorboard-dir',
         type=str,
         default=None,
-        help='Write TensorBoard logs to this directory.',
+        help='TensorBoard event-file directory.',
     )
     group.add_argument(
         '--no-masked-softmax-fusion',
         action='store_false',
         dest='masked_softmax_fusion',
-        help='Disable fusion of query_key_value scaling, masking, and softmax.',
+        help='Unfused scale, mask and softmax in attention.',
     )
     group.add_argument(
         '--no-bias-gelu-fusion',
         action='store_false',
         dest='bias_gelu_fusion',
-        help='Disable bias and gelu fusion.',
+        help='Unfused bias add and GeLU.',
     )
     group.add_argument(
         '--no-bias-swiglu-fusion',
@@ -399,96 +408,98 @@ def _add_training_args(parser):
         '--no-bias-dropout-fusion',
         action='store_false',
         dest='bias_dropout_fusion',
-        help='Disable bias and dropout fusion.',
+        help='Unfused bias add and dropout.',
     )
     group.add_argument(
         '--no-rope-fusion',
         action='store_false',
         dest='apply_rope_fusion',
-        help='Disable rope fusion, the fusion is available only when using megatron-core.',
+        help='Unfused rotary embedding (the fused one exists for megatron-core models only).',
     )
     group.add_argument(
         '--cross-entropy-loss-fusion',
         action='store_true',
-        help='Enabled fusion of cross entropy loss calculation.',
+        help='Fused cross-entropy loss.',
     )
     group.add_argument(
         '--use-flash-attn',
         action='store_true',
-        help='use FlashAttention implementation of attention.',
+        help='FlashAttention kernels for attention.',
     )
     group.add_argument(
         '--disable-bias-linear',
         action='store_false',
         dest='add_bias_linear',
-        help='Disable bias in the linear layers',
+        help='No biases in the linear layers.',
     )
     group.add_argument(
-        '--add-qkv-bias', action='store_true', help='Enable bias only in the QKV linear layers'
+        '--add-qkv-bias', action='store_true', help='Biases in the QKV projection only.'
     )
     group.add_argument(
         '--optimizer',
         type=str,
         default='adam',
         choices=['adam', 'sgd', 'muon'],
-        help='Optimizer function',
+        help='Optimizer.',
     )
     group.add_argument(
         '--dataloader-type',
         type=str,
         default=None,
         choices=['single', 'cyclic', 'external'],
-        help='Single pass vs multiple pass data loader',
+        help='One pass over the data, or cycling through it.',
     )
     group.add_argument(
         '--no-async-tensor-model-parallel-allreduce',
         action='store_false',
         dest='async_tensor_model_parallel_allreduce',
-        help='DEPRECATED. This flag is ignored.',
+        help='No effect (deprecated).',
     )
     group.add_argument(
         '--no-persist-layer-norm',
         action='store_true',
-        help='Disable using persistent fused layer norm kernel.',
+        help='Without the persistent fused LayerNorm kernel.',
     )
     group.add_argument(
-        '--sequence-parallel', action='store_true', help='Enable sequence parallel optimization.'
+        '--sequence-parallel',
+        action='store_true',
+        help='Shard activations along the sequence over the tensor-parallel group '
+        'outside attention and MLP.',
     )
     group.add_argument(
         '--no-gradient-accumulation-fusion',
         action='store_false',
         dest='gradient_accumulation_fusion',
-        help='Disable fusing gradient accumulation to weight gradient computation of linear layers',
+        help='Accumulate weight gradients in a separate step, not fused into the GEMM.',
     )
     group.add_argument(
         '--use-mcore-models',
         action='store_true',
         dest='deprecated_use_mcore_models',
-        help='DEPRECATED. Use the implementation from megatron core. Now ignored and mcore '
-        'models are the default, use --use-legacy-models to not use core models.',
+        help='No effect: megatron-core models are the default (deprecated; see '
+        '--use-legacy-models).',
     )
     group.add_argument(
         '--use-legacy-models',
         action='store_true',
-        help='Use the legacy Megatron models, not Megatron-Core models.',
+        help='The legacy Megatron models instead of the megatron-core ones.',
     )
     group.add_argument(
         '--manual-gc',
         action='store_true',
-        help='Disable the threshold-based default garbage collector.',
+        help='Turn off automatic garbage collection and collect at fixed intervals.',
     )
     group.add_argument(
         '--manual-gc-interval',
         type=int,
         default=0,
-        help='Training step interval to trigger manual garbage collection.',
+        help='Steps between manual garbage collections.',
     )
     group.add_argument(
         '--no-manual-gc-eval',
         action='store_false',
         dest='manual_gc_eval',
-        help='When using manual garbage collection, disable garbage collection at the start '
-        'and the end of each evaluation run.',
+        help='With --manual-gc, no collection around evaluation runs.',
     )
     group.add_argument(
         '--disable-tp-comm-split-ag',
@@ -505,38 +516,36 @@ def _add_training_args(parser):
     group.add_argument(
         '--calculate-per-token-loss',
         action='store_true',
-        help='Scale cross entropy loss by the number of non-padded tokens in the global '
-        'batch, versus the default behavior of assuming all tokens are non-padded.',
+        help='Average the loss over the non-padded tokens of the global batch rather '
+        'than per micro-batch.',
     )
     group.add_argument(
         '--deterministic-mode',
         action='store_true',
-        help='Choose code that has deterministic execution.',
+        help='Deterministic kernels only.',
     )
     group.add_argument(
         '--defer-embedding-wgrad-compute',
         action='store_true',
         default=False,
         dest='defer_embedding_wgrad_compute',
-        help='If set, defers the vocabulary projection linear layer weight gradient '
-        'compute to pipeline flush (only with pipeline parallelism).',
+        help='Compute the output-layer weight gradient at the pipeline flush (pipeline '
+        'parallelism only).',
     )
     group.add_argument(
         '--wgrad-deferral-limit',
         type=int,
         default=0,
         dest='wgrad_deferral_limit',
-        help='Number of micro-batches for which weight gradient computation of '
-        'vocabulary projection is deferred, defaults to 0 which means all the '
-        'micro-batches are deferred. Invalid if `defer-embedding-wgrad-compute` '
-        'is not set',
+        help='Micro-batches whose output-layer weight gradient is deferred (0: all); '
+        'needs --defer-embedding-wgrad-compute.',
     )
     group.add_argument(
         '--check-weight-hash-across-dp-replicas-interval',
         type=int,
         default=None,
-        help='Interval to check weight hashes are same across DP replicas. If not '
-        'specified, weight hashes not checked.',
+        help='Every this many iterations, check that data-parallel replicas hold the '
+        'same weights (off if unset).',
     )
     return add_tp_comm_overlap_args(parser)
 
@@ -547,12 +556,12 @@ def _add_initialization_args(parser):
         '--seed',
         type=int,
         default=1234,
-        help='Random seed used for python, numpy, pytorch, and cuda.',
+        help='Seed of the python, numpy, torch and CUDA generators.',
     )
     group.add_argument(
         '--data-parallel-random-init',
         action='store_true',
-        help='Enable random initialization of params across data parallel ranks',
+        help='Initialize weights differently on each data-parallel rank.',
     )
     group.add_argument(
         '--init-method-std',
@@ -566,7 +575,7 @@ def _add_initialization_args(parser):
     group.add_argument(
         '--init-method-xavier-uniform',
         action='store_true',
-        help='Enable Xavier uniform parameter initialization',
+        help='Xavier-uniform weight initialization.',
     )
     return parser
 
@@ -577,22 +586,21 @@ def _add_learning_rate_args(parser):
         '--lr',
         type=float,
         default=None,
-        help='Initial learning rate. Depending on decay style and initial warmup, the '
-        'learning rate at each iteration would be different.',
+        help='Peak learning rate; warm-up and decay shape the value of each iteration.',
     )
     group.add_argument(
         '--lr-decay-style',
         type=str,
         default='linear',
         choices=['constant', 'linear', 'cosine', 'inverse-square-root', 'WSD'],
-        help='Learning rate decay function.',
+        help='Shape of the learning-rate decay.',
     )
     group.add_argument(
         '--lr-wsd-decay-style',
         type=str,
         default='exponential',
         choices=['exponential', 'linear', 'cosine'],
-        help='Decay style for the annealing phase of WSD',
+        help='Shape of the annealing phase of the WSD schedule.',
     )
     group.add_argument(
         '--lr-decay-iters',
@@ -606,139 +614,141 @@ def _add_learning_rate_args(parser):
         '--lr-decay-samples',
         type=int,
         default=None,
-        help='number of samples to decay learning rate over, If None defaults to `--train-samples`',
+        help='Samples over which the learning rate decays (default: --train-samples).',
     )
     group.add_argument(
         '--lr-wsd-decay-samples',
         type=int,
         default=None,
-        help='number of samples for the annealing phase in the wsd schedule',
+        help='Samples of the WSD annealing phase.',
     )
     group.add_argument(
         '--lr-wsd-decay-iters',
         type=int,
         default=None,
-        help='number of iterations for the annealing phase in the wsd schedule',
+        help='Iterations of the WSD annealing phase.',
     )
     group.add_argument(
         '--lr-warmup-fraction',
         type=float,
         default=None,
-        help='fraction of lr-warmup-(iters/samples) to use for warmup (as a float)',
+        help='Warm-up length as a fraction of the decay length.',
     )
     group.add_argument(
         '--lr-warmup-iters',
         type=int,
         default=0,
-        help='number of iterations to linearly warmup learning rate over.',
+        help='Iterations of linear learning-rate warm-up.',
     )
     group.add_argument(
         '--lr-warmup-samples',
         type=int,
         default=0,
-        help='number of samples to linearly warmup learning rate over.',
+        help='Samples of linear learning-rate warm-up.',
     )
     group.add_argument(
         '--lr-warmup-init',
         type=float,
         default=0.0,
-        help='Initial value for learning rate warmup. The scheduler starts warmup from this value.',
+        help='Learning rate at the start of warm-up.',
     )
     group.add_argument(
         '--warmup',
         type=int,
         default=None,
-        help='Old lr warmup argument, do not use. Use one of the --lr-warmup-* arguments above',
+        help='Removed; use one of the --lr-warmup-* flags.',
     )
     group.add_argument(
         '--min-lr',
         type=float,
         default=0.0,
-        help='Minimum value for learning rate. The scheduler clip values below this threshold.',
+        help='Floor of the learning rate.',
     )
     group.add_argument(
         '--override-opt_param-scheduler',
         action='store_true',
-        help='Reset the values of the scheduler (learning rate, warmup iterations, minimum '
-        'learning rate, maximum number of iterations, and decay style from input arguments '
-        'and ignore values from checkpoints.',
+        help='Take the scheduler settings (rates, warm-up, decay) from the command '
+        'line, not the checkpoint.',
     )
     group.add_argument(
         '--use-checkpoint-opt_param-scheduler',
         action='store_true',
-        help='Use checkpoint to set the values of the scheduler (learning rate, warmup '
-        'iterations, minimum learning rate, maximum number of iterations, and decay style '
-        'from checkpoint and ignore input arguments.',
+        help='Take the scheduler settings (rates, warm-up, decay) from the checkpoint, '
+        'not the command line.',
     )
     group.add_argument(
         '--decoupled-lr',
         type=float,
         default=None,
-        help='Separate learning rate for the input and output layer',
+        help='Own learning rate for the input and output layers.',
     )
     group.add_argument(
         '--decoupled-min-lr',
         type=float,
         default=None,
-        help='Minimum value for learning rate for the input and output layer.',
+        help='Own learning-rate floor for the input and output layers.',
     )
     return parser
 
 
 def _add_mixed_precision_args(parser):
     group = parser.add_argument_group(title='mixed precision')
-    group.add_argument('--fp16', action='store_true', help='Run model in fp16 mode.')
-    group.add_argument('--bf16', action='store_true', help='Run model in bfloat16 mode.')
+    group.add_argument(
+        '--fp16', action='store_true', help='Half-precision (fp16) weights and compute.'
+    )
+    group.add_argument('--bf16', action='store_true', help='bfloat16 weights and compute.')
     group.add_argument(
         '--loss-scale',
         type=float,
         default=None,
-        help='Static loss scaling, positive power of 2 values can improve fp16 convergence. '
-        'If None, dynamic loss scaling is used.',
+        help='Fixed loss scale for fp16 (a power of 2 helps); dynamic scaling when unset.',
     )
     group.add_argument(
         '--initial-loss-scale',
         type=float,
         default=2**32,
-        help='Initial loss-scale for dynamic loss scaling.',
+        help='Starting value of the dynamic loss scale.',
     )
     group.add_argument(
         '--min-loss-scale',
         type=float,
         default=1.0,
-        help='Minimum loss scale for dynamic loss scaling.',
+        help='Lowest value of the dynamic loss scale.',
     )
     group.add_argument(
         '--loss-scale-window',
         type=float,
         default=1000,
-        help='Window over which to raise/lower dynamic scale.',
+        help='Clean iterations before the dynamic loss scale grows.',
     )
     group.add_argument(
-        '--hysteresis', type=int, default=2, help='hysteresis for dynamic loss scaling'
+        '--hysteresis',
+        type=int,
+        default=2,
+        help='Overflows tolerated before the dynamic loss scale shrinks.',
     )
     group.add_argument(
-        '--fp32-residual-connection', action='store_true', help='Move residual connections to fp32.'
+        '--fp32-residual-connection', action='store_true', help='Keep the residual stream in fp32.'
     )
     group.add_argument(
         '--apply-query-key-layer-scaling',
         action='store_true',
-        help='Scale Q * K^T by 1 / layer-number. Useful for fp16 training.',
+        help='Divide Q K^T by the layer number (helps fp16).',
     )
     group.add_argument(
         '--attention-softmax-in-fp32',
         action='store_true',
-        help='Run attention masking and softmax in fp32.',
+        help='Masking and softmax of attention in fp32.',
     )
     group.add_argument(
         '--accumulate-allreduce-grads-in-fp32',
         action='store_true',
-        help='Gradient accumulation and all-reduce in fp32.',
+        help='Accumulate and all-reduce gradients in fp32.',
     )
     group.add_argument(
         '--fp16-lm-cross-entropy',
         action='store_true',
-        help='Move the cross entropy unreduced loss calculation for lm head to fp16.',
+        help='Unreduced LM-head cross entropy in fp16.',
     )
     return parser
 
@@ -749,27 +759,26 @@ def _add_inference_args(parser):
         '--inference-batch-times-seqlen-threshold',
         type=int,
         default=512,
-        help='During inference, if batch-size times sequence-length is smaller than this '
-        'threshold then we will not use pipelining, otherwise we will.',
+        help='At inference, pipeline micro-batches only when batch x sequence length reaches this.',
     )
     group.add_argument(
         '--max-tokens-to-oom',
         type=int,
         default=12000,
-        help='Maximum number of tokens during inference; tokens here is # in prompt + # to '
-        'generate. Allows us to throw an error before OOM crashes server',
+        help='Most prompt + generated tokens a request may ask for (refused before '
+        'running out of memory).',
     )
     group.add_argument(
         '--output-bert-embeddings',
         action='store_true',
-        help='Output Bert embeddings (via mean pooling) from model, rather than its binary head '
-        'output or entire hidden batch.',
+        help='Return mean-pooled BERT embeddings instead of the binary head output or '
+        'hidden states.',
     )
     group.add_argument(
         '--bert-embedder-type',
         default='megatron',
         choices=['megatron', 'huggingface'],
-        help='Select either Megatron or Huggingface as the Bert embedder.',
+        help='BERT embedder implementation: Megatron or Hugging Face.',
     )
     # Dynamic batching (later Megatron's flag names; see docs/inference_engine.md).
     group.add_argument(
@@ -828,27 +837,27 @@ def _add_transformer_engine_args(parser):
         help='Which fp8 format scheme to use for FP8 tensors in the forward and backward pass '
         '(Transformer Engine only; not available here).',
     )
-    group.add_argument('--fp8-margin', type=int, default=0, help='Scaling margin for fp8')
+    group.add_argument('--fp8-margin', type=int, default=0, help='fp8 scaling margin.')
     group.add_argument(
-        '--fp8-interval', type=int, default=1, help='Scaling update interval for fp8'
+        '--fp8-interval', type=int, default=1, help='Steps between fp8 scale updates.'
     )
     group.add_argument(
         '--fp8-amax-history-len',
         type=int,
         default=1,
-        help='Number of steps for which amax history is recorded per tensor',
+        help='Length of the per-tensor amax history for fp8.',
     )
     group.add_argument(
         '--fp8-amax-compute-algo',
         default='most_recent',
         choices=['most_recent', 'max'],
-        help='Algorithm for computing amax from history',
+        help='How the fp8 amax is derived from its history.',
     )
     group.add_argument(
         '--no-fp8-wgrad',
         action='store_false',
         dest='fp8_wgrad',
-        help='Execute wgrad in higher precision even for FP8 runs',
+        help='Weight gradients in higher precision in fp8 runs.',
     )
     group.add_argument(
         '--transformer-impl',
@@ -867,8 +876,7 @@ def _add_experimental_args(parser):
         type=str,
         default=None,
         nargs='*',
-        help='Specify the <module_location function_name> pair that returns a spec to customize '
-        'a model, transformer block, or transformer layer.',
+        help='MODULE FUNCTION returning a custom spec of the model, block or layer.',
     )
     group.add_argument(
         '--hybrid-attention-ratio',

@@ -9,87 +9,89 @@ def _add_moe_args(parser):
         '--expert-model-parallel-size',
         type=int,
         default=1,
-        help='Degree of expert model parallelism.',
+        help='Expert-parallel size.',
     )
     group.add_argument(
-        '--num-experts', type=int, default=None, help='Number of Experts in MoE (None means no MoE)'
+        '--num-experts',
+        type=int,
+        default=None,
+        help='Experts per MoE layer (unset: a dense model).',
     )
     group.add_argument(
         '--moe-router-topk',
         type=int,
         default=2,
-        help='Number of experts to route to for each token.',
+        help='Experts each token is sent to.',
     )
     group.add_argument(
         '--moe-router-load-balancing-type',
         type=str,
         default='aux_loss',
         choices=['aux_loss', 'sinkhorn', 'none'],
-        help='Determines the load balancing strategy for the router.',
+        help='How the router keeps the experts evenly loaded.',
     )
     group.add_argument(
         '--moe-aux-loss-coeff',
         type=float,
         default=0.0,
-        help='Scaling coefficient for the aux loss.',
+        help='Weight of the load-balancing auxiliary loss.',
     )
     group.add_argument(
-        '--moe-z-loss-coeff', type=float, default=None, help='Scaling coefficient for the z-loss.'
+        '--moe-z-loss-coeff', type=float, default=None, help='Weight of the router z-loss.'
     )
     group.add_argument(
-        '--moe-grouped-gemm', action='store_true', help='Use grouped GEMM for experts.'
+        '--moe-grouped-gemm', action='store_true', help='Run the local experts as one grouped GEMM.'
     )
     group.add_argument(
         '--moe-token-dispatcher-type',
         type=str,
         choices=['allgather', 'alltoall'],
         default='allgather',
-        help='The type of token dispatcher to use.',
+        help='How tokens travel to their experts.',
     )
     group.add_argument(
         '--moe-router-pre-softmax',
         action='store_true',
-        help='Enable pre-softmax routing for MoE, which means softmax is before the '
-        'top-k selection.',
+        help='Softmax over all experts before the top-k choice (instead of over the chosen ones).',
     )
     group.add_argument(
         '--moe-input-jitter-eps',
         type=float,
         default=None,
-        help='Add noise to the input tensor by applying jitter with a specified epsilon value.',
+        help='Multiply the router input by uniform noise in [1 - eps, 1 + eps] while training.',
     )
     group.add_argument(
         '--moe-per-layer-logging',
         action='store_true',
-        help='Enable per-layer logging for MoE, currently supports auxiliary loss and z loss.',
+        help='Log the auxiliary and z losses of each MoE layer.',
     )
     group.add_argument(
         '--moe-expert-capacity-factor',
         type=float,
         default=None,
-        help='The capacity factor for each expert, None means no token will be dropped.',
+        help='Tokens an expert takes, as a multiple of an even share (unset: no token is dropped).',
     )
     group.add_argument(
         '--moe-pad-expert-input-to-capacity',
         action='store_true',
-        help='Pads the input for each expert to match the expert capacity length.',
+        help='Pad each expert input up to the capacity.',
     )
     group.add_argument(
         '--moe-token-drop-policy',
         type=str,
         default='probs',
         choices=['probs', 'position'],
-        help='The policy to drop tokens. Can be either "probs" or "position".',
+        help='Which tokens over capacity are dropped: lowest "probs" or last "position".',
     )
     group.add_argument(
         '--moe-layer-recompute',
         action='store_true',
-        help='Enable checkpointing for moe_layer, should be used when memory is not sufficient.',
+        help='Recompute the MoE layer in the backward pass to save memory.',
     )
     group.add_argument(
         '--moe-extended-tp',
         action='store_true',
-        help='Alternative to expert parallelism, all experts are sharded across TPXEP domain.',
+        help='Shard every expert over the TP x EP ranks instead of expert parallelism.',
     )
     # Flags of later Megatron versions (same names and defaults).
     group.add_argument(

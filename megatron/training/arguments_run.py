@@ -8,34 +8,38 @@ group, names and defaults of Megatron core_r0.8.0 megatron/training/arguments.py
 def _add_checkpointing_args(parser):
     group = parser.add_argument_group(title='checkpointing')
     group.add_argument(
-        '--save', type=str, default=None, help='Output directory to save checkpoints to.'
+        '--save', type=str, default=None, help='Directory checkpoints are written to.'
     )
     group.add_argument(
         '--save-interval',
         type=int,
         default=None,
-        help='Number of iterations between checkpoint saves.',
+        help='Iterations between checkpoint saves.',
     )
     group.add_argument(
-        '--no-save-optim', action='store_true', default=None, help='Do not save current optimizer.'
+        '--no-save-optim',
+        action='store_true',
+        default=None,
+        help='Leave the optimizer state out of saved checkpoints.',
     )
     group.add_argument(
-        '--no-save-rng', action='store_true', default=None, help='Do not save current rng state.'
+        '--no-save-rng',
+        action='store_true',
+        default=None,
+        help='Leave the RNG states out of saved checkpoints.',
     )
-    group.add_argument(
-        '--load', type=str, default=None, help='Directory containing a model checkpoint.'
-    )
+    group.add_argument('--load', type=str, default=None, help='Checkpoint directory to start from.')
     group.add_argument(
         '--no-load-optim',
         action='store_true',
         default=None,
-        help='Do not load optimizer when loading checkpoint.',
+        help='Ignore the optimizer state of the loaded checkpoint.',
     )
     group.add_argument(
         '--no-load-rng',
         action='store_true',
         default=None,
-        help='Do not load rng state when loading checkpoint.',
+        help='Ignore the RNG states of the loaded checkpoint.',
     )
     group.add_argument(
         '--non-persistent-save-interval',
@@ -59,29 +63,31 @@ def _add_checkpointing_args(parser):
     group.add_argument(
         '--finetune',
         action='store_true',
-        help='Load model for finetuning. Do not load optimizer or rng state from checkpoint '
-        'and set iteration to 0. Assumed when loading a release checkpoint.',
+        help='Start a new run from the loaded weights: no optimizer or RNG state, '
+        'iteration 0 (implied by a release checkpoint).',
     )
     group.add_argument(
         '--pretrained-checkpoint',
         type=str,
         default=None,
-        help='Directory containing a pretrained model checkpoint for finetuning.',
+        help='Checkpoint of a pretrained model to fine-tune from.',
     )
     group.add_argument(
-        '--ckpt-step', type=int, default=None, help='Checkpoint step to load model from.'
+        '--ckpt-step',
+        type=int,
+        default=None,
+        help='Iteration of the checkpoint to load (default: the latest).',
     )
     group.add_argument(
         '--no-initialization',
         action='store_false',
         dest='perform_initialization',
-        help='Do not perform initialization when building model, can reduce startup time '
-        'when definitely loading from a checkpoint',
+        help='Skip weight initialization (faster start when a checkpoint is surely loaded).',
     )
     group.add_argument(
         '--use-checkpoint-args',
         action='store_true',
-        help='Override any command line arguments with arguments from the checkpoint',
+        help='Take the model-defining flags from the checkpoint, over the command line.',
     )
     group.add_argument(
         '--exit-on-missing-checkpoint',
@@ -113,7 +119,7 @@ def _add_checkpointing_args(parser):
         type=str,
         default='torch_dist',
         choices=['zarr', 'torch_dist'],
-        help='Distributed checkpoint format to use.',
+        help='Backend of the distributed checkpoint format.',
     )
     group.add_argument(
         '--ckpt-fully-parallel-save',
@@ -133,13 +139,12 @@ def _add_checkpointing_args(parser):
         '--async-save',
         action='store_true',
         default=None,
-        help='Apply async checkpointing save. Currently works only with '
-        '`torch_dist` distributed checkpoint format.',
+        help='Write checkpoints in the background (torch_dist format only).',
     )
     group.add_argument(
         '--ckpt-fully-parallel-load',
         action='store_true',
-        help='Apply full load parallelization across DP for distributed checkpoints.',
+        help='Spread the reads of a distributed checkpoint over the data-parallel ranks.',
     )
     group.add_argument(
         '--ckpt-assume-constant-structure',
@@ -173,37 +178,37 @@ def _add_distributed_args(parser):
         '--tensor-model-parallel-size',
         type=int,
         default=1,
-        help='Degree of tensor model parallelism.',
+        help='Tensor-parallel size.',
     )
     group.add_argument(
         '--pipeline-model-parallel-size',
         type=int,
         default=1,
-        help='Degree of pipeline model parallelism.',
+        help='Pipeline-parallel size.',
     )
     group.add_argument(
         '--pipeline-model-parallel-split-rank',
         type=int,
         default=None,
-        help='Rank where encoder and decoder should be split.',
+        help='First pipeline stage of the decoder (encoder-decoder models).',
     )
     group.add_argument(
         '--model-parallel-size',
         type=int,
         default=None,
-        help='Old model parallel argument, do not use. Use --tensor-model-parallel-size instead.',
+        help='Removed; use --tensor-model-parallel-size.',
     )
     group.add_argument(
         '--num-layers-per-virtual-pipeline-stage',
         type=int,
         default=None,
-        help='Number of layers per virtual pipeline stage',
+        help='Layers of each virtual pipeline chunk (interleaved schedule).',
     )
     group.add_argument(
         '--no-overlap-p2p-communication',
         action='store_false',
         dest='overlap_p2p_comm',
-        help='overlap pipeline parallel communication with forward and backward chunks',
+        help='Do not overlap pipeline sends and receives with the forward and backward chunks.',
     )
     group.add_argument(
         '--distributed-backend',
@@ -224,55 +229,55 @@ def _add_distributed_args(parser):
         '--distributed-timeout-minutes',
         type=int,
         default=10,
-        help='Timeout minutes for torch.distributed.',
+        help='Timeout of torch.distributed collectives, in minutes.',
     )
     group.add_argument(
         '--overlap-grad-reduce',
         action='store_true',
         default=False,
-        help='If set, overlap DDP grad reduce.',
+        help='Reduce gradient buckets while the backward pass continues.',
     )
     group.add_argument(
         '--no-delay-grad-reduce',
         action='store_false',
         dest='delay_grad_reduce',
-        help='If not set, delay / synchronize grad reductions in all but first PP stage.',
+        help='Start gradient reductions on every pipeline stage at once, not only the first.',
     )
     group.add_argument(
         '--ddp-bucket-size',
         type=int,
         default=None,
-        help='Bucket size for data-parallel communication',
+        help='Elements per data-parallel communication bucket.',
     )
     group.add_argument(
         '--ddp-average-in-collective',
         action='store_true',
         default=False,
-        help='If set, average directly in data-parallel communication collective.',
+        help='Average inside the data-parallel collective instead of scaling before it.',
     )
     group.add_argument(
         '--overlap-param-gather',
         action='store_true',
         default=False,
-        help='If set, overlap param all-gather in distributed optimizer.',
+        help='All-gather distributed-optimizer parameters while the next forward runs.',
     )
     group.add_argument(
         '--delay-param-gather',
         action='store_true',
         default=False,
-        help='If set, delay / synchronize param all-gathers in all but first PP stage.',
+        help='Delay parameter all-gathers on all but the first pipeline stage.',
     )
     group.add_argument(
         '--no-scatter-gather-tensors-in-pipeline',
         action='store_false',
         dest='scatter_gather_tensors_in_pipeline',
-        help='If not set, use scatter/gather to optimize communication of tensors in pipeline.',
+        help='Send whole tensors between pipeline stages instead of scatter / gather over TP.',
     )
     group.add_argument(
         '--use-ring-exchange-p2p',
         action='store_true',
         default=False,
-        help='If set, use custom-built ring exchange for p2p communications.',
+        help='Custom ring exchange for pipeline point-to-point transfers.',
     )
     group.add_argument(
         '--local-rank',
@@ -280,26 +285,30 @@ def _add_distributed_args(parser):
         type=int,
         default=None,
         dest='local_rank',
-        help='local rank passed from distributed launcher (defaults to $LOCAL_RANK).',
+        help='Rank on this node, set by the launcher (default: $LOCAL_RANK).',
     )
     group.add_argument(
         '--lazy-mpu-init',
         type=bool,
         required=False,
-        help='If set to True, initialize_megatron() skips DDP initialization and returns '
-        'function to complete it instead.',
+        help='initialize_megatron() returns a function that finishes the distributed set-up later.',
     )
     group.add_argument(
         '--standalone-embedding-stage',
         action='store_true',
         default=False,
-        help='If set, *input* embedding layer is placed on its own pipeline stage.',
+        help='Give the input embedding a pipeline stage of its own.',
     )
     group.add_argument(
-        '--use-distributed-optimizer', action='store_true', help='Use distributed optimizer.'
+        '--use-distributed-optimizer',
+        action='store_true',
+        help='Shard the optimizer state over the data-parallel ranks.',
     )
     group.add_argument(
-        '--context-parallel-size', type=int, default=1, help='Degree of context parallelism.'
+        '--context-parallel-size',
+        type=int,
+        default=1,
+        help='Context-parallel size (the sequence split over ranks).',
     )
     group.add_argument(
         '--cp-comm-type',
@@ -322,8 +331,7 @@ def _add_distributed_args(parser):
         '--use-cpu-initialization',
         action='store_true',
         default=None,
-        help='If set, initialize weights on the CPU. This eliminates init '
-        'differences based on tensor parallelism.',
+        help='Initialize weights on the CPU, identical for any tensor-parallel size.',
     )
     group.add_argument(
         '--empty-unused-memory-level',
@@ -338,13 +346,13 @@ def _add_distributed_args(parser):
         '--nccl-communicator-config-path',
         type=str,
         default=None,
-        help='Path to the yaml file with NCCL communicator configurations.',
+        help='YAML file of NCCL communicator settings.',
     )
     group.add_argument(
         '--use-tp-pp-dp-mapping',
         action='store_true',
         default=False,
-        help='If set, distributed ranks initialize order is changed from tp-dp-pp to tp-pp-dp.',
+        help='Order ranks tensor-pipeline-data instead of tensor-data-pipeline.',
     )
     return parser
 
@@ -355,16 +363,18 @@ def _add_validation_args(parser):
         '--eval-iters',
         type=int,
         default=100,
-        help='Number of iterations to run for evaluation validation/test for.',
+        help='Iterations of each validation / test evaluation.',
     )
     group.add_argument(
         '--eval-interval',
         type=int,
         default=1000,
-        help='Interval between running evaluation on validation set.',
+        help='Iterations between validation runs.',
     )
     group.add_argument(
-        '--test-mode', action='store_true', help='Run all real-time test alongside the experiment.'
+        '--test-mode',
+        action='store_true',
+        help='Run the real-time tests along with the experiment.',
     )
     group.add_argument(
         '--skip-train',
@@ -391,8 +401,7 @@ def _add_data_args(parser):
     group.add_argument(
         '--renormalize-blend-weights',
         action='store_true',
-        help='Renormalize the blend weights to account for the mid-level dataset oversampling '
-        'done to ensure fulfillment of the requested number of samples.',
+        help='Rescale blend weights after each dataset is oversampled to cover its share.',
     )
     group.add_argument(
         '--split',
@@ -405,102 +414,99 @@ def _add_data_args(parser):
         '--train-data-path',
         nargs='*',
         default=None,
-        help='The weight and prefix list for an independent train dataset.',
+        help='Weights and prefixes of a separate training set.',
     )
     group.add_argument(
         '--valid-data-path',
         nargs='*',
         default=None,
-        help='The weight and prefix list for an independent validation dataset.',
+        help='Weights and prefixes of a separate validation set.',
     )
     group.add_argument(
         '--test-data-path',
         nargs='*',
         default=None,
-        help='The weight and prefix list for an independent test dataset.',
+        help='Weights and prefixes of a separate test set.',
     )
     group.add_argument(
-        '--data-cache-path', default=None, help='Path to a directory to hold cached index files.'
+        '--data-cache-path', default=None, help='Directory of the cached dataset index files.'
     )
     group.add_argument(
         '--no-mmap-bin-files',
         action='store_false',
         dest='mmap_bin_files',
-        help='Disable mmap-ing of .bin files.',
+        help='Read .bin files without memory-mapping them.',
     )
     group.add_argument(
         '--mock-data',
         action='store_true',
-        help='Skip data loading and validation and opt for artificial '
-        'generation of mock data when an implementation is available.',
+        help='Synthetic data instead of files, where the dataset has a mock variant.',
     )
-    group.add_argument(
-        '--seq-length', type=int, default=None, help='Maximum sequence length to process.'
-    )
+    group.add_argument('--seq-length', type=int, default=None, help='Tokens per training sequence.')
     group.add_argument(
         '--encoder-seq-length',
         type=int,
         default=None,
-        help='Maximum encoder sequence length to process. This should be exclusive of --seq-length',
+        help='Tokens per encoder sequence (in place of --seq-length).',
     )
     group.add_argument(
         '--decoder-seq-length',
         type=int,
         default=None,
-        help='Maximum decoder sequence length to process.',
+        help='Tokens per decoder sequence.',
     )
     group.add_argument(
         '--retriever-seq-length',
         type=int,
         default=256,
-        help='Maximum sequence length for the biencoder model for retriever',
+        help='Sequence length of the retriever biencoder.',
     )
     group.add_argument(
         '--sample-rate',
         type=float,
         default=1.0,
-        help='sample rate for training data. Supposed to be 0  < sample_rate < 1',
+        help='Fraction of the training data to use (0 < rate < 1).',
     )
     group.add_argument(
-        '--mask-prob', type=float, default=0.15, help='Probability of replacing a token with mask.'
+        '--mask-prob', type=float, default=0.15, help='Chance that a token is masked.'
     )
     group.add_argument(
         '--short-seq-prob',
         type=float,
         default=0.1,
-        help='Probability of producing a short sequence.',
+        help='Chance that a sample is made shorter than the sequence length.',
     )
-    group.add_argument('--num-workers', type=int, default=2, help='Dataloader number of workers.')
+    group.add_argument('--num-workers', type=int, default=2, help='Data-loader worker processes.')
     group.add_argument(
         '--reset-position-ids',
         action='store_true',
-        help='Reset posistion ids after end-of-document token.',
+        help='Restart positions after each end-of-document token.',
     )
     group.add_argument(
         '--reset-attention-mask',
         action='store_true',
-        help='Reset self attention maske after end-of-document token.',
+        help='Keep attention inside documents (the mask resets at each end-of-document token).',
     )
     group.add_argument(
-        '--eod-mask-loss', action='store_true', help='Mask loss for the end of document tokens.'
+        '--eod-mask-loss', action='store_true', help='No loss on end-of-document tokens.'
     )
     group.add_argument(
         '--no-create-attention-mask-in-dataloader',
         action='store_false',
         dest='create_attention_mask_in_dataloader',
-        help='If set, do not create attention_masks in dataloader.',
+        help='The data loader builds no attention masks.',
     )
     group.add_argument(
         '--num-dataset-builder-threads',
         type=int,
         default=1,
-        help='Number of parallel threads per rank for dataset builder',
+        help='Threads per rank that build the datasets.',
     )
     group.add_argument(
         '--s3-cache-path',
         type=str,
         default=None,
-        help='Path to cache index files when using s3 dataloader',
+        help='Local cache of index files for S3 data.',
     )
     return parser
 
@@ -508,10 +514,13 @@ def _add_data_args(parser):
 def _add_tokenizer_args(parser):
     group = parser.add_argument_group(title='tokenizer')
     group.add_argument(
-        '--vocab-size', type=int, default=None, help='Size of vocab before EOD or padding.'
+        '--vocab-size',
+        type=int,
+        default=None,
+        help='Vocabulary size without EOD and padding (NullTokenizer).',
     )
-    group.add_argument('--vocab-file', type=str, default=None, help='Path to the vocab file.')
-    group.add_argument('--merge-file', type=str, default=None, help='Path to the BPE merge file.')
+    group.add_argument('--vocab-file', type=str, default=None, help='Vocabulary file.')
+    group.add_argument('--merge-file', type=str, default=None, help='BPE merges file.')
     group.add_argument(
         '--vocab-extra-ids',
         type=int,
@@ -538,29 +547,32 @@ def _add_tokenizer_args(parser):
             'TikTokenizer',
             'NullTokenizer',
         ],
-        help='What type of tokenizer to use.',
+        help='Tokenizer.',
     )
     group.add_argument(
-        '--tokenizer-model', type=str, default=None, help='Sentencepiece tokenizer model.'
+        '--tokenizer-model',
+        type=str,
+        default=None,
+        help='Tokenizer model file or directory (SentencePiece, Hugging Face).',
     )
     group.add_argument(
         '--tiktoken-pattern',
         type=str,
         default=None,
-        help='Which tiktoken pattern to use. Options: [v1, v2]',
+        help='tiktoken split pattern: v1 or v2.',
     )
     group.add_argument(
         '--tiktoken-num-special-tokens',
         type=int,
         default=1000,
-        help='Number of special tokens in tiktoken tokenizer',
+        help='Special tokens of the tiktoken tokenizer.',
     )
     group.add_argument(
         '--tiktoken-special-tokens',
         type=str,
         nargs='+',
         default=None,
-        help='List of tiktoken special tokens, needs to have ["<unk>", "<s>", "</s>"]',
+        help='The tiktoken special tokens; must include <unk>, <s> and </s>.',
     )
     return parser
 
@@ -576,7 +588,7 @@ def _add_autoresume_args(parser):
         '--adlr-autoresume-interval',
         type=int,
         default=1000,
-        help='Intervals over which check for autoresume termination signal',
+        help='Iterations between checks for an autoresume request.',
     )
     return parser
 
@@ -584,23 +596,23 @@ def _add_autoresume_args(parser):
 def _add_logging_args(parser):
     group = parser.add_argument_group(title='logging')
     group.add_argument(
-        '--log-params-norm', action='store_true', help='If set, calculate and log parameters norm.'
+        '--log-params-norm', action='store_true', help='Log the norm of the parameters.'
     )
     group.add_argument(
         '--log-num-zeros-in-grad',
         action='store_true',
-        help='If set, calculate and log the number of zeros in gradient.',
+        help='Log how many gradient entries are zero.',
     )
     group.add_argument(
         '--log-throughput',
         action='store_true',
-        help='If set, calculate and log throughput per GPU.',
+        help='Log throughput per GPU.',
     )
     group.add_argument(
         '--log-progress',
         action='store_true',
-        help='If set, log progress (in terms of number of processed tokens and number of '
-        'floating-point operations) to progress.txt file in checkpoint directory.',
+        help='Append tokens and floating-point operations done so far to progress.txt '
+        'in the checkpoint directory.',
     )
     group.add_argument(
         '--timing-log-level',
@@ -615,17 +627,20 @@ def _add_logging_args(parser):
         '--no-barrier-with-level-1-timing',
         action='store_false',
         dest='barrier_with_L1_time',
-        help='If not set, use barrier with level 1 time measurements.',
+        help='Time level-1 sections without a barrier first.',
     )
     group.add_argument(
         '--timing-log-option',
         type=str,
         default='minmax',
         choices=['max', 'minmax', 'all'],
-        help='Options for logging timing: max, minmax (min and max over ranks) or all ranks.',
+        help='Timer values reported over the ranks: max, minmax or all.',
     )
     group.add_argument(
-        '--tensorboard-log-interval', type=int, default=1, help='Report to tensorboard interval.'
+        '--tensorboard-log-interval',
+        type=int,
+        default=1,
+        help='Iterations between TensorBoard writes.',
     )
     group.add_argument(
         '--tensorboard-queue-size',
@@ -637,74 +652,78 @@ def _add_logging_args(parser):
     group.add_argument(
         '--log-timers-to-tensorboard',
         action='store_true',
-        help='If set, write timers to tensorboard.',
+        help='Write timers to TensorBoard.',
     )
     group.add_argument(
         '--log-batch-size-to-tensorboard',
         action='store_true',
-        help='If set, write batch-size to tensorboard.',
+        help='Write the batch size to TensorBoard.',
     )
     group.add_argument(
         '--no-log-learnig-rate-to-tensorboard',
         action='store_false',
         dest='log_learning_rate_to_tensorboard',
-        help='Disable learning rate logging to tensorboard.',
+        help='Do not write the learning rate to TensorBoard.',
     )
     group.add_argument(
         '--no-log-loss-scale-to-tensorboard',
         action='store_false',
         dest='log_loss_scale_to_tensorboard',
-        help='Disable loss-scale logging to tensorboard.',
+        help='Do not write the loss scale to TensorBoard.',
     )
     group.add_argument(
         '--log-validation-ppl-to-tensorboard',
         action='store_true',
-        help='If set, write validation perplexity to tensorboard.',
+        help='Write validation perplexity to TensorBoard.',
     )
     group.add_argument(
         '--log-memory-to-tensorboard',
         action='store_true',
-        help='Enable memory logging to tensorboard.',
+        help='Write memory use to TensorBoard.',
     )
     group.add_argument(
         '--log-world-size-to-tensorboard',
         action='store_true',
-        help='Enable world size logging to tensorboard.',
+        help='Write the world size to TensorBoard.',
     )
     group.add_argument(
         '--wandb-project',
         type=str,
         default='',
-        help='The wandb project name. Ignore wandb by default.',
+        help='Weights & Biases project (no W&B logging when unset).',
     )
-    group.add_argument('--wandb-exp-name', type=str, default='', help='The wandb experiment name.')
+    group.add_argument('--wandb-exp-name', type=str, default='', help='Weights & Biases run name.')
     group.add_argument(
-        '--wandb-save-dir', type=str, default='', help='Path to save the wandb results locally.'
+        '--wandb-save-dir', type=str, default='', help='Local directory of the W&B files.'
     )
-    group.add_argument('--logging-level', type=int, default=None, help='Set default logging level')
+    group.add_argument(
+        '--logging-level', type=int, default=None, help='Default level of the Python loggers.'
+    )
     return parser
 
 
 def _add_straggler_detector_args(parser):
     group = parser.add_argument_group(title='straggler')
     group.add_argument(
-        '--log-straggler', action='store_true', help='If set, tracks and logs straggler per GPU.'
+        '--log-straggler',
+        action='store_true',
+        help='Measure and log per-GPU throughput to spot stragglers.',
     )
     group.add_argument(
         '--disable-straggler-on-startup',
         action='store_true',
-        help='If set, StragglerDetector is disabled on startup.',
+        help='Start with the straggler detector off.',
     )
     group.add_argument(
         '--straggler-ctrlr-port',
         type=int,
         default=65535,
-        help='Port number to toggle StragglerDetector on/off at runtime',
+        help='Port that switches the straggler detector on and off at run time.',
     )
     group.add_argument(
         '--straggler-minmax-count',
         type=int,
         default=1,
-        help='Number of ranks to report with high/low estimated throughput',
+        help='Ranks reported at each end of the throughput range.',
     )
     return parser

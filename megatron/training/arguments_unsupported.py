@@ -146,41 +146,42 @@ def add_tp_comm_overlap_args(parser):
         '--tp-comm-overlap-cfg',
         type=str,
         default=None,
-        help='Config file when tp_comm_overlap is enabled (Transformer Engine only).',
+        help='YAML file tuning the TP communication overlap (needs Transformer Engine).',
     )
     group.add_argument(
         '--disable-tp-comm-overlap-ag',
         action='store_false',
         dest='tp_comm_overlap_ag',
-        help='Disables the All-Gather overlap with GEMM by pipelining the GEMM and '
-        'All-Gather (Transformer Engine only).',
+        help='Run the TP all-gather before its GEMM instead of chunk by chunk alongside it '
+        '(needs Transformer Engine).',
     )
     group.add_argument(
         '--disable-tp-comm-overlap-rs',
         action='store_false',
         dest='tp_comm_overlap_rs',
-        help='Disables the Reduce-Scatter overlap with GEMM by pipelining the GEMM '
-        'and Reduce-Scatter (Transformer Engine only).',
+        help='Run the TP reduce-scatter after its GEMM instead of chunk by chunk alongside it '
+        '(needs Transformer Engine).',
     )
     group.add_argument(
         '--tp-comm-overlap-rs-dgrad',
         action='store_true',
         dest='tp_comm_overlap_rs_dgrad',
-        help='Enables the Reduce-Scatter overlap with dgrad GEMM (Transformer Engine only).',
+        help='Overlap the reduce-scatter of the input-gradient GEMM with it (needs Transformer '
+        'Engine).',
     )
     group.add_argument(
         '--disable-tp-comm-bulk-dgrad',
         action='store_false',
         dest='tp_comm_bulk_dgrad',
-        help='Disables the All-Gather overlap with bprop activation gradient GEMM '
-        '(Transformer Engine only).',
+        help='Do not hide the backward all-gather behind the input-gradient GEMM (needs '
+        'Transformer Engine).',
     )
     group.add_argument(
         '--disable-tp-comm-bulk-wgrad',
         action='store_false',
         dest='tp_comm_bulk_wgrad',
-        help='Disables the Reduce-Scatter overlap with bprop weight gradient GEMM '
-        '(Transformer Engine only).',
+        help='Do not hide the backward reduce-scatter behind the weight-gradient GEMM (needs '
+        'Transformer Engine).',
     )
     return parser
 
@@ -192,80 +193,80 @@ def add_biencoder_args(parser):
         '--ict-head-size',
         type=int,
         default=None,
-        help='Size of block embeddings to be used in ICT and REALM (paper default: 128)',
+        help='Width of the ICT / REALM block embedding (128 in the paper)',
     )
     group.add_argument(
         '--biencoder-projection-dim',
         type=int,
         default=0,
-        help='Size of projection head used in biencoder (paper default: 128)',
+        help='Output width of the biencoder projection head (128 in the paper)',
     )
     group.add_argument(
         '--biencoder-shared-query-context-model',
         action='store_true',
-        help='Whether to share the parameters of the query and context models or not',
+        help='One set of weights for both the query and the context encoder',
     )
     group.add_argument(
-        '--ict-load', type=str, default=None, help='Directory containing an ICTBertModel checkpoint'
+        '--ict-load', type=str, default=None, help='ICTBertModel checkpoint directory'
     )
     group.add_argument(
         '--bert-load',
         type=str,
         default=None,
-        help='Directory containing an BertModel checkpoint (needed to start ICT and REALM)',
+        help='BertModel checkpoint directory that ICT and REALM start from',
     )
     group.add_argument(
-        '--titles-data-path', type=str, default=None, help='Path to titles dataset used for ICT'
+        '--titles-data-path', type=str, default=None, help='Titles dataset of the ICT task'
     )
     group.add_argument(
         '--query-in-block-prob',
         type=float,
         default=0.1,
-        help='Probability of keeping query in block for ICT dataset',
+        help='Chance that an ICT query sentence stays inside its block',
     )
     group.add_argument(
         '--use-one-sent-docs',
         action='store_true',
-        help='Whether to use one sentence documents in ICT',
+        help='Keep single-sentence documents in the ICT data',
     )
     group.add_argument(
         '--evidence-data-path',
         type=str,
         default=None,
-        help='Path to Wikipedia Evidence frm DPR paper',
+        help='Wikipedia evidence file of the DPR paper',
     )
     group.add_argument(
         '--retriever-report-topk-accuracies',
         nargs='+',
         type=int,
         default=[],
-        help='Which top-k accuracies to report (e.g. \'1 5 20\')',
+        help='Retrieval accuracies to report, as a list of k (for example 1 5 20)',
     )
     group.add_argument(
         '--retriever-score-scaling',
         action='store_true',
-        help='Whether to scale retriever scores by inverse square root of hidden size',
+        help='Divide retriever scores by sqrt(hidden size)',
     )
     group.add_argument(
-        '--block-data-path', type=str, default=None, help='Where to save/load BlockData to/from'
+        '--block-data-path', type=str, default=None, help='BlockData file (written and read)'
     )
     group.add_argument(
         '--embedding-path',
         type=str,
         default=None,
-        help='Where to save/load Open-Retrieval Embedding data to/from',
+        help='File of the open-retrieval embeddings (written and read)',
     )
     group.add_argument(
         '--indexer-batch-size',
         type=int,
         default=128,
-        help='How large of batches to use when doing indexing jobs',
+        help='Batch size of indexing jobs',
     )
     group.add_argument(
         '--indexer-log-interval',
         type=int,
         default=1000,
-        help='After how many batches should the indexer report progress',
+        help='Indexer progress line every this many batches',
     )
     return parser
 
@@ -276,58 +277,58 @@ def add_retro_args(parser):
     group.add_argument(
         '--retro-project-dir',
         default=None,
-        help='Retro project directory, which contains the preprocessed data for pretraining.',
+        help='Retro project folder holding the preprocessed pretraining data.',
     )
     group.add_argument(
         '--retro-add-retriever',
         action='store_true',
         default=False,
-        help='Add a retriever to the transformer, for use in pretraining a Retro model.',
+        help='Give the transformer a retriever (Retro pretraining).',
     )
     group.add_argument(
         '--retro-cyclic-train-iters',
         type=int,
         default=None,
-        help='Set number of training iterations for cyclic Retro training.',
+        help='Training iterations of cyclic Retro training.',
     )
     group.add_argument(
         '--retro-encoder-layers',
         type=int,
         default=2,
-        help='Number of layers to use for the retrieval encoder.',
+        help='Layers of the retrieval encoder.',
     )
     group.add_argument(
         '--retro-encoder-hidden-dropout',
         type=float,
         default=0.1,
-        help='Hidden dropout for retrieval encoder.',
+        help='Hidden-state dropout of the retrieval encoder.',
     )
     group.add_argument(
         '--retro-encoder-attention-dropout',
         type=float,
         default=0.1,
-        help='Attention dropout for retrieval encoder.',
+        help='Attention dropout of the retrieval encoder.',
     )
     group.add_argument(
         '--retro-num-neighbors',
         type=int,
         default=2,
-        help='Number of neighbors to retrieve during pretraining.',
+        help='Neighbours fetched per chunk while pretraining.',
     )
     group.add_argument(
         '--retro-num-retrieved-chunks',
         type=int,
         default=2,
-        help='Number of chunks to retrieve from the retrieval database.',
+        help='Chunks fetched from the retrieval database.',
     )
     group.add_argument(
-        '--retro-attention-gate', type=float, default=1, help='Gated cross attention.'
+        '--retro-attention-gate', type=float, default=1, help='Retro cross-attention gate.'
     )
     group.add_argument(
         '--retro-no-verify-neighbor-count',
         action='store_false',
         dest='retro_verify_neighbor_count',
-        help='Skip verifying that len(GPT dataset) == len(saved neighbors).',
+        help='Do not check that the GPT dataset and the saved neighbours have the same length.',
     )
     return parser
 
@@ -339,30 +340,30 @@ def add_one_logger_args(parser):
         '--no-one-logger',
         action='store_false',
         dest='enable_one_logger',
-        help='If set, disable using one_logger to track E2E metrics (one_logger is '
+        help='Turn off one_logger end-to-end metric tracking (one_logger is '
         'never available in this package, so this changes nothing).',
     )
     group.add_argument(
-        '--one-logger-project', type=str, default='megatron-lm', help='The one-logger project name.'
+        '--one-logger-project', type=str, default='megatron-lm', help='one_logger project name.'
     )
     group.add_argument(
-        '--one-logger-run-name', type=str, default=None, help='The one-logger run name displayed.'
+        '--one-logger-run-name', type=str, default=None, help='Run name shown by one_logger.'
     )
     group.add_argument(
         '--one-logger-async',
         action='store_true',
-        help='If set, forces one_logger to use async mode.',
+        help='Make one_logger report asynchronously.',
     )
     group.add_argument(
         '--app-tag-run-name',
         type=str,
         default=None,
-        help='Jobs belonging to same training run, suppose to have the same name.',
+        help='Name shared by every job of one training run.',
     )
     group.add_argument(
         '--app-tag-run-version',
         type=str,
         default='0.0.0',
-        help='The version of the training of which current job is part of.',
+        help='Version of the training run this job belongs to.',
     )
     return parser

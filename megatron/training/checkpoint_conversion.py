@@ -294,13 +294,7 @@ class CheckpointReader:
         T5 is told by the model type its args record (stage 0 of a pipelined T5 holds encoder
         layers only), else by the rank-0 file holding both stacks.
         """
-        recorded = getattr(self.args, 'model_type', None)
-        if getattr(recorded, 'name', recorded) == 'encoder_and_decoder':
-            return 'T5'
-        encoder = any(k.startswith('encoder.') for k in self.model_keys)
-        if encoder and any(k.startswith('decoder.') for k in self.model_keys):
-            return 'T5'
-        return 'BERT' if encoder else 'GPT'
+        return model_type_from_keys(self.model_keys, getattr(self.args, 'model_type', None))
 
     def rank_file(self, tp_rank: int, pp_rank: int) -> str:
         return get_checkpoint_name(
@@ -340,6 +334,22 @@ class CheckpointReader:
             chunks.append((offset, merged))
         others = [{k: v for k, v in f.items() if not k.startswith('model')} for f in files]
         return chunks, others
+
+
+def model_type_from_keys(keys, recorded=None) -> str:
+    """'T5', 'BERT' or 'GPT' for a model state dict's keys (any checkpoint format).
+
+    The model type recorded in the checkpoint's args decides first (encoder_and_decoder: T5; a
+    pipelined T5's stage 0 holds encoder layers only); else both stacks mean T5, an encoder
+    alone BERT, a decoder alone GPT.
+    """
+    if getattr(recorded, 'name', recorded) == 'encoder_and_decoder':
+        return 'T5'
+    keys = list(keys)
+    encoder = any(k.startswith('encoder.') for k in keys)
+    if encoder and any(k.startswith('decoder.') for k in keys):
+        return 'T5'
+    return 'BERT' if encoder else 'GPT'
 
 
 def block_name(model_type: str) -> str:

@@ -48,10 +48,8 @@ class LMDataset(torch.utils.data.Dataset):
         self.tokens = tokens
         self.seq_len = seq_len
         self.pad_idx = pad_idx
-        self.overlapping_eval = overlapping_eval
-        if self.overlapping_eval is None:
-            self.overlapping_eval = self.seq_len
-        self.overlapping_eval = max(1, self.overlapping_eval)
+        stride = seq_len if overlapping_eval is None else overlapping_eval
+        self.overlapping_eval = max(1, stride)
         self.num_original_tokens = num_original_tokens
         self.num_tokenized_tokens = num_tokenized_tokens
         self.total_sequences = num_windows(len(self.tokens), self.seq_len, self.overlapping_eval)
@@ -60,20 +58,16 @@ class LMDataset(torch.utils.data.Dataset):
         return self.total_sequences
 
     def __getitem__(self, idx):
-        start_idx = idx * self.overlapping_eval
-        end_idx = start_idx + self.seq_len
-        tokens = self.tokens[start_idx : end_idx + 1]
-        num_tokens = len(tokens)
-        pad_mask = [1] * num_tokens
-        if num_tokens < self.seq_len + 1:
-            num_pad = self.seq_len + 1 - num_tokens
-            pad_mask += [0] * num_pad
-            tokens += [self.pad_idx] * num_pad
-        pad_mask = np.array(pad_mask[1:])  # aligned with the targets
-        if self.overlapping_eval != self.seq_len and idx != 0:
+        stride, width = self.overlapping_eval, self.seq_len + 1
+        window = list(self.tokens[idx * stride : idx * stride + width])
+        text = np.array(window + [self.pad_idx] * (width - len(window)))
+        # One flag per target (the tokens after the first): 1 where a real token is predicted.
+        pad_mask = np.zeros(self.seq_len, dtype=np.int64)
+        pad_mask[: max(len(window) - 1, 0)] = 1
+        if idx != 0 and stride != self.seq_len:
             # Earlier windows already scored all but the last `stride` targets.
-            pad_mask[: -self.overlapping_eval] *= 0
-        return {'text': np.array(tokens), 'pad_mask': pad_mask}
+            pad_mask[:-stride] = 0
+        return {'text': text, 'pad_mask': pad_mask}
 
 
 class LambadaDataset(torch.utils.data.Dataset):
@@ -117,32 +111,26 @@ class LambadaDataset(torch.utils.data.Dataset):
 
     def get_tokens(self, text):
         """(context ids, target ids): the last BPE token, or with strict the whole last word."""
-        if not self.strict:
-            tokens = self.tokenizer.tokenize(text)
-            return tokens[:-1], [tokens[-1]]
-        last_token = text.split()[-1]
-        start_idx = text.rfind(last_token)
-        beginning_tokens = self.tokenizer.tokenize(text[:start_idx].strip())
-        last_token = self.tokenizer.tokenize(' ' + last_token)
-        return beginning_tokens, last_token
+        if self.strict:
+            last_word = text.split()[-1]
+            context = text[: text.rfind(last_word)].strip()
+            return self.tokenizer.tokenize(context), self.tokenizer.tokenize(' ' + last_word)
+        ids = self.tokenizer.tokenize(text)
+        return ids[:-1], ids[-1:]
 
     def __len__(self):
         return len(self.tokens)
 
     def __getitem__(self, idx):
-        tokens = self.tokens[idx]
-        num_tokens = len(tokens)
-        pad_mask = [0] * num_tokens
-        labels = self.labels[idx]
-        pad_mask += [1] * len(labels)
-        tokens = tokens + labels
-        num_tokens = len(tokens)
-        if num_tokens < self.seq_len + 1:
-            num_pad = self.seq_len + 1 - num_tokens
-            pad_mask += [0] * num_pad
-            tokens += [self.pad_idx] * num_pad
-        pad_mask = np.array(pad_mask[1:])
-        return {'text': np.array(tokens), 'pad_mask': pad_mask}
+        context, target = self.tokens[idx], self.labels[idx]
+        sequence = context + target
+        padding = max(self.seq_len + 1 - len(sequence), 0)
+        # Only the target positions are scored; the flags are aligned with the shifted labels.
+        scored = [0] * len(context) + [1] * len(target) + [0] * padding
+        return {
+            'text': np.array(sequence + [self.pad_idx] * padding),
+            'pad_mask': np.array(scored[1:]),
+        }
 
 
 def _lambada_text(path, row, line):

@@ -21,8 +21,8 @@ from megatron.training.checkpointing import load_checkpoint
 from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.training import get_model
 from megatron.training.utils import get_ltor_masks_and_position_ids, print_rank_0, print_rank_last
-from tasks.finetune_utils import build_data_loader
 from tasks.zeroshot_gpt.datasets import build_dataset
+from tasks.zeroshot_gpt.sharding import build_eval_data_loader
 
 #: The metric each zero-shot task reports.
 TASK_METRIC = {'LAMBADA': 'accuracy', 'WIKITEXT103': 'loss'}
@@ -36,7 +36,8 @@ def get_model_provider():
 
 
 def process_batch(batch):
-    """(tokens [b, L], labels [b, L], attention_mask, position_ids, loss_mask [b, L]) on device."""
+    """(tokens [b, L], labels [b, L], attention_mask, position_ids, loss_mask [b, L], weight [b])
+    on device; weight 0 marks a sampler's padding repeat (counted by no metric)."""
     args = get_args()
     tokenizer = get_tokenizer()
     device = get_current_device()
@@ -44,6 +45,8 @@ def process_batch(batch):
     labels = tokens_[:, 1:].contiguous()
     tokens = tokens_[:, :-1].contiguous()
     loss_mask = batch['pad_mask'].long().to(device)
+    weight = batch['weight'].float() if 'weight' in batch else torch.ones(tokens_.shape[0])
+    weight = weight.to(device)  # [b]
     attention_mask, _, position_ids = get_ltor_masks_and_position_ids(
         tokens,
         tokenizer.eod,
@@ -51,35 +54,36 @@ def process_batch(batch):
         args.reset_attention_mask,
         args.eod_mask_loss,
     )
-    return tokens, labels, attention_mask, position_ids, loss_mask
+    return tokens, labels, attention_mask, position_ids, loss_mask, weight
 
 
-def _metric_loss(labels, loss_mask, output):
+def _metric_loss(labels, loss_mask, weight, output):
     """Summed (not averaged) masked token NLL of the batch; output = per-token losses [b, L]."""
-    value = torch.sum(output.float().view(-1) * loss_mask.contiguous().view(-1).float())
+    counted = loss_mask.float() * weight.view(-1, 1)  # [b, L]; padding repeats count 0
+    value = torch.sum(output.float().view(-1) * counted.contiguous().view(-1))
     return value, {'metric': value}
 
 
-def _metric_accuracy(labels, loss_mask, output):
+def _metric_accuracy(labels, loss_mask, weight, output):
     """Examples whose every masked target is the argmax (teacher forcing); output = logits
     [b, L, v/p], gathered over the tensor-parallel group first."""
     logits = tensor_parallel.gather_from_tensor_model_parallel_region(output)  # [b, L, v]
     outputs = torch.argmax(logits, -1)
     correct = (outputs == labels).float()
     correct[(1 - loss_mask).bool()] = 1
-    correct = correct.prod(-1)
+    correct = correct.prod(-1) * weight  # [b]; padding repeats count 0
     value = correct.sum()
     return value, {'metric': value}
 
 
 def _forward_step(batch, eval_metric, data_iterator, model):
     """Forward the prepared batch; the loss function returns the batch's metric sum."""
-    tokens, labels, attention_mask, position_ids, loss_mask = batch
+    tokens, labels, attention_mask, position_ids, loss_mask, weight = batch
     if eval_metric == 'loss':
         output = model(tokens, position_ids, attention_mask, labels=labels)
-        return output, partial(_metric_loss, labels, loss_mask)
+        return output, partial(_metric_loss, labels, loss_mask, weight)
     output = model(tokens, position_ids, attention_mask)
-    return output, partial(_metric_accuracy, labels, loss_mask)
+    return output, partial(_metric_accuracy, labels, loss_mask, weight)
 
 
 def forward_step(batch, model, eval_metric):
@@ -197,9 +201,7 @@ def main():
         load_checkpoint(model, None, None)
     assert len(model) == 1, 'the interleaved schedule is not supported'
 
-    dataloader = build_data_loader(
-        dataset, args.micro_batch_size, args.num_workers, drop_last=False
-    )
+    dataloader = build_eval_data_loader(dataset, args.micro_batch_size, args.num_workers)
     start = time.time()
     result = evaluate_and_print_results(task, dataloader, model, eval_metric)
     print_rank_0('evaluation time (sec): {:.3f}'.format(time.time() - start))

@@ -1,8 +1,10 @@
-"""Megatron core_r0.8.0's own pretrain_gpt.py, pretrain_bert.py and pretrain_t5.py train unchanged
-against this package, and give the same losses as this repository's scripts.
+"""Entry scripts written against core_r0.8.0's entry-script surface train on this package and give
+the same losses as this repository's pretrain_gpt.py, pretrain_bert.py and pretrain_t5.py.
 
-The three scripts (tests/functional_tests/megatron_r08_scripts/, see the README there) run through
-their own `__main__` block (`runpy`, as `python pretrain_x.py <flags>` would) on two gloo ranks,
+The contract scripts (tests/functional_tests/r08_contract/, written here) use every import,
+constructor keyword, args attribute and callback protocol that Megatron's r0.8 pretrain_gpt.py,
+pretrain_bert.py and pretrain_t5.py use, the way those scripts use them. They run through their
+own `__main__` block (`runpy`, as `python gpt.py <flags>` would) on two gloo ranks,
 each on a layout that exercises its data path: GPT with TP=2 on GPT-2 BPE data (the script's
 default tokenizer), BERT with TP=2 (`--spec local`, binary head), T5 with an encoder stage and a
 decoder stage (`--pipeline-model-parallel-split-rank 1`, which r0.8's T5Model could not run).
@@ -22,7 +24,7 @@ from tests.functional_tests.bert_utils import BERT_VOCAB
 from tests.functional_tests.gpt_utils import MERGES, REPO, VOCAB
 from tests.unit_tests.dist_utils import run_distributed
 
-R08_SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'megatron_r08_scripts')
+R08_SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'r08_contract')
 
 _COMMON = [
     '--hidden-size', '32', '--num-attention-heads', '4', '--micro-batch-size', '2',
@@ -71,7 +73,8 @@ def _run_as_main(path, argv):
 
 
 def _both_scripts(script, argv):
-    megatron_out = _run_as_main(os.path.join(R08_SCRIPTS, script + '.py'), argv)
+    contract = script.replace('pretrain_', '')
+    megatron_out = _run_as_main(os.path.join(R08_SCRIPTS, contract + '.py'), argv)
     ours_out = _run_as_main(os.path.join(REPO, script + '.py'), argv)
     return megatron_out, ours_out
 
@@ -84,7 +87,7 @@ def _losses(stdout):
 
 
 @pytest.mark.parametrize('script', ['pretrain_gpt', 'pretrain_bert', 'pretrain_t5'])
-def test_megatron_r08_script_trains_unchanged(
+def test_r08_contract_script_matches_ours(
     script, gpt_data_prefix, bert_data_prefix, t5_data_prefix
 ):
     prefix = {

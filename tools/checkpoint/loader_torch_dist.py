@@ -40,7 +40,7 @@ def _reader(args):
     path, iteration = _checkpoint_dir(args.load_dir)
     common = dist_checkpointing.load_common_state_dict(path)
     keys = dist_checkpointing.load_tensors_metadata(path)
-    model_type = 'BERT' if any(k.startswith('encoder.') for k in keys) else 'GPT'
+    model_type = cc.model_type_from_keys(keys, getattr(common['args'], 'model_type', None))
     # The tensors are read whole: the source layout is TP1 x PP1 x EP1.
     reader = types.SimpleNamespace(
         args=common['args'],
@@ -59,6 +59,11 @@ def check_arguments(args):
     if reader.model_type != args.model_type:
         raise ValueError(
             f'--model-type {args.model_type}, but {args.load_dir} holds a {reader.model_type} model'
+        )
+    if reader.model_type == 'T5':
+        raise ValueError(
+            f'--loader torch_dist: {args.load_dir} holds a T5 model, which this loader does not '
+            f'convert; save it in the torch format (--ckpt-format torch) and use --loader mcore'
         )
     return loader_mcore._metadata(args, reader, loader_mcore._true_vocab_size(args, reader.args))
 

@@ -100,25 +100,15 @@ class GPTDataset(MegatronDataset):
         super().__init__(
             indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config
         )
-        self.masks_and_position_ids_are_cacheable = not any(
-            [
-                self.config.reset_position_ids,
-                self.config.reset_attention_mask,
-                self.config.eod_mask_loss,
-            ]
+        # Without per-document resets every sample has the same masks and positions: keep one.
+        self.masks_and_position_ids_are_cacheable = not (
+            config.reset_position_ids or config.reset_attention_mask or config.eod_mask_loss
         )
         self.masks_and_position_ids_are_cached = False
-        self.cached_attention_mask = None
-        self.cached_loss_mask = None
-        self.cached_position_ids = None
-        try:
-            self._pad_token_id = self.config.tokenizer.pad
-        except Exception:
-            self._pad_token_id = _PAD_TOKEN_ID
-        if self._pad_token_id is None:
-            self._pad_token_id = _PAD_TOKEN_ID
+        self.cached_attention_mask = self.cached_loss_mask = self.cached_position_ids = None
+        self._pad_token_id = _pad_id_of(config.tokenizer)
 
-        (self.document_index, self.sample_index, self.shuffle_index) = (
+        self.document_index, self.sample_index, self.shuffle_index = (
             self._build_document_sample_shuffle_indices()
         )
 
@@ -145,37 +135,29 @@ class GPTDataset(MegatronDataset):
                 f"{type(self).__name__} index {idx} out of range ({len(self)} samples)"
             )
         text, _ = self._query_document_sample_shuffle_indices(0 if idx is None else idx)
-
-        text = torch.from_numpy(text).long()
+        ids = torch.from_numpy(text).long()
         if self.config.add_extra_token_to_sequence:
-            tokens = text[:-1].contiguous()
-            labels = text[1:].contiguous()
+            # Views of one buffer: the padding fix-ups below run in this order on purpose.
+            tokens, labels = ids[:-1].contiguous(), ids[1:].contiguous()
         else:
-            tokens = text
-            labels = torch.roll(text, shifts=-1, dims=0)
-            labels[-1] = self._pad_token_id
+            # The sample is exactly one window; the label after its last token is unknown.
+            tokens = ids
+            labels = torch.cat([ids[1:], ids.new_full((1,), self._pad_token_id)])
 
-        if (
-            not self.masks_and_position_ids_are_cacheable
-            or not self.masks_and_position_ids_are_cached
-        ):
-            attention_mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
-                tokens,
-                self.config.tokenizer.eod,
-                self.config.reset_position_ids,
-                self.config.reset_attention_mask,
-                self.config.eod_mask_loss,
-                self.config.create_attention_mask,
-            )
-            if self.masks_and_position_ids_are_cacheable:
-                self.cached_attention_mask = attention_mask
-                self.cached_loss_mask = loss_mask
-                self.cached_position_ids = position_ids
-                self.masks_and_position_ids_are_cached = True
-        else:
+        if self.masks_and_position_ids_are_cached:
             attention_mask = self.cached_attention_mask
             loss_mask = self.cached_loss_mask
             position_ids = self.cached_position_ids
+        else:
+            cfg = self.config
+            masks = _get_ltor_masks_and_position_ids(
+                tokens, cfg.tokenizer.eod, cfg.reset_position_ids, cfg.reset_attention_mask,
+                cfg.eod_mask_loss, cfg.create_attention_mask,
+            )  # fmt: skip
+            attention_mask, loss_mask, position_ids = masks
+            if self.masks_and_position_ids_are_cacheable:
+                self.cached_attention_mask, self.cached_loss_mask, self.cached_position_ids = masks
+                self.masks_and_position_ids_are_cached = True
         # Never hand out (and then mutate) the cached tensors themselves.
         loss_mask = loss_mask.clone()
 
@@ -183,60 +165,40 @@ class GPTDataset(MegatronDataset):
         loss_mask[labels == self._pad_token_id] = 0.0
         tokens[tokens == self._pad_token_id] = 0
         labels[labels == self._pad_token_id] = 0
-
         if idx is None:
             loss_mask = torch.zeros_like(loss_mask)
 
+        sample = {"tokens": tokens, "labels": labels}
         if self.config.create_attention_mask:
-            return {
-                "tokens": tokens,
-                "labels": labels,
-                "attention_mask": attention_mask,
-                "loss_mask": loss_mask,
-                "position_ids": position_ids,
-            }
-        return {
-            "tokens": tokens,
-            "labels": labels,
-            "loss_mask": loss_mask,
-            "position_ids": position_ids,
-        }
+            sample["attention_mask"] = attention_mask
+        sample["loss_mask"] = loss_mask
+        sample["position_ids"] = position_ids
+        return sample
 
     def _query_document_sample_shuffle_indices(
         self, idx: int
     ) -> Tuple[numpy.ndarray, numpy.ndarray]:
         """Token ids (int64, sequence_length + extra) and document ids of sample `idx`."""
-        idx = self.shuffle_index[idx]
-        doc_index_beg, doc_index_beg_offset = self.sample_index[idx]
-        doc_index_end, doc_index_end_offset = self.sample_index[idx + 1]
+        row = self.shuffle_index[idx]
+        first_doc, first_offset = (int(v) for v in self.sample_index[row])
+        last_doc, last_offset = (int(v) for v in self.sample_index[row + 1])
         extra = int(self.config.add_extra_token_to_sequence)
 
-        document_ids = []
-        sample_parts = []
-        if doc_index_beg == doc_index_end:
-            document_ids.append(self.document_index[doc_index_beg])
-            sample_parts.append(
-                self.dataset.get(
-                    self.document_index[doc_index_beg],
-                    offset=int(doc_index_beg_offset),
-                    length=int(doc_index_end_offset - doc_index_beg_offset) + extra,
-                )
-            )
-        else:
-            for i in range(doc_index_beg, doc_index_end + 1):
-                document_ids.append(self.document_index[i])
-                offset = 0 if i > doc_index_beg else int(doc_index_beg_offset)
-                length = None if i < doc_index_end else int(doc_index_end_offset) + extra
-                sample_parts.append(
-                    self.dataset.get(self.document_index[i], offset=offset, length=length)
-                )
+        positions = range(first_doc, last_doc + 1)
+        document_ids = [self.document_index[pos] for pos in positions]
+        parts = []
+        for pos in positions:
+            start = first_offset if pos == first_doc else 0
+            # The sample stops inside its last document (one token later with the extra token);
+            # the documents before it are read to their end.
+            length = last_offset + extra - start if pos == last_doc else None
+            parts.append(self.dataset.get(self.document_index[pos], offset=start, length=length))
 
-        length = sum(map(len, sample_parts))
-        target = self.config.sequence_length + extra
-        if length < target:
-            sample_parts.append([self._pad_token_id] * (target - length))
+        missing = self.config.sequence_length + extra - sum(len(part) for part in parts)
+        if missing > 0:
+            parts.append([self._pad_token_id] * missing)
         return (
-            numpy.concatenate(sample_parts, dtype=numpy.int64),
+            numpy.concatenate(parts, dtype=numpy.int64),
             numpy.array(document_ids, dtype=numpy.int64),
         )
 
@@ -331,28 +293,21 @@ class GPTDataset(MegatronDataset):
             )
         num_epochs = self._get_num_epochs(num_tokens_per_epoch)
 
-        separate_final_epoch = False
-        num_samples_sans_final_epoch = None
+        separate_final_epoch, num_samples_sans_final_epoch = False, None
         if num_epochs > 1:
+            samples_per_epoch = (num_tokens_per_epoch - extra) // sequence_length
             num_samples_sans_final_epoch = (
                 (num_epochs - 1) * num_tokens_per_epoch - extra
             ) // sequence_length
-            num_samples_from_final_epoch = self.num_samples - num_samples_sans_final_epoch
-            num_samples_per_epoch = (num_tokens_per_epoch - extra) // sequence_length
-            assert num_samples_from_final_epoch >= 0
-            assert num_samples_from_final_epoch <= num_samples_per_epoch + 1
-            threshold = 0.80
-            separate_final_epoch = num_samples_from_final_epoch < int(
-                threshold * num_samples_per_epoch
-            )
+            in_final_epoch = self.num_samples - num_samples_sans_final_epoch
+            assert 0 <= in_final_epoch <= samples_per_epoch + 1, (in_final_epoch, samples_per_epoch)
+            # A final epoch that is used for under 80% of its samples is shuffled on its own, so
+            # that the samples it adds do not crowd out whole earlier epochs.
+            separate_final_epoch = in_final_epoch < int(0.80 * samples_per_epoch)
             log_single_rank(
-                logger,
-                logging.DEBUG,
-                f"> num_samples_from_final_epoch: {num_samples_from_final_epoch}",
+                logger, logging.DEBUG, f"> num_samples_from_final_epoch: {in_final_epoch}"
             )
-            log_single_rank(
-                logger, logging.DEBUG, f"> num_samples_per_epoch: {num_samples_per_epoch}"
-            )
+            log_single_rank(logger, logging.DEBUG, f"> num_samples_per_epoch: {samples_per_epoch}")
         log_single_rank(logger, logging.DEBUG, f"> separate_final_epoch: {separate_final_epoch}")
 
         numpy_random_state = numpy.random.RandomState(self.config.random_seed)
@@ -360,10 +315,11 @@ class GPTDataset(MegatronDataset):
             self.indices, num_epochs, numpy_random_state, separate_final_epoch
         )
 
-        if self.index_split == Split.valid:
-            drop_last_partial_sequence = self.config.drop_last_partial_validation_sequence
-        else:
-            drop_last_partial_sequence = True
+        drop_last_partial_sequence = (
+            self.config.drop_last_partial_validation_sequence
+            if self.index_split == Split.valid
+            else True
+        )
 
         from megatron.core.datasets import helpers
 
@@ -379,14 +335,9 @@ class GPTDataset(MegatronDataset):
             extra,
         )
 
-        if separate_final_epoch:
-            shuffle_index = _build_shuffle_index(
-                num_samples_sans_final_epoch, sample_index.shape[0] - 1, numpy_random_state
-            )
-        else:
-            shuffle_index = _build_shuffle_index(
-                sample_index.shape[0] - 1, sample_index.shape[0] - 1, numpy_random_state
-            )
+        num_built = sample_index.shape[0] - 1
+        first_block = num_samples_sans_final_epoch if separate_final_epoch else num_built
+        shuffle_index = _build_shuffle_index(first_block, num_built, numpy_random_state)
         log_single_rank(logger, logging.INFO, f"> total number of epochs: {num_epochs}")
         return document_index, sample_index, shuffle_index
 
@@ -403,12 +354,7 @@ class GPTDataset(MegatronDataset):
         )
         if num_tokens_per_epoch <= 0:
             return 1
-        num_epochs = 1
-        num_tokens = num_tokens_per_epoch
-        while num_tokens < num_tokens_requested:
-            num_epochs += 1
-            num_tokens += num_tokens_per_epoch
-        return num_epochs
+        return max(1, -(-num_tokens_requested // num_tokens_per_epoch))  # ceil division
 
 
 def _build_document_index(
@@ -419,13 +365,14 @@ def _build_document_index(
 ) -> numpy.ndarray:
     """The documents tiled num_epochs times (int32) and shuffled; last epoch apart when
     separated."""
-    if not separate_final_epoch or num_epochs == 1:
-        document_index = numpy.tile(numpy.asarray(documents), num_epochs).astype(numpy.int32)
-        numpy_random_state.shuffle(document_index)
-        return document_index
-    doc_idx_first = _build_document_index(documents, num_epochs - 1, numpy_random_state, False)
-    doc_idx_last = _build_document_index(documents, 1, numpy_random_state, False)
-    return numpy.concatenate((doc_idx_first, doc_idx_last))
+    if separate_final_epoch and num_epochs > 1:
+        # The last epoch is shuffled apart, drawn from the RNG after the others.
+        earlier = _build_document_index(documents, num_epochs - 1, numpy_random_state, False)
+        final = _build_document_index(documents, 1, numpy_random_state, False)
+        return numpy.concatenate((earlier, final))
+    tiled = numpy.tile(numpy.asarray(documents), num_epochs).astype(numpy.int32)
+    numpy_random_state.shuffle(tiled)
+    return tiled
 
 
 def _build_shuffle_index(
@@ -433,16 +380,14 @@ def _build_shuffle_index(
 ) -> numpy.ndarray:
     """A shuffled arange(0, num_samples), then a shuffled arange(num_samples, total_size) if
     larger."""
-    dtype_ = numpy.uint32
-    if total_size >= (numpy.iinfo(numpy.uint32).max - 1):
-        dtype_ = numpy.int64
-    shuffle_idx_first = numpy.arange(start=0, stop=num_samples, step=1, dtype=dtype_)
-    numpy_random_state.shuffle(shuffle_idx_first)
-    if num_samples == total_size:
-        return shuffle_idx_first
-    shuffle_idx_last = numpy.arange(start=num_samples, stop=total_size, step=1, dtype=dtype_)
-    numpy_random_state.shuffle(shuffle_idx_last)
-    return numpy.concatenate((shuffle_idx_first, shuffle_idx_last))
+    # 32-bit indices halve the file; only a sample count near 2**32 needs 64 bits.
+    dtype = numpy.int64 if total_size >= numpy.iinfo(numpy.uint32).max - 1 else numpy.uint32
+    blocks = [numpy.arange(num_samples, dtype=dtype)]
+    if num_samples != total_size:
+        blocks.append(numpy.arange(num_samples, total_size, dtype=dtype))
+    for block in blocks:  # in order: the RNG draws decide the permutation
+        numpy_random_state.shuffle(block)
+    return blocks[0] if len(blocks) == 1 else numpy.concatenate(blocks)
 
 
 def _get_ltor_masks_and_position_ids(
@@ -459,33 +404,26 @@ def _get_ltor_masks_and_position_ids(
     reset_position_ids, positions restart after each EOD; with eod_mask_loss, EOD tokens get 0 loss.
     """
     seq_length = data.numel()
-    if create_attention_mask:
-        attention_mask = torch.tril(
-            torch.ones((seq_length, seq_length), device=data.device)
-        ).unsqueeze(0)
-    else:
-        attention_mask = None
-
-    loss_mask = torch.ones(seq_length, dtype=torch.float, device=data.device)
+    device = data.device
+    is_eod = data == eod_token
+    loss_mask = torch.ones(seq_length, dtype=torch.float, device=device)
     if eod_mask_loss:
-        loss_mask[data == eod_token] = 0.0
-
-    position_ids = torch.arange(seq_length, dtype=torch.long, device=data.device)
-    if reset_position_ids:
-        position_ids = position_ids.clone()
+        loss_mask[is_eod] = 0.0
+    position_ids = torch.arange(seq_length, dtype=torch.long, device=device)
+    # 1 = may attend: the lower triangle, turned into True = blocked at the end.
+    attention_mask = None
+    if create_attention_mask:
+        attention_mask = torch.ones((seq_length, seq_length), device=device).tril().unsqueeze(0)
 
     if reset_position_ids or reset_attention_mask:
-        eod_index = position_ids[data == eod_token]
-        if reset_position_ids:
-            eod_index = eod_index.clone()
-        prev_index = 0
-        for j in range(eod_index.numel()):
-            i = eod_index[j]
+        doc_start = 0
+        for eod in torch.nonzero(is_eod).flatten().tolist():
+            after = eod + 1
             if reset_attention_mask and attention_mask is not None:
-                attention_mask[0, (i + 1) :, : (i + 1)] = 0
+                attention_mask[0, after:, :after] = 0  # later documents do not see this one
             if reset_position_ids:
-                position_ids[(i + 1) :] -= i + 1 - prev_index
-                prev_index = i + 1
+                position_ids[after:] -= after - doc_start
+                doc_start = after
 
     if attention_mask is not None:
         attention_mask = attention_mask < 0.5
@@ -504,9 +442,10 @@ class MockGPTLowLevelDataset:
 
     def __init__(self, tokenizer: MegatronTokenizer) -> None:
         self.tokenizer = tokenizer
-        rng = numpy.random.default_rng(seed=self.seed)
-        self.sequence_lengths = rng.integers(
-            low=1, high=self.max_sequence_length, size=self.size, dtype=numpy.int32
+        # Seeded, so every rank sees the same synthetic corpus; lengths in [1, max).
+        lengths = numpy.random.default_rng(seed=self.seed)
+        self.sequence_lengths = lengths.integers(
+            1, self.max_sequence_length, size=self.size, dtype=numpy.int32
         )
 
     def __len__(self) -> int:
@@ -551,3 +490,12 @@ class MockGPTDataset(GPTDataset):
         dataset_path: Optional[str], config: GPTDatasetConfig
     ) -> MockGPTLowLevelDataset:
         return MockGPTLowLevelDataset(config.tokenizer)
+
+
+def _pad_id_of(tokenizer) -> int:
+    """The tokenizer's pad id, or -1 when it has none (padding then maps to id 0, no loss)."""
+    try:
+        pad = tokenizer.pad
+    except Exception:  # tokenizers without a pad id raise from the property
+        return _PAD_TOKEN_ID
+    return _PAD_TOKEN_ID if pad is None else pad

@@ -47,20 +47,22 @@ class MegatronDataset(ABC, torch.utils.data.Dataset):
         self.index_split = index_split
         self.config = config
 
-        self.unique_identifiers = OrderedDict()
-        self.unique_identifiers["class"] = type(self).__name__
-        self.unique_identifiers["dataset_path"] = self.dataset_path
-        self.unique_identifiers["num_samples"] = self.num_samples
-        self.unique_identifiers["index_split"] = self.index_split.name
-        for attr in self._key_config_attributes():
-            self.unique_identifiers[attr] = getattr(self.config, attr)
-
-        self.unique_description = json.dumps(
-            self.unique_identifiers, indent=4, default=lambda obj: obj.unique_identifiers
+        # Key order is part of the cache name: these four first, then the config's attributes.
+        identity = OrderedDict(
+            [
+                ("class", type(self).__name__),
+                ("dataset_path", dataset_path),
+                ("num_samples", num_samples),
+                ("index_split", index_split.name),
+            ]
         )
-        self.unique_description_hash = hashlib.md5(
-            self.unique_description.encode("utf-8")
-        ).hexdigest()
+        identity.update((name, getattr(config, name)) for name in self._key_config_attributes())
+        self.unique_identifiers = identity
+        # Nested objects (the tokenizer) serialize as their own identity dicts.
+        self.unique_description = json.dumps(
+            identity, indent=4, default=lambda nested: nested.unique_identifiers
+        )
+        self.unique_description_hash = hashlib.md5(self.unique_description.encode()).hexdigest()
         self.built_anew_on_cache_miss = False
 
     @staticmethod

@@ -297,58 +297,45 @@ def backward_step(
     stage's input for the previous stage (None on the first stage). `pp_group` (None: the global
     pipeline group) decides the encoder-decoder side for the skip-connection gradient.
     """
-    if config.timers is not None:
-        config.timers('backward-compute', log_level=2).start()
+    timers = config.timers
+    if timers is not None:
+        timers('backward-compute', log_level=2).start()
 
-    # Retain the grad on the input_tensor.
-    unwrap_input_tensor_grad = False
-    if not isinstance(input_tensor, list):
-        input_tensor = [input_tensor]
-        unwrap_input_tensor_grad = True
-    for x in input_tensor:
-        if x is not None:
-            x.retain_grad()
+    # A chunk may take / produce one tensor or a list of them (encoder-decoder stages carry two);
+    # work on lists and hand back the caller's form.
+    single_input = not isinstance(input_tensor, list)
+    inputs = [input_tensor] if single_input else input_tensor
+    outputs = output_tensor if isinstance(output_tensor, list) else [output_tensor]
+    grads_in = output_tensor_grad if isinstance(output_tensor_grad, list) else [output_tensor_grad]
+    for tensor in inputs:
+        if tensor is not None:
+            tensor.retain_grad()  # a non-leaf received from the previous stage keeps its .grad
 
-    if not isinstance(output_tensor, list):
-        output_tensor = [output_tensor]
-    if not isinstance(output_tensor_grad, list):
-        output_tensor_grad = [output_tensor_grad]
-
-    # Backward pass.
-    if output_tensor_grad[0] is None and config.grad_scale_func is not None:
-        output_tensor[0] = config.grad_scale_func(output_tensor[0])
-
+    # Only the first output is differentiated; on the last stage it is the loss and gets scaled.
+    seed, seed_grad = outputs[0], grads_in[0]
+    if seed_grad is None and config.grad_scale_func is not None:
+        seed = config.grad_scale_func(seed)
+        outputs[0] = seed
     if config.deallocate_pipeline_outputs:
-        custom_backward(output_tensor[0], output_tensor_grad[0])
+        custom_backward(seed, seed_grad)
     else:
-        torch.autograd.backward(output_tensor[0], grad_tensors=output_tensor_grad[0])
+        torch.autograd.backward(seed, grad_tensors=seed_grad)
 
-    # Collect the grad of the input_tensor.
-    input_tensor_grad = [None]
-    if input_tensor is not None:
-        input_tensor_grad = []
-        for x in input_tensor:
-            if x is None:
-                input_tensor_grad.append(None)
-            else:
-                input_tensor_grad.append(x.grad)
+    input_grads = [None if tensor is None else tensor.grad for tensor in inputs]
 
-    # Handle skip connections between the encoder and decoder (the decoder consumes the encoder's
-    # output too, so its gradient arrives with the decoder's).
-    if (
-        len(output_tensor_grad) > 1
+    # Decoder stages of an encoder-decoder model also pass the encoder's output through; its
+    # gradient arrives as the second output gradient and joins the last input's gradient.
+    carries_encoder_grad = (
+        model_type == ModelType.encoder_and_decoder
+        and len(grads_in) > 1
         and is_stage_after_split(pp_group=pp_group)
-        and model_type == ModelType.encoder_and_decoder
-    ):
-        if output_tensor_grad[1] is not None:
-            input_tensor_grad[-1].add_(output_tensor_grad[1])
-    if unwrap_input_tensor_grad:
-        input_tensor_grad = input_tensor_grad[0]
+    )
+    if carries_encoder_grad and grads_in[1] is not None:
+        input_grads[-1].add_(grads_in[1])
 
-    if config.timers is not None:
-        config.timers('backward-compute').stop()
-
-    return input_tensor_grad
+    if timers is not None:
+        timers('backward-compute').stop()
+    return input_grads[0] if single_input else input_grads
 
 
 def check_first_val_step(first_val_step, forward_only, cond):

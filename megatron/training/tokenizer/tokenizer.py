@@ -10,6 +10,7 @@ does.
 
 import math
 import os
+from itertools import accumulate
 from typing import List, Optional
 
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
@@ -142,33 +143,33 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
                 raise ValueError(
                     f"--vocab-file {vocab_file}: no {needed} token; not a BERT vocabulary"
                 )
-        self.cls_id = self.tokenizer.vocab["[CLS]"]
-        self.sep_id = self.tokenizer.vocab["[SEP]"]
-        self.pad_id = self.tokenizer.vocab["[PAD]"]
-        self.mask_id = self.tokenizer.vocab["[MASK]"]
+        word_ids = self.tokenizer.vocab
+        self.cls_id, self.sep_id, self.pad_id, self.mask_id = (
+            word_ids[name] for name in ("[CLS]", "[SEP]", "[PAD]", "[MASK]")
+        )
         self._additional_special_tokens = []
 
-        self._bos_token = "[BOS]"
-        self.add_token(self._bos_token)
+        # Ids after the WordPiece entries, in this order: [BOS], [EOS], then the T5 sentinels.
+        self._bos_token, self._eos_token = "[BOS]", "[EOS]"
+        for appended in (self._bos_token, self._eos_token):
+            self.add_token(appended)
         self._bos_token_id = self.vocab.get(self._bos_token)
-        self._eos_token = "[EOS]"
-        self.add_token(self._eos_token)
         self._eos_token_id = self.vocab.get(self._eos_token)
-        self.add_additional_special_tokens(
-            ["<extra_id_{}>".format(i) for i in range(vocab_extra_ids)]
-        )
+        self.add_additional_special_tokens([f"<extra_id_{n}>" for n in range(vocab_extra_ids)])
 
     def add_token(self, token: str) -> None:
-        """Append a token to the vocabulary if absent."""
-        if token not in self.vocab:
-            self.inv_vocab[self.vocab_size] = token
-            self.vocab[token] = self.vocab_size
+        """Give `token` the next free id unless the vocabulary already has it."""
+        if token in self.vocab:
+            return
+        new_id = self.vocab_size  # len(vocab) before the insertion
+        self.vocab[token] = new_id
+        self.inv_vocab[new_id] = token
 
     def add_additional_special_tokens(self, tokens_list: List[str]) -> None:
-        """Append sentinel tokens."""
-        setattr(self, "additional_special_tokens", tokens_list)
-        for value in tokens_list:
-            self.add_token(value)
+        """Record `tokens_list` as the sentinels and give each missing one an id."""
+        self.additional_special_tokens = tokens_list
+        for token in tokens_list:
+            self.add_token(token)
 
     @property
     def vocab_size(self):
@@ -192,25 +193,21 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
         return self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(text))
 
     def decode(self, ids: List[int]) -> str:
-        """Ids -> text."""
-        tokens = self.tokenizer.convert_ids_to_tokens(ids)
-        return self.tokenizer.convert_tokens_to_string(tokens)
+        """Ids -> text (WordPiece pieces joined back into words)."""
+        return self.tokenizer.convert_tokens_to_string(self.tokenizer.convert_ids_to_tokens(ids))
 
     def detokenize(self, token_ids: List[int]) -> str:
         return self.decode(token_ids)
 
     def decode_token_ids(self, token_ids: List[int]) -> str:
         """Ids -> text without [PAD]/[CLS], stopping at nothing, `##` glued."""
-        tokens = self.tokenizer.convert_ids_to_tokens(token_ids)
-        exclude_list = ["[PAD]", "[CLS]"]
-        non_pads = [t for t in tokens if t not in exclude_list]
-        result = ""
-        for s in non_pads:
-            if s.startswith("##"):
-                result += s[2:]
-            else:
-                result += " " + s
-        return result
+        pieces = []
+        for token in self.tokenizer.convert_ids_to_tokens(token_ids):
+            if token in ("[PAD]", "[CLS]"):
+                continue
+            # A `##` piece continues the previous word; any other token starts a new one.
+            pieces.append(token[2:] if token.startswith("##") else " " + token)
+        return "".join(pieces)
 
     @property
     def cls(self):
@@ -316,55 +313,39 @@ class _SentencePieceTokenizer(MegatronTokenizer):
         self._initalize(vocab_extra_ids)
 
     def _populate_vocab(self) -> None:
-        self._vocab = {}
-        self._inv_vocab = {}
-        for i in range(len(self.tokenizer)):
-            t = self.tokenizer.id_to_piece(i)
-            self._inv_vocab[i] = t
-            self._vocab[t] = i
+        pieces = [self.tokenizer.id_to_piece(i) for i in range(len(self.tokenizer))]
+        self._inv_vocab = dict(enumerate(pieces))
+        self._vocab = {piece: i for i, piece in enumerate(pieces)}
 
     def _piece_or(self, token_id: int, default: str) -> str:
         if token_id is None or token_id < 0 or token_id >= len(self.tokenizer):
             return default
         return self.tokenizer.id_to_piece(token_id)
 
+    def _register_special(self, token: str) -> int:
+        """Mark `token` special (appending it to the vocabulary if new); returns its id."""
+        token_id = self._vocab.setdefault(token, len(self._vocab))
+        self._inv_vocab[token_id] = token
+        self._special_tokens[token] = token_id
+        self._inv_special_tokens[token_id] = token
+        return token_id
+
     def _initalize(self, vocab_extra_ids: int) -> None:
         self._populate_vocab()
         self._special_tokens = {}
         self._inv_special_tokens = {}
-        self._t5_tokens = []
-
-        def _add_special_token(t):
-            if t not in self._vocab:
-                next_id = len(self._vocab)
-                self._vocab[t] = next_id
-                self._inv_vocab[next_id] = t
-            self._special_tokens[t] = self._vocab[t]
-            self._inv_special_tokens[self._vocab[t]] = t
-
-        _add_special_token("<CLS>")
-        self._cls_id = self._vocab["<CLS>"]
-        _add_special_token("<SEP>")
-        self._sep_id = self._vocab["<SEP>"]
-        _add_special_token("<EOD>")
-        self._eod_id = self._vocab["<EOD>"]
-        _add_special_token("<MASK>")
-        self._mask_id = self._vocab["<MASK>"]
-
-        pad_token = self._piece_or(self.tokenizer.pad_id(), "<PAD>")
-        _add_special_token(pad_token)
-        self._pad_id = self._vocab[pad_token]
-        bos_token = self._piece_or(self.tokenizer.bos_id(), "<BOS>")
-        _add_special_token(bos_token)
-        self._bos_id = self._vocab[bos_token]
-        eos_token = self._piece_or(self.tokenizer.eos_id(), "<EOS>")
-        _add_special_token(eos_token)
-        self._eos_id = self._vocab[eos_token]
-
-        for i in range(vocab_extra_ids):
-            t = "<extra_id_{}>".format(i)
-            _add_special_token(t)
-            self._t5_tokens += [t]
+        # Megatron's fixed order of additions decides the new ids: the four BERT-style markers,
+        # then pad / bos / eos (the model's own pieces where it defines them), then sentinels.
+        self._cls_id = self._register_special("<CLS>")
+        self._sep_id = self._register_special("<SEP>")
+        self._eod_id = self._register_special("<EOD>")
+        self._mask_id = self._register_special("<MASK>")
+        self._pad_id = self._register_special(self._piece_or(self.tokenizer.pad_id(), "<PAD>"))
+        self._bos_id = self._register_special(self._piece_or(self.tokenizer.bos_id(), "<BOS>"))
+        self._eos_id = self._register_special(self._piece_or(self.tokenizer.eos_id(), "<EOS>"))
+        self._t5_tokens = [f"<extra_id_{n}>" for n in range(vocab_extra_ids)]
+        for sentinel in self._t5_tokens:
+            self._register_special(sentinel)
 
     @property
     def vocab_size(self):
@@ -406,15 +387,16 @@ class _SentencePieceTokenizer(MegatronTokenizer):
         return ids
 
     def detokenize(self, ids: List[int]) -> str:
-        text = ""
-        last_i = 0
-        for i, token_id in enumerate(ids):
-            if token_id in self._inv_special_tokens:
-                text += self.tokenizer.decode_ids(ids[last_i:i]) + " "
-                text += self._inv_special_tokens[token_id] + " "
-                last_i = i + 1
-        text += self.tokenizer.decode_ids(ids[last_i:])
-        return text
+        # Runs of ordinary ids decode through SentencePiece; each special id is written as its
+        # text, with a space after it and after the run before it.
+        parts, run_start = [], 0
+        for pos, token_id in enumerate(ids):
+            special = self._inv_special_tokens.get(token_id)
+            if special is not None:
+                parts += [self.tokenizer.decode_ids(ids[run_start:pos]), special]
+                run_start = pos + 1
+        tail = self.tokenizer.decode_ids(ids[run_start:])
+        return "".join(part + " " for part in parts) + tail
 
     @property
     def cls(self):
@@ -509,12 +491,9 @@ class _Llama2Tokenizer(_NoBertSpecialTokens, _SentencePieceTokenizer):
         self.pad_id = self.tokenizer.pad_id()
 
     def tokenize(self, s: str, bos: bool = True, eos: bool = False) -> List[int]:
-        t = self.tokenizer.encode(s)
-        if bos:
-            t = [self.bos_id] + t
-        if eos:
-            t = t + [self.eos_id]
-        return t
+        head = [self.bos_id] if bos else []
+        tail = [self.eos_id] if eos else []
+        return head + self.tokenizer.encode(s) + tail
 
     def detokenize(self, ids: List[int]) -> str:
         return self.tokenizer.decode_ids(ids)
@@ -543,11 +522,9 @@ class _NullTokenizer(_NoBertSpecialTokens, MegatronTokenizer):
         return " ".join(str(int(x)) for x in ids)
 
     def offsets(self, ids: list, text: str) -> list:
-        offsets, start_idx = [], 0
-        for id_ in ids:
-            offsets.append(start_idx)
-            start_idx += 1 + len(str(id_))
-        return offsets
+        """Character offset of each id in its space-joined text."""
+        widths = [len(str(token_id)) + 1 for token_id in ids]  # the number and its space
+        return [0, *accumulate(widths)][: len(ids)]
 
     @property
     def vocab_size(self):

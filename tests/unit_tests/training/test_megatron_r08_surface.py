@@ -1,8 +1,8 @@
 """The surface Megatron core_r0.8.0's pretrain_gpt.py, pretrain_bert.py and pretrain_t5.py use,
 written out literally: the keywords they pass to the dataset configs and model constructors, the
 callee signatures, the `pretrain()` and `forward_step` / `loss_func` contracts, the timers and the
-straggler detector. `tests/functional_tests/test_megatron_r08_scripts.py` runs the scripts
-themselves; this file says exactly which names and keywords they rely on.
+straggler detector. `tests/functional_tests/test_megatron_r08_scripts.py` trains through contract
+scripts written against that surface; this file says exactly which names and keywords it holds.
 """
 
 import dataclasses

@@ -19,7 +19,7 @@ from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers
 from megatron.training.training import pretrain
 from megatron.training.utils import average_losses_across_data_parallel_group, print_rank_0
-from megatron.training.vision_data import check_class_count, image_batch
+from megatron.training.vision_batch import check_class_count, image_batch
 
 
 def model_provider(pre_process=True, post_process=True) -> VitClassificationModel:

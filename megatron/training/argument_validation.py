@@ -11,6 +11,7 @@ it from.
 
 import math
 
+from megatron.training.argument_validation_mamba import validate_mamba_args
 from megatron.training.argument_validation_model import (
     select_transformer_impl,
     validate_mixed_precision,
@@ -91,6 +92,7 @@ def validate_args(args, defaults={}):
     validate_context_parallel_args(args)
     validate_data_and_logging(args)
     validate_moe_args(args)
+    validate_mamba_args(args)
     validate_megatron_r08_extras(args)
     validate_dist_checkpoint_args(args)
     validate_sft_and_fim_args(args)

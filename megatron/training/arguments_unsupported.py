@@ -18,7 +18,6 @@ _VISION = 'vision models (ViT/MiT/Swin, inpainting, DINO) are not included'
 _BIENCODER = 'ICT / biencoder (REALM-style retriever) models are not included'
 _RETRO = 'Retro models are not included'
 _ONE_LOGGER = 'one_logger (an NVIDIA-internal E2E metrics tool) is not available'
-_HYBRID = 'hybrid (Mamba) models are not included'
 
 #: flag -> why it cannot take a non-default value here. Audited list: nothing else is refused
 #: at start-up for being unimplemented, and code that reads one of these (e.g. num_experts for
@@ -41,10 +40,6 @@ UNSUPPORTED_FLAGS = {
     '--fp8-amax-history-len': _FP8,
     '--fp8-amax-compute-algo': _FP8,
     '--no-fp8-wgrad': _FP8,
-    # Hybrid Mamba models (experimental group).
-    '--hybrid-attention-ratio': _HYBRID,
-    '--hybrid-mlp-ratio': _HYBRID,
-    '--hybrid-override-pattern': _HYBRID,
     # Vision.
     '--num-classes': _VISION,
     '--img-h': _VISION,

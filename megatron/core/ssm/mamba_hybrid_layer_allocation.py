@@ -98,6 +98,30 @@ def validate_hybrid_ratios(attention_ratio: float, mlp_ratio: float) -> None:
         )
 
 
+def check_hybrid_allocation(
+    total_layers_count: int,
+    target_attention_ratio: float,
+    target_mlp_ratio: float,
+    override_pattern: Optional[str] = None,
+) -> List[str]:
+    """The errors of `allocate_layers` without its log lines; returns the pattern."""
+    if total_layers_count <= 0:
+        raise ValueError(f"num_layers ({total_layers_count}) must be positive")
+    validate_hybrid_ratios(target_attention_ratio, target_mlp_ratio)
+    layer_type_list = _allocate_auto(total_layers_count, target_attention_ratio, target_mlp_ratio)
+    if override_pattern is None:
+        return layer_type_list
+    override = _allocate_override(total_layers_count, override_pattern)
+    if (target_attention_ratio > 0.0 or target_mlp_ratio > 0.0) and not _layer_counts_match(
+        override, layer_type_list
+    ):
+        raise ValueError(
+            "The number of each type of layer in the override pattern must match the number "
+            "in the overridden pattern."
+        )
+    return override
+
+
 def allocate_layers(
     total_layers_count: int,
     target_attention_ratio: float,

@@ -1,6 +1,6 @@
 """pretrain_mamba.py end to end on a tiny hybrid (pattern M*M-, GPT-2 BPE corpus): the loss
-falls, and tensor-parallel 2 and pipeline-parallel 2 reproduce the serial losses from the same
-reference weights (the mixer's in_proj / conv sliced per segment)."""
+falls, and tensor-parallel 2, pipeline-parallel 2 and data-parallel 2 reproduce the serial
+losses from the same reference weights (the mixer's in_proj / conv sliced per segment)."""
 
 import pytest
 
@@ -40,7 +40,7 @@ def test_hybrid_loss_falls(serial):
     assert serial[-1] < serial[0] - 0.3, serial
 
 
-@pytest.mark.parametrize('layout', [dict(tp=2), dict(pp=2)])
+@pytest.mark.parametrize('layout', [dict(tp=2), dict(pp=2), dict()], ids=['tp2', 'pp2', 'dp2'])
 def test_parallel_layouts_match_serial(layout, serial, gpt_data_prefix, tmp_path_factory):
     losses = _run(gpt_data_prefix, str(tmp_path_factory.mktemp('mamba_cache')), world=2, **layout)
     for step, (a, b) in enumerate(zip(losses, serial)):

@@ -9,11 +9,10 @@ import copy
 import importlib
 from functools import partial
 
-import torch
-
 from megatron.core.enums import ModelType
 from megatron.core.models.mamba import MambaModel
 from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as default_stack_spec
+from megatron.core.models.mamba.mamba_model import seq_idx_from_eod
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.errors import run_main
@@ -63,13 +62,6 @@ def model_provider(pre_process=True, post_process=True) -> MambaModel:
     return model
 
 
-def documents_from_eod(tokens: torch.Tensor, eod: int) -> torch.Tensor:
-    """Document ids [b, s]: a new document starts after each end-of-document token (the
-    boundaries --reset-attention-mask uses)."""
-    ends = (tokens == eod).to(torch.long)
-    return torch.cumsum(ends, dim=1) - ends
-
-
 def forward_step(data_iterator, model: MambaModel):
     """Forward one micro-batch; returns (per-token losses or hidden states, loss function).
 
@@ -81,7 +73,7 @@ def forward_step(data_iterator, model: MambaModel):
     timers('batch-generator').stop()
     seq_idx = None
     if get_args().reset_attention_mask and tokens is not None:
-        seq_idx = documents_from_eod(tokens, get_tokenizer().eod)
+        seq_idx = seq_idx_from_eod(tokens, get_tokenizer().eod)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, seq_idx=seq_idx)
     return output_tensor, partial(loss_func, loss_mask)
 

@@ -28,6 +28,13 @@ def seq_idx_from_packed(packed_seq_params: PackedSeqParams, b: int, s: int) -> T
     return ids.view(b, s)
 
 
+def seq_idx_from_eod(tokens: Tensor, eod: int) -> Tensor:
+    """Document ids [b, s] of token rows [b, s]: a new document starts after each
+    end-of-document token (the boundaries of --reset-attention-mask)."""
+    ends = (tokens == eod).to(torch.long)
+    return torch.cumsum(ends, dim=1) - ends
+
+
 class MambaModel(LanguageModule):
     """Hybrid Mamba-2 / attention / MLP language model (Megatron's `MambaModel`).
 

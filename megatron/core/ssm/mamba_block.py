@@ -143,6 +143,32 @@ class MambaStack(MegatronModule):
         else:
             self.final_norm = None
 
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint with global layer keys: local layer i is stored under
+        `{prefix}layers.{layer_number - 1}.` (hybrid layers differ, so there is no stacked layer
+        axis), which makes the checkpoint independent of the pipeline split."""
+        from megatron.core.dist_checkpointing.utils import (
+            replace_prefix_for_sharding,
+            sharded_state_dict_default,
+        )
+
+        out = {}
+        for index, layer in enumerate(self.layers):
+            local = f'{prefix}layers.{index}.'
+            layer_sd = layer.sharded_state_dict(local, sharded_offsets, metadata)
+            replace_prefix_for_sharding(
+                layer_sd, local, f'{prefix}layers.{layer.layer_number - 1}.'
+            )
+            out.update(layer_sd)
+        for name, module in self.named_children():
+            if module is not self.layers:
+                out.update(
+                    sharded_state_dict_default(
+                        module, f'{prefix}{name}.', sharded_offsets, metadata
+                    )
+                )
+        return out
+
     def set_input_tensor(self, input_tensor: Tensor) -> None:
         """The previous stage's output (pipeline parallelism)."""
         self.input_tensor = input_tensor

@@ -258,6 +258,13 @@ class MambaMixer(MegatronModule):
             tp_group=self.pg_collection.tp,
         )
 
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint with TP-invariant per-segment keys (in_proj.weight.z/.x/.B/
+        .C/.dt, conv1d.weight.x/.B/.C, ...; see mamba_sharded_state_dict.py)."""
+        from megatron.core.ssm.mamba_sharded_state_dict import mixer_sharded_state_dict
+
+        return mixer_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
     def _split_projection(self, zxbcdt: Tensor):
         """[b, s, P_in_l] -> z [b, s, d_inner_l], xBC [b, s, conv_dim_l], dt [b, s, nh_l]."""
         return torch.split(zxbcdt, [self.d_inner_l, self.conv_dim_l, self.nheads_l], dim=-1)

@@ -146,6 +146,14 @@ class MambaModel(LanguageModule):
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
 
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint (see LanguageModule); the output layer's empty extra state is
+        not stored."""
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        extra = sharded_state_dict.pop(f'{prefix}output_layer._extra_state', None)
+        assert extra is None or extra.data is None, 'output layer extra state is not empty'
+        return sharded_state_dict
+
     def set_input_tensor(self, input_tensor) -> None:
         """The previous pipeline stage's output [s, b, H] (a tensor or a one-element list)."""
         if not isinstance(input_tensor, list):

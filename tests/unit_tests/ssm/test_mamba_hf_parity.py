@@ -148,3 +148,50 @@ def test_mamba_model_matches_transformers(kind):
     torch.testing.assert_close(out['loss'], out['hf_loss'], atol=ATOL, rtol=1e-4)
     for name, g in out['hf_grads'].items():
         torch.testing.assert_close(out['grads'][name], g, atol=ATOL, rtol=1e-3, msg=name)
+
+
+def _greedy(kind):
+    from megatron.core.inference_params import InferenceParams
+    from megatron.core.models.mamba import MambaModel
+    from megatron.core.models.mamba import hf_weight_mapping as hfm
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(0)
+    hf, cfg = _hf_model(kind)
+    _randomize(hf, 2)
+    hf.eval()
+    kw = hfm.mamba_config_kwargs(cfg)
+    config = TransformerConfig(**kw['config'], use_cpu_initialization=True)
+    model = MambaModel(config=config, mamba_stack_spec=mamba_stack_spec, **kw['model'])
+    model.eval()
+    pattern = kw['model']['hybrid_override_pattern']
+    tied = kw['model']['share_embeddings_and_output_weights']
+    model.load_state_dict(
+        hfm.hf_to_mcore_state_dict(dict(hf.state_dict()), config, pattern, tied=tied), strict=False
+    )
+    prompt = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    new = 8
+    # No end-of-sequence token: generate must neither stop at it nor suppress it.
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        hf_out = hf.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
+            pad_token_id=0,
+        )  # fmt: skip
+        params = InferenceParams(max_batch_size=2, max_sequence_length=prompt.shape[1] + new)
+        tokens, step_input = prompt, prompt
+        for _ in range(new):
+            logits = model(step_input, None, None, inference_params=params)
+            params.sequence_len_offset += step_input.shape[1]
+            step_input = logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, step_input], dim=1)
+    return hf_out, tokens
+
+
+@pytest.mark.parametrize('kind', ['mamba2', 'nemotron_h'])
+def test_greedy_decode_matches_hf_generate(kind):
+    """Prefill then one-token steps through the conv / SSM (and KV) caches give Hugging Face
+    generate's greedy tokens."""
+    ((hf_out, ours),) = run_distributed(_greedy, world_size=1, args=(kind,))
+    assert torch.equal(ours, hf_out), (ours, hf_out)

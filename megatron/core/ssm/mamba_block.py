@@ -133,6 +133,7 @@ class MambaStack(MegatronModule):
             layers.append(layer)
         self.layers = torch.nn.ModuleList(layers)
         self.stage_layer_types = stage_types
+        self.num_layers_per_pipeline_rank = len(self.layers)
 
         if self.post_process and self.post_layer_norm:
             from megatron.core.transformer.torch_norm import WrappedTorchNorm

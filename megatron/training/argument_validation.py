@@ -12,6 +12,7 @@ it from.
 import math
 
 from megatron.training.argument_validation_mla import validate_mla_args
+from megatron.training.argument_validation_mamba import validate_mamba_args
 from megatron.training.argument_validation_model import (
     select_transformer_impl,
     validate_mixed_precision,
@@ -98,6 +99,7 @@ def validate_args(args, defaults={}):
     validate_data_and_logging(args)
     validate_moe_args(args)
     validate_mla_args(args)
+    validate_mamba_args(args)
     validate_megatron_r08_extras(args)
     validate_dist_checkpoint_args(args)
     validate_sft_and_fim_args(args)

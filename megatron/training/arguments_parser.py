@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from megatron.training.arguments_mla import _add_mla_args
+from megatron.training.arguments_mamba import add_mamba_args
 from megatron.training.arguments_model import (
     _add_experimental_args,
     _add_inference_args,
@@ -80,6 +81,7 @@ def get_args_parser(extra_args_provider=None):
     parser = _add_transformer_engine_args(parser)
     parser = add_retro_args(parser)
     parser = _add_experimental_args(parser)
+    parser = add_mamba_args(parser)
     parser = add_one_logger_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)

@@ -19,7 +19,6 @@ _VISION_FINETUNE = 'Megatron reads it only in tasks/vision finetuning, which is 
 _BIENCODER = 'ICT / biencoder (REALM-style retriever) models are not included'
 _RETRO = 'Retro models are not included'
 _ONE_LOGGER = 'one_logger (an NVIDIA-internal E2E metrics tool) is not available'
-_HYBRID = 'hybrid (Mamba) models are not included'
 
 #: flag -> why it cannot take a non-default value here. Audited list: nothing else is refused
 #: at start-up for being unimplemented, and code that reads one of these (e.g. num_experts for
@@ -42,10 +41,6 @@ UNSUPPORTED_FLAGS = {
     '--fp8-amax-history-len': _FP8,
     '--fp8-amax-compute-algo': _FP8,
     '--no-fp8-wgrad': _FP8,
-    # Hybrid Mamba models (experimental group).
-    '--hybrid-attention-ratio': _HYBRID,
-    '--hybrid-mlp-ratio': _HYBRID,
-    '--hybrid-override-pattern': _HYBRID,
     # Vision: the Swin / MiT backbones and the finetuning head multiplier (Megatron reads it in
     # tasks/vision only).
     '--head-lr-mult': _VISION_FINETUNE,

@@ -84,6 +84,18 @@ ELSEWHERE = {
             'moe-cp-sinkhorn',
         )
     },
+    **{
+        case: 'tests/unit_tests/training/test_mamba_args.py'
+        for case in (
+            'mamba-outside',
+            'mamba-legacy',
+            'mamba-pattern',
+            'mamba-ratios',
+            'mamba-tp',
+            'mamba-pp',
+            'mamba-cp',
+        )
+    },
     'refusal-under-torchrun': 'tests/functional_tests/test_faults_torchrun.py',
     'mixed-layout': 'tests/functional_tests/test_convert_overwrite.py',
     'convert-t5-split-rank': 'tests/functional_tests/test_convert_t5.py',

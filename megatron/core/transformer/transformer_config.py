@@ -315,6 +315,20 @@ class TransformerConfig(ModelParallelConfig):
     config_logger_dir: str = ""
     """Directory to dump module configs to (unused)."""
 
+    # Mamba-2 mixers of hybrid models (later Megatron's fields; core_r0.8.0 fixes them).
+    mamba_state_dim: int = 128
+    """State size N of each Mamba head."""
+
+    mamba_head_dim: int = 64
+    """Head dimension P of the Mamba mixer."""
+
+    mamba_num_groups: int = 8
+    """Groups G of the mixer's B / C projections (heads share them in contiguous runs)."""
+
+    mamba_num_heads: Optional[int] = None
+    """Mamba heads; None: 2 * hidden_size / mamba_head_dim (the mixer's inner size is
+    heads * head dim)."""
+
     def __post_init__(self):
         """Fill derived defaults and check cross-field rules (ValueError naming fields and
         values), in this order: the first failing rule is the one reported."""

@@ -52,6 +52,12 @@ OUR_EXTRA_FLAGS = {
     '--inference-dynamic-batching-max-requests',
     '--inference-dynamic-batching-max-tokens',
     '--enable-chunked-prefill',
+    # Hybrid Mamba mixer sizes (core_v0.12; megatron/training/arguments_mamba.py).
+    '--mamba-state-dim',
+    '--mamba-head-dim',
+    '--mamba-num-groups',
+    '--mamba-num-heads',
+    '--is-hybrid-model',
     # Supervised fine-tuning and fill-in-the-middle (core_v0.13 / core_v0.16).
     '--sft',
     '--sft-tokenizer-prompt-format',

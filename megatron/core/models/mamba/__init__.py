@@ -1,0 +1,1 @@
+from .mamba_model import MambaModel

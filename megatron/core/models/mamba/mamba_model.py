@@ -1,0 +1,229 @@
+"""MambaModel: embedding (first stage) -> MambaStack (hybrid Mamba / attention / MLP layers) ->
+output layer and loss (last stage).
+
+Notation: b batch, s sequence, H hidden size, v padded vocabulary, p tensor-parallel size.
+"""
+
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core import tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def seq_idx_from_packed(packed_seq_params: PackedSeqParams, b: int, s: int) -> Tensor:
+    """Document ids [b, s] of a packed batch-major stream (segment k of the stream -> id k)."""
+    offsets = packed_seq_params.segment_offsets().to(torch.long)
+    positions = torch.arange(b * s, device=offsets.device)
+    ids = torch.bucketize(positions, offsets[1:], right=True)  # [b * s]
+    return ids.view(b, s)
+
+
+def seq_idx_from_eod(tokens: Tensor, eod: int) -> Tensor:
+    """Document ids [b, s] of token rows [b, s]: a new document starts after each
+    end-of-document token (the boundaries of --reset-attention-mask)."""
+    ends = (tokens == eod).to(torch.long)
+    return torch.cumsum(ends, dim=1) - ends
+
+
+class MambaModel(LanguageModule):
+    """Hybrid Mamba-2 / attention / MLP language model (Megatron's `MambaModel`).
+
+    The output layer is a ColumnParallelLinear [H -> v] split along v (each rank computes v/p
+    logits; backward all-reduces the input gradient over tp) unless `parallel_output=False`
+    gathers them; with `share_embeddings_and_output_weights` it reads the word-embedding table.
+
+    Args:
+        config (TransformerConfig): the model config (mamba_* fields size the mixers).
+        mamba_stack_spec (ModuleSpec): the MambaStack spec (mamba_layer_specs.mamba_stack_spec).
+        vocab_size: padded vocabulary size.
+        max_sequence_length: positions of learned absolute embeddings.
+        pre_process / post_process: first / last pipeline stage.
+        hybrid_attention_ratio, hybrid_mlp_ratio, hybrid_override_pattern: the layer allocation
+            (mamba_hybrid_layer_allocation.allocate_layers).
+        fp16_lm_cross_entropy: cross entropy on 16-bit logits.
+        parallel_output: keep the logits split across tp.
+        share_embeddings_and_output_weights: tie the output layer to the embedding.
+        position_embedding_type: 'learned_absolute', 'rope' or 'none' (Mamba layers use none).
+        rotary_percent, rotary_base, seq_len_interpolation_factor: RoPE of attention layers.
+        pg_collection (ProcessGroupCollection, optional): the groups of this model.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        mamba_stack_spec: ModuleSpec,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool = True,
+        hybrid_attention_ratio: float = 0.0,
+        hybrid_mlp_ratio: float = 0.0,
+        hybrid_override_pattern: Optional[str] = None,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: Literal['learned_absolute', 'rope', 'none'] = 'none',
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        seq_len_interpolation_factor: Optional[float] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        if vocab_size % config.tensor_model_parallel_size != 0:
+            raise ValueError(
+                f"vocab_size ({vocab_size}) must be a multiple of tensor_model_parallel_size "
+                f"({config.tensor_model_parallel_size}); pad the vocabulary first."
+            )
+        if position_embedding_type not in ('learned_absolute', 'rope', 'none'):
+            raise ValueError(
+                "position_embedding_type must be 'learned_absolute', 'rope' or 'none', got "
+                f"{position_embedding_type!r}"
+            )
+        self.mamba_stack_spec = mamba_stack_spec
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.hybrid_attention_ratio = hybrid_attention_ratio
+        self.hybrid_mlp_ratio = hybrid_mlp_ratio
+        self.hybrid_override_pattern = hybrid_override_pattern
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+        self.model_type = ModelType.encoder_or_decoder
+
+        if self.pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=self.config,
+                vocab_size=self.vocab_size,
+                max_sequence_length=self.max_sequence_length,
+                position_embedding_type=position_embedding_type,
+                pg_collection=self.pg_collection,
+            )
+        if self.position_embedding_type == 'rope':
+            self.rotary_pos_emb = RotaryEmbedding(
+                kv_channels=self.config.kv_channels,
+                rotary_percent=rotary_percent,
+                rotary_interleaved=self.config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+                cp_group=self.pg_collection.cp,
+            )
+        self.decoder = build_module(
+            mamba_stack_spec,
+            self.config,
+            pre_process=self.pre_process,
+            hybrid_attention_ratio=self.hybrid_attention_ratio,
+            hybrid_mlp_ratio=self.hybrid_mlp_ratio,
+            hybrid_override_pattern=self.hybrid_override_pattern,
+            post_process=self.post_process,
+            pg_collection=self.pg_collection,
+        )
+        if self.post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size,
+                self.vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                skip_bias_add=False,
+                gather_output=not self.parallel_output,
+                skip_weight_param_allocation=self.pre_process
+                and self.share_embeddings_and_output_weights,
+                tp_group=self.pg_collection.tp,
+            )
+        if self.pre_process or self.post_process:
+            self.setup_embeddings_and_output_layer()
+
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint (see LanguageModule); the output layer's empty extra state is
+        not stored."""
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        extra = sharded_state_dict.pop(f'{prefix}output_layer._extra_state', None)
+        assert extra is None or extra.data is None, 'output layer extra state is not empty'
+        return sharded_state_dict
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """The previous pipeline stage's output [s, b, H] (a tensor or a one-element list)."""
+        if not isinstance(input_tensor, list):
+            input_tensor = [input_tensor]
+        assert len(input_tensor) == 1, 'input_tensor should only be length 1 for mamba'
+        self.decoder.set_input_tensor(input_tensor[0])
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        attention_mask: Optional[Tensor],
+        decoder_input: Tensor = None,
+        labels: Tensor = None,
+        inference_params=None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+        seq_idx: Optional[Tensor] = None,
+    ) -> Tensor:
+        """Run this stage.
+
+        Args:
+            input_ids: [b, s] token ids (first stage).
+            position_ids: [b, s] positions (learned_absolute).
+            attention_mask: bool [b, 1, s, s] for the attention layers (True = masked), or None.
+            decoder_input: [s, b, H] precomputed embedding output.
+            labels: [b, s] targets; when given the per-token loss is returned.
+            inference_params (InferenceParams): KV and conv / SSM state caches.
+            packed_seq_params: packed documents over the batch-major stream; Mamba layers get
+                their document ids (attention layers need the matching mask).
+            seq_idx: [b, s] document ids for the Mamba layers (instead of packed_seq_params).
+
+        Returns:
+            Last stage: the loss [b, s] with labels, else logits [b, s, v/p]. Other stages:
+            hidden states [s, b, H].
+        """
+        if decoder_input is not None:
+            pass
+        elif self.pre_process:
+            if position_ids is None and inference_params is not None:
+                offset = inference_params.sequence_len_offset
+                position_ids = torch.arange(
+                    offset, offset + input_ids.size(1), device=input_ids.device
+                ).unsqueeze(0)
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        else:
+            decoder_input = None
+
+        if seq_idx is None and packed_seq_params is not None and input_ids is not None:
+            seq_idx = seq_idx_from_packed(packed_seq_params, *input_ids.shape)
+
+        rotary_pos_emb = None
+        if self.position_embedding_type == 'rope':
+            rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
+                inference_params, self.decoder, decoder_input, self.config
+            )
+            rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len)
+
+        hidden_states = self.decoder(
+            hidden_states=decoder_input,
+            attention_mask=attention_mask,
+            inference_params=inference_params,
+            rotary_pos_emb=rotary_pos_emb,
+            seq_idx=seq_idx,
+        )
+        if not self.post_process:
+            return hidden_states
+        if (
+            inference_params is not None
+            and labels is None
+            and getattr(inference_params, 'materialize_only_last_token_logits', False)
+        ):
+            hidden_states = hidden_states[-1:]  # [s, b, H] -> [1, b, H]
+        return self.logits_or_loss(self.output_logits(hidden_states), labels)

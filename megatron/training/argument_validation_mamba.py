@@ -1,0 +1,94 @@
+"""Argument rules of hybrid Mamba models, checked before any work starts (one line each).
+
+A run is a Mamba run when pretrain_mamba.py sets `is_hybrid_model` or when `--spec` names
+Megatron's Mamba spec module (as core_r0.8.0's own pretrain_mamba.py requires). Megatron
+core_r0.8.0 checks almost nothing here: sizes fail in bare asserts at model construction,
+context parallelism and an uneven pipeline split silently compute something else, and Mamba
+state crosses document boundaries. Here every combination that would not be exact is refused.
+"""
+
+from types import SimpleNamespace
+
+MAMBA_SPEC_MODULE = 'megatron.core.models.mamba.mamba_layer_specs'
+
+_MAMBA_DEFAULTS = {
+    'mamba_state_dim': 128,
+    'mamba_head_dim': 64,
+    'mamba_num_groups': 8,
+    'mamba_num_heads': None,
+    'hybrid_attention_ratio': 0.0,
+    'hybrid_mlp_ratio': 0.0,
+    'hybrid_override_pattern': None,
+}
+
+
+def is_mamba_run(args) -> bool:
+    """Whether this run builds a MambaModel."""
+    spec = getattr(args, 'spec', None)
+    return bool(getattr(args, 'is_hybrid_model', None)) or bool(
+        spec and spec[0] == MAMBA_SPEC_MODULE
+    )
+
+
+def _flag(dest):
+    return '--' + dest.replace('_', '-')
+
+
+def validate_mamba_args(args):
+    """Refuse Mamba flags outside a Mamba run and inexact Mamba combinations."""
+    if not is_mamba_run(args):
+        for dest, default in _MAMBA_DEFAULTS.items():
+            value = getattr(args, dest, default)
+            if value != default:
+                raise ValueError(
+                    f"{_flag(dest)} (got {value!r}) needs a hybrid Mamba model: run "
+                    f"pretrain_mamba.py (or --spec {MAMBA_SPEC_MODULE} mamba_stack_spec)"
+                )
+        return
+    from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols, check_hybrid_allocation
+    from megatron.core.ssm.mamba_mixer import check_mamba_dims
+
+    if args.use_legacy_models:
+        raise ValueError("Mamba only supported in Mcore! (drop --use-legacy-models)")
+    pattern = check_hybrid_allocation(
+        args.num_layers,
+        args.hybrid_attention_ratio,
+        args.hybrid_mlp_ratio,
+        args.hybrid_override_pattern,
+    )
+    sizes = SimpleNamespace(
+        mamba_state_dim=args.mamba_state_dim,
+        mamba_head_dim=args.mamba_head_dim,
+        mamba_num_groups=args.mamba_num_groups,
+        mamba_num_heads=args.mamba_num_heads,
+    )
+    check_mamba_dims(sizes, args.hidden_size, args.tensor_model_parallel_size)
+    pp = args.pipeline_model_parallel_size
+    if args.num_layers % pp != 0:
+        raise ValueError(
+            f"--num-layers ({args.num_layers}) of a hybrid Mamba model must be divisible by "
+            f"--pipeline-model-parallel-size ({pp}) (uneven stages are not supported)"
+        )
+    if getattr(args, 'virtual_pipeline_model_parallel_size', None) is not None:
+        raise ValueError(
+            "The Mamba hybrid model does not currently support virtual/interleaved pipeline "
+            "parallelism (drop --num-layers-per-virtual-pipeline-stage)"
+        )
+    if args.context_parallel_size > 1 and Symbols.MAMBA in pattern:
+        raise ValueError(
+            f"--context-parallel-size ({args.context_parallel_size}) > 1 is not supported for "
+            "Mamba layers (their scan would run on non-contiguous sequence chunks)"
+        )
+    if getattr(args, 'sft', False):
+        raise ValueError("--sft (packed conversations) is not supported for hybrid Mamba models")
+    if args.reset_attention_mask:
+        if pp > 2:
+            raise ValueError(
+                f"--reset-attention-mask with --pipeline-model-parallel-size ({pp}) > 2 is not "
+                "supported for Mamba models (middle stages do not see the document boundaries)"
+            )
+        if Symbols.ATTENTION in pattern and not args.create_attention_mask_in_dataloader:
+            raise ValueError(
+                "--reset-attention-mask with attention layers needs the dataloader's attention "
+                "mask (drop --no-create-attention-mask-in-dataloader)"
+            )

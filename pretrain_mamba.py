@@ -1,0 +1,89 @@
+"""Pretrain a hybrid Mamba / attention / MLP model (Megatron's pretrain_mamba.py).
+
+Thin entry script: the model provider and the forward step; batches, the loss and the datasets
+are GPT's (pretrain_gpt.py). Run with torchrun, e.g. `bash examples/mamba/quickstart_mamba.sh`;
+design note: docs/mamba.md.
+"""
+
+import copy
+import importlib
+from functools import partial
+
+from megatron.core.enums import ModelType
+from megatron.core.models.mamba import MambaModel
+from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as default_stack_spec
+from megatron.core.models.mamba.mamba_model import seq_idx_from_eod
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.errors import run_main
+from megatron.training.global_vars import get_args, get_timers, get_tokenizer
+from megatron.training.training import pretrain
+from megatron.training.utils import print_rank_0
+from pretrain_gpt import get_batch, loss_func, train_valid_test_datasets_provider
+
+
+def model_provider(pre_process=True, post_process=True) -> MambaModel:
+    """Build the MambaModel of this pipeline stage (`--spec` names the stack spec; default
+    megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec)."""
+    args = get_args()
+    print_rank_0('building Mamba model ...')
+    config = core_transformer_config_from_args(args)
+    if args.spec is not None:
+        module_name, attribute = args.spec
+        stack_spec = getattr(importlib.import_module(module_name), attribute)
+    else:
+        stack_spec = default_stack_spec
+    if args.reset_attention_mask:
+        # Attention layers must apply the per-document mask, not only causality.
+        stack_spec = copy.deepcopy(stack_spec)
+        attention = stack_spec.submodules.attention_layer.submodules.self_attention
+        attention.params = {**attention.params, 'attn_mask_type': AttnMaskType.arbitrary}
+    model = MambaModel(
+        config=config,
+        mamba_stack_spec=stack_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        hybrid_attention_ratio=args.hybrid_attention_ratio,
+        hybrid_mlp_ratio=args.hybrid_mlp_ratio,
+        hybrid_override_pattern=args.hybrid_override_pattern,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
+    for name, param in model.named_parameters():
+        print_rank_0(f' - {name}: {param.numel()}')
+    for index, layer in enumerate(model.decoder.layers):
+        print_rank_0(f' == params layer {index}: {sum(p.numel() for p in layer.parameters())}')
+    return model
+
+
+def forward_step(data_iterator, model: MambaModel):
+    """Forward one micro-batch; returns (per-token losses or hidden states, loss function).
+
+    With --reset-attention-mask the Mamba layers get the document ids, so their conv and scan
+    restart at every document (attention layers get the per-document mask)."""
+    timers = get_timers()
+    timers('batch-generator', log_level=2).start()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    timers('batch-generator').stop()
+    seq_idx = None
+    if get_args().reset_attention_mask and tokens is not None:
+        seq_idx = seq_idx_from_eod(tokens, get_tokenizer().eod)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, seq_idx=seq_idx)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+if __name__ == '__main__':
+    run_main(
+        pretrain,
+        train_valid_test_datasets_provider,
+        model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        args_defaults={'tokenizer_type': 'GPT2BPETokenizer', 'is_hybrid_model': True},
+    )

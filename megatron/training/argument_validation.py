@@ -11,8 +11,8 @@ it from.
 
 import math
 
-from megatron.training.argument_validation_mla import validate_mla_args
 from megatron.training.argument_validation_mamba import validate_mamba_args
+from megatron.training.argument_validation_mla import validate_mla_args
 from megatron.training.argument_validation_model import (
     select_transformer_impl,
     validate_mixed_precision,

@@ -7,8 +7,8 @@ defaults from here (without importing `arguments.py`, which imports it).
 import argparse
 import sys
 
-from megatron.training.arguments_mla import _add_mla_args
 from megatron.training.arguments_mamba import add_mamba_args
+from megatron.training.arguments_mla import _add_mla_args
 from megatron.training.arguments_model import (
     _add_experimental_args,
     _add_inference_args,

@@ -25,11 +25,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import StragglerDetector
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.arguments_mla import mla_config_from_args, mla_layer_spec
 from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
 from megatron.training.datasets.sft_dataset import SFTDataset, SFTDatasetConfig
 from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
+from megatron.training.mla_config import mla_config_from_args, mla_layer_spec
 from megatron.training.sft_batch import get_sft_batch
 from megatron.training.training import pretrain
 from megatron.training.utils import (

@@ -1,5 +1,5 @@
 """Flags of multi-latent attention, YaRN and DeepSeek-V3 routing (later Megatron's names and
-command-line defaults), and the MLA model config / layer spec built from them.
+command-line defaults); mla_config.py builds the model config and layer spec from them.
 
 Command-line defaults differ from `MLATransformerConfig`'s, as in Megatron: `--kv-lora-rank` 32,
 `--q-lora-rank` None (one full-rank query projection), `--rotary-scaling-factor` 1.0,
@@ -7,8 +7,6 @@ Command-line defaults differ from `MLATransformerConfig`'s, as in Megatron: `--k
 rotary half of each logit gets YaRN's temperature boost; DeepSeek-V3 checkpoints need `--mscale
 1.0 --mscale-all-dim 1.0` (imports from Hugging Face set them from config.json).
 """
-
-import copy
 
 
 def _add_mla_args(parser):
@@ -149,24 +147,3 @@ ARCHITECTURE_CHECKPOINT_ARGS = (
     'mtp_num_layers',
     'mtp_loss_scaling_factor',
 )
-
-
-def mla_config_from_args(args):
-    """The MLATransformerConfig of `args` (the YaRN flags renamed to the config's fields)."""
-    from megatron.core.transformer.mla_transformer_config import MLATransformerConfig
-    from megatron.training.arguments import core_transformer_config_from_args
-
-    named = copy.copy(args)
-    named.rope_type = args.rope_type or 'yarn'
-    named.original_max_position_embeddings = args.yarn_original_max_position_embeddings
-    named.beta_fast = args.yarn_beta_fast
-    named.beta_slow = args.yarn_beta_slow
-    named.kv_channels = None  # MLA derives it (v_head_dim)
-    return core_transformer_config_from_args(named, MLATransformerConfig)
-
-
-def mla_layer_spec(config):
-    """The block spec of this stage's MLA layers (dense or MoE per --moe-layer-freq)."""
-    from megatron.core.models.gpt.gpt_layer_specs_mla import get_gpt_mla_decoder_block_spec
-
-    return get_gpt_mla_decoder_block_spec(config)

@@ -296,7 +296,7 @@ class Attention(MegatronModule, ABC):
             key = apply_rotary_pos_emb(key, k_pos_emb[: key.size(0)], config=self.config)
 
         if getattr(self.config, 'qk_clip', False) and self.training:
-            from megatron.core.optimizer.qk_clip import is_causal, record_max_logits
+            from megatron.core.transformer.attention_logits import is_causal, record_max_logits
 
             scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head)
             record_max_logits(self, query, key, scale, is_causal(self))

@@ -352,7 +352,7 @@ class MLASelfAttention(MegatronModule):
         # all-gathers it.
         key, value = self._expand(latent, k_pos)
         if self.config.qk_clip and self.training:
-            from megatron.core.optimizer.qk_clip import is_causal, record_max_logits
+            from megatron.core.transformer.attention_logits import is_causal, record_max_logits
 
             scale = self.core_attention.softmax_scale
             record_max_logits(self, query, key, scale, is_causal(self))

@@ -60,7 +60,7 @@ def test_mla_and_mtp_refusals(extra, message):
 
 def test_valid_mla_mtp_flags_pass_and_build_the_config():
     from megatron.training.argument_validation_mla import validate_mla_args
-    from megatron.training.arguments_mla import mla_config_from_args
+    from megatron.training.mla_config import mla_config_from_args
 
     args = _args(
         [

@@ -32,7 +32,6 @@ import io
 import logging
 import math
 import os
-import pickle
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -77,57 +76,11 @@ from megatron.core.dist_checkpointing.strategies.base import (
     SavePreflight,
 )
 from megatron.core.dist_checkpointing.strategies.direct_reader import DirectFileSystemReader
+from megatron.core.dist_checkpointing.strategies.metadata_unpickler import load_metadata
 from megatron.core.dist_checkpointing.validation import sharding_problems
 from megatron.core.utils import get_current_device
 
 logger = logging.getLogger(__name__)
-
-#: Classes a DCP `.metadata` pickle may build (everything else is refused).
-_SAFE_METADATA_GLOBALS = {
-    ('torch.distributed.checkpoint.metadata', name)
-    for name in (
-        'Metadata',
-        'TensorStorageMetadata',
-        'BytesStorageMetadata',
-        'ChunkStorageMetadata',
-        'TensorProperties',
-        'MetadataIndex',
-        'StorageMeta',
-        '_MEM_FORMAT_ENCODING',
-    )
-} | {
-    ('torch.distributed.checkpoint.filesystem', '_StorageInfo'),
-    ('torch.distributed.checkpoint.filesystem', '_StoragePrefix'),
-    ('torch.distributed.checkpoint._extension', 'ExtensionRegistry'),
-    ('torch', 'Size'),
-    ('torch', 'device'),
-    ('torch', 'layout'),
-    ('torch', 'strided'),
-    ('torch', 'memory_format'),
-    ('torch.serialization', '_get_layout'),
-    ('pathlib', 'PosixPath'),
-    ('pathlib', 'WindowsPath'),
-    ('pathlib', 'PurePosixPath'),
-    ('collections', 'OrderedDict'),
-    ('builtins', 'set'),
-    ('builtins', 'frozenset'),
-    ('builtins', 'slice'),
-    ('builtins', 'getattr'),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata; refuses any class that is not plain DCP metadata."""
-
-    def find_class(self, module, name):
-        if (module, name) in _SAFE_METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f'refusing to load {module}.{name} from checkpoint metadata (only DCP metadata '
-            f'classes may appear there)'
-        )
 
 
 class SafeFileSystemReader(DirectFileSystemReader):
@@ -142,9 +95,10 @@ class SafeFileSystemReader(DirectFileSystemReader):
             )
         try:
             with open(path, 'rb') as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
-            raise CheckpointingException(f'{path} cannot be read: {exc}') from exc
+                metadata = load_metadata(f)
+        except Exception as exc:  # anything a corrupt or planted pickle raises
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CheckpointingException(f'{path} cannot be read: {reason}') from exc
         if not isinstance(metadata, Metadata):
             raise CheckpointingException(f'{path} does not hold DCP metadata')
         return metadata

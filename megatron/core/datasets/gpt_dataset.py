@@ -206,6 +206,17 @@ class GPTDataset(MegatronDataset):
         self, idx: int
     ) -> Tuple[numpy.ndarray, numpy.ndarray]:
         """Token ids (int64, sequence_length + extra) and document ids of sample `idx`."""
+        tokens, document_ids = self._query_unpadded(idx)
+        target = self.config.sequence_length + int(self.config.add_extra_token_to_sequence)
+        if len(tokens) < target:
+            pad = numpy.full(target - len(tokens), self._pad_token_id, dtype=numpy.int64)
+            tokens = numpy.concatenate((tokens, pad))
+        return tokens, document_ids
+
+    def _query_unpadded(self, idx: int) -> Tuple[numpy.ndarray, numpy.ndarray]:
+        """The real tokens of sample `idx` (fewer than a sample only at the end of the data; a
+        pad id equal to a real token id, e.g. pad = end of document, stays unambiguous) and its
+        document ids."""
         idx = self.shuffle_index[idx]
         doc_index_beg, doc_index_beg_offset = self.sample_index[idx]
         doc_index_end, doc_index_end_offset = self.sample_index[idx + 1]
@@ -231,10 +242,6 @@ class GPTDataset(MegatronDataset):
                     self.dataset.get(self.document_index[i], offset=offset, length=length)
                 )
 
-        length = sum(map(len, sample_parts))
-        target = self.config.sequence_length + extra
-        if length < target:
-            sample_parts.append([self._pad_token_id] * (target - length))
         return (
             numpy.concatenate(sample_parts, dtype=numpy.int64),
             numpy.array(document_ids, dtype=numpy.int64),

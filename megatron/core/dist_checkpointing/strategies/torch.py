@@ -648,12 +648,45 @@ def build_read_requests(sharded_state_dict: ShardedStateDict, metadata: Metadata
     return requests, targets, objects
 
 
+def _rank_of(name: str) -> str:
+    return name[2:].split('_')[0] if name.startswith('__') else '?'
+
+
+def check_storage_files(checkpoint_dir: str, metadata: Metadata) -> None:
+    """Raise CheckpointingException unless every `.distcp` file the metadata names exists and
+    is long enough for its records.
+
+    Every rank checks every file (a stat each), so a missing or truncated file stops all ranks
+    with the same line before any of them reads, instead of the one reading rank failing while
+    the others wait in the next collective.
+    """
+    needed: Dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name in sorted(needed):
+        path = os.path.join(checkpoint_dir, name)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise CheckpointingException(
+                f'{checkpoint_dir} is incomplete: {name} is missing (the files of global rank '
+                f'{_rank_of(name)} of the save)'
+            ) from None
+        if size < needed[name]:
+            raise CheckpointingException(
+                f'{path} is truncated: {size} bytes, its records end at byte {needed[name]} '
+                '(the save did not finish, or the file was damaged)'
+            )
+
+
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """Reads what every rank requests with DCP's FileSystemReader (no collectives)."""
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> ShardedStateDict:
         reader = SafeFileSystemReader(checkpoint_dir)
         metadata = read_metadata(checkpoint_dir)
+        check_storage_files(checkpoint_dir, metadata)
         requests, targets, objects = build_read_requests(sharded_state_dict, metadata)
         reader.set_up_storage_reader(metadata, False)
         planner = MCoreLoadPlanner(requests, targets, objects)
@@ -664,7 +697,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             name = os.path.basename(exc.filename or str(exc))
             raise CheckpointingException(
                 f'{checkpoint_dir} is incomplete: {name} is missing (the files of global rank '
-                f'{name[2:].split("_")[0] if name.startswith("__") else "?"} of the save)'
+                f'{_rank_of(name)} of the save)'
             ) from exc
         for sh in nested_values(sharded_state_dict):
             if isinstance(sh, ShardedObject):

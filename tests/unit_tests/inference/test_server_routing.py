@@ -49,3 +49,33 @@ def test_lone_surrogate_is_an_untokenizable_prompt(tmp_path):
     tokenizer = _HuggingFaceTokenizer(build_chat_tokenizer(tmp_path / 'tok', CHATML))
     with pytest.raises(UntokenizablePrompt, match=r'^prompts\[1\] cannot be tokenized by '):
         tokenize_batch(tokenizer, ['fine', 'a\ud800b'], 0, False)
+
+
+@pytest.mark.parametrize(
+    'world,tp,pp,ep,ok',
+    [(2, 1, 1, 2, True), (4, 2, 1, 2, True), (4, 1, 2, 2, True), (2, 1, 1, 1, False)],
+)
+def test_server_serves_one_replica_at_any_tp_ep_pp(world, tp, pp, ep, ok):
+    """The expert-parallel ranks are one replica (the engines at EP2 are checked against
+    transformers in test_engine_moe.py and tests/functional_tests/test_moe_inference.py)."""
+    import argparse
+
+    from tools.run_text_generation_server import check_one_replica
+
+    args = argparse.Namespace(
+        world_size=world,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        data_parallel_size=world // (tp * pp),
+    )
+    if ok:
+        check_one_replica(args)
+        return
+    with pytest.raises(ValueError) as info:
+        check_one_replica(args)
+    assert str(info.value) == (
+        'text generation runs one model replica: world size (2) must equal '
+        '--tensor-model-parallel-size (1) x --pipeline-model-parallel-size (1) x '
+        '--expert-model-parallel-size (1) = 1'
+    )

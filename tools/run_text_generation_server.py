@@ -23,7 +23,6 @@ sys.path.append(os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.
 
 import torch
 
-from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
@@ -247,7 +246,9 @@ def main(args_list=None):
         max_waiting_requests=args.max_waiting_requests,
         isolate_failures=True,
     )
-    if mpu.is_pipeline_first_stage() and mpu.get_tensor_model_parallel_rank() == 0:
+    # Global rank 0 serves (the first stage's tensor rank 0 of expert-parallel rank 0); every
+    # other rank, expert-parallel ones included, follows its broadcasts.
+    if args.rank == 0:
         name = args.served_model_name or os.path.basename(os.path.normpath(args.load or 'megatron'))
         serving = Serving(
             ServingLoop(engine, model).start(),

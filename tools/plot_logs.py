@@ -216,8 +216,21 @@ def get_args(argv=None):
     args = parser.parse_args(argv)
     if not args.compare and not args.runs:
         parser.error('give at least one run, or --compare A B')
+    if args.compare and args.runs:
+        parser.error(
+            f'--compare takes exactly two runs; {len(args.runs)} more given '
+            f'({" ".join(args.runs)}): compare them two at a time'
+        )
+    for name in ('rtol', 'atol'):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0:
+            parser.error(f'--{name} must be a finite number >= 0, got {value}')
     if args.labels and len(args.labels) != len(args.runs):
         parser.error(f'--labels: {len(args.labels)} labels for {len(args.runs)} runs')
+    if not args.compare:
+        directory = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(directory):
+            parser.error(f'--output {args.output}: directory {directory} does not exist')
     return args
 
 

@@ -23,7 +23,6 @@ sys.path.append(os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.
 
 import torch
 
-from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
@@ -190,6 +189,20 @@ def check_serving_flags(args):
         )
 
 
+def check_one_replica(args):
+    """Every rank follows global rank 0's broadcasts, so the world is one model replica: TP x PP,
+    times EP for an MoE model (the expert-parallel ranks hold different experts of the same
+    replica and run the same requests; their dispatch exchanges the tokens)."""
+    ep = getattr(args, 'expert_model_parallel_size', 1) or 1
+    if args.data_parallel_size != ep:
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        raise ValueError(
+            f'text generation runs one model replica: world size ({args.world_size}) must equal '
+            f'--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) x '
+            f'--expert-model-parallel-size ({ep}) = {tp * pp * ep}'
+        )
+
+
 #: Script defaults for flags left unset. Generation batches prompts itself, so the training
 #: micro-batch size only needs a value: a checkpoint converted with --use-checkpoint-args then
 #: starts with the tokenizer flags alone.
@@ -213,13 +226,7 @@ def main(args_list=None):
         print("Interleaved pipeline schedule is not yet supported for text generation.")
         sys.exit(1)
     check_serving_flags(args)
-    if args.data_parallel_size != 1:
-        # Every rank follows global rank 0's broadcasts: one model replica only.
-        raise ValueError(
-            f'text generation runs one model replica: world size ({args.world_size}) must equal '
-            f'--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x '
-            f'--pipeline-model-parallel-size ({args.pipeline_model_parallel_size})'
-        )
+    check_one_replica(args)
     if args.load is None and not args.random_weights:
         # A server without weights answers with the words of a random model.
         raise ValueError(
@@ -245,7 +252,9 @@ def main(args_list=None):
         max_waiting_requests=args.max_waiting_requests,
         isolate_failures=True,
     )
-    if mpu.is_pipeline_first_stage() and mpu.get_tensor_model_parallel_rank() == 0:
+    # Global rank 0 serves (the first stage's tensor rank 0 of expert-parallel rank 0); every
+    # other rank, expert-parallel ones included, follows its broadcasts.
+    if args.rank == 0:
         name = args.served_model_name or os.path.basename(os.path.normpath(args.load or 'megatron'))
         serving = Serving(
             ServingLoop(engine, model).start(),

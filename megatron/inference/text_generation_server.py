@@ -30,7 +30,7 @@ import traceback
 
 from flask import Flask, jsonify, request
 from flask_restful import Api, Resource
-from werkzeug.exceptions import HTTPException, InternalServerError
+from werkzeug.exceptions import HTTPException, InternalServerError, MethodNotAllowed, NotFound
 
 from megatron.core.inference.engines.dynamic_engine import QueueFullError
 from megatron.core.inference.sampling_params import SamplingParams
@@ -46,7 +46,12 @@ from megatron.inference.text_generation.request import (
     SAMPLING,
     GenerationSettings,
 )
-from megatron.inference.text_generation.tokenization import eod_id, token_strings, tokenize_batch
+from megatron.inference.text_generation.tokenization import (
+    UntokenizablePrompt,
+    eod_id,
+    token_strings,
+    tokenize_batch,
+)
 from megatron.inference.worker_loop import (  # noqa: F401  (Megatron's names, re-exported)
     BEAM_NUM,
     GENERATE_NUM,
@@ -176,6 +181,8 @@ class MegatronGenerate(Resource):
         try:
             # Megatron's generation-time ValueErrors (lengths) answer 200 with their message.
             prepared = generation_api.prepare(params['prompts'], settings)
+        except UntokenizablePrompt as exc:  # e.g. a lone surrogate: a bad request
+            return str(exc), 400
         except ValueError as ve:
             return str(ve)
         try:
@@ -192,6 +199,8 @@ class MegatronGenerate(Resource):
         tokenizer = self.serving.tokenizer
         try:
             rows, lengths = tokenize_batch(tokenizer, params['prompts'], 0, params['add_BOS'])
+        except UntokenizablePrompt as exc:
+            return str(exc), 400
         except ValueError as ve:
             return str(ve)
         rows = [row[:length] for row, length in zip(rows, lengths)]  # no padding
@@ -221,6 +230,15 @@ class MegatronGenerate(Resource):
         )
 
 
+def _methods_of(app, path):
+    """The methods the app's own routes (not the static files) answer on `path`."""
+    methods = set()
+    for rule in app.url_map.iter_rules():
+        if rule.endpoint != 'static' and rule.rule.rstrip('/') == path.rstrip('/'):
+            methods |= set(rule.methods or ()) - {'HEAD', 'OPTIONS'}
+    return methods
+
+
 def _openai_errors_under_v1(app):
     """Errors of `/v1/...` paths (unknown path, wrong method, uncaught exception) in OpenAI's
     error body; other paths keep Flask's answers."""
@@ -231,6 +249,12 @@ def _openai_errors_under_v1(app):
         http = exc if isinstance(exc, HTTPException) else InternalServerError()
         if not request.path.startswith('/v1/'):
             return http
+        allow = None
+        if http.code in (404, 405):
+            # The static-file rule (GET on any path) must not decide: an unknown /v1 path is 404
+            # whatever the method, a known one with another method 405.
+            allow = _methods_of(app, request.path)
+            http = MethodNotAllowed(sorted(allow)) if allow else NotFound()
         if http.code == 404:
             message = f'Invalid URL ({request.method} {request.path})'
         elif http.code == 405:
@@ -240,7 +264,10 @@ def _openai_errors_under_v1(app):
         else:
             message = http.description
         kind = 'server_error' if http.code >= 500 else 'invalid_request_error'
-        return error_response(message, status=http.code, kind=kind)
+        body, status = error_response(message, status=http.code, kind=kind)
+        if allow:
+            body.headers['Allow'] = ', '.join(sorted(allow))
+        return body, status
 
     app.register_error_handler(HTTPException, handle)
     app.register_error_handler(Exception, handle)

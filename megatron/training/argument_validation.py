@@ -11,6 +11,7 @@ it from.
 
 import math
 
+from megatron.training.argument_validation_floats import validate_float_flags
 from megatron.training.argument_validation_mamba import validate_mamba_args
 from megatron.training.argument_validation_mla import validate_mla_args
 from megatron.training.argument_validation_model import (
@@ -75,6 +76,7 @@ def validate_args(args, defaults={}):
     from megatron.training.arguments_parser import get_args_parser
 
     check_unsupported_flags(args, get_args_parser())
+    validate_float_flags(args, get_args_parser())
     validate_observability_args(args)
     validate_parallel_sizes(args)
     refuse_removed_flags(args)

@@ -116,7 +116,7 @@ def _parse_tracker(tracker_filename: str) -> Tuple[int, bool]:
     with open(tracker_filename, 'r') as f:
         metastring = f.read().strip()
     try:
-        return int(metastring), False
+        iteration = int(metastring)
     except ValueError:
         if metastring == 'release':
             return 0, True
@@ -124,6 +124,11 @@ def _parse_tracker(tracker_filename: str) -> Tuple[int, bool]:
             f'invalid metadata file {tracker_filename}: expected an iteration number or '
             f'"release", found {metastring!r}'
         )
+    if iteration < 0:
+        raise ValueError(
+            f'invalid metadata file {tracker_filename}: iteration {iteration} is negative'
+        )
+    return iteration, False
 
 
 def read_metadata(tracker_filename: str) -> Tuple[int, bool]:

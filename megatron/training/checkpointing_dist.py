@@ -402,7 +402,7 @@ def _load_plan(args, common, checkpoint_dir, release, optimizer) -> Dict[str, An
         layout_changed = layout_changed or ckpt_dp != args.data_parallel_size
     if load_rng and layout_changed:
         print_rank_0(
-            f'NOTE: {names} mismatch after resume ({ckpt_shown} vs {run_shown} from '
+            f'NOTE: {names} mismatch after resume ({run_shown} vs {ckpt_shown} from '
             f'checkpoint): RNG state will be ignored; the RNGs keep their start-up seeding from '
             f'--seed {args.seed}'
         )
@@ -413,7 +413,7 @@ def _load_plan(args, common, checkpoint_dir, release, optimizer) -> Dict[str, An
         if ckpt_layout != run_layout or stored_count != len(sub_optimizers(optimizer)):
             # dp_zero reshards across DP only
             raise ValueError(
-                f'{names} mismatch after resume ({ckpt_shown} vs {run_shown} from checkpoint): '
+                f'{names} mismatch after resume ({run_shown} vs {ckpt_shown} from checkpoint): '
                 f'not supported for DistributedOptimizer with sharding type '
                 f'dp_zero_gather_scatter (saved with --no-ckpt-fully-parallel-save); load with '
                 f'--no-load-optim or at the saved {names}'

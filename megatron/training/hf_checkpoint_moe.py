@@ -267,6 +267,13 @@ def check_moe_hf_tensors(hf_dir: str, config: dict) -> None:
                 f'--load-dir {hf_dir}: expert weight {name} has shape {shapes[name]}, the config '
                 f'({c.num_moe_experts} experts, hidden {h}) needs {shape}'
             )
+    expert_part = '.' + prefix.split('{j}')[0].rstrip('.').rsplit('.', 1)[-1] + '.'  # '.experts.'
+    extra = sorted(n for n in shapes if expert_part in n and n not in expected)
+    if extra:
+        raise ValueError(
+            f'--load-dir {hf_dir}: expert weight {extra[0]} is not described by the config '
+            f'({c.num_moe_experts} experts per layer; {len(extra)} such weight(s))'
+        )
 
 
 def _mapping_config(c) -> types.SimpleNamespace:

@@ -24,6 +24,15 @@ def _validate_wandb_args(args):
             f'--wandb-project {args.wandb_project} needs the wandb package, which is not '
             'installed: pip install wandb (or pip install -e .[wandb])'
         )
+    try:
+        import wandb  # noqa: F401  (installed is not enough: a broken install fails here)
+    except Exception as exc:
+        reason = (str(exc).strip().splitlines() or [''])[0]
+        raise ValueError(
+            f'--wandb-project {args.wandb_project}: the wandb package fails on import '
+            f'({type(exc).__name__}: {reason}); repair it (pip install --force-reinstall wandb) '
+            'or drop --wandb-project'
+        ) from None
     if not args.wandb_exp_name:
         raise ValueError(
             f'--wandb-project {args.wandb_project} needs --wandb-exp-name (the run name)'

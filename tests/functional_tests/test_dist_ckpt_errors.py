@@ -58,7 +58,7 @@ def test_dp_zero_optimizer_state_does_not_reshard():
     with pytest.raises(ValueError) as info:
         checkpointing_dist._load_plan(args, common, 'DIR', False, optimizer=object())
     assert str(info.value) == (
-        '(TP, PP) mismatch after resume ((2, 1) vs (1, 1) from checkpoint): not supported for '
+        '(TP, PP) mismatch after resume ((1, 1) vs (2, 1) from checkpoint): not supported for '
         'DistributedOptimizer with sharding type dp_zero_gather_scatter (saved with '
         '--no-ckpt-fully-parallel-save); load with --no-load-optim or at the saved (TP, PP)'
     )
@@ -99,6 +99,6 @@ def test_dp_zero_optimizer_state_does_not_reshard_across_ep():
     with pytest.raises(ValueError) as info:
         checkpointing_dist._load_plan(args, common, 'DIR', False, dist_opt)
     assert str(info.value).startswith(
-        '(TP, PP, EP) mismatch after resume ((1, 1, 2) vs (1, 1, 1) from checkpoint): not '
+        '(TP, PP, EP) mismatch after resume ((1, 1, 1) vs (1, 1, 2) from checkpoint): not '
         'supported for DistributedOptimizer with sharding type dp_zero_gather_scatter'
     )

@@ -59,6 +59,19 @@ TINY = [
 ]
 #: Rows exercised by other test files (the row names the file).
 ELSEWHERE = {
+    # issue 33 part 1 (the round-4 probe)
+    'dist-ckpt-metadata-objects': 'tests/unit_tests/dist_checkpointing/test_metadata_unpickler.py',
+    'fim-same-sentinel': 'tests/unit_tests/data/test_fim.py',
+    'chat-message-rules': 'tests/unit_tests/tokenizer/test_chat_template.py',
+    'dist-ckpt-truncated': 'tests/unit_tests/dist_checkpointing/test_damaged_files.py',
+    'dist-ckpt-corrupt-record': 'tests/unit_tests/dist_checkpointing/test_damaged_files.py',
+    'float-not-finite': 'tests/unit_tests/training/test_float_flags.py',
+    'float-range': 'tests/unit_tests/training/test_float_flags.py',
+    'server-untokenizable': 'tests/unit_tests/inference/test_server_routing.py',
+    'server-v1-404-405': 'tests/unit_tests/inference/test_server_routing.py',
+    'tracker-negative': 'tests/unit_tests/checkpointing/test_small_slips.py',
+    'convert-moe-extra-expert': 'tests/unit_tests/checkpointing/test_small_slips.py',
+    'wandb-broken': 'tests/unit_tests/checkpointing/test_small_slips.py',
     'fp16-real-nan': 'tests/functional_tests/test_fp16_default_loss_scale.py',
     'frozen-rank': 'tests/functional_tests/test_faults_torchrun.py',
     'launcher-dead': 'tests/functional_tests/test_faults_torchrun.py',

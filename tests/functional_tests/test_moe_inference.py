@@ -178,3 +178,31 @@ def test_theoretical_memory_counts_each_ranks_experts(setup, capsys):
     embedding_rows = 2 * 32 * tp2ep2.padded_vocab_size
     assert per_rank == pytest.approx(18 * ((dense + embedding_rows) / 2 + experts / 4))
     assert 'Number of parameters in experts in billions' in capsys.readouterr().out
+
+
+def test_server_serves_moe_at_ep2(setup, tmp_path):
+    """tools/run_text_generation_server.py under torchrun at TP1 x EP2 (the expert-parallel
+    ranks are one replica): the greedy answer equals the in-process generation's at that layout
+    (which equals transformers', above)."""
+    import requests
+
+    from tests.functional_tests.server_utils import Server
+
+    hf, dirs = setup
+    prompt = PROMPTS[:1]
+    greedy = {'prompts': prompt, 'tokens_to_generate': NEW, 'top_k_sampling': 1}
+    reference = run_distributed(
+        _serve, world_size=2, ep=2, args=(dirs['tp1ep2'], [greedy]), timeout=600
+    )[0][0][0]
+    extra = ['--expert-model-parallel-size', '2']
+    server = Server(dirs['tp1ep2'], 2, str(tmp_path / 'server.log'), extra=extra)
+    try:
+        answer = requests.put(
+            server.url + '/api',
+            json={'prompts': prompt, 'tokens_to_generate': NEW, 'top_k': 1},
+            timeout=300,
+        )
+        assert answer.status_code == 200, server.read_log()
+        assert answer.json()['text'] == reference, (answer.json(), reference)
+    finally:
+        server.stop()

@@ -179,6 +179,17 @@ class GPTDataset(MegatronDataset):
         self, idx: int
     ) -> Tuple[numpy.ndarray, numpy.ndarray]:
         """Token ids (int64, sequence_length + extra) and document ids of sample `idx`."""
+        tokens, document_ids = self._query_unpadded(idx)
+        target = self.config.sequence_length + int(self.config.add_extra_token_to_sequence)
+        if len(tokens) < target:
+            pad = numpy.full(target - len(tokens), self._pad_token_id, dtype=numpy.int64)
+            tokens = numpy.concatenate((tokens, pad))
+        return tokens, document_ids
+
+    def _query_unpadded(self, idx: int) -> Tuple[numpy.ndarray, numpy.ndarray]:
+        """The real tokens of sample `idx` (fewer than a sample only at the end of the data; a
+        pad id equal to a real token id, e.g. pad = end of document, stays unambiguous) and its
+        document ids."""
         row = self.shuffle_index[idx]
         first_doc, first_offset = (int(v) for v in self.sample_index[row])
         last_doc, last_offset = (int(v) for v in self.sample_index[row + 1])
@@ -194,9 +205,6 @@ class GPTDataset(MegatronDataset):
             length = last_offset + extra - start if pos == last_doc else None
             parts.append(self.dataset.get(self.document_index[pos], offset=start, length=length))
 
-        missing = self.config.sequence_length + extra - sum(len(part) for part in parts)
-        if missing > 0:
-            parts.append([self._pad_token_id] * missing)
         return (
             numpy.concatenate(parts, dtype=numpy.int64),
             numpy.array(document_ids, dtype=numpy.int64),

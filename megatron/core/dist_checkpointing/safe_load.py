@@ -6,6 +6,7 @@ with it.
 
 import argparse
 import io
+import zipfile
 from typing import Any, Union
 
 import torch
@@ -18,10 +19,17 @@ from megatron.core.enums import ModelType
 SAFE_GLOBALS = [argparse.Namespace, ModelType]
 
 
-def weights_only_load(source: Union[str, io.BytesIO], what: str = 'checkpoint file') -> Any:
-    """torch.load(weights_only=True) with SAFE_GLOBALS; a refusal names the offending global."""
+def weights_only_load(
+    source: Union[str, io.BytesIO], what: str = 'checkpoint file', mmap: bool = False
+) -> Any:
+    """torch.load(weights_only=True) with SAFE_GLOBALS; a refusal names the offending global.
+
+    `mmap` maps a zip-format file instead of reading it (its tensors come from the page cache).
+    """
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
+            if mmap and isinstance(source, str) and zipfile.is_zipfile(source):
+                return torch.load(source, map_location='cpu', weights_only=True, mmap=True)
             return torch.load(source, map_location='cpu', weights_only=True)
     except Exception as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]

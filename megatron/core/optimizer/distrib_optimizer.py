@@ -38,6 +38,7 @@ import torch
 
 from .. import tensor_parallel
 from ..dist_checkpointing.optimizer import optimizer_state_keys as _state_keys
+from ..dist_checkpointing.safe_load import weights_only_load
 from ..distributed.param_and_grad_buffer import ParamAndGradBuffer
 from .grad_scaler import MegatronGradScaler
 from .optimizer import _FLOAT16_DTYPES, MixedPrecisionOptimizer, _timed, _zero_grad_group_helper
@@ -682,5 +683,5 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         state = None
         if self.is_dp_zero():
             # Memory-mapped: each bucket's shards are read from the page cache as they are sent.
-            state = torch.load(filename, weights_only=True, map_location='cpu', mmap=True)
+            state = weights_only_load(filename, what=filename, mmap=True)
         self.load_parameter_state_from_dp_zero(state)

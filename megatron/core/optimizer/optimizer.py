@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import parallel_state, tensor_parallel
+from ..dist_checkpointing.safe_load import weights_only_load
 from ..utils import get_current_device
 from .clip_grads import (
     clip_grad_by_total_norm_fp32,
@@ -670,7 +671,7 @@ class ChainedOptimizer(MegatronOptimizer):
             if not hasattr(optimizer, 'load_parameter_state_from_dp_zero'):
                 continue
             if states is None and optimizer.is_dp_zero():
-                states = torch.load(filename, weights_only=True, mmap=True)
+                states = weights_only_load(filename, what=filename, mmap=True)
             optimizer.load_parameter_state_from_dp_zero(
                 states[index] if states is not None else None
             )

@@ -255,7 +255,8 @@ def forward_step(
             if len(outputs) == 3:
                 output_tensor, num_tokens, loss_reduced = outputs
                 if not _calculate_per_token_loss(config):
-                    output_tensor = output_tensor / num_tokens
+                    # A micro-batch without loss tokens has a zero sum: it contributes 0, not 0/0.
+                    output_tensor = output_tensor / torch.clamp(torch.as_tensor(num_tokens), min=1)
                     output_tensor = output_tensor / num_microbatches
             else:
                 # preserve legacy loss averaging behavior (ie, over the number of microbatches)

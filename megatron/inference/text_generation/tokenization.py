@@ -47,6 +47,11 @@ def token_strings(tokenizer, token_ids):
     return [_token_string(tokenizer, t, byte_decoder) for t in token_ids]
 
 
+class UntokenizablePrompt(ValueError):
+    """A prompt the tokenizer refuses (e.g. a lone surrogate): a bad request (HTTP 400), unlike
+    Megatron's length errors, which its server answers with 200."""
+
+
 def tokenize_batch(tokenizer, prompts, tokens_to_generate: int, add_BOS: bool):
     """Token rows of the prompts (EOD prepended with add_BOS: GPT tokenizers have no BOS) and
     their lengths; ValueError if a prompt yields no token (the loop needs one to start)."""
@@ -56,7 +61,7 @@ def tokenize_batch(tokenizer, prompts, tokens_to_generate: int, add_BOS: bool):
         try:
             ids = list(tokenizer.tokenize(prompt))
         except Exception as exc:  # a tokenizer refusing the text is the request's fault
-            raise ValueError(
+            raise UntokenizablePrompt(
                 f'prompts[{i}] cannot be tokenized by {type(tokenizer).__name__}: '
                 f'{type(exc).__name__}: {exc}'
             ) from None

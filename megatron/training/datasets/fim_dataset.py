@@ -117,6 +117,21 @@ class GPTFIMDataset(GPTDataset):
             pad=_token_id(tokenizer, names["pad"], "--fim-pad-token"),
             eod=_token_id(tokenizer, names["eod"], "--fim-eod-token"),
         )
+        sentinels = {
+            "--fim-prefix-token": self.fim_ids.prefix,
+            "--fim-middle-token": self.fim_ids.middle,
+            "--fim-suffix-token": self.fim_ids.suffix,
+            "--fim-pad-token": self.fim_ids.pad,
+            "--fim-eod-token": self.fim_ids.eod,
+        }
+        seen = {}
+        for flag, token_id in sentinels.items():
+            if token_id in seen:
+                raise ValueError(
+                    f"{seen[token_id]} and {flag} name the same token (id {token_id}); the FIM "
+                    "sentinels and the end-of-document token must be five different tokens"
+                )
+            seen[token_id] = flag
         self.fim_split_id = None
         if config.fim_split_sample is not None:
             self.fim_split_id = _token_id(tokenizer, config.fim_split_sample, "--fim-split-sample")
@@ -126,10 +141,13 @@ class GPTFIMDataset(GPTDataset):
         )
 
     def _query_document_sample_shuffle_indices(self, idx: int):
-        window, document_ids = super()._query_document_sample_shuffle_indices(idx)
+        # The real tokens only: a short last sample's padding is not text, and a tokenizer pad id
+        # equal to the end-of-document id must not delete the document boundaries.
+        tokens, document_ids = self._query_unpadded(idx)
+        length = self.config.sequence_length + int(self.config.add_extra_token_to_sequence)
         rng = numpy.random.default_rng([self.config.random_seed, self.index_split.value, int(idx)])
         rewritten = fim_transform(
-            window[window != self._pad_token_id],  # a short last sample's padding is not text
+            tokens,
             rng,
             self.fim_ids,
             self._encode,
@@ -140,7 +158,7 @@ class GPTFIMDataset(GPTDataset):
             fragment_rate=self.config.fim_fragment_rate,
             no_prefix=self.config.fim_no_prefix,
         )
-        return fit_length(rewritten, len(window), self.fim_ids.pad), document_ids
+        return fit_length(rewritten, length, self.fim_ids.pad), document_ids
 
     def __getitem__(self, idx: Optional[int]) -> Dict[str, torch.Tensor]:
         sample = super().__getitem__(idx)

@@ -234,6 +234,12 @@ class SFTDataset(MegatronDataset):
                 f"{self.dataset_path}); raise --seq-length, shorten the data, or pass "
                 "--sft-long-conversations truncate"
             )
+        dropped, removed = 0, 0
+        if len(too_long):
+            offsets, pack_items, dropped, removed = self._settle_truncated(
+                offsets, pack_items, too_long
+            )
+        answer_tokens -= removed
         num_tokens = int(lengths.sum())
         num_packs = len(offsets) - 1
         efficiency = min(num_tokens, num_packs * capacity) / max(1, num_packs * capacity)
@@ -251,7 +257,53 @@ class SFTDataset(MegatronDataset):
                 f"{self.config.sequence_length} + 1 and were truncated ({cut} tokens dropped, "
                 f"longest {int(pack_lengths.max())}); --sft-long-conversations error refuses them",
             )
+        if dropped:
+            print_rank_0(
+                f"WARNING: {dropped} {unit}(s) of {self.dataset_path} "
+                f"({self.index_split.name} split) keep no answer token within --seq-length "
+                f"{self.config.sequence_length} + 1 once truncated (the prompt alone is longer) "
+                "and were left out: nothing of them would train",
+            )
         return offsets, pack_items
+
+    def _settle_truncated(self, offsets, pack_items, too_long):
+        """Build the truncated packs to count the answer tokens they keep; leave out those that
+        keep none (a micro-batch of them would divide the loss by zero tokens).
+
+        Returns:
+            (offsets, pack_items) without the empty packs, how many were left out, and the answer
+            tokens truncation removed.
+        """
+        tokenizer = self.config.tokenizer
+        removed = 0
+        empty = []
+        for pack in too_long.tolist():
+            kept, total = 0, 0
+            conversations = []
+            for row, conversation in pack_items[offsets[pack] : offsets[pack + 1]].tolist():
+                ids, targets = tokenizer.tokenize_conversation(
+                    check_row(self.dataset[row])[conversation]
+                )
+                conversations.append((ids, targets != -100))
+                total += int((targets != -100).sum())
+            sample = build_packed_sample(
+                conversations,
+                self.config.sequence_length,
+                tokenizer.pad,
+                self.config.context_parallel_size,
+            )
+            kept = int(sample["loss_mask"].sum())
+            removed += total - kept
+            if kept == 0:
+                empty.append(pack)
+        if not empty:
+            return offsets, pack_items, 0, removed
+        sizes = numpy.diff(offsets)
+        keep = numpy.ones(len(sizes), dtype=bool)
+        keep[empty] = False
+        item_keep = numpy.repeat(keep, sizes)
+        new_offsets = numpy.concatenate(([0], numpy.cumsum(sizes[keep]))).astype(numpy.int64)
+        return new_offsets, pack_items[item_keep], len(empty), removed
 
     def _cache_paths(self) -> Optional[Dict[str, str]]:
         directory = self.config.path_to_cache or os.path.join(

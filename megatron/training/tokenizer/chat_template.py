@@ -8,6 +8,8 @@ tokenizer, or one without a template, `ValueError` says so (a server answers it 
 
 from typing import List, Optional
 
+from megatron.core.datasets.sft_packing import ROLES
+
 
 def get_chat_template(tokenizer) -> Optional[str]:
     """The tokenizer's chat template (Jinja source), or None."""
@@ -15,14 +17,25 @@ def get_chat_template(tokenizer) -> Optional[str]:
     return getattr(hf_tokenizer, "chat_template", None) or None
 
 
+#: Most messages one chat request may hold (rendering is linear, but a request is bounded).
+MAX_MESSAGES = 1024
+
+
 def _check_messages(messages) -> None:
+    """The rules `--sft` applies to its data: known roles and string contents."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    if len(messages) > MAX_MESSAGES:
+        raise ValueError(f"messages holds {len(messages)} messages, at most {MAX_MESSAGES}")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{i}] must be an object with a string 'role'")
-        content = message.get("content")
-        if content is not None and not isinstance(content, str):
+        if message["role"] not in ROLES:
+            raise ValueError(
+                f"messages[{i}] has unknown role {message['role']!r:.40}; roles are "
+                f"{', '.join(ROLES)}"
+            )
+        if not isinstance(message.get("content"), str):
             raise ValueError(f"messages[{i}].content must be a string")
 
 

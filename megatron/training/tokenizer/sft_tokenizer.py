@@ -178,29 +178,81 @@ class SFTTokenizer(_HuggingFaceTokenizer):
 
     def _render_with_template(self, conversation, add_generation_prompt):
         text = self._template(conversation, add_generation_prompt)
+        try:
+            bounds = self._turn_bounds_local(conversation, text)
+        except Exception:  # the template refused a window or is not local: exact renders
+            bounds = None
+        if bounds is None:
+            bounds = self._turn_bounds_exact(conversation, text)
         spans = []
+        for k, (start, end, has_prompt) in bounds.items():
+            content = conversation[k]["content"]
+            if not has_prompt:
+                # No generation prompt in this template: skip the assistant header up to the
+                # content, when the content appears verbatim.
+                found = text.find(content, start, end)
+                if found < 0:
+                    found = text.find(content.strip(), start, end)
+                start = found if found >= 0 else start
+            spans.append((start, end))
+        return text, spans
+
+    def _not_prefix_error(self):
+        return ValueError(
+            f"the chat template of --tokenizer-model {self.tokenizer_path} renders a "
+            "conversation's earlier turns differently once later turns follow, so its "
+            "assistant turns cannot be located (--sft-tokenizer-prompt-format default); "
+            "use a template whose renders of a conversation's prefixes are prefixes"
+        )
+
+    def _turn_bounds_exact(self, conversation, text):
+        """{assistant turn k: (start, end, template has a generation prompt)} from the renders of
+        the conversation's prefixes (two renders of up to k messages per turn)."""
+        bounds = {}
         for k, message in enumerate(conversation):
             if message["role"] != "assistant":
                 continue
             before = self._template(conversation[:k], True)
             after = self._template(conversation[: k + 1], False)
             if not (text.startswith(after) and after.startswith(before)):
-                raise ValueError(
-                    f"the chat template of --tokenizer-model {self.tokenizer_path} renders a "
-                    "conversation's earlier turns differently once later turns follow, so its "
-                    "assistant turns cannot be located (--sft-tokenizer-prompt-format default); "
-                    "use a template whose renders of a conversation's prefixes are prefixes"
+                raise self._not_prefix_error()
+            has_prompt = before != self._template(conversation[:k], False)
+            bounds[k] = (len(before), len(after), has_prompt)
+        return bounds
+
+    def _turn_bounds_local(self, conversation, text):
+        """The same bounds from renders of a few messages each (linear work): turn k's text is
+        the difference between the renders of a short window ending before it and the window
+        with it (the window keeps a leading system message and starts at the same parity, for
+        templates that check roles alternate). None unless the pieces rebuild `text` exactly."""
+        head = 1 if conversation and conversation[0]["role"] == "system" else 0
+        position = len(self._template(conversation[:head], False)) if head else 0
+        if not text.startswith(self._template(conversation[:head], False) if head else ""):
+            return None
+        bounds = {}
+        for k in range(head, len(conversation)):
+            first = max(head, k - 2 + ((k - head) % 2))
+            window = conversation[:head] + conversation[first:k]
+            base = self._template(window, False) if window else ""
+            with_turn = self._template(window + [conversation[k]], False)
+            if not with_turn.startswith(base):
+                return None
+            piece = with_turn[len(base) :]
+            if not text.startswith(piece, position):
+                return None
+            if conversation[k]["role"] == "assistant":
+                prompt = self._template(window, True) if window else ""
+                if not prompt.startswith(base) or not with_turn.startswith(prompt):
+                    return None
+                bounds[k] = (
+                    position + len(prompt) - len(base),
+                    position + len(piece),
+                    prompt != base,
                 )
-            start = len(before)
-            if before == self._template(conversation[:k], False):
-                # No generation prompt in this template: skip the assistant header up to the
-                # content, when the content appears verbatim.
-                found = after.find(message["content"], start)
-                if found < 0:
-                    found = after.find(message["content"].strip(), start)
-                start = found if found >= 0 else start
-            spans.append((start, len(after)))
-        return text, spans
+            position += len(piece)
+        if position != len(self._template(conversation, False)):
+            return None
+        return bounds
 
     def tokenize_conversation(
         self,

@@ -259,3 +259,83 @@ def test_sentinels_by_name_and_tokenizers_refused(tok, tmp_path, documents):
             eod_mask_loss=False,
             fim_split_sample=".",
         )
+
+
+def test_pad_equal_to_end_of_document_keeps_documents_apart(tok, documents, tmp_path):
+    """A tokenizer whose pad id is the end-of-document id (pad = eos): at FIM rate 0 the samples
+    equal plain GPT samples (no end-of-document token deleted, no document run into the next)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
+    from megatron.training.tokenizer.tokenizer import _HuggingFaceTokenizer
+
+    pad_is_eod = _HuggingFaceTokenizer(tok._tokenizer.name_or_path)
+    pad_is_eod._tokenizer.pad_token = "<|endoftext|>"
+    eod = pad_is_eod.vocab["<|endoftext|>"]
+    assert pad_is_eod.pad == eod
+    prefix = _indexed(tmp_path, tok, documents[:20])
+    common = dict(
+        random_seed=1,
+        sequence_length=64,
+        blend=([prefix], None),
+        split="1",
+        tokenizer=pad_is_eod,
+        path_to_cache=str(tmp_path / "cache"),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+
+    def build(cls, config):
+        return BlendedMegatronDatasetBuilder(cls, [12, None, None], lambda: True, config).build()[0]
+
+    plain = build(GPTDataset, GPTDatasetConfig(**common))
+    identity = build(GPTFIMDataset, GPTFIMDatasetConfig(fim_rate=0.0, **common))
+    windows = [plain._query_document_sample_shuffle_indices(i)[0] for i in range(12)]
+    assert any((w == eod).any() for w in windows)
+    for i in range(12):
+        assert torch.equal(identity[i]["tokens"], plain[i]["tokens"]), i
+        assert torch.equal(identity[i]["labels"], plain[i]["labels"]), i
+
+
+def test_fim_sentinels_must_differ(tok, tmp_path, documents):
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
+
+    prefix = _indexed(tmp_path, tok, documents[:5])
+    for names, message in (
+        (
+            {"prefix": "<fim_prefix>", "middle": "<fim_prefix>"},
+            "--fim-prefix-token and --fim-middle-token name the same token",
+        ),
+        ({"pad": "<|endoftext|>"}, "--fim-pad-token and --fim-eod-token name the same token"),
+    ):
+        tokens = {
+            "prefix": "<fim_prefix>",
+            "middle": "<fim_middle>",
+            "suffix": "<fim_suffix>",
+            "pad": "<fim_pad>",
+            "eod": "<|endoftext|>",
+            **names,
+        }
+        config = GPTFIMDatasetConfig(
+            random_seed=1,
+            sequence_length=32,
+            blend=([prefix], None),
+            split="1",
+            tokenizer=tok,
+            path_to_cache=str(tmp_path / "cache"),
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            fim_extra_tokens=tokens,
+        )
+        with pytest.raises(ValueError, match=message):
+            BlendedMegatronDatasetBuilder(
+                GPTFIMDataset, [4, None, None], lambda: True, config
+            ).build()

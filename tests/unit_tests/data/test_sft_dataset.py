@@ -167,3 +167,37 @@ def test_context_parallel_padding_and_edited_file(tokenizer, tmp_path):
     after = _build(path, config)[0]
     assert after.unique_description_hash != before.unique_description_hash
     assert after.pack_items.shape[0] == before.pack_items.shape[0] + 1
+
+
+def test_prompt_longer_than_a_sample_is_left_out_and_not_counted(tokenizer, tmp_path, capsys):
+    long_prompt = {
+        "messages": [
+            {"role": "user", "content": "Call me Ishmael. " * 40},
+            {"role": "assistant", "content": "Fine."},
+        ]
+    }
+    cut_answer = {
+        "messages": [
+            {"role": "user", "content": "What is it?"},
+            {"role": "assistant", "content": "It is 42. " * 40},
+        ]
+    }
+    rows = [_row(0), long_prompt, _row(2), cut_answer]
+    path = write_jsonl(tmp_path / "prompt.jsonl", rows)
+    for one_row in (False, True):
+        config = _config(
+            tokenizer,
+            tmp_path,
+            blend=([path], None),
+            sequence_length=64,
+            one_row_per_sample=one_row,
+        )
+        dataset = _build(path, config)[0]
+        out = capsys.readouterr().out
+        unit = "row" if one_row else "conversation"
+        assert f"WARNING: 1 {unit}(s) of {path} (train split) keep no answer token" in out, out
+        # Every sample trains at least one token; the reported count is what the samples train.
+        trained = [int(dataset[i]["loss_mask"].sum()) for i in range(dataset.num_packs)]
+        assert min(trained) > 0, trained
+        reported = int(re.search(r"(\d+) answer tokens\)", out).group(1))
+        assert reported == sum(trained), (reported, trained)

@@ -220,3 +220,29 @@ def test_dataset_loss_mask_on_assistant_tokens_only(tokenizer_dirs, tmp_path):
             torch.testing.assert_close(sample["loss_mask"], expected_mask, rtol=0, atol=0)
             assert torch.equal(sample["labels"][:-1], sample["tokens"][1:])
         assert seen == len(conversations)
+
+
+@pytest.mark.parametrize("tok", ["chatml", "brackets"])
+def test_default_format_work_is_linear_in_the_conversation(tokenizer_dirs, tok):
+    """The `default` format's turn bounds come from renders of a few messages each (the same
+    bounds as rendering every prefix), so a long conversation renders O(n) characters."""
+    from megatron.core.datasets.sft_packing import split_conversations
+
+    tokenizer = _sft_tokenizer(tokenizer_dirs[tok], "default")
+    for messages in list(ROWS.values()) + [TOOL_ROW]:
+        for conversation in split_conversations(messages):
+            text = tokenizer._template(conversation, False)
+            local = tokenizer._turn_bounds_local(conversation, text)
+            assert local == tokenizer._turn_bounds_exact(conversation, text), conversation
+    long = [_m("system", "Answer briefly.")]
+    for i in range(300):
+        long += [_m("user", f"What is {i} plus 1?"), _m("assistant", f"It is {i + 1}.")]
+    rendered = []
+    template = tokenizer._template
+    tokenizer._template = lambda m, g: rendered.append(len(template(m, g))) or template(m, g)
+    try:
+        text, spans = tokenizer.render(long)
+    finally:
+        del tokenizer._template
+    assert len(spans) == 300
+    assert sum(rendered) < 12 * len(text), (sum(rendered), len(text))

@@ -342,6 +342,33 @@ def _admission():
     return errors
 
 
+def _queue_limit_mid_step():
+    """The step thread has taken the inbox but not yet queued its requests (it does so without
+    the lock): an add arriving then must still see them."""
+    _, config, controller = eu.build_model("gpt2")
+    engine = eu.dynamic_engine(
+        controller, config, num_blocks=8, max_tokens=16, max_requests=1, max_waiting_requests=2
+    )
+    for _ in range(3):  # one row, two waiting
+        engine.add_request([1, 2], eu.greedy(2))
+    taken = engine._take_inbox()
+    refused = None
+    try:
+        engine.add_request([1, 2], eu.greedy(2))
+    except QueueFullError as exc:
+        refused = str(exc)
+    for entry in taken:  # what step() does next
+        engine.waiting.append(engine._states[entry[1]])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return refused
+
+
+def test_queue_limit_is_hard_while_a_step_takes_the_inbox():
+    (refused,) = run_distributed(_queue_limit_mid_step, world_size=1)
+    assert refused is not None and refused.startswith("2 requests are already waiting"), refused
+
+
 def test_admission_errors_before_any_work():
     (errors,) = run_distributed(_admission, world_size=1)
     assert "prompt is empty" in errors["empty"]

@@ -60,6 +60,26 @@ def test_chat_template_renders_messages(tmp_path):
         apply_chat_template(tokenizer, [])
 
 
+def test_chat_messages_follow_the_sft_rules_and_are_bounded(tmp_path):
+    """Unknown roles and null contents are refused (as --sft refuses them in its data), and a
+    request holds at most MAX_MESSAGES messages."""
+    from megatron.training.tokenizer.chat_template import MAX_MESSAGES
+
+    tokenizer = _HuggingFaceTokenizer(_save_tokenizer(tmp_path / "chat", TEMPLATE))
+    with pytest.raises(ValueError, match=r"messages\[0\] has unknown role 'bot'; roles are "):
+        apply_chat_template(tokenizer, [{"role": "bot", "content": "hi"}])
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content must be a string"):
+        apply_chat_template(tokenizer, [messages_ok(), {"role": "assistant", "content": None}])
+    many = [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)
+    with pytest.raises(ValueError, match=rf"holds {MAX_MESSAGES + 1} messages, at most"):
+        apply_chat_template(tokenizer, many)
+    assert apply_chat_template(tokenizer, many[:MAX_MESSAGES]).startswith("<s><user> hi")
+
+
+def messages_ok():
+    return {"role": "user", "content": "hi"}
+
+
 def test_tokenizers_without_a_template_are_refused(tmp_path):
     plain = _HuggingFaceTokenizer(_save_tokenizer(tmp_path / "plain", None))
     for tokenizer in (plain, _NullTokenizer(10)):

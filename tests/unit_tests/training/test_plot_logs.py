@@ -98,3 +98,33 @@ def test_readme_picture_exists():
     assert '](docs/images/quickstart_loss.png)' in readme
     png = open(os.path.join(root, 'docs', 'images', 'quickstart_loss.png'), 'rb').read()
     assert png[:8] == b'\x89PNG\r\n\x1a\n' and len(png) < 200_000
+
+
+@pytest.mark.parametrize(
+    'extra,message',
+    [
+        (['--rtol', 'nan'], '--rtol must be a finite number >= 0, got nan'),
+        (['--atol', 'inf'], '--atol must be a finite number >= 0, got inf'),
+        (['--atol=-1e-3'], '--atol must be a finite number >= 0, got -0.001'),
+    ],
+)
+def test_compare_tolerances_must_be_finite_and_non_negative(tmp_path, capsys, extra, message):
+    a = _write_log(tmp_path / 'a.log', LOSSES)
+    far = _write_log(tmp_path / 'far.log', {it: v + 80 for it, v in LOSSES.items()})
+    with pytest.raises(SystemExit) as info:
+        plot_logs.main(['--compare', a, far] + extra)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_compare_third_run_and_output_directory_refused(tmp_path, capsys):
+    a = _write_log(tmp_path / 'a.log', LOSSES)
+    with pytest.raises(SystemExit) as info:
+        plot_logs.main(['--compare', a, a, a])
+    assert info.value.code == 2
+    assert '--compare takes exactly two runs; 1 more given' in capsys.readouterr().err
+    missing = tmp_path / 'nowhere' / 'curves.png'
+    with pytest.raises(SystemExit) as info:
+        plot_logs.main([a, '--output', str(missing)])
+    assert info.value.code == 2
+    assert f'directory {missing.parent} does not exist' in capsys.readouterr().err

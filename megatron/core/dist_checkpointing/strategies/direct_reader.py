@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
+from megatron.core.dist_checkpointing.mapping import CheckpointingException
+
 _EOCD = struct.Struct('<4s4H2LH')  # end of central directory
 _EOCD64_LOCATOR = struct.Struct('<4sLQL')
 _EOCD64 = struct.Struct('<4sQ2H2L4Q')
@@ -182,8 +184,16 @@ class DirectFileSystemReader(FileSystemReader):
                 with open(path, 'rb') as stream:
                     fd = stream.fileno()
                     records: Dict = {}
-                    for item in items:
-                        self._read_item(fd, stream, item, planner, records)
+                    try:
+                        for item in items:
+                            self._read_item(fd, stream, item, planner, records)
+                    except (AssertionError, CheckpointingException):
+                        raise
+                    except Exception as exc:  # a damaged record: name the file
+                        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                        raise CheckpointingException(
+                            f'{path} is corrupt (a record cannot be read: {reason})'
+                        ) from exc
         finally:
             self._scratch = None
         fut: Future = Future()

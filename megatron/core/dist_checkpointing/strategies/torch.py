@@ -32,7 +32,6 @@ import io
 import logging
 import math
 import os
-import pickle
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -77,57 +76,11 @@ from megatron.core.dist_checkpointing.strategies.base import (
     SavePreflight,
 )
 from megatron.core.dist_checkpointing.strategies.direct_reader import DirectFileSystemReader
+from megatron.core.dist_checkpointing.strategies.metadata_unpickler import load_metadata
 from megatron.core.dist_checkpointing.validation import sharding_problems
 from megatron.core.utils import get_current_device
 
 logger = logging.getLogger(__name__)
-
-#: Classes a DCP `.metadata` pickle may build (everything else is refused).
-_SAFE_METADATA_GLOBALS = {
-    ('torch.distributed.checkpoint.metadata', name)
-    for name in (
-        'Metadata',
-        'TensorStorageMetadata',
-        'BytesStorageMetadata',
-        'ChunkStorageMetadata',
-        'TensorProperties',
-        'MetadataIndex',
-        'StorageMeta',
-        '_MEM_FORMAT_ENCODING',
-    )
-} | {
-    ('torch.distributed.checkpoint.filesystem', '_StorageInfo'),
-    ('torch.distributed.checkpoint.filesystem', '_StoragePrefix'),
-    ('torch.distributed.checkpoint._extension', 'ExtensionRegistry'),
-    ('torch', 'Size'),
-    ('torch', 'device'),
-    ('torch', 'layout'),
-    ('torch', 'strided'),
-    ('torch', 'memory_format'),
-    ('torch.serialization', '_get_layout'),
-    ('pathlib', 'PosixPath'),
-    ('pathlib', 'WindowsPath'),
-    ('pathlib', 'PurePosixPath'),
-    ('collections', 'OrderedDict'),
-    ('builtins', 'set'),
-    ('builtins', 'frozenset'),
-    ('builtins', 'slice'),
-    ('builtins', 'getattr'),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata; refuses any class that is not plain DCP metadata."""
-
-    def find_class(self, module, name):
-        if (module, name) in _SAFE_METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f'refusing to load {module}.{name} from checkpoint metadata (only DCP metadata '
-            f'classes may appear there)'
-        )
 
 
 class SafeFileSystemReader(DirectFileSystemReader):
@@ -142,9 +95,10 @@ class SafeFileSystemReader(DirectFileSystemReader):
             )
         try:
             with open(path, 'rb') as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
-            raise CheckpointingException(f'{path} cannot be read: {exc}') from exc
+                metadata = load_metadata(f)
+        except Exception as exc:  # anything a corrupt or planted pickle raises
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CheckpointingException(f'{path} cannot be read: {reason}') from exc
         if not isinstance(metadata, Metadata):
             raise CheckpointingException(f'{path} does not hold DCP metadata')
         return metadata
@@ -713,12 +667,45 @@ def build_read_requests(sharded_state_dict: ShardedStateDict, metadata: Metadata
     return requests, targets, objects
 
 
+def _rank_of(name: str) -> str:
+    return name[2:].split('_')[0] if name.startswith('__') else '?'
+
+
+def check_storage_files(checkpoint_dir: str, metadata: Metadata) -> None:
+    """Raise CheckpointingException unless every `.distcp` file the metadata names exists and
+    is long enough for its records.
+
+    Every rank checks every file (a stat each), so a missing or truncated file stops all ranks
+    with the same line before any of them reads, instead of the one reading rank failing while
+    the others wait in the next collective.
+    """
+    needed: Dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name in sorted(needed):
+        path = os.path.join(checkpoint_dir, name)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise CheckpointingException(
+                f'{checkpoint_dir} is incomplete: {name} is missing (the files of global rank '
+                f'{_rank_of(name)} of the save)'
+            ) from None
+        if size < needed[name]:
+            raise CheckpointingException(
+                f'{path} is truncated: {size} bytes, its records end at byte {needed[name]} '
+                '(the save did not finish, or the file was damaged)'
+            )
+
+
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """Reads what every rank requests with DCP's FileSystemReader (no collectives)."""
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> ShardedStateDict:
         reader = SafeFileSystemReader(checkpoint_dir)
         metadata = read_metadata(checkpoint_dir)
+        check_storage_files(checkpoint_dir, metadata)
         requests, targets, objects = build_read_requests(sharded_state_dict, metadata)
         reader.set_up_storage_reader(metadata, False)
         planner = MCoreLoadPlanner(requests, targets, objects)
@@ -729,7 +716,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             name = os.path.basename(exc.filename or str(exc))
             raise CheckpointingException(
                 f'{checkpoint_dir} is incomplete: {name} is missing (the files of global rank '
-                f'{name[2:].split("_")[0] if name.startswith("__") else "?"} of the save)'
+                f'{_rank_of(name)} of the save)'
             ) from exc
         for sh in nested_values(sharded_state_dict):
             if isinstance(sh, ShardedObject):

@@ -230,11 +230,14 @@ class DynamicInferenceEngine(AbstractEngine):
         """QueueFullError when max_waiting_requests wait beyond the free rows (under the lock)."""
         if self.max_waiting_requests is None:
             return
-        queued = len(self.waiting) + sum(1 for entry in self._inbox if entry[0] == "add")
-        free_rows = max(0, self.context.max_requests - len(self.running))
-        if queued - free_rows >= self.max_waiting_requests:
+        # Waiting beyond the free rows = live requests - rows. Only add_request (under this lock)
+        # adds a live request, so the count cannot be overtaken by a burst; moves between the
+        # inbox, the queue and the running rows (the step thread, without the lock) leave it as
+        # it is.
+        beyond_rows = len(self._states) - self.context.max_requests
+        if beyond_rows >= self.max_waiting_requests:
             raise QueueFullError(
-                f"{queued - free_rows} requests are already waiting for a free row (at most "
+                f"{beyond_rows} requests are already waiting for a free row (at most "
                 f"{self.max_waiting_requests} may wait, {self.context.max_requests} run at "
                 "once)"
             )

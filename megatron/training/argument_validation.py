@@ -26,6 +26,7 @@ from megatron.training.argument_validation_parallel import (
     validate_sequence_parallel,
     validate_virtual_pipeline,
 )
+from megatron.training.argument_validation_resilience import validate_resilience_args
 from megatron.training.argument_validation_run import (
     apply_script_defaults,
     refuse_removed_flags,
@@ -95,6 +96,7 @@ def validate_args(args, defaults={}):
     validate_dist_checkpoint_args(args)
     validate_sft_and_fim_args(args)
     validate_timing_log_level(args)
+    validate_resilience_args(args)
     _print_args('arguments', args)
     return args
 

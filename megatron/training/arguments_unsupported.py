@@ -117,9 +117,6 @@ UNSUPPORTED_FLAGS = {
     'implemented',
     '--lazy-mpu-init': 'lazy model-parallel initialization is not implemented',
     '--onnx-safe': 'ONNX export workarounds are not implemented',
-    '--non-persistent-save-interval': 'non-persistent checkpoints are not implemented',
-    '--non-persistent-ckpt-type': 'non-persistent checkpoints are not implemented',
-    '--non-persistent-global-ckpt-dir': 'non-persistent checkpoints are not implemented',
     '--decrease-batch-size-if-needed': 'shrinking the global batch to fit the data-parallel '
     'size is not implemented',
     '--test-mode': 'the real-time tests run alongside training are not implemented',

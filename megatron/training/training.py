@@ -27,7 +27,7 @@ from megatron.core.num_microbatches_calculator import (
     update_num_microbatches,
 )
 from megatron.core.utils import StragglerDetector, get_current_device, get_model_config
-from megatron.training import rerun_training
+from megatron.training import checkpointing_non_persistent, rerun_training
 from megatron.training.argument_validation import validate_encoder_decoder_args
 from megatron.training.data_loaders import build_train_valid_test_data_iterators
 from megatron.training.evaluation import evaluate, evaluate_and_print_results
@@ -769,6 +769,11 @@ def _save_and_check_exit(iteration, model, optimizer, opt_param_scheduler, flops
     if args.save and args.save_interval and iteration % args.save_interval == 0:
         save()
         saved_checkpoint = True
+    elif checkpointing_non_persistent.is_due(args, iteration):
+        with watch('checkpoint save', iteration, deadline=False):
+            checkpointing_non_persistent.save_non_persistent_checkpoint(
+                iteration, model, optimizer, opt_param_scheduler, flops_so_far
+            )
     if args.exit_duration_in_mins:
         train_time = (time.time() - get_train_start_time()) / 60.0
         if _exit_flag(train_time > args.exit_duration_in_mins):

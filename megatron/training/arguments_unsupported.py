@@ -115,10 +115,7 @@ UNSUPPORTED_FLAGS = {
     '--use-flash-attn': 'the FlashAttention kernels are not used (attention is plain PyTorch)',
     '--standalone-embedding-stage': 'a pipeline stage holding only the input embedding is not '
     'implemented',
-    '--lazy-mpu-init': 'lazy model-parallel initialization is not implemented',
     '--onnx-safe': 'ONNX export workarounds are not implemented',
-    '--decrease-batch-size-if-needed': 'shrinking the global batch to fit the data-parallel '
-    'size is not implemented',
     '--test-mode': 'the real-time tests run alongside training are not implemented',
     '--output-bert-embeddings': 'the Retro BERT embedders are not included',
     '--bert-embedder-type': 'the Retro BERT embedders are not included',

@@ -112,7 +112,6 @@ UNSUPPORTED_FLAGS = {
     '--s3-cache-path': 'S3 dataset loading is not implemented',
     '--yaml-cfg': 'the experimental YAML run configuration is not implemented (pass flags; '
     'megatron.training.yaml_arguments.core_transformer_config_from_yaml reads the model part)',
-    '--use-flash-attn': 'the FlashAttention kernels are not used (attention is plain PyTorch)',
     '--standalone-embedding-stage': 'a pipeline stage holding only the input embedding is not '
     'implemented',
     '--onnx-safe': 'ONNX export workarounds are not implemented',

@@ -110,8 +110,6 @@ UNSUPPORTED_FLAGS = {
     '--adlr-autoresume': 'ADLR autoresume (a cluster-internal service) is not available',
     '--adlr-autoresume-interval': 'ADLR autoresume (a cluster-internal service) is not available',
     '--s3-cache-path': 'S3 dataset loading is not implemented',
-    '--yaml-cfg': 'the experimental YAML run configuration is not implemented (pass flags; '
-    'megatron.training.yaml_arguments.core_transformer_config_from_yaml reads the model part)',
     '--standalone-embedding-stage': 'a pipeline stage holding only the input embedding is not '
     'implemented',
     '--onnx-safe': 'ONNX export workarounds are not implemented',

@@ -167,3 +167,11 @@ class RerunExit(Exception):
         super().__init__(f'rerun state machine exit {exit_code}')
         self.should_checkpoint = should_checkpoint
         self.exit_code = exit_code
+
+
+def start_training_loop(iteration: int) -> None:
+    """Number the machine's steps like the training loop's (the next step is iteration + 1),
+    unless a checkpointed machine state already carries its own count."""
+    machine = get_rerun_state_machine()
+    if machine.state == RerunState.NOT_RUNNING_YET:
+        machine.current_iteration = iteration

@@ -908,6 +908,7 @@ def train(
     for model_module in model:
         model_module.train()
     state = _LoopState(args)
+    rerun_training.start_training_loop(state.iteration)
     _install_schedule_hooks(config, model, optimizer, args)
     if args.log_straggler:
         configure_straggler_detector(args)

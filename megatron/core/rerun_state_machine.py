@@ -408,6 +408,9 @@ class RerunStateMachine:
                 d.advance()
             self.rerun_requested = self.checkpoint_requested = False
             self.restart_again_requested = self.continue_requested = False
+            # A rerun that another rank asks for must not compare this rank's results with an
+            # older step's failure.
+            self.failed_validation_call = self.initial_result = None
             return True
         if self.state == RerunState.INITIAL_RUN:
             if self.mode == RerunMode.DISABLED:

@@ -190,3 +190,24 @@ def test_both_spellings_of_the_statistics_mode_parse():
     for spelling in ('report_stats', 'report_determinism_stats'):
         args = parser.parse_args(['--rerun-mode', spelling])
         assert rerun_mode(args) == RerunMode.REPORT_DETERMINISM_STATS
+
+
+def test_rerun_asked_by_another_rank_gives_no_verdict_here(tmp_path):
+    tracker = str(tmp_path / 'rejected.txt')
+    rsm.initialize_rerun_state_machine(
+        mode=RerunMode.VALIDATE_RESULTS,
+        error_injector=RerunErrorInjector(1, RerunDiagnostic.TRANSIENT_ERROR, seed=0),
+        result_rejected_tracker_filename=tracker,
+    )
+    machine = rsm.get_rerun_state_machine()
+    model, it = _Model(), RerunDataIterator(_batches(4))
+    _step(machine, model, it, spiky=True)
+    _step(machine, model, it, spiky=True)  # this rank's own (injected) failure, attributed
+    machine.error_injector.error_injection_rate = 0
+    # Next step: only another rank failed; the world-wide OR makes this rank rerun too.
+    machine._reduce_any = lambda *flags: (True,) * len(flags)
+    verdict, losses, _ = _step(machine, model, it, spiky=True)
+    assert verdict == (False, False, 0) and len(losses) == 2
+    with open(tracker) as f:
+        statuses = [line.split(' status=')[1].split()[0] for line in f]
+    assert statuses == ['initial_run', 'first_rerun_not_reproducible']

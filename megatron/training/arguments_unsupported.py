@@ -12,7 +12,10 @@ supported group that are unsupported (fp8, ...) are defined with their group in
 `arguments.py` and listed in the same table.
 """
 
-_TE_COMM = 'Transformer Engine tensor-parallel communication overlap is not available'
+_TE_COMM = (
+    'Transformer Engine userbuffers overlap (its fused all-gather/reduce-scatter GEMM kernels) is '
+    'not available: the sequence-parallel collectives here are whole torch.distributed calls'
+)
 _FP8 = 'fp8 training needs Transformer Engine, which this package does not use'
 _VISION = 'vision models (ViT/MiT/Swin, inpainting, DINO) are not included'
 _BIENCODER = 'ICT / biencoder (REALM-style retriever) models are not included'
@@ -110,10 +113,12 @@ UNSUPPORTED_FLAGS = {
     '--adlr-autoresume': 'ADLR autoresume (a cluster-internal service) is not available',
     '--adlr-autoresume-interval': 'ADLR autoresume (a cluster-internal service) is not available',
     '--s3-cache-path': 'S3 dataset loading is not implemented',
-    '--standalone-embedding-stage': 'a pipeline stage holding only the input embedding is not '
-    'implemented',
+    '--standalone-embedding-stage': 'a pipeline stage holding only the input embedding exists in '
+    'Megatron core_r0.8.0\'s legacy models only (its core TransformerBlock leaves it as a TODO '
+    'and splits the layers over every stage), which this package does not include',
     '--onnx-safe': 'ONNX export workarounds are not implemented',
-    '--test-mode': 'the real-time tests run alongside training are not implemented',
+    '--test-mode': 'Megatron\'s real-time tests run alongside training (its CI checks) are not '
+    'included',
     '--output-bert-embeddings': 'the Retro BERT embedders are not included',
     '--bert-embedder-type': 'the Retro BERT embedders are not included',
 }

@@ -211,3 +211,41 @@ def test_rerun_asked_by_another_rank_gives_no_verdict_here(tmp_path):
     with open(tracker) as f:
         statuses = [line.split(' status=')[1].split()[0] for line in f]
     assert statuses == ['initial_run', 'first_rerun_not_reproducible']
+
+
+def _nan_gradient_bucket(mode):
+    """A DDP-wrapped linear layer whose gradient is NaN, through the bucket check."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    machine = _machine(mode=mode)
+    torch.manual_seed(0)
+    chunk = DistributedDataParallel(
+        ModelParallelConfig(),
+        DistributedDataParallelConfig(check_for_nan_in_grad=True),
+        torch.nn.Linear(4, 2),
+    )
+    it = RerunDataIterator(iter([torch.randn(3, 4), torch.full((3, 4), math.nan)] * 2))
+    verdicts = []
+    for _ in range(2):
+        try:
+            while machine.should_run_forward_backward(it):
+                chunk.zero_grad_buffer()
+                chunk(next(it)).sum().backward()
+                chunk.finish_grad_sync()
+        except RuntimeError as exc:
+            return str(exc)
+        verdicts.append(machine.should_checkpoint_and_exit())
+    return verdicts
+
+
+def test_nan_gradient_goes_through_the_machine():
+    from tests.unit_tests.dist_utils import run_distributed
+
+    (raised,) = run_distributed(_nan_gradient_bucket, world_size=1, args=(RerunMode.DISABLED,))
+    assert "Unexpected result nan (message='found NaN in local grad norm for bucket" in raised
+    (verdicts,) = run_distributed(
+        _nan_gradient_bucket, world_size=1, args=(RerunMode.VALIDATE_RESULTS,)
+    )
+    # A NaN gradient reproduces: checkpoint and exit 16.
+    assert verdicts == [(False, False, 0), (True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)]

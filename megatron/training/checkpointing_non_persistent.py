@@ -93,11 +93,15 @@ def _barrier() -> None:
 
 
 def save_non_persistent_checkpoint(
-    iteration: int, model, optimizer, opt_param_scheduler, flops_so_far: float
+    save_checkpoint, iteration: int, model, optimizer, opt_param_scheduler, flops_so_far: float
 ) -> None:
     """Save the non-persistent checkpoint of `iteration`, then drop the older ones (every rank
-    calls it)."""
-    from megatron.training import checkpointing
+    calls it).
+
+    Args:
+        save_checkpoint: `megatron.training.checkpointing.save_checkpoint` (passed in: that
+            module imports this one).
+    """
     from megatron.training.global_vars import get_args
 
     args = get_args()
@@ -117,9 +121,7 @@ def save_non_persistent_checkpoint(
     if args.non_persistent_ckpt_type == 'local':
         args.ckpt_format, args.use_dist_ckpt = 'torch', False
     try:
-        checkpointing.save_checkpoint(
-            iteration, model, optimizer, opt_param_scheduler, flops_so_far
-        )
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
     finally:
         args.save, args.async_save, args.ckpt_format, args.use_dist_ckpt = saved
     if is_rank_0:

@@ -772,7 +772,12 @@ def _save_and_check_exit(iteration, model, optimizer, opt_param_scheduler, flops
     elif checkpointing_non_persistent.is_due(args, iteration):
         with watch('checkpoint save', iteration, deadline=False):
             checkpointing_non_persistent.save_non_persistent_checkpoint(
-                iteration, model, optimizer, opt_param_scheduler, flops_so_far
+                _checkpointing().save_checkpoint,
+                iteration,
+                model,
+                optimizer,
+                opt_param_scheduler,
+                flops_so_far,
             )
     if args.exit_duration_in_mins:
         train_time = (time.time() - get_train_start_time()) / 60.0

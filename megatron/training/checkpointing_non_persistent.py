@@ -29,9 +29,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron.training.checkpoint_layout import (
+    _parse_tracker,
     get_checkpoint_name,
     get_checkpoint_tracker_filename,
-    read_metadata,
 )
 from megatron.training.utils import print_rank_0
 
@@ -75,7 +75,8 @@ def _tracker_iteration(directory: str) -> Optional[int]:
     if not os.path.isfile(tracker):
         return None
     try:
-        iteration, release = read_metadata(tracker)
+        # This rank's own reading (read_metadata would agree over all ranks: a collective).
+        iteration, release = _parse_tracker(tracker)
     except (ValueError, OSError):
         return None
     return None if release else iteration

@@ -126,16 +126,16 @@ def test_non_persistent_resume_is_exact_and_keeps_the_persistent_ones(tmp_path):
 
 def _sigterm_run(save):
     args = ITERS + ['--save', save, '--save-interval', '100', '--exit-signal-handler']
-    args += ['--non-persistent-save-interval', '2', '--non-persistent-ckpt-type', 'global']
+    args += ['--non-persistent-save-interval', '1', '--non-persistent-ckpt-type', 'global']
     losses = _pretrain(args, crash='sigterm')
     return losses, _listing(save), _listing(os.path.join(save, 'non_persistent'))
 
 
 def test_sigterm_saves_a_persistent_checkpoint_beside_the_non_persistent_ones(tmp_path):
+    # Two ranks: each non-persistent save after the first replaces the previous one.
     save = str(tmp_path / 'run')
-    ((losses, persistent, non_persistent),) = run_distributed(
-        _sigterm_run, world_size=1, args=(save,)
-    )
+    outs = run_distributed(_sigterm_run, world_size=2, args=(save,))
+    losses, persistent, non_persistent = outs[0]
     assert sorted(losses) == [1, 2, 3]
     assert persistent == ['iter_0000003', 'latest_checkpointed_iteration.txt']
     assert non_persistent == ['iter_0000002', 'latest_checkpointed_iteration.txt']

@@ -30,6 +30,7 @@ from megatron.training.datasets.sft_dataset import SFTDataset, SFTDatasetConfig
 from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.mla_config import mla_config_from_args, mla_layer_spec
+from megatron.training.rerun_training import validate_loss
 from megatron.training.sft_batch import get_sft_batch
 from megatron.training.training import pretrain
 from megatron.training.utils import (
@@ -146,11 +147,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     total_tokens = loss_mask.sum()
     loss = torch.cat([torch.sum(losses.view(-1) * loss_mask).view(1), total_tokens.view(1)])
 
-    if args.check_for_nan_in_loss_and_grad:
-        if loss[0].isnan():
-            raise RuntimeError(
-                f'Rank {torch.distributed.get_rank()}: found NaN in local forward loss calculation'
-            )
+    # NaN / Inf (fatal) and spike (--check-for-spiky-loss) checks of the rerun state machine.
+    validate_loss(args, loss[0])
 
     # [sum, count] of the whole sequence (all CP ranks); a detached copy, not in autograd.
     reduced = loss.clone().detach()

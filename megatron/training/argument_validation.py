@@ -29,6 +29,7 @@ from megatron.training.argument_validation_parallel import (
     validate_sequence_parallel,
     validate_virtual_pipeline,
 )
+from megatron.training.argument_validation_resilience import validate_resilience_args
 from megatron.training.argument_validation_run import (
     apply_script_defaults,
     refuse_removed_flags,
@@ -107,6 +108,7 @@ def validate_args(args, defaults={}):
     validate_sft_and_fim_args(args)
     validate_vision_args(args, defaults)
     validate_timing_log_level(args)
+    validate_resilience_args(args)
     _print_args('arguments', args)
     return args
 

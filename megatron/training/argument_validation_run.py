@@ -53,6 +53,24 @@ def validate_batch_sizes(args):
             print(f'setting global batch size to {args.global_batch_size}', flush=True)
     if args.global_batch_size <= 0:
         raise ValueError(f'--global-batch-size must be positive, got {args.global_batch_size}')
+    step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % step != 0 and args.decrease_batch_size_if_needed:
+        # Later Megatron's rule: train on the largest multiple of micro x DP below the request.
+        decreased = (args.global_batch_size // step) * step
+        if decreased == 0 or args.rampup_batch_size is not None:
+            raise ValueError(
+                f'--decrease-batch-size-if-needed: --global-batch-size ({args.global_batch_size}) '
+                f'is below --micro-batch-size ({args.micro_batch_size}) x data parallel size '
+                f'({args.data_parallel_size}) = {step}, or used with --rampup-batch-size'
+            )
+        if args.rank == 0:
+            print(
+                f'decreasing batch size from {args.global_batch_size} to {decreased} to keep '
+                f'divisiblity by micro_batch_size={args.micro_batch_size} * '
+                f'data_parallel_size={args.data_parallel_size}',
+                flush=True,
+            )
+        args.global_batch_size = decreased
     if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size) != 0:
         raise ValueError(
             f'--global-batch-size ({args.global_batch_size}) is not divisible by '

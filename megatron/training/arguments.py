@@ -50,6 +50,10 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args_list=No
         args.world_size = int(os.getenv('WORLD_SIZE', '1'))
     if args.local_rank is None:
         args.local_rank = int(os.getenv('LOCAL_RANK', '0'))
+    if args.yaml_cfg is not None:  # Megatron's experimental YAML run configuration
+        from megatron.training.yaml_run_config import apply_yaml_config
+
+        apply_yaml_config(args)
     return args
 
 

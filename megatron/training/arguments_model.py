@@ -909,6 +909,7 @@ def _add_experimental_args(parser):
         '--yaml-cfg',
         type=str,
         default=None,
-        help='Config file to add additional arguments (not required; not supported here).',
+        help='Megatron\'s experimental YAML run configuration: flags at the top level, the '
+        'model in language_model / model_parallel; its values replace the command line\'s.',
     )
     return parser

@@ -22,6 +22,7 @@ from megatron.training.arguments_model import (
     _add_transformer_engine_args,
 )
 from megatron.training.arguments_muon import _add_muon_args
+from megatron.training.arguments_resilience import add_resilience_args
 from megatron.training.arguments_run import (
     _add_autoresume_args,
     _add_checkpointing_args,
@@ -77,6 +78,7 @@ def get_args_parser(extra_args_provider=None):
     parser = _add_muon_args(parser)
     parser = _add_logging_args(parser)
     parser = _add_straggler_detector_args(parser)
+    parser = add_resilience_args(parser)
     parser = _add_inference_args(parser)
     parser = _add_transformer_engine_args(parser)
     parser = add_retro_args(parser)

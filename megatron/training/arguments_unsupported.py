@@ -12,7 +12,10 @@ supported group that are unsupported (fp8, ...) are defined with their group in
 `arguments.py` and listed in the same table.
 """
 
-_TE_COMM = 'Transformer Engine tensor-parallel communication overlap is not available'
+_TE_COMM = (
+    'Transformer Engine userbuffers overlap (its fused all-gather/reduce-scatter GEMM kernels) is '
+    'not available: the sequence-parallel collectives here are whole torch.distributed calls'
+)
 _FP8 = 'fp8 training needs Transformer Engine, which this package does not use'
 _VISION = 'the Swin and MiT vision backbones are not included (the ViT is)'
 _VISION_FINETUNE = 'Megatron reads it only in tasks/vision finetuning, which is not included'
@@ -83,18 +86,11 @@ UNSUPPORTED_FLAGS = {
     '--adlr-autoresume': 'ADLR autoresume (a cluster-internal service) is not available',
     '--adlr-autoresume-interval': 'ADLR autoresume (a cluster-internal service) is not available',
     '--s3-cache-path': 'S3 dataset loading is not implemented',
-    '--yaml-cfg': 'the experimental YAML run configuration is not implemented (pass flags; '
-    'megatron.training.yaml_arguments.core_transformer_config_from_yaml reads the model part)',
-    '--use-flash-attn': 'the FlashAttention kernels are not used (attention is plain PyTorch)',
-    '--standalone-embedding-stage': 'a pipeline stage holding only the input embedding is not '
-    'implemented',
-    '--lazy-mpu-init': 'lazy model-parallel initialization is not implemented',
-    '--non-persistent-save-interval': 'non-persistent checkpoints are not implemented',
-    '--non-persistent-ckpt-type': 'non-persistent checkpoints are not implemented',
-    '--non-persistent-global-ckpt-dir': 'non-persistent checkpoints are not implemented',
-    '--decrease-batch-size-if-needed': 'shrinking the global batch to fit the data-parallel '
-    'size is not implemented',
-    '--test-mode': 'the real-time tests run alongside training are not implemented',
+    '--standalone-embedding-stage': 'a pipeline stage holding only the input embedding exists in '
+    'Megatron core_r0.8.0\'s legacy models only (its core TransformerBlock leaves it as a TODO '
+    'and splits the layers over every stage), which this package does not include',
+    '--test-mode': 'Megatron\'s real-time tests run alongside training (its CI checks) are not '
+    'included',
     '--output-bert-embeddings': 'the Retro BERT embedders are not included',
     '--bert-embedder-type': 'the Retro BERT embedders are not included',
 }

@@ -44,7 +44,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.enums import ModelType
 from megatron.core.utils import get_current_device, unwrap_model
-from megatron.training import distrib_optim_shards
+from megatron.training import checkpointing_non_persistent, distrib_optim_shards
 from megatron.training.arguments_mla import ARCHITECTURE_CHECKPOINT_ARGS
 from megatron.training.global_vars import get_args
 
@@ -728,6 +728,8 @@ def load_checkpoint(
     wait_for_async_staging()  # loading overwrites what a pending save may still be copying
     model = unwrap_model(model if isinstance(model, list) else [model])
     load_dir = _resolve_load_dir(args, load_arg)
+    if load_arg == 'load':  # the newest valid of the persistent and non-persistent checkpoints
+        load_dir = checkpointing_non_persistent.choose_load_dir(args, load_dir)
 
     dist_dir, release = _find_dist_checkpoint(args, load_dir)
     if dist_dir is not None:

@@ -14,6 +14,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import get_current_device
 from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers
+from megatron.training.rerun_training import evaluation_without_reruns
 from megatron.training.scalar_writers import get_scalar_writer
 from megatron.training.time_limit import _exit_flag, get_train_start_time
 from megatron.training.utils import empty_unused_memory, print_rank_0, print_rank_last
@@ -43,7 +44,7 @@ def evaluate(
     eval_num_microbatches = eval_batch_size // (args.micro_batch_size * args.data_parallel_size)
     device = get_current_device()
 
-    with torch.no_grad():
+    with torch.no_grad(), evaluation_without_reruns():
         iteration = 0
         if verbose:
             print_rank_0(f'Evaluating on {args.eval_iters * eval_batch_size} samples')

@@ -74,10 +74,28 @@ def initialize_megatron(
     if skip_mpu_initialization:
         return None
 
-    _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks)
-    if args.rank == 0:
-        print('> setting random seeds to {} ...'.format(args.seed), flush=True)
-    _set_random_seed(args.seed, args.data_parallel_random_init)
+    def finish_mpu_init():
+        if args.lazy_mpu_init:  # the groups give the real sizes and ranks from here on
+            from megatron.core import parallel_state as mpu
+
+            mpu.set_tensor_model_parallel_world_size(None)
+            mpu.set_tensor_model_parallel_rank(None)
+        _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks)
+        if args.rank == 0:
+            print('> setting random seeds to {} ...'.format(args.seed), flush=True)
+        _set_random_seed(args.seed, args.data_parallel_random_init)
+
+    if args.lazy_mpu_init:
+        # Megatron's --lazy-mpu-init: an outside manager starts torch.distributed, then calls
+        # the returned function; until then only the tensor-parallel size and rank are known
+        # and weights are initialized on the CPU.
+        from megatron.core import parallel_state as mpu
+
+        args.use_cpu_initialization = True
+        mpu.set_tensor_model_parallel_world_size(args.tensor_model_parallel_size)
+        mpu.set_tensor_model_parallel_rank(args.rank)
+        return finish_mpu_init
+    finish_mpu_init()
     _compile_dependencies()
     return None
 

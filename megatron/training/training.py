@@ -13,6 +13,7 @@ iterators in `data_loaders.py` and the run's wall clock (--exit-duration-in-mins
 
 import dataclasses
 import gc
+import sys
 import time
 
 import torch
@@ -26,6 +27,7 @@ from megatron.core.num_microbatches_calculator import (
     update_num_microbatches,
 )
 from megatron.core.utils import StragglerDetector, get_current_device, get_model_config
+from megatron.training import checkpointing_non_persistent, rerun_training
 from megatron.training.argument_validation import validate_encoder_decoder_args
 from megatron.training.data_loaders import build_train_valid_test_data_iterators
 from megatron.training.evaluation import evaluate, evaluate_and_print_results
@@ -190,6 +192,7 @@ def _pretrain(
         validate_encoder_decoder_args(args)
     timers = get_timers()
     set_jit_fusion_options()
+    rerun_training.initialize_rerun_state_machine_from_args(args)
     start_watchdog(args.watchdog_timeout)
 
     # Adjust the startup time so it reflects the largest value across ranks.
@@ -231,6 +234,8 @@ def _pretrain(
             build_train_valid_test_data_iterators(train_valid_test_dataset_provider)
         )
     timers('train/valid/test-data-iterators-setup').stop()
+    if rerun_training.rerun_mode(args) != rerun_training.RerunMode.DISABLED:
+        train_data_iterator = rerun_training.wrap_train_data_iterators(train_data_iterator)
     print_datetime('after dataloaders are built')
 
     print_rank_0('done with setup ...')
@@ -457,6 +462,7 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
             # scale. A real NaN still stops the run: the forward loss is checked in the loss
             # function, and overflow at the minimum loss scale stops training.
             check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not args.fp16,
+            check_for_large_grads=args.check_for_large_grads,
             bucket_size=args.ddp_bucket_size,
             average_in_collective=args.ddp_average_in_collective,
         )
@@ -577,6 +583,8 @@ def setup_model_and_optimizer(
         args.iteration, args.num_floating_point_operations_so_far = (
             _checkpointing().load_checkpoint(model, optimizer, opt_param_scheduler)
         )
+        if args.load is not None and args.iteration and not args.finetune:
+            rerun_training.load_rerun_state(args.load, args.iteration)
         timers('load-checkpoint').stop(barrier=True)
         timers.log(['load-checkpoint'])
     else:
@@ -600,22 +608,30 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     args = get_args()
     timers = get_timers()
 
-    for model_chunk in model:
-        if hasattr(model_chunk, 'zero_grad_buffer'):
-            model_chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-
     forward_backward_func = get_forward_backward_func()
-    losses_reduced = forward_backward_func(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=get_num_microbatches(),
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        decoder_seq_length=args.decoder_seq_length,
-        forward_only=False,
+
+    def run_once():
+        for model_chunk in model:
+            if hasattr(model_chunk, 'zero_grad_buffer'):
+                model_chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        return forward_backward_func(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=get_num_microbatches(),
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            decoder_seq_length=args.decoder_seq_length,
+            forward_only=False,
+        )
+
+    # The rerun state machine may run the step again (same data and RNG) before deciding.
+    losses_reduced, should_checkpoint, should_exit, exit_code = rerun_training.run_forward_backward(
+        run_once, data_iterator
     )
+    if should_exit:
+        raise rerun_training.RerunExit(should_checkpoint, exit_code)
     empty_unused_memory(args, level=1)
 
     _call_model_hook(model, 'cancel_gradients_last_layer', args.curr_iteration)
@@ -768,6 +784,16 @@ def _save_and_check_exit(iteration, model, optimizer, opt_param_scheduler, flops
     if args.save and args.save_interval and iteration % args.save_interval == 0:
         save()
         saved_checkpoint = True
+    elif checkpointing_non_persistent.is_due(args, iteration):
+        with watch('checkpoint save', iteration, deadline=False):
+            checkpointing_non_persistent.save_non_persistent_checkpoint(
+                _checkpointing().save_checkpoint,
+                iteration,
+                model,
+                optimizer,
+                opt_param_scheduler,
+                flops_so_far,
+            )
     if args.exit_duration_in_mins:
         train_time = (time.time() - get_train_start_time()) / 60.0
         if _exit_flag(train_time > args.exit_duration_in_mins):
@@ -782,6 +808,23 @@ def _save_and_check_exit(iteration, model, optimizer, opt_param_scheduler, flops
         print_datetime('exiting program at iteration {}'.format(iteration))
         return True
     return False
+
+
+def _exit_for_rerun(stop, state, model, optimizer, opt_param_scheduler):
+    """The rerun state machine ends the job: save the checkpoint it asks for (of the iteration
+    before the failed step, with the machine's state), then exit with its code (16 or 17)."""
+    args = get_args()
+    if stop.should_checkpoint and args.save:
+        save_checkpoint_and_time(
+            state.iteration, model, optimizer, opt_param_scheduler, state.flops_so_far
+        )
+        if args.async_save:
+            _checkpointing().maybe_finalize_async_save(blocking=True, announce=True)
+        rerun_training.save_rerun_state(args.save, state.iteration)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    stop_watchdog()
+    sys.exit(stop.exit_code)
 
 
 def _evaluate_during_training(
@@ -885,6 +928,7 @@ def train(
     for model_module in model:
         model_module.train()
     state = _LoopState(args)
+    rerun_training.start_training_loop(state.iteration)
     _install_schedule_hooks(config, model, optimizer, args)
     if args.log_straggler:
         configure_straggler_detector(args)
@@ -901,15 +945,18 @@ def train(
             if args.async_save:  # a finished background save moves the tracker now
                 _checkpointing().maybe_finalize_async_save(blocking=False)
             profiler.begin_iteration(state.iteration)
-            loss_dict = _run_iteration(
-                state,
-                forward_step_func,
-                model,
-                optimizer,
-                opt_param_scheduler,
-                train_data_iterator,
-                config,
-            )
+            try:
+                loss_dict = _run_iteration(
+                    state,
+                    forward_step_func,
+                    model,
+                    optimizer,
+                    opt_param_scheduler,
+                    train_data_iterator,
+                    config,
+                )
+            except rerun_training.RerunExit as stop:
+                _exit_for_rerun(stop, state, model, optimizer, opt_param_scheduler)
             profiler.end_iteration(state.iteration - 1)
             if train_losses is not None and loss_dict:
                 train_losses[state.iteration] = {k: float(v) for k, v in loss_dict.items()}

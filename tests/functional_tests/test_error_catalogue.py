@@ -72,6 +72,16 @@ ELSEWHERE = {
     'tracker-negative': 'tests/unit_tests/checkpointing/test_small_slips.py',
     'convert-moe-extra-expert': 'tests/unit_tests/checkpointing/test_small_slips.py',
     'wandb-broken': 'tests/unit_tests/checkpointing/test_small_slips.py',
+    **{
+        case: 'tests/unit_tests/training/test_rerun_state_machine.py'
+        for case in ('rerun-transient', 'rerun-reproducible', 'rerun-same-device')
+        + ('rerun-other-device',)
+    },
+    **{
+        case: 'tests/unit_tests/training/test_resilience_arguments.py'
+        for case in ('error-injection-disabled', 'non-persistent-type', 'non-persistent-save')
+        + ('non-persistent-local-dir', 'cpu-offload', 'decrease-batch-size')
+    },
     'fp16-real-nan': 'tests/functional_tests/test_fp16_default_loss_scale.py',
     'frozen-rank': 'tests/functional_tests/test_faults_torchrun.py',
     'launcher-dead': 'tests/functional_tests/test_faults_torchrun.py',

@@ -26,8 +26,12 @@ class DistributedDataParallelConfig:
     it owns) and a parameter buffer is allocated so updated parameters can be all-gathered."""
 
     check_for_nan_in_grad: bool = False
-    """If true, check every bucket for NaN gradients before it is reduced and raise if one is
-    found."""
+    """If true, check every bucket's gradient norm for NaN and Inf before it is reduced, through
+    the rerun state machine (which raises when it is disabled, else reruns the step)."""
+
+    check_for_large_grads: bool = False
+    """If true, also reject (non-fatally, through the rerun state machine) a bucket whose gradient
+    norm is 10x the largest of its first 100 norms (`--check-for-large-grads`)."""
 
     bucket_size: Optional[int] = None
     """Approximate number of elements per bucket. None means

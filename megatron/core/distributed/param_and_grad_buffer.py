@@ -118,14 +118,38 @@ class Bucket:
         self.communication_issued = False
         self._synced_by_finish = False
 
-    def _check_for_nan(self):
+    def _check_grads(self):
+        """Validate the bucket's local gradient norm before the data-parallel collective: NaN
+        and Inf are fatal (tolerance 0.001 between reruns: attention backward is not
+        deterministic), a large norm (`check_for_large_grads`) is not."""
+        from functools import partial
+
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        machine = get_rerun_state_machine()
         norm = self.grad_data.norm(p=2)
-        if torch.isnan(norm).item():
-            raise RuntimeError(
-                f"Rank {torch.distributed.get_rank()}: found NaN in local grad norm"
-                " in backward pass "
-                f"before data-parallel communication collective (bucket at offset {self.offset}, "
-                f"{self.grad_data.numel()} elements)"
+        where = (
+            f"bucket at offset {self.offset} ({self.grad_data.numel()} elements) in backward "
+            "pass before data-parallel communication collective"
+        )
+        checks = (("NaN", torch.isnan), ("Inf", torch.isinf))
+        for name, rejection in checks if self.ddp_config.check_for_nan_in_grad else ():
+            machine.validate_result(
+                result=norm,
+                rejection_func=rejection,
+                message=f"found {name} in local grad norm for {where}",
+                tolerance=0.001,
+                fatal=True,
+            )
+        if self.ddp_config.check_for_large_grads:
+            machine.validate_result(
+                result=norm,
+                rejection_func=partial(
+                    machine.is_unexpectedly_large, threshold=10, context="grads"
+                ),
+                message=f"found unexpected large grads in {where}",
+                tolerance=0.001,
+                fatal=False,
             )
 
     def start_grad_sync(self):
@@ -138,8 +162,8 @@ class Bucket:
             "Should not have multiple communication calls outstanding at once"
         )
 
-        if self.ddp_config.check_for_nan_in_grad:
-            self._check_for_nan()
+        if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
+            self._check_grads()
 
         reduce_op = torch.distributed.ReduceOp.SUM
         if self.ddp_config.average_in_collective:

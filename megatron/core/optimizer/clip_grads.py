@@ -22,6 +22,14 @@ def param_is_not_shared(param: torch.nn.Parameter) -> bool:
     return not getattr(param, 'shared', False)
 
 
+def _by_device(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """`tensors` grouped by device, in first-seen order (one group on a single device)."""
+    groups = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return list(groups.values())
+
+
 def get_grad_norm_fp32(
     grads_for_norm: Union[List[torch.Tensor], torch.Tensor],
     norm_type: Union[int, float] = 2,
@@ -55,9 +63,10 @@ def get_grad_norm_fp32(
     total_norm = torch.zeros(1, dtype=torch.float, device=device)
     grads = [g.detach() for g in grads_for_norm if g.numel() > 0]
     grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
-    if grads:
-        # One multi-tensor kernel for all per-tensor norms instead of a Python loop over params.
-        norms = torch._foreach_norm(grads, norm_type)
+    # One multi-tensor kernel per device (host-resident main grads of optimizer_cpu_offload
+    # beside device ones) for all per-tensor norms instead of a Python loop over params.
+    for group in _by_device(grads):
+        norms = torch._foreach_norm(group, norm_type)
         total_norm += torch.stack(norms).to(device).pow(norm_type).sum()
     torch.distributed.all_reduce(
         total_norm, op=torch.distributed.ReduceOp.SUM, group=model_parallel_group
@@ -81,8 +90,9 @@ def clip_grad_by_total_norm_fp32(
         parameters = [parameters]
     grads = [p.grad.detach() for p in parameters if p.grad is not None]
     clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0 and grads:
-        torch._foreach_mul_(grads, clip_coeff)
+    if clip_coeff < 1.0:
+        for group in _by_device(grads):
+            torch._foreach_mul_(group, clip_coeff)
 
 
 def count_zeros_fp32(

@@ -208,6 +208,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.shard_fp32_groups.append(shard_fp32)
             self.shard_fp32_from_float16_groups.append(shard_fp32_from_float16)
             param_group['params'] = [*shard_fp32, *shard_fp32_from_float16]
+        if config.optimizer_cpu_offload:
+            from .cpu_offload import offload_main_params
+
+            offload_main_params(self, config.optimizer_offload_fraction)
         self.optimizer.state.clear()
 
     # ------------------------------------------------------------------ groups and grads
@@ -244,7 +248,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     param_range = self.param_range_map[model_param]['param']
                     model_grad = model_param.main_grad
                     shard_model_grad = model_grad.view(-1)[param_range.start : param_range.end]
-                    shard_main_param.grad = shard_model_grad.float()
+                    # To the host for a main param that optimizer_cpu_offload keeps there.
+                    shard_main_param.grad = shard_model_grad.to(
+                        device=shard_main_param.device, dtype=torch.float32
+                    )
 
         copy_group_grads(self.model_float16_groups, self.shard_fp32_from_float16_groups)
         copy_group_grads(self.model_fp32_groups, self.shard_fp32_groups)

@@ -89,6 +89,14 @@ class OptimizerConfig:
     """With the distributed optimizer, run the parameter all-gathers after each step in the
     background; DDP's forward pre-hooks wait for each bucket before its parameters are used."""
 
+    optimizer_cpu_offload: bool = False
+    """With the distributed optimizer, keep `optimizer_offload_fraction` of this rank's fp32 main
+    params (by elements, in param-group order) and their Adam state and step on the host, and
+    step them there (later Megatron's hybrid CPU-offload optimizer)."""
+
+    optimizer_offload_fraction: float = 0.0
+    """The fraction of the fp32 main-param elements `optimizer_cpu_offload` keeps on the host."""
+
     ################
     # Miscellaneous
     ################

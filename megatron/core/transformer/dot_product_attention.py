@@ -4,6 +4,7 @@ Notation: sq / sk query / key length, b batch, np query heads per partition, ng 
 (key/value heads) per partition, hn head size, hp = np * hn.
 """
 
+import contextlib
 import math
 from typing import Optional
 
@@ -275,7 +276,49 @@ class DotProductAttention(MegatronModule):
             context = context.permute(2, 0, 1, 3).contiguous()  # [b, np, sq, hn] -> [sq, b, np, hn]
             return context.view(sq, b, self.hidden_size_per_partition)  # [sq, b, hp]
 
+        if self.config.use_flash_attn:
+            return self._fused_attention(query, key, value, attention_mask, attn_mask_type)
         return self._masked_attention(query, key, value, attention_mask, attn_mask_type)
+
+    def _fused_attention(self, query, key, value, attention_mask, attn_mask_type) -> Tensor:
+        """--use-flash-attn: one scaled_dot_product_attention call with the mask (causal, or
+        the boolean mask, True = masked out) and the attention dropout inside the kernel, drawn
+        from the model-parallel RNG like the unfused dropout; the fused kernels keep the softmax
+        in fp32 whatever the input precision.
+
+        query [sq, b, np, hn], key / value [sk, b, np, hn] (heads already expanded) -> [sq, b, hp].
+        """
+        sq, b, np_, hn = query.shape
+        sk = key.size(0)
+        q = query.permute(1, 2, 0, 3)  # [sq, b, np, hn] -> [b, np, sq, hn]
+        k = key.permute(1, 2, 0, 3)  # [sk, b, np, hn] -> [b, np, sk, hn]
+        v = value.permute(1, 2, 0, 3)
+        mask, causal = None, False
+        if attn_mask_type == AttnMaskType.causal:
+            if sq == sk:
+                causal = sq > 1
+            else:
+                mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+        elif attention_mask is not None:
+            # Additive, as Megatron's mask fill value: a fully masked (padding) row stays finite.
+            mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)
+            mask = mask.masked_fill(attention_mask, -10000.0)  # [b, 1, sq, sk]
+        dropout_p = self.attention_dropout_p if self.training else 0.0
+        rng = contextlib.nullcontext()
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            rng = tensor_parallel.get_cuda_rng_tracker().fork()
+        with rng:
+            context = torch.nn.functional.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=causal,
+                scale=1.0 / math.sqrt(hn),
+            )  # [b, np, sq, hn]
+        context = context.permute(2, 0, 1, 3).contiguous()  # [b, np, sq, hn] -> [sq, b, np, hn]
+        return context.view(sq, b, self.hidden_size_per_partition)  # [sq, b, hp]
 
     def _masked_attention(self, query, key, value, attention_mask, attn_mask_type) -> Tensor:
         """The unfused path: scores, masked softmax, dropout, weighted values.

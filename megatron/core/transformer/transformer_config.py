@@ -95,6 +95,11 @@ class TransformerConfig(ModelParallelConfig):
     test_mode: bool = False
     """Extra checks in tests."""
 
+    use_flash_attn: bool = False
+    """Run every core attention through torch's fused scaled_dot_product_attention (its flash or
+    memory-efficient kernels where the device has them, the same math elsewhere), attention
+    dropout and padding masks included (`--use-flash-attn`)."""
+
     calculate_per_token_loss: bool = False
     """Average the loss over all tokens of the global batch instead of per micro-batch."""
 

@@ -25,6 +25,19 @@ MEGATRON_FLAGS_NOT_IN_LIST = {
 # Our flags that core_r0.8.0 does not have (later Megatron versions do, with these names).
 OUR_EXTRA_FLAGS = {
     '--local-rank',  # hyphenated alias of --local_rank
+    # Resilience flags of later Megatron (rerun state machine v0.10+, local non-persistent
+    # checkpoints v0.11, CPU-offloading optimizer v0.12); --check-for-nan-in-loss-and-grad is the
+    # positive spelling of r0.8's --no-check-for-nan-in-loss-and-grad.
+    '--rerun-mode',
+    '--error-injection-rate',
+    '--error-injection-type',
+    '--check-for-nan-in-loss-and-grad',
+    '--check-for-spiky-loss',
+    '--check-for-large-grads',
+    '--result-rejected-tracker-filename',
+    '--non-persistent-local-ckpt-dir',
+    '--optimizer-cpu-offload',
+    '--optimizer-offload-fraction',
     '--decrease-batch-size-if-needed',
     '--non-persistent-ckpt-type',
     '--non-persistent-global-ckpt-dir',

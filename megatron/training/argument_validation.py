@@ -11,6 +11,7 @@ it from.
 
 import math
 
+from megatron.training.argument_validation_fsdp import validate_fsdp_args
 from megatron.training.argument_validation_model import (
     select_transformer_impl,
     validate_mixed_precision,
@@ -94,6 +95,7 @@ def validate_args(args, defaults={}):
     validate_megatron_r08_extras(args)
     validate_dist_checkpoint_args(args)
     validate_sft_and_fim_args(args)
+    validate_fsdp_args(args)
     validate_timing_log_level(args)
     _print_args('arguments', args)
     return args

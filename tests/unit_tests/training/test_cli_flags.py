@@ -66,10 +66,14 @@ OUR_EXTRA_FLAGS = {
     '--fim-suffix-token',
     '--fim-pad-token',
     '--fim-eod-token',
+    # Fully sharded data parallel (core_v0.10 / core_v0.13; docs/fsdp.md).
+    '--use-torch-fsdp2',
+    '--torch-fsdp2-no-reshard-after-forward',
 }
 
 # Flags of this package only (no Megatron version has them).
 OUR_OWN_FLAGS = {
+    '--torch-fsdp2-reduce-in-bf16',  # Megatron's bf16 FSDP2 numerics, opt-in (docs/fsdp.md)
     '--watchdog-timeout',  # the hang watchdog (megatron/training/watchdog.py)
     '--torch-compile',  # torch.compile of the transformer layers (megatron/training/training.py)
     '--sft-one-row-per-sample',  # Megatron's SFT packing (training/datasets/sft_dataset.py)

@@ -1,0 +1,67 @@
+"""--use-torch-fsdp2 flags: each combination that could not be exact stops start-up with one line
+naming the flags, and the accepted ones set up the wrapper's config."""
+
+import pytest
+import torch
+
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.fsdp_wrapping import fsdp2_config_from_args, keeps_fp32_params
+
+BASE = [
+    '--num-layers', '2', '--hidden-size', '32', '--num-attention-heads', '4',
+    '--seq-length', '16', '--max-position-embeddings', '16', '--micro-batch-size', '2',
+    '--train-iters', '4', '--lr', '1e-3',
+]  # fmt: skip
+
+
+def _validate(extra=(), world_size=4):
+    args = parse_args(args_list=BASE + list(extra))
+    args.world_size = world_size
+    args.rank = 0
+    return validate_args(args, {})
+
+
+REFUSED = {
+    'pipeline': (['--pipeline-model-parallel-size', '2'], 'pipeline parallelism'),
+    'experts': (
+        ['--num-experts', '4', '--expert-model-parallel-size', '2'],
+        'expert parallelism (--expert-model-parallel-size 2)',
+    ),
+    'distributed-optimizer': (['--use-distributed-optimizer'], '--use-distributed-optimizer'),
+    'fp16': (['--fp16'], '--fp16'),
+    'bf16-reduce-needs-bf16': (['--torch-fsdp2-reduce-in-bf16'], 'requires --bf16'),
+}
+
+
+@pytest.mark.parametrize('name', sorted(REFUSED))
+def test_refused_combinations_are_one_line_errors(name):
+    extra, text = REFUSED[name]
+    with pytest.raises(ValueError) as err:
+        _validate(['--use-torch-fsdp2'] + extra)
+    message = str(err.value)
+    assert '\n' not in message and text in message, message
+
+
+@pytest.mark.parametrize(
+    'flag', ['--torch-fsdp2-no-reshard-after-forward', '--torch-fsdp2-reduce-in-bf16']
+)
+def test_options_need_use_torch_fsdp2(flag):
+    with pytest.raises(ValueError, match=f'{flag} requires --use-torch-fsdp2'):
+        _validate([flag, '--bf16'])
+
+
+def test_accepted_flags_give_the_wrapper_config():
+    args = _validate(['--use-torch-fsdp2', '--bf16', '--tensor-model-parallel-size', '2'])
+    assert not args.gradient_accumulation_fusion  # the fused wgrad needs DDP's main_grad
+    assert keeps_fp32_params(args)
+    config = fsdp2_config_from_args(args)
+    assert config.reshard_after_forward
+    assert (config.param_dtype, config.reduce_dtype) == (torch.bfloat16, torch.float32)
+
+    args = _validate(
+        ['--use-torch-fsdp2', '--bf16', '--torch-fsdp2-reduce-in-bf16']
+        + ['--torch-fsdp2-no-reshard-after-forward']
+    )
+    assert not keeps_fp32_params(args)
+    config = fsdp2_config_from_args(args)
+    assert not config.reshard_after_forward and config.reduce_dtype is None

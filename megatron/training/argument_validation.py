@@ -78,6 +78,7 @@ def validate_args(args, defaults={}):
     select_transformer_impl(args)
     validate_batch_sizes(args)
     validate_virtual_pipeline(args)
+    validate_fsdp_args(args)
     validate_distributed_optimizer(args)
     validate_mixed_precision(args)
     reset_sample_counters(args)
@@ -95,7 +96,6 @@ def validate_args(args, defaults={}):
     validate_megatron_r08_extras(args)
     validate_dist_checkpoint_args(args)
     validate_sft_and_fim_args(args)
-    validate_fsdp_args(args)
     validate_timing_log_level(args)
     _print_args('arguments', args)
     return args

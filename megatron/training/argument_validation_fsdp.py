@@ -1,5 +1,15 @@
-"""Rules of the fully-sharded data-parallel flags (`--use-torch-fsdp2`): every combination whose
-result could not be exact is refused with one line before any work starts."""
+"""Rules of the fully-sharded data-parallel flags (`--use-torch-fsdp2`, `--use-megatron-fsdp`):
+every combination whose result could not be exact is refused with one line before any work
+starts. Megatron-FSDP's strategies are translated here into the engine that runs them:
+
+- no_shard: DistributedDataParallel (everything replicated);
+- optim: DDP with the distributed optimizer (ZeRO-1: reduce-scatter, sharded fp32 main
+  params and optimizer state, all-gather of the updated params);
+- optim_grads: FSDP2 without resharding after forward (one all-gather per unit and step,
+  gradients reduce-scattered into shards);
+- optim_grads_params: FSDP2 with resharding after forward (all-gather before forward and
+  again before backward, with prefetch).
+"""
 
 
 def _needs_fsdp2(args):
@@ -9,12 +19,38 @@ def _needs_fsdp2(args):
         raise ValueError('--torch-fsdp2-reduce-in-bf16 requires --use-torch-fsdp2')
 
 
+def _translate_megatron_fsdp(args):
+    """Map --use-megatron-fsdp's strategy onto our engines; return the flag text for errors."""
+    strategy = args.data_parallel_sharding_strategy
+    flag = f'--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}'
+    if args.use_torch_fsdp2:
+        raise ValueError('--use-torch-fsdp2 contradicts --use-megatron-fsdp: choose one FSDP path')
+    _needs_fsdp2(args)
+    if args.fp16 and strategy in ('optim_grads', 'optim_grads_params'):
+        raise ValueError(f'{flag} is not supported with --fp16; use --bf16 or fp32')
+    if strategy == 'no_shard':
+        args.use_distributed_optimizer = False
+    elif strategy == 'optim':
+        args.use_distributed_optimizer = True
+    else:
+        # Megatron requires --use-distributed-optimizer here; FSDP2 shards the optimizer state
+        # itself, so the flag is accepted and the plain optimizer runs on the shards.
+        args.use_distributed_optimizer = False
+        args.use_torch_fsdp2 = True
+        args.torch_fsdp2_reshard_after_forward = strategy == 'optim_grads_params'
+    return flag
+
+
 def validate_fsdp_args(args):
-    """Check --use-torch-fsdp2 against the other flags (ValueError, one line)."""
-    if not getattr(args, 'use_torch_fsdp2', False):
-        _needs_fsdp2(args)
-        return
+    """Check the FSDP flags against the others (ValueError, one line); translate
+    --use-megatron-fsdp into the engine of its strategy."""
     flag = '--use-torch-fsdp2'
+    if getattr(args, 'use_megatron_fsdp', False):
+        flag = _translate_megatron_fsdp(args)
+    if not getattr(args, 'use_torch_fsdp2', False):
+        if not getattr(args, 'use_megatron_fsdp', False):
+            _needs_fsdp2(args)
+        return
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError:
@@ -46,8 +82,6 @@ def validate_fsdp_args(args):
         )
     if args.torch_fsdp2_reduce_in_bf16 and not args.bf16:
         raise ValueError('--torch-fsdp2-reduce-in-bf16 requires --bf16')
-    if getattr(args, 'use_megatron_fsdp', False):
-        raise ValueError(f'{flag} contradicts --use-megatron-fsdp: choose one FSDP implementation')
     if args.save is not None or args.load is not None:
         raise ValueError(
             f'{flag}: checkpoints (--save / --load) of FSDP2-sharded models are not supported yet'

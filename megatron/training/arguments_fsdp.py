@@ -1,5 +1,10 @@
 """Flags of fully sharded data parallelism: PyTorch FSDP2 (`--use-torch-fsdp2`, Megatron v0.10+
-names) and its options. Rules live in argument_validation_fsdp.py."""
+names) and its options, and Megatron-FSDP's sharding strategies (`--use-megatron-fsdp`, v0.14+),
+which are mapped onto DDP, the distributed optimizer or FSDP2 (docs/fsdp.md). Rules live in
+argument_validation_fsdp.py."""
+
+#: Megatron-FSDP's ZeRO levels, in order.
+SHARDING_STRATEGIES = ('no_shard', 'optim', 'optim_grads', 'optim_grads_params')
 
 
 def add_fsdp_args(parser):
@@ -27,5 +32,21 @@ def add_fsdp_args(parser):
         'policy, so gradients are accumulated and reduce-scattered in bf16. By default the '
         'sharded parameters stay fp32, compute gathers them in bf16 and gradients are '
         'reduce-scattered in fp32.',
+    )
+    group.add_argument(
+        '--use-megatron-fsdp',
+        action='store_true',
+        help='Megatron-FSDP: shard the training state over data-parallel ranks at the level '
+        '--data-parallel-sharding-strategy names (no_shard = DDP, optim = the distributed '
+        'optimizer, optim_grads and optim_grads_params = FSDP2 units).',
+    )
+    group.add_argument(
+        '--data-parallel-sharding-strategy',
+        type=str,
+        default='optim_grads_params',
+        choices=list(SHARDING_STRATEGIES),
+        help='With --use-megatron-fsdp: what is sharded over data-parallel ranks: nothing, the '
+        'optimizer state, also the gradients, or also the parameters (default, as Megatron '
+        'v0.18+).',
     )
     return parser

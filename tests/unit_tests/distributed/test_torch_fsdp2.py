@@ -107,7 +107,7 @@ def _attributes(model):
     return {n: {a: getattr(p, a, None) for a in names} for n, p in model.named_parameters()}
 
 
-def _memory_and_attributes():
+def _memory_and_attributes(reshard_after_forward):
     model, config = U.build()
     ddp = U.wrap_ddp(model, config)
     _, _, optimizer = U.train(ddp, config, iterations=1)
@@ -116,7 +116,9 @@ def _memory_and_attributes():
 
     model, config = U.build()
     before = _attributes(model)
-    fsdp = TorchFullyShardedDataParallel(config, None, model)
+    fsdp = TorchFullyShardedDataParallel(
+        config, None, model, TorchFullyShardedDataParallelConfig(reshard_after_forward)
+    )
     _, _, optimizer = U.train(fsdp, config, iterations=1)
     after = _attributes(fsdp.module)
     return {
@@ -127,8 +129,13 @@ def _memory_and_attributes():
     }
 
 
-def test_fsdp2_rank_holds_one_over_dp_of_the_state():
-    for out in run_distributed(_memory_and_attributes, 2, tp=1):
+@pytest.mark.parametrize(
+    'reshard_after_forward',
+    [True, False],
+    ids=['optim_grads_params', 'optim_grads (no reshard after forward)'],
+)
+def test_fsdp2_rank_holds_one_over_dp_of_the_state(reshard_after_forward):
+    for out in run_distributed(_memory_and_attributes, 2, args=(reshard_after_forward,)):
         assert out['attributes_kept']
         # Parameters + grads + Adam state + any gathered or kept copy, counted from the
         # tensors this rank holds after a step: 1/DP of DDP's, within padding.

@@ -69,6 +69,8 @@ OUR_EXTRA_FLAGS = {
     # Fully sharded data parallel (core_v0.10 / core_v0.13; docs/fsdp.md).
     '--use-torch-fsdp2',
     '--torch-fsdp2-no-reshard-after-forward',
+    '--use-megatron-fsdp',
+    '--data-parallel-sharding-strategy',
 }
 
 # Flags of this package only (no Megatron version has them).

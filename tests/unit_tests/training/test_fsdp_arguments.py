@@ -65,3 +65,38 @@ def test_accepted_flags_give_the_wrapper_config():
     assert not keeps_fp32_params(args)
     config = fsdp2_config_from_args(args)
     assert not config.reshard_after_forward and config.reduce_dtype is None
+
+
+#: strategy -> (use_distributed_optimizer, use_torch_fsdp2, reshard_after_forward)
+STRATEGIES = {
+    'no_shard': (False, False, True),
+    'optim': (True, False, True),
+    'optim_grads': (False, True, False),
+    'optim_grads_params': (False, True, True),
+}
+
+
+@pytest.mark.parametrize('strategy', sorted(STRATEGIES))
+def test_megatron_fsdp_strategies_map_onto_our_engines(strategy):
+    # Megatron's runs pass --use-distributed-optimizer with every strategy; it is accepted.
+    args = _validate(
+        ['--use-megatron-fsdp', '--data-parallel-sharding-strategy', strategy]
+        + ['--use-distributed-optimizer']
+    )
+    got = (
+        args.use_distributed_optimizer,
+        args.use_torch_fsdp2,
+        args.torch_fsdp2_reshard_after_forward,
+    )
+    assert got == STRATEGIES[strategy]
+
+
+def test_megatron_fsdp_refusals_name_the_strategy():
+    with pytest.raises(ValueError) as err:
+        _validate(['--use-megatron-fsdp', '--pipeline-model-parallel-size', '2'])
+    assert str(err.value).startswith(
+        '--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params is not '
+        'supported with pipeline parallelism'
+    )
+    with pytest.raises(ValueError, match='contradicts --use-megatron-fsdp'):
+        _validate(['--use-megatron-fsdp', '--use-torch-fsdp2'])

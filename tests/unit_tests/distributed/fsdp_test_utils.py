@@ -75,12 +75,13 @@ def _forward_step(per_token):
     return forward_step
 
 
-def train(model, config, iterations=3, num_microbatches=1, per_token=False, lr=1e-2):
+def train(model, config, iterations=3, num_microbatches=1, per_token=False, lr=1e-2, bf16=False):
     """Run `iterations` optimizer steps; return per-step (global mean loss, grad norm)."""
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             lr=lr,
             clip_grad=1.0,
+            bf16=bf16,
             weight_decay=0.01,
             use_distributed_optimizer=getattr(
                 getattr(model, 'ddp_config', None), 'use_distributed_optimizer', False

@@ -140,3 +140,40 @@ def test_fsdp2_rank_holds_one_over_dp_of_the_state(reshard_after_forward):
         # Parameters + grads + Adam state + any gathered or kept copy, counted from the
         # tensors this rank holds after a step: 1/DP of DDP's, within padding.
         assert out['fsdp_held'] <= out['ddp'] / out['dp'] * 1.02, out
+
+
+def _bf16_parity():
+    from megatron.core.transformer.module import Float16Module
+
+    out = {}
+    model, config = U.build(bf16=True, params_dtype=torch.bfloat16)
+    ddp_config = U.DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    ddp = U.DistributedDataParallel(config, ddp_config, Float16Module(config, model))
+    out['ddp'] = U.train(ddp, config, bf16=True)[:2]
+    del ddp, model
+
+    # Default --bf16 layout: fp32 shards, bf16 compute, fp32 reduce-scatter.
+    model, config = U.build(bf16=True, params_dtype=torch.bfloat16)
+    model.float()
+    policy = TorchFullyShardedDataParallelConfig(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+    )
+    out['fp32-reduce'] = U.train(
+        TorchFullyShardedDataParallel(config, None, model, policy), config, bf16=True
+    )[:2]
+    del model
+
+    # --torch-fsdp2-reduce-in-bf16: Megatron's layout (bf16 parameters, no policy).
+    model, config = U.build(bf16=True, params_dtype=torch.bfloat16)
+    fsdp = TorchFullyShardedDataParallel(config, None, Float16Module(config, model))
+    out['bf16-reduce'] = U.train(fsdp, config, bf16=True)[:2]
+    return out
+
+
+def test_fsdp2_bf16_layouts_track_ddp():
+    for out in run_distributed(_bf16_parity, 2):
+        ref_losses, ref_norms = out['ddp']
+        for name in ('fp32-reduce', 'bf16-reduce'):
+            losses, norms = out[name]
+            assert losses == pytest.approx(ref_losses, rel=2e-2), name
+            assert norms == pytest.approx(ref_norms, rel=5e-2), name

@@ -1,5 +1,6 @@
 """--use-torch-fsdp2 flags: each combination that could not be exact stops start-up with one line
-naming the flags, and the accepted ones set up the wrapper's config."""
+naming the flags (the fsdp* rows of docs/errors.md), and the accepted ones set up the wrapper's
+config."""
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ REFUSED = {
     'distributed-optimizer': (['--use-distributed-optimizer'], '--use-distributed-optimizer'),
     'fp16': (['--fp16'], '--fp16'),
     'bf16-reduce-needs-bf16': (['--torch-fsdp2-reduce-in-bf16'], 'requires --bf16'),
+    'checkpoint': (['--save', '/nonexistent/ckpt'], 'checkpoints (--save / --load)'),
 }
 
 

@@ -102,3 +102,19 @@ def test_megatron_fsdp_refusals_name_the_strategy():
     )
     with pytest.raises(ValueError, match='contradicts --use-megatron-fsdp'):
         _validate(['--use-megatron-fsdp', '--use-torch-fsdp2'])
+
+
+def test_theoretical_memory_accounts_for_each_strategy():
+    from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
+
+    memory = {}
+    for strategy in STRATEGIES:
+        args = _validate(['--use-megatron-fsdp', '--data-parallel-sharding-strategy', strategy])
+        args.padded_vocab_size = 1024  # set by the tokenizer in a run
+        memory[strategy] = compute_weight_and_optimizer_memory(args)
+    dp = 4
+    # Bytes per parameter: 18 replicated, 6 + 12 / DP with the optimizer state sharded, 16 / DP
+    # with everything sharded.
+    assert memory['optim'] / memory['no_shard'] == pytest.approx((6 + 12 / dp) / 18)
+    assert memory['optim_grads'] / memory['no_shard'] == pytest.approx(16 / dp / 18)
+    assert memory['optim_grads_params'] == memory['optim_grads']

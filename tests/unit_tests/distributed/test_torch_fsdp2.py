@@ -69,6 +69,10 @@ def test_fsdp2_dp2_matches_ddp():
     _check(run_distributed(_parity, 2, args=(list(SCENARIOS),)))
 
 
+def test_fsdp2_dp4_matches_ddp():
+    _check(run_distributed(_parity, 4, args=(['accumulation', 'per-token-loss'],)))
+
+
 def test_fsdp2_tp2_dp2_sequence_parallel_matches_ddp():
     _check(run_distributed(_parity, 4, tp=2, args=(['accumulation'], True)))
 

@@ -12,6 +12,7 @@ it from.
 import math
 
 from megatron.training.argument_validation_floats import validate_float_flags
+from megatron.training.argument_validation_fsdp import validate_fsdp_args
 from megatron.training.argument_validation_mamba import validate_mamba_args
 from megatron.training.argument_validation_mla import validate_mla_args
 from megatron.training.argument_validation_model import (
@@ -87,6 +88,7 @@ def validate_args(args, defaults={}):
     select_transformer_impl(args)
     validate_batch_sizes(args)
     validate_virtual_pipeline(args)
+    validate_fsdp_args(args)
     validate_distributed_optimizer(args)
     validate_mixed_precision(args)
     reset_sample_counters(args)

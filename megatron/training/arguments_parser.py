@@ -7,6 +7,7 @@ defaults from here (without importing `arguments.py`, which imports it).
 import argparse
 import sys
 
+from megatron.training.arguments_fsdp import add_fsdp_args
 from megatron.training.arguments_mamba import add_mamba_args
 from megatron.training.arguments_mla import _add_mla_args
 from megatron.training.arguments_model import (
@@ -70,6 +71,7 @@ def get_args_parser(extra_args_provider=None):
     parser = _add_data_args(parser)
     parser = _add_tokenizer_args(parser)
     parser = add_sft_and_fim_args(parser)
+    parser = add_fsdp_args(parser)
     parser = _add_autoresume_args(parser)
     parser = add_biencoder_args(parser)
     parser = add_vision_args(parser)

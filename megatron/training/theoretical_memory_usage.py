@@ -85,6 +85,12 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     num_bytes_per_parameter = (
         18 if not args.use_distributed_optimizer else 6 + (12 / args.data_parallel_size)
     )
+    if getattr(args, 'use_torch_fsdp2', False):
+        # FSDP2 (and Megatron-FSDP's optim_grads / optim_grads_params) shards all of it: fp32
+        # weight + fp32 grad + two moments (bf16 default), or bf16 weight + bf16 grad + fp32 main
+        # weight + moments (--torch-fsdp2-reduce-in-bf16): 16 bytes over data parallelism. The
+        # gathered unit (one layer's weights and grads, transient) is not counted.
+        num_bytes_per_parameter = 16 / args.data_parallel_size
     return num_parameters_on_most_loaded_model_shard * num_bytes_per_parameter
 
 

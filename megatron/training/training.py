@@ -441,13 +441,19 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     if getattr(args, 'torch_compile', False):
         _compile_transformer_layers(model)
 
-    if args.fp16 or args.bf16:
+    from megatron.training.fsdp_wrapping import keeps_fp32_params, uses_torch_fsdp2
+
+    if (args.fp16 or args.bf16) and not keeps_fp32_params(args):
         from megatron.core.transformer.module import Float16Module
 
         model = [
             Float16Module(get_model_config(model_module), model_module) for model_module in model
         ]
 
+    if wrap_with_ddp and uses_torch_fsdp2(args):
+        from megatron.training.fsdp_wrapping import wrap_with_torch_fsdp2
+
+        return wrap_with_torch_fsdp2(args, model)
     if wrap_with_ddp:
         from megatron.core.distributed import DistributedDataParallel as DDP
         from megatron.core.distributed import DistributedDataParallelConfig
@@ -735,7 +741,9 @@ def _install_schedule_hooks(config, model, optimizer, args):
 
     config.grad_scale_func = optimizer.scale_loss
     config.timers = get_timers()
-    if args.overlap_grad_reduce and hasattr(model[0], 'no_sync'):
+    # FSDP2 wrappers reduce in backward unless told not to, whatever --overlap-grad-reduce.
+    reduces_in_backward = getattr(model[0], 'needs_no_sync_between_microbatches', False)
+    if (args.overlap_grad_reduce or reduces_in_backward) and hasattr(model[0], 'no_sync'):
         # Grad all-reduces are launched by DDP's hooks during the last micro-batch's backward;
         # the schedules disable them for the other micro-batches.
         config.no_sync_func = [model_chunk.no_sync for model_chunk in model]

@@ -92,6 +92,20 @@ ELSEWHERE = {
     'dist-ckpt-incomplete': 'tests/unit_tests/dist_checkpointing/test_serialization.py',
     'dist-ckpt-planted': 'tests/unit_tests/dist_checkpointing/test_serialization.py',
     **{
+        case: 'tests/unit_tests/training/test_fsdp_arguments.py'
+        for case in (
+            'fsdp2-pipeline',
+            'fsdp2-experts',
+            'fsdp2-distributed-optimizer',
+            'fsdp2-fp16',
+            'fsdp2-checkpoint',
+            'fsdp2-bf16-reduce-needs-bf16',
+            'fsdp2-option-alone',
+            'fsdp-both',
+            'megatron-fsdp-strategy',
+        )
+    },
+    **{
         case: 'tests/unit_tests/training/test_moe_arguments.py'
         for case in (
             'moe-topk',

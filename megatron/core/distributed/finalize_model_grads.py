@@ -23,6 +23,7 @@ from typing import List, Optional
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatron.core.distributed.sharded_tensors import local_tensor
 from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
@@ -117,7 +118,8 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, pgs=None) -
                         and not getattr(param, 'is_latent_norm', False)
                     )
                 ):
-                    grads.append(_grad_for_reduction(param).data)
+                    # A sharded (FSDP2) grad: every TP rank holds the same data-parallel shard.
+                    grads.append(local_tensor(_grad_for_reduction(param).data))
         if grads:
             coalesced = _flatten_dense_tensors(grads)
             torch.distributed.all_reduce(coalesced, group=pgs.tp)

@@ -119,10 +119,16 @@ OUR_EXTRA_FLAGS = {
     '--qk-clip-threshold',
     '--moe-router-num-groups',
     '--moe-router-group-topk',
+    # Fully sharded data parallel (core_v0.10 / core_v0.13; docs/fsdp.md).
+    '--use-torch-fsdp2',
+    '--torch-fsdp2-no-reshard-after-forward',
+    '--use-megatron-fsdp',
+    '--data-parallel-sharding-strategy',
 }
 
 # Flags of this package only (no Megatron version has them).
 OUR_OWN_FLAGS = {
+    '--torch-fsdp2-reduce-in-bf16',  # Megatron's bf16 FSDP2 numerics, opt-in (docs/fsdp.md)
     '--watchdog-timeout',  # the hang watchdog (megatron/training/watchdog.py)
     '--torch-compile',  # torch.compile of the transformer layers (megatron/training/training.py)
     '--sft-one-row-per-sample',  # Megatron's SFT packing (training/datasets/sft_dataset.py)

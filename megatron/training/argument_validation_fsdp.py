@@ -1,0 +1,91 @@
+"""Rules of the fully-sharded data-parallel flags (`--use-torch-fsdp2`, `--use-megatron-fsdp`):
+every combination whose result could not be exact is refused with one line before any work
+starts. Megatron-FSDP's strategies are translated here into the engine that runs them:
+
+- no_shard: DistributedDataParallel (everything replicated);
+- optim: DDP with the distributed optimizer (ZeRO-1: reduce-scatter, sharded fp32 main
+  params and optimizer state, all-gather of the updated params);
+- optim_grads: FSDP2 without resharding after forward (one all-gather per unit and step,
+  gradients reduce-scattered into shards);
+- optim_grads_params: FSDP2 with resharding after forward (all-gather before forward and
+  again before backward, with prefetch).
+"""
+
+
+def _needs_fsdp2(args):
+    if not args.torch_fsdp2_reshard_after_forward:
+        raise ValueError('--torch-fsdp2-no-reshard-after-forward requires --use-torch-fsdp2')
+    if args.torch_fsdp2_reduce_in_bf16:
+        raise ValueError('--torch-fsdp2-reduce-in-bf16 requires --use-torch-fsdp2')
+
+
+def _translate_megatron_fsdp(args):
+    """Map --use-megatron-fsdp's strategy onto our engines; return the flag text for errors."""
+    strategy = args.data_parallel_sharding_strategy
+    flag = f'--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}'
+    if args.use_torch_fsdp2:
+        raise ValueError('--use-torch-fsdp2 contradicts --use-megatron-fsdp: choose one FSDP path')
+    _needs_fsdp2(args)
+    if args.fp16 and strategy in ('optim_grads', 'optim_grads_params'):
+        raise ValueError(f'{flag} is not supported with --fp16; use --bf16 or fp32')
+    if strategy == 'no_shard':
+        args.use_distributed_optimizer = False
+    elif strategy == 'optim':
+        args.use_distributed_optimizer = True
+    else:
+        # Megatron requires --use-distributed-optimizer here; FSDP2 shards the optimizer state
+        # itself, so the flag is accepted and the plain optimizer runs on the shards.
+        args.use_distributed_optimizer = False
+        args.use_torch_fsdp2 = True
+        args.torch_fsdp2_reshard_after_forward = strategy == 'optim_grads_params'
+    return flag
+
+
+def validate_fsdp_args(args):
+    """Check the FSDP flags against the others (ValueError, one line); translate
+    --use-megatron-fsdp into the engine of its strategy."""
+    flag = '--use-torch-fsdp2'
+    if getattr(args, 'use_megatron_fsdp', False):
+        flag = _translate_megatron_fsdp(args)
+    if not getattr(args, 'use_torch_fsdp2', False):
+        if not getattr(args, 'use_megatron_fsdp', False):
+            _needs_fsdp2(args)
+        return
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            f'{flag} requires PyTorch >= 2.4 (torch.distributed.fsdp.fully_shard)'
+        ) from None
+    if args.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f'{flag} is not supported with pipeline parallelism (--pipeline-model-parallel-size '
+            f'{args.pipeline_model_parallel_size}): FSDP2 units would re-gather per micro-batch '
+            'and the tied-embedding copy across stages is not sharded'
+        )
+    if getattr(args, 'expert_model_parallel_size', 1) > 1:
+        raise ValueError(
+            f'{flag} is not supported with expert parallelism (--expert-model-parallel-size '
+            f'{args.expert_model_parallel_size}): experts would need their own '
+            'expert-data-parallel mesh'
+        )
+    if args.use_distributed_optimizer:
+        raise ValueError(
+            f'{flag} is not supported with --use-distributed-optimizer: FSDP2 already shards the '
+            'optimizer state (the optimizer is built on the sharded parameters)'
+        )
+    if args.fp16:
+        raise ValueError(
+            f'{flag} is not supported with --fp16: the loss-scaled fp16 path needs fp16 '
+            'parameters and an overflow check the FSDP2 reduce-scatter does not run; use --bf16 '
+            'or fp32'
+        )
+    if args.torch_fsdp2_reduce_in_bf16 and not args.bf16:
+        raise ValueError('--torch-fsdp2-reduce-in-bf16 requires --bf16')
+    if args.save is not None or args.load is not None:
+        raise ValueError(
+            f'{flag}: checkpoints (--save / --load) of FSDP2-sharded models are not supported yet'
+        )
+    # The fused weight-gradient GEMM accumulates into `param.main_grad`, which FSDP2's sharded
+    # parameters do not have; the unfused path gives the same gradients.
+    args.gradient_accumulation_fusion = False

@@ -54,7 +54,11 @@ def _validate(extra, world_size=1):
             'without specifying --non-persistent-local-ckpt-dir',
         ),
         ('--optimizer-offload-fraction 1.5', '--optimizer-offload-fraction must be in [0, 1]'),
-        ('--optimizer-offload-fraction nan', '--optimizer-offload-fraction must be in [0, 1]'),
+        # Every float flag is checked for finiteness first (argument_validation_floats.py).
+        (
+            '--optimizer-offload-fraction nan',
+            '--optimizer-offload-fraction must be a finite number',
+        ),
         ('--optimizer-cpu-offload', '--optimizer-cpu-offload needs --use-distributed-optimizer'),
         (
             '--global-batch-size 1 --decrease-batch-size-if-needed',

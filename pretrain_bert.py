@@ -18,12 +18,12 @@ from megatron.core.enums import ModelType
 from megatron.core.models.bert import bert_layer_specs
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.bert_checks import check_bert_pretraining_inputs
 from megatron.training.datasets.masked_dataset_configs import core_bert_dataset_config_from_args
-from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
+from megatron.training.run_control.errors import run_main
 from megatron.training.training import pretrain
 from megatron.training.utils import average_losses_across_data_parallel_group, print_rank_0
+from megatron.training.validation.bert_checks import check_bert_pretraining_inputs
 
 
 def model_provider(pre_process=True, post_process=True) -> BertModel:

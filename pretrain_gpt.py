@@ -26,12 +26,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import StragglerDetector
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
+from megatron.training.datasets.sft_batch import get_sft_batch
 from megatron.training.datasets.sft_dataset import SFTDataset, SFTDatasetConfig
-from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.mla_config import mla_config_from_args, mla_layer_spec
-from megatron.training.rerun_training import validate_loss
-from megatron.training.sft_batch import get_sft_batch
+from megatron.training.run_control.errors import run_main
+from megatron.training.run_control.rerun_training import validate_loss
 from megatron.training.training import pretrain
 from megatron.training.utils import (
     get_batch_on_this_cp_rank,

@@ -15,8 +15,8 @@ from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as def
 from megatron.core.models.mamba.mamba_model import seq_idx_from_eod
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
+from megatron.training.run_control.errors import run_main
 from megatron.training.training import pretrain
 from megatron.training.utils import print_rank_0
 from pretrain_gpt import get_batch, loss_func, train_valid_test_datasets_provider

@@ -25,8 +25,8 @@ from megatron.core.models.T5.t5_spec import (
 )
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.datasets.masked_dataset_configs import core_t5_dataset_config_from_args
-from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers
+from megatron.training.run_control.errors import run_main
 from megatron.training.training import pretrain
 from megatron.training.utils import print_rank_0
 

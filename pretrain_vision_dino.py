@@ -14,8 +14,8 @@ from megatron.core.utils import get_current_device, unwrap_model
 from megatron.legacy.data.vit_dataset import build_train_valid_datasets
 from megatron.legacy.model.vision.dino import DINOPretrainModel, teacher_temperatures
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_timers
+from megatron.training.run_control.errors import run_main
 from megatron.training.training import pretrain
 from megatron.training.utils import average_losses_across_data_parallel_group, print_rank_0
 

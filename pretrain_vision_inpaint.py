@@ -16,11 +16,11 @@ from megatron.legacy.data.vit_dataset import build_train_valid_datasets
 from megatron.legacy.model.vision.image_metrics import psnr, ssim
 from megatron.legacy.model.vision.inpainting import VitInpaintingModel
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.errors import run_main
+from megatron.training.datasets.vision_batch import image_batch
 from megatron.training.global_vars import get_args, get_timers
+from megatron.training.run_control.errors import run_main
 from megatron.training.training import pretrain
 from megatron.training.utils import average_losses_across_data_parallel_group, print_rank_0
-from megatron.training.vision_batch import image_batch
 
 
 def model_provider(pre_process=True, post_process=True) -> VitInpaintingModel:

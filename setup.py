@@ -66,7 +66,7 @@ setup(
         "tokenizers",
     ],
     extras_require={
-        # --wandb-project (megatron/training/scalar_writers.py).
+        # --wandb-project (megatron/training/logging/scalar_writers.py).
         "wandb": ["wandb"],
         # tools/plot_logs.py.
         "plot": ["matplotlib"],

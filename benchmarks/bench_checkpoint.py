@@ -241,7 +241,7 @@ def _rank_main(rank, world_size, port, bench, use_dist_opt, ckpt_dir, result_fil
 def _reference_io(checkpointing, torch, ckpt_dir, use_dist_opt, timed, rank):
     """(save s, load s) of plain torch.save / torch.load on the bytes this rank wrote / needs."""
     from megatron.core import parallel_state as mpu
-    from megatron.training import distrib_optim_shards
+    from megatron.training.checkpoint import distrib_optim_shards
 
     model_file = checkpointing.get_checkpoint_name(ckpt_dir, 1)
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)

@@ -196,7 +196,8 @@ def _rank_main(rank, world_size, port, bench, phase, cfg, ckpt_dir, result_file)
 
 
 def _save_phase(torch, args, state, meter, ckpt_dir, rank, bench, phase):
-    from megatron.training import checkpointing, checkpointing_dist
+    from megatron.training import checkpointing
+    from megatron.training.checkpoint import checkpointing_dist
 
     result = {'save': [], 'ref_save': [], 'async': []}
     iteration = 0

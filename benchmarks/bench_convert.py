@@ -81,9 +81,9 @@ def write_source(save_dir, small):
     """A TP1 x PP1 checkpoint with random weights (the layout pretrain_gpt.py saves)."""
     import torch
 
-    from megatron.training.argument_validation import validate_args
     from megatron.training.arguments import parse_args
-    from megatron.training.checkpoint_conversion import CheckpointWriter
+    from megatron.training.checkpoint.checkpoint_conversion import CheckpointWriter
+    from megatron.training.validation.argument_validation import validate_args
 
     args = parse_args(
         args_list=_model_flags(small)

@@ -11,10 +11,10 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.training.context_parallel_checks import refuse_context_parallel  # noqa: E402
-from megatron.training.errors import run_main  # noqa: E402
 from megatron.training.global_vars import get_args  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
+from megatron.training.run_control.errors import run_main  # noqa: E402
+from megatron.training.validation.context_parallel_checks import refuse_context_parallel  # noqa: E402
 
 #: Task name -> (module, the tokenizer Megatron's README uses for it).
 TASKS = {
@@ -152,7 +152,7 @@ def check_weights_to_evaluate(task, args_list=None):
     Raises:
         ValueError: naming the flag and the directory.
     """
-    from megatron.training.checkpoint_layout import checkpoint_exists
+    from megatron.training.checkpoint.checkpoint_layout import checkpoint_exists
 
     parser = argparse.ArgumentParser(add_help=False)
     for flag in ('--load', '--pretrained-checkpoint'):

@@ -40,13 +40,13 @@ from megatron.inference.text_generation_server import (
 from megatron.inference.worker_loop import ServingLoop
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.checkpointing import load_checkpoint
-from megatron.training.context_parallel_checks import refuse_context_parallel
-from megatron.training.errors import run_main
 from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.mla_config import mla_config_from_args, mla_layer_spec
+from megatron.training.run_control.errors import run_main
 from megatron.training.training import get_model
 from megatron.training.utils import print_rank_0
+from megatron.training.validation.context_parallel_checks import refuse_context_parallel
 
 
 def model_provider(pre_process=True, post_process=True) -> GPTModel:

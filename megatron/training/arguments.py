@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.utils import openai_gelu, squared_relu
-from megatron.training.argument_validation import validate_args  # noqa: F401 (re-exported)
-from megatron.training.arguments_parser import (  # noqa: F401 (re-exported)
+from megatron.training.cli.arguments_parser import (  # noqa: F401 (re-exported)
     _OneLineErrorParser,
     get_args_parser,
 )
+from megatron.training.validation.argument_validation import validate_args  # noqa: F401 (re-exported)
 
 
 def parse_args(extra_args_provider=None, ignore_unknown_args=False, args_list=None):

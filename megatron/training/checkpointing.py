@@ -44,8 +44,8 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.enums import ModelType
 from megatron.core.utils import get_current_device, unwrap_model
-from megatron.training import checkpointing_non_persistent, distrib_optim_shards
-from megatron.training.arguments_mla import ARCHITECTURE_CHECKPOINT_ARGS
+from megatron.training.checkpoint import checkpointing_non_persistent, distrib_optim_shards
+from megatron.training.cli.arguments_mla import ARCHITECTURE_CHECKPOINT_ARGS
 from megatron.training.global_vars import get_args
 
 # isort: split
@@ -54,7 +54,7 @@ from megatron.training.global_vars import get_args
 # this module defined or imported before those splits stays importable from here (re-exported).
 from typing import Tuple  # noqa: F401
 
-from megatron.training.checkpoint_args import (  # noqa: F401
+from megatron.training.checkpoint.checkpoint_args import (  # noqa: F401
     CHECKPOINT_VERSION,
     _args_for_checkpoint,
     _is_plain,
@@ -66,7 +66,7 @@ from megatron.training.checkpoint_args import (  # noqa: F401
     restore_training_args,
     set_checkpoint_version,
 )
-from megatron.training.checkpoint_layout import (  # noqa: F401
+from megatron.training.checkpoint.checkpoint_layout import (  # noqa: F401
     DISTRIB_OPTIM_BASENAME,
     MODEL_CHECKPOINT_BASENAME,
     TRACKER_FILENAME,
@@ -80,14 +80,14 @@ from megatron.training.checkpoint_layout import (  # noqa: F401
     get_distributed_optimizer_checkpoint_name,
     read_metadata,
 )
-from megatron.training.checkpoint_rng import (  # noqa: F401
+from megatron.training.checkpoint.checkpoint_rng import (  # noqa: F401
     _np_state_from_checkpoint,
     _np_state_to_checkpoint,
     _set_rng_state,
     get_rng_state,
     restore_rng_state,
 )
-from megatron.training.checkpoint_tracker import (  # noqa: F401
+from megatron.training.checkpoint.checkpoint_tracker import (  # noqa: F401
     _check_tracker_moves_forward,
     _fsync_path,
     _write_tracker_atomically,
@@ -95,7 +95,7 @@ from megatron.training.checkpoint_tracker import (  # noqa: F401
     fsync_path,
     write_tracker_atomically,
 )
-from megatron.training.checkpointing_dist import (  # noqa: F401
+from megatron.training.checkpoint.checkpointing_dist import (  # noqa: F401
     maybe_finalize_async_save,
     wait_for_async_staging,
 )
@@ -248,7 +248,7 @@ def save_checkpoint(
     """
     args = get_args()
     model = unwrap_model(model if isinstance(model, list) else [model])
-    from megatron.training import checkpointing_dist
+    from megatron.training.checkpoint import checkpointing_dist
 
     if checkpointing_dist.is_dist_checkpoint_format(args):
         checkpointing_dist.save_dist_checkpoint(
@@ -572,7 +572,7 @@ def load_args_from_checkpoint(
     ):
         _set_arg(name, force=True)
     if getattr(checkpoint_args, 'num_experts', None):
-        from megatron.training.argument_validation_moe import MOE_CHECKPOINT_ARGS
+        from megatron.training.validation.argument_validation_moe import MOE_CHECKPOINT_ARGS
 
         for name in MOE_CHECKPOINT_ARGS:
             _set_arg(name, force=True)
@@ -617,7 +617,7 @@ def _find_dist_checkpoint(args, load_dir: str):
 
     Collective when a tracker file exists (the iteration is agreed over all ranks).
     """
-    from megatron.training import checkpointing_dist
+    from megatron.training.checkpoint import checkpointing_dist
 
     tracker = get_checkpoint_tracker_filename(load_dir) if load_dir else None
     if tracker is None or not os.path.isfile(tracker):
@@ -733,7 +733,7 @@ def load_checkpoint(
 
     dist_dir, release = _find_dist_checkpoint(args, load_dir)
     if dist_dir is not None:
-        from megatron.training import checkpointing_dist
+        from megatron.training.checkpoint import checkpointing_dist
 
         return checkpointing_dist.load_dist_checkpoint(
             args, model, optimizer, opt_param_scheduler, load_dir, dist_dir, release, strict

@@ -20,9 +20,9 @@ from megatron.core import tensor_parallel
 from megatron.core.utils import uses_cuda
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables, set_wandb_writer
-from megatron.training.scalar_writers import build_wandb_writer
-from megatron.training.startup_checks import check_output_directories
-from megatron.training.watchdog import exit_when_launcher_dies
+from megatron.training.logging.scalar_writers import build_wandb_writer
+from megatron.training.run_control.startup_checks import check_output_directories
+from megatron.training.run_control.watchdog import exit_when_launcher_dies
 
 
 def _hierarchical_cp_sizes():

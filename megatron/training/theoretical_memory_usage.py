@@ -21,7 +21,9 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
         args.num_query_groups = args.num_attention_heads
     if args.num_experts is not None:
         # Per rank: E / ep experts, expert optimizer state over the expert-data-parallel ranks.
-        from megatron.training.theoretical_memory_moe import compute_moe_weight_and_optimizer_memory
+        from megatron.training.memory.theoretical_memory_moe import (
+            compute_moe_weight_and_optimizer_memory,
+        )
 
         return compute_moe_weight_and_optimizer_memory(args, verbose=verbose)
     num_experts = 1

@@ -27,10 +27,8 @@ from megatron.core.num_microbatches_calculator import (
     update_num_microbatches,
 )
 from megatron.core.utils import StragglerDetector, get_current_device, get_model_config
-from megatron.training import checkpointing_non_persistent, rerun_training
-from megatron.training.argument_validation import validate_encoder_decoder_args
-from megatron.training.data_loaders import build_train_valid_test_data_iterators
-from megatron.training.evaluation import evaluate, evaluate_and_print_results
+from megatron.training.checkpoint import checkpointing_non_persistent
+from megatron.training.datasets.data_loaders import build_train_valid_test_data_iterators
 from megatron.training.global_vars import (
     get_args,
     get_signal_handler,
@@ -42,11 +40,18 @@ from megatron.training.initialize import (
     set_jit_fusion_options,
     write_args_to_tensorboard,
 )
-from megatron.training.profiling import IterationProfiler
-from megatron.training.progress_log import compute_throughputs_and_append_to_progress_log
-from megatron.training.scalar_writers import finish_wandb
-from megatron.training.time_limit import _exit_flag, get_train_start_time, set_train_start_time
-from megatron.training.training_log import training_log
+from megatron.training.logging.profiling import IterationProfiler
+from megatron.training.logging.progress_log import compute_throughputs_and_append_to_progress_log
+from megatron.training.logging.scalar_writers import finish_wandb
+from megatron.training.logging.training_log import training_log
+from megatron.training.loop.evaluation import evaluate, evaluate_and_print_results
+from megatron.training.run_control import rerun_training
+from megatron.training.run_control.time_limit import (
+    _exit_flag,
+    get_train_start_time,
+    set_train_start_time,
+)
+from megatron.training.run_control.watchdog import progress, start_watchdog, stop_watchdog, watch
 from megatron.training.utils import (
     append_to_progress_log,
     calc_params_l2_norm,
@@ -59,7 +64,7 @@ from megatron.training.utils import (
     print_rank_last,
     unwrap_model,
 )
-from megatron.training.watchdog import progress, start_watchdog, stop_watchdog, watch
+from megatron.training.validation.argument_validation import validate_encoder_decoder_args
 
 # isort: split
 # Names this module defined or imported before the log line, evaluation and data loading moved
@@ -68,20 +73,20 @@ import math  # noqa: F401
 from datetime import datetime  # noqa: F401
 
 from megatron.core.utils import uses_cuda  # noqa: F401
-from megatron.training.data_loaders import (  # noqa: F401
+from megatron.training.datasets.data_loaders import (  # noqa: F401
     _check_training_data,
     build_train_valid_test_data_loaders,
     build_train_valid_test_datasets,
     cyclic_iter,
     get_train_valid_test_num_samples,
 )
-from megatron.training.evaluation import format_validation_line  # noqa: F401
-from megatron.training.theoretical_memory_usage import report_theoretical_memory  # noqa: F401
-from megatron.training.training_log import (  # noqa: F401
+from megatron.training.logging.training_log import (  # noqa: F401
     _TIMERS_TO_LOG,
     _format_tflops,
     format_log_line,
 )
+from megatron.training.loop.evaluation import format_validation_line  # noqa: F401
+from megatron.training.theoretical_memory_usage import report_theoretical_memory  # noqa: F401
 from megatron.training.utils import report_memory  # noqa: F401
 
 # The process-wide straggler detector (a singleton: the script's `stimer` is this object).
@@ -441,7 +446,7 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     if getattr(args, 'torch_compile', False):
         _compile_transformer_layers(model)
 
-    from megatron.training.fsdp_wrapping import keeps_fp32_params, uses_torch_fsdp2
+    from megatron.training.loop.fsdp_wrapping import keeps_fp32_params, uses_torch_fsdp2
 
     if (args.fp16 or args.bf16) and not keeps_fp32_params(args):
         from megatron.core.transformer.module import Float16Module
@@ -451,7 +456,7 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
         ]
 
     if wrap_with_ddp and uses_torch_fsdp2(args):
-        from megatron.training.fsdp_wrapping import wrap_with_torch_fsdp2
+        from megatron.training.loop.fsdp_wrapping import wrap_with_torch_fsdp2
 
         return wrap_with_torch_fsdp2(args, model)
     if wrap_with_ddp:

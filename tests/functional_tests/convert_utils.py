@@ -146,7 +146,10 @@ def convert(*flags, check=True, model_type='GPT', script=CONVERT):
 
 
 def read_rank_file(ckpt_dir, tp_rank, pp_rank, pp):
-    from megatron.training.checkpoint_conversion import CheckpointReader, torch_load_weights_only
+    from megatron.training.checkpoint.checkpoint_conversion import (
+        CheckpointReader,
+        torch_load_weights_only,
+    )
 
     reader = CheckpointReader(ckpt_dir)
     assert reader.pp == pp
@@ -158,8 +161,8 @@ def full_model(ckpt_dir):
 
     The last stage's copy of a tied embedding is returned as 'output_layer.weight (copy)'.
     """
-    from megatron.training.checkpoint_conversion import split_chunk_by_layer
-    from megatron.training.checkpoint_conversion_moe import MoECheckpointReader
+    from megatron.training.checkpoint.checkpoint_conversion import split_chunk_by_layer
+    from megatron.training.checkpoint.checkpoint_conversion_moe import MoECheckpointReader
 
     reader = MoECheckpointReader(ckpt_dir)  # any TP x PP (x EP) layout
     block = 'encoder' if reader.model_type == 'BERT' else 'decoder'
@@ -194,12 +197,12 @@ def logits_from_checkpoint(load_dir, tokens, extra_args=()):
         sys.path.insert(0, REPO)
     import pretrain_gpt
     from megatron.core import parallel_state as ps
-    from megatron.training.argument_validation import validate_args
     from megatron.training.arguments import parse_args
-    from megatron.training.checkpoint_conversion import torch_load_weights_only
-    from megatron.training.checkpoint_conversion_moe import MoECheckpointReader
+    from megatron.training.checkpoint.checkpoint_conversion import torch_load_weights_only
+    from megatron.training.checkpoint.checkpoint_conversion_moe import MoECheckpointReader
     from megatron.training.checkpointing import load_args_from_checkpoint
     from megatron.training.global_vars import destroy_global_vars, set_args
+    from megatron.training.validation.argument_validation import validate_args
     from tests.unit_tests.models.gpt_test_utils import gather_logits
 
     destroy_global_vars()

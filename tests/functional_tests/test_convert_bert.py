@@ -24,8 +24,8 @@ BERT_ARGS = [
 
 
 def _bert_args(extra):
-    from megatron.training.argument_validation import validate_args
     from megatron.training.arguments import parse_args
+    from megatron.training.validation.argument_validation import validate_args
 
     args = parse_args(args_list=BERT_ARGS + list(extra))
     args.world_size, args.rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -92,7 +92,10 @@ def _write_source(save_dir):
 
 def _tp1_against_reference(load_dir):
     """Strict load of the converted TP1 file into a BertModel built from its saved args."""
-    from megatron.training.checkpoint_conversion import CheckpointReader, torch_load_weights_only
+    from megatron.training.checkpoint.checkpoint_conversion import (
+        CheckpointReader,
+        torch_load_weights_only,
+    )
     from megatron.training.checkpointing import load_args_from_checkpoint
 
     args = _bert_args(['--load', load_dir, '--use-checkpoint-args'])

@@ -89,10 +89,10 @@ def _dist_logits(load_dir, tokens):
     if cu.REPO not in sys.path:
         sys.path.insert(0, cu.REPO)
     import pretrain_gpt
-    from megatron.training.argument_validation import validate_args
     from megatron.training.arguments import parse_args
     from megatron.training.checkpointing import load_args_from_checkpoint, load_checkpoint
     from megatron.training.global_vars import destroy_global_vars, set_args
+    from megatron.training.validation.argument_validation import validate_args
     from tests.unit_tests.models.gpt_test_utils import gather_logits
 
     destroy_global_vars()

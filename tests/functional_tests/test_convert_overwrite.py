@@ -30,7 +30,7 @@ pytest.importorskip("transformers")
 
 def _shift_weights(ckpt_dir, delta=0.5):
     """Add `delta` to every floating-point tensor of every rank file (in place)."""
-    from megatron.training.checkpoint_conversion import torch_load_weights_only
+    from megatron.training.checkpoint.checkpoint_conversion import torch_load_weights_only
 
     for root, _, files in os.walk(ckpt_dir):
         for name in files:

@@ -87,8 +87,8 @@ def checkpoints(tmp_path_factory, t5_data_prefix):
 def _full_t5(ckpt_dir):
     """{global name: full tensor} of a T5 checkpoint (stage copies of the embedding and of the
     LM head's second name left out), with its reader."""
-    from megatron.training import checkpoint_conversion_t5 as t5
-    from megatron.training.checkpoint_conversion import CheckpointReader
+    from megatron.training.checkpoint import checkpoint_conversion_t5 as t5
+    from megatron.training.checkpoint.checkpoint_conversion import CheckpointReader
 
     reader = CheckpointReader(ckpt_dir)
     assert reader.model_type == 'T5'
@@ -196,7 +196,7 @@ def test_converted_checkpoints_resume_with_the_original_losses(checkpoints):
 def untied(checkpoints):
     """An untied T5 (its own output weight, no head bias) at TP1, made from the TP1 conversion,
     converted to TP2xPP2(split 1) and back."""
-    from megatron.training.checkpoint_conversion import CheckpointReader
+    from megatron.training.checkpoint.checkpoint_conversion import CheckpointReader
 
     root = checkpoints['root']
     src, tp2pp2, back = (str(root / n) for n in ('untied', 'untied_tp2pp2', 'untied_back'))
@@ -354,7 +354,7 @@ def test_checkpoint_args_carry_the_split_rank(checkpoints):
     and length; a run at another split is refused by name before any tensor is read."""
     from megatron.training import checkpointing
     from megatron.training.arguments import parse_args
-    from megatron.training.checkpoint_conversion import CheckpointReader
+    from megatron.training.checkpoint.checkpoint_conversion import CheckpointReader
     from megatron.training.global_vars import destroy_global_vars, set_args
 
     args = parse_args(args_list=['--use-checkpoint-args', '--load', checkpoints['pp4']])

@@ -38,7 +38,7 @@ def test_flag_errors(tmp_path, argv, pattern):
 
 
 def test_dp_zero_optimizer_state_does_not_reshard():
-    from megatron.training import checkpointing_dist
+    from megatron.training.checkpoint import checkpointing_dist
 
     args = argparse.Namespace(
         tensor_model_parallel_size=1,
@@ -77,7 +77,7 @@ def test_dp_zero_optimizer_state_does_not_reshard():
 
 def test_dp_zero_optimizer_state_does_not_reshard_across_ep():
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.training import checkpointing_dist
+    from megatron.training.checkpoint import checkpointing_dist
 
     args = argparse.Namespace(
         tensor_model_parallel_size=1,

@@ -203,8 +203,8 @@ def _main(argv):
         sys.path.insert(0, REPO)
     import pretrain_gpt
     from megatron.core.enums import ModelType
-    from megatron.training.errors import run_main
     from megatron.training.global_vars import destroy_global_vars
+    from megatron.training.run_control.errors import run_main
     from megatron.training.training import pretrain
 
     destroy_global_vars()
@@ -500,8 +500,8 @@ def test_every_documented_row_is_exercised():
 
 def _entry(main, *args, **kwargs):
     """(exit code, stdout, stderr) of run_main(main, ...), as the entry scripts call it."""
-    from megatron.training.errors import run_main
     from megatron.training.global_vars import destroy_global_vars
+    from megatron.training.run_control.errors import run_main
 
     destroy_global_vars()
     out, err = io.StringIO(), io.StringIO()

@@ -150,7 +150,7 @@ def test_zero_shot_wikitext_at_both_layouts(setup, tmp_path):
 
 def test_theoretical_memory_counts_each_ranks_experts(setup, capsys):
     from megatron.training.checkpointing import load_args_from_checkpoint
-    from megatron.training.theoretical_memory_moe import moe_parameter_counts
+    from megatron.training.memory.theoretical_memory_moe import moe_parameter_counts
     from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
 
     _, dirs = setup

@@ -284,7 +284,7 @@ def test_wandb_writer_needs_no_tensorboard():
     W&B alone (the fan-out the run above exercises with both)."""
     wandb = pytest.importorskip('wandb')
     from megatron.training import global_vars
-    from megatron.training.scalar_writers import get_scalar_writer
+    from megatron.training.logging.scalar_writers import get_scalar_writer
 
     assert global_vars.get_tensorboard_writer() is None and get_scalar_writer() is None
     global_vars.set_wandb_writer(wandb)

@@ -186,7 +186,7 @@ def _unit_cases(files):
 def test_data_errors_raised_by_dataset_and_tokenizer(files):
     from megatron.core.datasets.utils import Split
     from megatron.training.datasets.sft_dataset import SFTDataset, SFTDatasetConfig
-    from megatron.training.errors import format_user_error
+    from megatron.training.run_control.errors import format_user_error
     from megatron.training.tokenizer.sft_tokenizer import SFTTokenizer
 
     for name, (argv, pattern) in _unit_cases(files).items():

@@ -238,7 +238,7 @@ def test_accepted_and_normalised():
 
 
 def test_entry_points_without_cp_refuse():
-    from megatron.training.context_parallel_checks import refuse_context_parallel
+    from megatron.training.validation.context_parallel_checks import refuse_context_parallel
 
     args = _validate(["--context-parallel-size", "2"], 2)
     with pytest.raises(ValueError) as info:

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from megatron.core.dist_checkpointing.safe_load import weights_only_load
-from megatron.training import checkpoint_conversion, checkpointing
+from megatron.training import checkpointing
+from megatron.training.checkpoint import checkpoint_conversion
 from tests.unit_tests.dist_checkpointing.test_metadata_unpickler import _pickle, _planted
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

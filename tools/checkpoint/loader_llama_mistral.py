@@ -14,7 +14,7 @@ import utils
 
 utils.add_megatron_path()
 
-from megatron.training import hf_checkpoint as hfc  # noqa: E402
+from megatron.training.checkpoint import hf_checkpoint as hfc  # noqa: E402
 
 MODEL_SIZES = [
     'llama2-7B',

@@ -14,8 +14,8 @@ import utils
 
 utils.add_megatron_path()
 
-from megatron.training import checkpoint_conversion as cc  # noqa: E402
-from megatron.training import checkpoint_conversion_moe as cc_moe  # noqa: E402
+from megatron.training.checkpoint import checkpoint_conversion as cc  # noqa: E402
+from megatron.training.checkpoint import checkpoint_conversion_moe as cc_moe  # noqa: E402
 
 DEFAULT_TRANSFORMER_IMPL = 'transformer_engine'
 

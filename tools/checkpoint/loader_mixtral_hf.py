@@ -17,8 +17,8 @@ import utils
 
 utils.add_megatron_path()
 
-from megatron.training import hf_checkpoint as hfc  # noqa: E402
-from megatron.training import hf_checkpoint_moe as hfc_moe  # noqa: E402
+from megatron.training.checkpoint import hf_checkpoint as hfc  # noqa: E402
+from megatron.training.checkpoint import hf_checkpoint_moe as hfc_moe  # noqa: E402
 
 
 def add_arguments(parser):

@@ -13,8 +13,8 @@ utils.add_megatron_path()
 
 import loader_mcore  # noqa: E402
 
-from megatron.training import checkpoint_conversion as cc  # noqa: E402
-from megatron.training import checkpoint_conversion_moe as cc_moe  # noqa: E402
+from megatron.training.checkpoint import checkpoint_conversion as cc  # noqa: E402
+from megatron.training.checkpoint import checkpoint_conversion_moe as cc_moe  # noqa: E402
 
 
 def add_arguments(parser):
@@ -70,7 +70,7 @@ def check_arguments(args):
 
 def _load(queue, args):
     from megatron.core import dist_checkpointing
-    from megatron.training.checkpoint_conversion_dist import dist_to_full_state_dict
+    from megatron.training.checkpoint.checkpoint_conversion_dist import dist_to_full_state_dict
 
     reader = _reader(args)
     md = loader_mcore._metadata(args, reader, loader_mcore._true_vocab_size(args, reader.args))

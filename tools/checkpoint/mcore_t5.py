@@ -24,8 +24,8 @@ import utils
 
 utils.add_megatron_path()
 
-from megatron.training import checkpoint_conversion as cc  # noqa: E402
-from megatron.training import checkpoint_conversion_t5 as t5  # noqa: E402
+from megatron.training.checkpoint import checkpoint_conversion as cc  # noqa: E402
+from megatron.training.checkpoint import checkpoint_conversion_t5 as t5  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # loader side

@@ -11,10 +11,10 @@ import utils
 
 utils.add_megatron_path()
 
-from megatron.training import checkpoint_conversion as cc  # noqa: E402
-from megatron.training import checkpoint_conversion_moe as cc_moe  # noqa: E402
-from megatron.training import hf_checkpoint as hfc  # noqa: E402
-from megatron.training import hf_checkpoint_moe as hfc_moe  # noqa: E402
+from megatron.training.checkpoint import checkpoint_conversion as cc  # noqa: E402
+from megatron.training.checkpoint import checkpoint_conversion_moe as cc_moe  # noqa: E402
+from megatron.training.checkpoint import hf_checkpoint as hfc  # noqa: E402
+from megatron.training.checkpoint import hf_checkpoint_moe as hfc_moe  # noqa: E402
 
 
 def add_arguments(parser):

@@ -16,9 +16,9 @@ import utils
 
 utils.add_megatron_path()
 
-from megatron.training import checkpoint_conversion as cc  # noqa: E402
-from megatron.training import checkpoint_conversion_moe as cc_moe  # noqa: E402
-from megatron.training.checkpoint_layout import remove_stale_staging  # noqa: E402
+from megatron.training.checkpoint import checkpoint_conversion as cc  # noqa: E402
+from megatron.training.checkpoint import checkpoint_conversion_moe as cc_moe  # noqa: E402
+from megatron.training.checkpoint.checkpoint_layout import remove_stale_staging  # noqa: E402
 from megatron.training.checkpointing import checkpoint_exists  # noqa: E402
 
 DEFAULT_TRANSFORMER_IMPL = 'transformer_engine'

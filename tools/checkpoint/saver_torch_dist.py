@@ -14,7 +14,7 @@ utils.add_megatron_path()
 
 import saver_mcore  # noqa: E402
 
-from megatron.training import checkpoint_conversion as cc  # noqa: E402
+from megatron.training.checkpoint import checkpoint_conversion as cc  # noqa: E402
 
 
 def add_arguments(parser):
@@ -26,7 +26,7 @@ def check_arguments(args, md):
 
 
 def _save(queue, args):
-    from megatron.training.checkpoint_conversion_dist import write_full_state_dict
+    from megatron.training.checkpoint.checkpoint_conversion_dist import write_full_state_dict
 
     md = utils.queue_get(queue)
     try:

@@ -22,9 +22,9 @@ import torch  # noqa: E402
 from megatron.core.inference.common_inference_params import CommonInferenceParams  # noqa: E402
 from megatron.inference.inference_engine import get_inference_engine  # noqa: E402
 from megatron.training.checkpointing import load_checkpoint  # noqa: E402
-from megatron.training.errors import run_main  # noqa: E402
 from megatron.training.global_vars import get_args  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
+from megatron.training.run_control.errors import run_main  # noqa: E402
 from megatron.training.training import get_model  # noqa: E402
 from pretrain_gpt import model_provider  # noqa: E402
 

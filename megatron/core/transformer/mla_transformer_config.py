@@ -2,7 +2,7 @@
 `MLATransformerConfig`, same field names and config defaults).
 
 Field defaults are the config's (DeepSeek-V2/V3-sized ranks, YaRN factor 40); the command line
-has its own defaults (see megatron/training/arguments_mla.py), as in Megatron.
+has its own defaults (see megatron/training/cli/arguments_mla.py), as in Megatron.
 """
 
 from dataclasses import dataclass

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from megatron.training.checkpoint_layout import _parse_tracker
-from megatron.training.hf_checkpoint_moe import check_moe_hf_tensors
+from megatron.training.checkpoint.checkpoint_layout import _parse_tracker
+from megatron.training.checkpoint.hf_checkpoint_moe import check_moe_hf_tensors
 
 
 @pytest.mark.parametrize('text,ok', [('7', True), ('release', True), ('-3', False), ('0', True)])
@@ -56,7 +56,7 @@ def test_wandb_failing_on_import_is_one_line(tmp_path, monkeypatch):
     import argparse
     import sys
 
-    from megatron.training.observability_args import _validate_wandb_args
+    from megatron.training.validation.observability_args import _validate_wandb_args
 
     package = tmp_path / 'wandb'
     package.mkdir()

@@ -96,7 +96,7 @@ def test_weighted_blend_without_size_is_refused_as_value_and_assertion_error(tmp
 
 
 def _external_iterators():
-    from megatron.training.data_loaders import build_train_valid_test_data_iterators
+    from megatron.training.datasets.data_loaders import build_train_valid_test_data_iterators
     from megatron.training.global_vars import set_args
 
     set_args(

@@ -361,7 +361,7 @@ def test_grouped_weight_slices_map_to_the_stored_layout():
 def _rng_cells():
     import argparse
 
-    from megatron.training import checkpointing_dist
+    from megatron.training.checkpoint import checkpointing_dist
     from megatron.training.global_vars import destroy_global_vars, set_args
 
     destroy_global_vars()

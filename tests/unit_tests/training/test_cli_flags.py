@@ -65,7 +65,7 @@ OUR_EXTRA_FLAGS = {
     '--inference-dynamic-batching-max-requests',
     '--inference-dynamic-batching-max-tokens',
     '--enable-chunked-prefill',
-    # Hybrid Mamba mixer sizes (core_v0.12; megatron/training/arguments_mamba.py).
+    # Hybrid Mamba mixer sizes (core_v0.12; megatron/training/cli/arguments_mamba.py).
     '--mamba-state-dim',
     '--mamba-head-dim',
     '--mamba-num-groups',
@@ -129,7 +129,7 @@ OUR_EXTRA_FLAGS = {
 # Flags of this package only (no Megatron version has them).
 OUR_OWN_FLAGS = {
     '--torch-fsdp2-reduce-in-bf16',  # Megatron's bf16 FSDP2 numerics, opt-in (docs/fsdp.md)
-    '--watchdog-timeout',  # the hang watchdog (megatron/training/watchdog.py)
+    '--watchdog-timeout',  # the hang watchdog (megatron/training/run_control/watchdog.py)
     '--torch-compile',  # torch.compile of the transformer layers (megatron/training/training.py)
     '--sft-one-row-per-sample',  # Megatron's SFT packing (training/datasets/sft_dataset.py)
     '--sft-long-conversations',  # truncate or refuse data longer than a sample (same file)

@@ -4,7 +4,7 @@ as Megatron r0.8 wires them."""
 import torch.nn.functional as F
 
 from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
-from megatron.training.arguments_unsupported import UNSUPPORTED_FLAGS
+from megatron.training.cli.arguments_unsupported import UNSUPPORTED_FLAGS
 
 BASE = [
     '--num-layers',

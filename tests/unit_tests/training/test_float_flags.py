@@ -3,9 +3,9 @@ the flags with a range refuse values outside it (one ValueError line naming the 
 
 import pytest
 
-from megatron.training.argument_validation_floats import RANGES, float_flags
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.arguments_parser import get_args_parser
+from megatron.training.cli.arguments_parser import get_args_parser
+from megatron.training.validation.argument_validation_floats import RANGES, float_flags
 from tests.unit_tests.training.test_moe_arguments import BASE
 
 
@@ -39,7 +39,7 @@ def test_every_float_flag_refuses_nan_and_defaults_pass():
     assert set(RANGES) <= set(flags), set(RANGES) - set(flags)
     args = parse_args(args_list=BASE)
     args.world_size, args.rank = 1, 0
-    from megatron.training.argument_validation_floats import validate_float_flags
+    from megatron.training.validation.argument_validation_floats import validate_float_flags
 
     validate_float_flags(args, get_args_parser())  # every default is inside its range
     for dest, flag in flags.items():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.fsdp_wrapping import fsdp2_config_from_args, keeps_fp32_params
+from megatron.training.loop.fsdp_wrapping import fsdp2_config_from_args, keeps_fp32_params
 
 BASE = [
     '--num-layers', '2', '--hidden-size', '32', '--num-attention-heads', '4',

@@ -1,5 +1,5 @@
-"""Megatron's log lines (as printed by megatron/training/training_log.py::training_log) and the
-FLOPs formula."""
+"""Megatron's log lines (as printed by
+megatron/training/logging/training_log.py::training_log) and the FLOPs formula."""
 
 import math
 import re

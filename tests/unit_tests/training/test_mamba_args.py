@@ -3,8 +3,8 @@ bare assert) is refused before any work with one line naming the flag and the nu
 
 import pytest
 
-from megatron.training.argument_validation_mamba import validate_mamba_args
-from megatron.training.arguments_parser import get_args_parser
+from megatron.training.cli.arguments_parser import get_args_parser
+from megatron.training.validation.argument_validation_mamba import validate_mamba_args
 
 GPT = ['--num-layers', '4', '--hidden-size', '64', '--num-attention-heads', '4']
 BASE = GPT + ['--mamba-head-dim', '16', '--mamba-num-groups', '2']

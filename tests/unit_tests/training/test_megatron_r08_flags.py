@@ -12,7 +12,7 @@ from megatron.training.arguments import (
     parse_args,
     validate_args,
 )
-from megatron.training.arguments_unsupported import UNSUPPORTED_FLAGS
+from megatron.training.cli.arguments_unsupported import UNSUPPORTED_FLAGS
 
 BASE = [
     '--num-layers',

@@ -51,7 +51,7 @@ def _args(extra):
     ],
 )
 def test_mla_and_mtp_refusals(extra, message):
-    from megatron.training.argument_validation_mla import validate_mla_args
+    from megatron.training.validation.argument_validation_mla import validate_mla_args
 
     with pytest.raises(ValueError, match=message) as info:
         validate_mla_args(_args(extra))
@@ -59,8 +59,8 @@ def test_mla_and_mtp_refusals(extra, message):
 
 
 def test_valid_mla_mtp_flags_pass_and_build_the_config():
-    from megatron.training.argument_validation_mla import validate_mla_args
     from megatron.training.mla_config import mla_config_from_args
+    from megatron.training.validation.argument_validation_mla import validate_mla_args
 
     args = _args(
         [
@@ -97,7 +97,7 @@ def test_valid_mla_mtp_flags_pass_and_build_the_config():
     ],
 )
 def test_group_limited_routing_refusals(extra, message):
-    from megatron.training.argument_validation_moe import validate_moe_args
+    from megatron.training.validation.argument_validation_moe import validate_moe_args
 
     args = _args(['--num-experts', '8', '--moe-router-topk', '2'] + extra)
     with pytest.raises(ValueError, match=message):
@@ -114,7 +114,7 @@ def test_group_limited_routing_refusals(extra, message):
     ],
 )
 def test_muon_and_qk_clip_refuse_incompatible_flags(extra, message):
-    from megatron.training.argument_validation_mla import validate_mla_args
+    from megatron.training.validation.argument_validation_mla import validate_mla_args
 
     with pytest.raises(ValueError, match=message):
         validate_mla_args(_args(['--optimizer', 'muon'] + extra))

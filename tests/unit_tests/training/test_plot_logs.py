@@ -7,8 +7,8 @@ from datetime import datetime
 
 import pytest
 
-from megatron.training.evaluation import format_validation_line
-from megatron.training.training_log import format_log_line
+from megatron.training.logging.training_log import format_log_line
+from megatron.training.loop.evaluation import format_validation_line
 from tools import plot_logs
 
 LOSSES = {1: 10.5, 2: 9.75, 3: 9.125, 4: 8.5}

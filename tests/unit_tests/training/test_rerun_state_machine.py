@@ -183,8 +183,8 @@ def test_injection_rate_is_about_one_in_n():
 
 
 def test_both_spellings_of_the_statistics_mode_parse():
-    from megatron.training.arguments_parser import get_args_parser
-    from megatron.training.rerun_training import rerun_mode
+    from megatron.training.cli.arguments_parser import get_args_parser
+    from megatron.training.run_control.rerun_training import rerun_mode
 
     parser = get_args_parser()
     for spelling in ('report_stats', 'report_determinism_stats'):

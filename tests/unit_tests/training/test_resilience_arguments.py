@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.arguments_unsupported import UNSUPPORTED_FLAGS
+from megatron.training.cli.arguments_unsupported import UNSUPPORTED_FLAGS
 from tests.unit_tests.dist_utils import run_distributed
 
 BASE = '--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 '

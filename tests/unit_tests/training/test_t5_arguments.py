@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from megatron.training.argument_validation import validate_encoder_decoder_args
 from megatron.training.arguments import parse_args, validate_args
+from megatron.training.validation.argument_validation import validate_encoder_decoder_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -41,18 +41,18 @@ TRAINING_NAMES = [
 
 # Where the moved names live now; megatron.training.training must hand out the same objects.
 MOVED = {
-    'megatron.training.training_log': [
+    'megatron.training.logging.training_log': [
         '_TIMERS_TO_LOG',
         '_format_tflops',
         'format_log_line',
         'training_log',
     ],
-    'megatron.training.evaluation': [
+    'megatron.training.loop.evaluation': [
         'evaluate',
         'format_validation_line',
         'evaluate_and_print_results',
     ],
-    'megatron.training.data_loaders': [
+    'megatron.training.datasets.data_loaders': [
         'cyclic_iter',
         'get_train_valid_test_num_samples',
         'build_train_valid_test_datasets',
@@ -60,7 +60,7 @@ MOVED = {
         '_check_training_data',
         'build_train_valid_test_data_iterators',
     ],
-    'megatron.training.time_limit': ['_exit_flag'],
+    'megatron.training.run_control.time_limit': ['_exit_flag'],
 }
 
 # Every public name defined in megatron/training/checkpointing.py before the split.
@@ -173,7 +173,7 @@ def test_moved_names_are_the_same_objects(module_name):
 
 
 def test_train_start_time_reads_through():
-    from megatron.training import time_limit
+    from megatron.training.run_control import time_limit
     from megatron.training.training import _TRAIN_START_TIME
 
     assert _TRAIN_START_TIME == time_limit.get_train_start_time()
@@ -240,7 +240,7 @@ def test_checkpointing_names_importable():
 
 def test_checkpoint_layout_names_are_the_same_objects():
     checkpointing = importlib.import_module('megatron.training.checkpointing')
-    layout = importlib.import_module('megatron.training.checkpoint_layout')
+    layout = importlib.import_module('megatron.training.checkpoint.checkpoint_layout')
     for name in CHECKPOINT_LAYOUT_NAMES:
         assert getattr(checkpointing, name) is getattr(layout, name), name
 

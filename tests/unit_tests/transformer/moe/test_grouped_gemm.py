@@ -41,7 +41,7 @@ def test_torch_grouped_mm_kernel_on_cuda():
 def _layouts_body():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.training.checkpoint_conversion_moe import (
+    from megatron.training.checkpoint.checkpoint_conversion_moe import (
         grouped_to_sequential,
         sequential_to_grouped,
     )

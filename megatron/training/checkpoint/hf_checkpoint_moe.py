@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron.core.models.gpt import hf_weight_mapping_moe as hfm_moe
-from megatron.training import hf_checkpoint as hfc
+from megatron.training.checkpoint import hf_checkpoint as hfc
 
 MOE_MODEL_TYPES = ('mixtral', 'qwen2_moe')
 
@@ -201,8 +201,8 @@ def megatron_args_list_moe(
 
 def megatron_args_from_hf_moe(config: dict, tokenizer_type: str, **kwargs):
     """Our full, validated args namespace for a Mixtral / Qwen2-MoE config (TP = EP = PP = 1)."""
-    from megatron.training.argument_validation import validate_args
     from megatron.training.arguments import parse_args
+    from megatron.training.validation.argument_validation import validate_args
 
     args = parse_args(args_list=megatron_args_list_moe(config, tokenizer_type, **kwargs))
     args.world_size = 1

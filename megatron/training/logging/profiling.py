@@ -14,7 +14,7 @@ Megatron profiles the iterations whose 0-based index is in [--profile-step-start
 - `--profile` alone (Megatron core_r0.8.0's meaning): opens a CUDA profiler range
   (`cudaProfilerStart` / `cudaProfilerStop`) around the window, with NVTX ranges for every op
   (`emit_nvtx`), for `nsys profile --capture-range=cudaProfilerApi`. It needs CUDA, so on a CPU
-  run it is refused at start-up (see `megatron/training/observability_args.py`).
+  run it is refused at start-up (see `megatron/training/validation/observability_args.py`).
 
 The hooks cost nothing on ranks that do not profile and when --profile is off.
 """

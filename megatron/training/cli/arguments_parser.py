@@ -7,10 +7,10 @@ defaults from here (without importing `arguments.py`, which imports it).
 import argparse
 import sys
 
-from megatron.training.arguments_fsdp import add_fsdp_args
-from megatron.training.arguments_mamba import add_mamba_args
-from megatron.training.arguments_mla import _add_mla_args
-from megatron.training.arguments_model import (
+from megatron.training.cli.arguments_fsdp import add_fsdp_args
+from megatron.training.cli.arguments_mamba import add_mamba_args
+from megatron.training.cli.arguments_mla import _add_mla_args
+from megatron.training.cli.arguments_model import (
     _add_experimental_args,
     _add_inference_args,
     _add_initialization_args,
@@ -22,9 +22,9 @@ from megatron.training.arguments_model import (
     _add_training_args,
     _add_transformer_engine_args,
 )
-from megatron.training.arguments_muon import _add_muon_args
-from megatron.training.arguments_resilience import add_resilience_args
-from megatron.training.arguments_run import (
+from megatron.training.cli.arguments_muon import _add_muon_args
+from megatron.training.cli.arguments_resilience import add_resilience_args
+from megatron.training.cli.arguments_run import (
     _add_autoresume_args,
     _add_checkpointing_args,
     _add_data_args,
@@ -34,13 +34,13 @@ from megatron.training.arguments_run import (
     _add_tokenizer_args,
     _add_validation_args,
 )
-from megatron.training.arguments_sft_fim import add_sft_and_fim_args
-from megatron.training.arguments_unsupported import (
+from megatron.training.cli.arguments_sft_fim import add_sft_and_fim_args
+from megatron.training.cli.arguments_unsupported import (
     add_biencoder_args,
     add_one_logger_args,
     add_retro_args,
 )
-from megatron.training.arguments_vision import add_vision_args
+from megatron.training.cli.arguments_vision import add_vision_args
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -48,7 +48,7 @@ class _OneLineErrorParser(argparse.ArgumentParser):
     the job (global rank 0), and exits with argparse's code 2."""
 
     def error(self, message):
-        from megatron.training.errors import global_rank
+        from megatron.training.run_control.errors import global_rank
 
         if global_rank() == 0:
             sys.stderr.write(f'{self.prog}: error: {message}\n')

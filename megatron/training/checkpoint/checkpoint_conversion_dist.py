@@ -145,9 +145,9 @@ def write_full_state_dict(
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.training.checkpoint_args import CHECKPOINT_VERSION, args_for_checkpoint
-    from megatron.training.checkpoint_layout import get_checkpoint_name
-    from megatron.training.checkpoint_tracker import write_tracker_atomically
+    from megatron.training.checkpoint.checkpoint_args import CHECKPOINT_VERSION, args_for_checkpoint
+    from megatron.training.checkpoint.checkpoint_layout import get_checkpoint_name
+    from megatron.training.checkpoint.checkpoint_tracker import write_tracker_atomically
 
     created = _init_single_process_group()
     try:

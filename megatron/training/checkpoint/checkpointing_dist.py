@@ -56,23 +56,23 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.utils import uses_cuda
-from megatron.training.checkpoint_args import (
+from megatron.training.checkpoint.checkpoint_args import (
     CHECKPOINT_VERSION,
     args_for_checkpoint,
     record_checkpoint_version,
     restore_training_args,
 )
-from megatron.training.checkpoint_layout import (
+from megatron.training.checkpoint.checkpoint_layout import (
     _parse_tracker,
     get_checkpoint_name,
     get_checkpoint_tracker_filename,
 )
-from megatron.training.checkpoint_rng import get_rng_state, restore_rng_state
-from megatron.training.checkpoint_tracker import (
+from megatron.training.checkpoint.checkpoint_rng import get_rng_state, restore_rng_state
+from megatron.training.checkpoint.checkpoint_tracker import (
     check_tracker_moves_forward,
     write_tracker_atomically,
 )
-from megatron.training.checkpointing_dist_optimizer import (
+from megatron.training.checkpoint.checkpointing_dist_optimizer import (
     adapt_loaded_state,
     match_optimizer_keys,
     stored_sub_optimizer_count,

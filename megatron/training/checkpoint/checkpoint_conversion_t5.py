@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron.training.checkpoint_conversion import LAYER_MESSAGE_KEYS
+from megatron.training.checkpoint.checkpoint_conversion import LAYER_MESSAGE_KEYS
 
 StateDict = Dict[str, torch.Tensor]
 

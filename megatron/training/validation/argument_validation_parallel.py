@@ -8,8 +8,8 @@ failing rule is the one reported) and derives what it checks (`data_parallel_siz
 """
 
 from megatron.core.utils import uses_cuda
-from megatron.training.argument_validation_moe import validate_expert_parallel_size
-from megatron.training.errors import note
+from megatron.training.run_control.errors import note
+from megatron.training.validation.argument_validation_moe import validate_expert_parallel_size
 
 
 def validate_parallel_sizes(args):

@@ -11,27 +11,29 @@ it from.
 
 import math
 
-from megatron.training.argument_validation_floats import validate_float_flags
-from megatron.training.argument_validation_fsdp import validate_fsdp_args
-from megatron.training.argument_validation_mamba import validate_mamba_args
-from megatron.training.argument_validation_mla import validate_mla_args
-from megatron.training.argument_validation_model import (
+from megatron.training.cli.arguments_unsupported import check_unsupported_flags
+from megatron.training.run_control.errors import note
+from megatron.training.validation.argument_validation_floats import validate_float_flags
+from megatron.training.validation.argument_validation_fsdp import validate_fsdp_args
+from megatron.training.validation.argument_validation_mamba import validate_mamba_args
+from megatron.training.validation.argument_validation_mla import validate_mla_args
+from megatron.training.validation.argument_validation_model import (
     select_transformer_impl,
     validate_mixed_precision,
     validate_network_sizes,
     validate_recompute,
     validate_sequence_lengths,
 )
-from megatron.training.argument_validation_moe import validate_moe_args
-from megatron.training.argument_validation_parallel import (
+from megatron.training.validation.argument_validation_moe import validate_moe_args
+from megatron.training.validation.argument_validation_parallel import (
     select_distributed_backend,
     validate_distributed_optimizer,
     validate_parallel_sizes,
     validate_sequence_parallel,
     validate_virtual_pipeline,
 )
-from megatron.training.argument_validation_resilience import validate_resilience_args
-from megatron.training.argument_validation_run import (
+from megatron.training.validation.argument_validation_resilience import validate_resilience_args
+from megatron.training.validation.argument_validation_run import (
     apply_script_defaults,
     refuse_removed_flags,
     reset_sample_counters,
@@ -44,16 +46,14 @@ from megatron.training.argument_validation_run import (
     validate_training_length,
     validate_weight_decay,
 )
-from megatron.training.argument_validation_sft_fim import validate_sft_and_fim_args
-from megatron.training.argument_validation_vision import (
+from megatron.training.validation.argument_validation_sft_fim import validate_sft_and_fim_args
+from megatron.training.validation.argument_validation_vision import (
     apply_vision_defaults,
     validate_vision_args,
 )
-from megatron.training.arguments_unsupported import check_unsupported_flags
-from megatron.training.context_parallel_checks import validate_context_parallel_args
-from megatron.training.dist_checkpoint_args import validate_dist_checkpoint_args
-from megatron.training.errors import note
-from megatron.training.observability_args import validate_observability_args
+from megatron.training.validation.context_parallel_checks import validate_context_parallel_args
+from megatron.training.validation.dist_checkpoint_args import validate_dist_checkpoint_args
+from megatron.training.validation.observability_args import validate_observability_args
 
 
 def validate_args(args, defaults={}):
@@ -75,7 +75,7 @@ def validate_args(args, defaults={}):
         args, modified in place.
     """
     # Flags of features this package does not have: refuse any non-default value first.
-    from megatron.training.arguments_parser import get_args_parser
+    from megatron.training.cli.arguments_parser import get_args_parser
 
     check_unsupported_flags(args, get_args_parser())
     validate_float_flags(args, get_args_parser())

@@ -20,8 +20,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from megatron.training import checkpoint_conversion as cc
-from megatron.training.checkpoint_layout import check_single_layout
+from megatron.training.checkpoint import checkpoint_conversion as cc
+from megatron.training.checkpoint.checkpoint_layout import check_single_layout
 from megatron.training.checkpointing import find_checkpoint_rank_0, get_checkpoint_name
 
 StateDict = Dict[str, torch.Tensor]

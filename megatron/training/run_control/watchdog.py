@@ -33,7 +33,7 @@ import time
 from contextlib import contextmanager
 from typing import Dict, Optional
 
-from megatron.training.errors import EXIT_WATCHDOG
+from megatron.training.run_control.errors import EXIT_WATCHDOG
 
 # Keys carry torchrun's restart count: a restarted job must not see the last attempt's keys.
 _ATTEMPT = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')

@@ -9,7 +9,10 @@ checkpointing_dist.py, torch_dist) write it through this module.
 
 import os
 
-from megatron.training.checkpoint_layout import _parse_tracker, get_checkpoint_tracker_filename
+from megatron.training.checkpoint.checkpoint_layout import (
+    _parse_tracker,
+    get_checkpoint_tracker_filename,
+)
 
 
 def fsync_path(path: str) -> None:

@@ -37,7 +37,7 @@ from megatron.core.models.gpt.hf_weight_mapping import (
     merge_tensor_parallel_state_dicts,
     split_state_dict_for_tensor_parallel,
 )
-from megatron.training.checkpoint_layout import (
+from megatron.training.checkpoint.checkpoint_layout import (
     check_single_layout,
     commit_staged_checkpoint,
     staging_root,

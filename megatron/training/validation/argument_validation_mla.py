@@ -1,7 +1,7 @@
 """Start-up checks of the multi-latent attention, multi-token prediction and Muon flags (one
 `ValueError` line each, raised before any work starts)."""
 
-from megatron.training.arguments_muon import validate_muon_args
+from megatron.training.cli.arguments_muon import validate_muon_args
 
 
 def validate_mla_args(args):

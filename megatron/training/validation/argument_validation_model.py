@@ -10,7 +10,7 @@ rule is the one reported) and derives what it checks (`params_dtype`, `ffn_hidde
 
 import torch
 
-from megatron.training.errors import note
+from megatron.training.run_control.errors import note
 
 
 def select_transformer_impl(args):

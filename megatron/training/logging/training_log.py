@@ -14,10 +14,10 @@ import torch
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import uses_cuda
 from megatron.training.global_vars import get_args, get_timers
-from megatron.training.scalar_writers import get_scalar_writer
+from megatron.training.logging.scalar_writers import get_scalar_writer
+from megatron.training.logging.training_log_moe import log_moe_metrics
+from megatron.training.logging.training_log_mtp import log_mtp_metrics
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
-from megatron.training.training_log_moe import log_moe_metrics
-from megatron.training.training_log_mtp import log_mtp_metrics
 from megatron.training.utils import (
     _max_rss_bytes,
     _rss_bytes,

@@ -460,8 +460,8 @@ def megatron_args_from_hf(config: dict, tokenizer_type: str, **kwargs):
 
     `padded_vocab_size` is the Hugging Face vocabulary (the table as stored).
     """
-    from megatron.training.argument_validation import validate_args
     from megatron.training.arguments import parse_args
+    from megatron.training.validation.argument_validation import validate_args
 
     args = parse_args(args_list=megatron_args_list(config, tokenizer_type, **kwargs))
     args.world_size = 1

@@ -5,8 +5,8 @@ and defaults of Megatron core_r0.8.0 megatron/training/arguments.py). `arguments
 assembles them.
 """
 
-from megatron.training.arguments_moe import _add_moe_args  # noqa: F401 (re-exported)
-from megatron.training.arguments_unsupported import add_tp_comm_overlap_args
+from megatron.training.cli.arguments_moe import _add_moe_args  # noqa: F401 (re-exported)
+from megatron.training.cli.arguments_unsupported import add_tp_comm_overlap_args
 
 
 def _add_network_size_args(parser):

@@ -18,7 +18,7 @@ from datetime import datetime
 import torch
 
 from megatron.training.global_vars import get_args
-from megatron.training.time_limit import get_train_start_time
+from megatron.training.run_control.time_limit import get_train_start_time
 from megatron.training.utils import append_to_progress_log
 
 

@@ -14,11 +14,11 @@ from megatron.core import parallel_state as mpu
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import get_current_device
 from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers
-from megatron.training.rerun_training import evaluation_without_reruns
-from megatron.training.scalar_writers import get_scalar_writer
-from megatron.training.time_limit import _exit_flag, get_train_start_time
+from megatron.training.logging.scalar_writers import get_scalar_writer
+from megatron.training.run_control.rerun_training import evaluation_without_reruns
+from megatron.training.run_control.time_limit import _exit_flag, get_train_start_time
+from megatron.training.run_control.watchdog import watch
 from megatron.training.utils import empty_unused_memory, print_rank_0, print_rank_last
-from megatron.training.watchdog import watch
 
 
 def evaluate(

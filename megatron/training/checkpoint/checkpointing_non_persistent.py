@@ -28,7 +28,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron.training.checkpoint_layout import (
+from megatron.training.checkpoint.checkpoint_layout import (
     _parse_tracker,
     get_checkpoint_name,
     get_checkpoint_tracker_filename,

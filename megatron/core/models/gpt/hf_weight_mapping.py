@@ -3,8 +3,8 @@ and the tensor-parallel split / merge of a megatron-core state dict.
 
 Pure functions on `{name: tensor}` dicts (no `transformers` import): the checkpoint converter
 (tools/checkpoint, through megatron/training/checkpoint/hf_checkpoint.py and
-checkpoint_conversion.py) and the parity tests use them. "Full" megatron-core state dicts are TP=1, PP=1 state
-dicts (`GPTModel.state_dict()` names, as megatron-core core_r0.8.0 writes them).
+checkpoint_conversion.py) and the parity tests use them. "Full" megatron-core state dicts are
+TP=1, PP=1 state dicts (`GPTModel.state_dict()` names, as megatron-core core_r0.8.0 writes them).
 
 Layouts handled here:
 - HF GPT-2 uses Conv1D, whose weights are stored [in, out]: they are transposed.

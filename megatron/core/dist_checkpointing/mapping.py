@@ -21,6 +21,8 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
 ReplicaId = Union[int, Tuple[int, ...]]
 ShardedStateDict = Dict[str, Any]
 
@@ -262,6 +264,40 @@ class ShardedTensorFactory(ShardedBase):
 
     def build(self) -> ShardedStateDict:
         return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
+
+
+def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
+    """Replace every ShardedTensorFactory by the sub-dict it builds (in place)."""
+
+    def fn(x):
+        if isinstance(x, ShardedTensorFactory):
+            built = x.build()
+            return _FactoryBuilt(x, built)
+        return x
+
+    dict_list_map_inplace(fn, sharded_state_dict)
+
+
+class _FactoryBuilt(dict):
+    """The sub-dict a factory built, remembering the factory (for the merge after load)."""
+
+    def __init__(self, factory: ShardedTensorFactory, built):
+        self.wrapped = not isinstance(built, dict)
+        super().__init__({'_': built} if self.wrapped else built)
+        self.factory = factory
+
+
+def apply_factory_merges(state_dict: Any) -> Any:
+    """Merge every factory's loaded sub-dict back into one tensor (merge_fn)."""
+    if isinstance(state_dict, _FactoryBuilt):
+        loaded = {k: apply_factory_merges(v) for k, v in state_dict.items()}
+        return state_dict.factory.merge_fn(loaded['_'] if state_dict.wrapped else loaded)
+    if isinstance(state_dict, dict):
+        for k, v in state_dict.items():
+            state_dict[k] = apply_factory_merges(v)
+    elif isinstance(state_dict, list):
+        state_dict[:] = [apply_factory_merges(v) for v in state_dict]
+    return state_dict
 
 
 @dataclass

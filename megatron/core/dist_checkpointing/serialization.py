@@ -29,7 +29,7 @@ from megatron.core.dist_checkpointing.dict_utils import (
     merge,
     nested_values,
 )
-from megatron.core.dist_checkpointing.mapping import (
+from megatron.core.dist_checkpointing.mapping import (  # noqa: F401  (apply_*: Megatron's names)
     CheckpointingException,
     LocalNonpersistentObject,
     ShardedBase,
@@ -37,6 +37,8 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedStateDict,
     ShardedTensor,
     ShardedTensorFactory,
+    apply_factories,
+    apply_factory_merges,
 )
 from megatron.core.dist_checkpointing.safe_load import (  # noqa: F401  (Megatron's names)
     SAFE_GLOBALS,
@@ -75,40 +77,6 @@ def _rank() -> int:
 
 # ---------------------------------------------------------------------------------------------
 # factories and non-persistent objects
-
-
-def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
-    """Replace every ShardedTensorFactory by the sub-dict it builds (in place)."""
-
-    def fn(x):
-        if isinstance(x, ShardedTensorFactory):
-            built = x.build()
-            return _FactoryBuilt(x, built)
-        return x
-
-    dict_list_map_inplace(fn, sharded_state_dict)
-
-
-class _FactoryBuilt(dict):
-    """The sub-dict a factory built, remembering the factory (for the merge after load)."""
-
-    def __init__(self, factory: ShardedTensorFactory, built):
-        self.wrapped = not isinstance(built, dict)
-        super().__init__({'_': built} if self.wrapped else built)
-        self.factory = factory
-
-
-def apply_factory_merges(state_dict: Any) -> Any:
-    """Merge every factory's loaded sub-dict back into one tensor (merge_fn)."""
-    if isinstance(state_dict, _FactoryBuilt):
-        loaded = {k: apply_factory_merges(v) for k, v in state_dict.items()}
-        return state_dict.factory.merge_fn(loaded['_'] if state_dict.wrapped else loaded)
-    if isinstance(state_dict, dict):
-        for k, v in state_dict.items():
-            state_dict[k] = apply_factory_merges(v)
-    elif isinstance(state_dict, list):
-        state_dict[:] = [apply_factory_merges(v) for v in state_dict]
-    return state_dict
 
 
 def _is_sharded(x) -> bool:

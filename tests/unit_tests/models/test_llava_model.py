@@ -50,7 +50,7 @@ def _hf_llava(feature_layer, strategy):
     return model.eval()
 
 
-def _configs(feature_layer):
+def _configs(feature_layer, **lm_overrides):
     """Our language, vision and projection TransformerConfigs for the current TP size."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.hf_weight_mapping import llama_config_kwargs
@@ -61,7 +61,9 @@ def _configs(feature_layer):
     hf = _hf_llava(feature_layer, 'default')
     lm_kw = llama_config_kwargs(hf.config.text_config)
     lm = TransformerConfig(
-        **lm_kw['config'], use_cpu_initialization=True, tensor_model_parallel_size=tp
+        **(lm_kw['config'] | lm_overrides),
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
     )
     vision = vu.vit_config('clip')
     projection = TransformerConfig(
@@ -72,7 +74,7 @@ def _configs(feature_layer):
     return (lm, vision, projection), lm_kw['model']['rotary_base']
 
 
-def _build(feature_layer, strategy, **overrides):
+def _build(feature_layer, strategy, lm_overrides=None, **overrides):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.multimodal import LLaVAModel
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
@@ -80,7 +82,7 @@ def _build(feature_layer, strategy, **overrides):
     from megatron.core.transformer.mlp import MLPSubmodules
     from tests.unit_tests.models import vision_test_utils as vu
 
-    (lm, vision, projection), base = _configs(feature_layer)
+    (lm, vision, projection), base = _configs(feature_layer, **(lm_overrides or {}))
     kw = dict(
         language_transformer_config=lm,
         language_transformer_layer_spec=get_gpt_layer_local_spec(),
@@ -306,13 +308,28 @@ def test_fixed_index_mode_labels_freeze_and_missing_projection():
     assert missing == []
 
 
-def _tp_run(full):
+def _tp_run(full, sequence_parallel=False):
+    from megatron.core import parallel_state
+    from tests.unit_tests.models.gpt_test_utils import _all_gather_tp
+
     ids, images, _ = _batch()
-    model, configs = _build(-2, 'default')
+    ids = ids[:, :7]  # odd text (7) and combined (37) lengths: the sequence-parallel padding
+    lm_overrides = dict(sequence_parallel=sequence_parallel)
+    # Sequence parallelism takes parallel_output=True (the logits stay split over the vocabulary).
+    model, configs = _build(-2, 'default', lm_overrides, parallel_output=True)
     _load(model, configs, full)
     logits, _ = model(images, ids, None, None)
-    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
-    (logits * w).sum().backward()
+    logits = logits[:, :37]  # [b, S(+pad), v/p] -> [b, S, v/p]
+    w = torch.randn(3, 37, VOCAB, generator=torch.Generator().manual_seed(2))
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    local_w = w.chunk(parallel_state.get_tensor_model_parallel_world_size(), dim=-1)[rank]
+    (logits * local_w).sum().backward()  # the ranks' terms add up to the full weighted sum
+    logits = torch.cat(_all_gather_tp(logits.detach()), dim=-1)  # [b, S, v]
+    # What finalize_model_grads does for the norms inside the sequence-parallel region.
+    for p in model.parameters():
+        if getattr(p, 'sequence_parallel', False):
+            group = parallel_state.get_tensor_model_parallel_group()
+            torch.distributed.all_reduce(p.grad, group=group)
     grads = _gather({n: p.grad for n, p in model.named_parameters()}, configs)
     return logits.detach(), grads
 
@@ -326,9 +343,11 @@ def _tp_reference():
     return (full,) + _tp_run(full)
 
 
-def test_tensor_parallel_matches_unsharded():
+@pytest.mark.parametrize('sequence_parallel', [False, True])
+def test_tensor_parallel_matches_unsharded(sequence_parallel):
     full, ref_logits, ref_grads = run_distributed(_tp_reference, world_size=1)[0]
-    for logits, grads in run_distributed(_tp_run, world_size=2, tp=2, args=(full,)):
+    outs = run_distributed(_tp_run, world_size=2, tp=2, args=(full, sequence_parallel))
+    for logits, grads in outs:
         assert (logits - ref_logits).abs().max() < 1e-5
         assert grads.keys() == ref_grads.keys()
         for name, g in ref_grads.items():

@@ -14,10 +14,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.multimodal.llava_inputs import (
     DEFAULT_IMAGE_TOKEN_INDEX,
+    IGNORE_INDEX,
     count_placeholders,
     merge_placeholder_batch,
 )
@@ -57,6 +59,12 @@ class LLaVAModel(MegatronModule):
     is column-parallel and fc2 row-parallel (forward all-reduce of its output; backward
     all-reduce of the gradient of its input, so the ViT sees the full gradient on every rank);
     the word embedding and output layer are split along the vocabulary as in GPTModel.
+
+    Sequence parallelism (of the language model; the ViT and projector run without it, as in
+    Megatron): the text embeddings are gathered back to the full sequence, the images merged in,
+    and the combined sequence padded to a multiple of TP (zero embeddings, label IGNORE_INDEX,
+    loss mask 0) and scattered over the TP group before the decoder; the outputs then have the
+    padded length. It needs parallel_output=True, as in GPTModel.
 
     Args:
         language_transformer_config (TransformerConfig): the LM's config.
@@ -121,6 +129,12 @@ class LLaVAModel(MegatronModule):
         super().__init__(config=language_transformer_config)
         _check_layout(language_transformer_config)
         logger.warning("LLaVA model is under development and may be missing features.")
+        vision_transformer_config = _without_sequence_parallel(
+            vision_transformer_config, 'Vision Transformer'
+        )
+        vision_projection_config = _without_sequence_parallel(
+            vision_projection_config, 'Vision Projection'
+        )
         vision_layers = vision_layers_for_feature_layer(
             vision_transformer_config.num_layers, vision_feature_layer
         )
@@ -233,7 +247,8 @@ class LLaVAModel(MegatronModule):
             image_token_index: overrides the constructor's placeholder id.
 
         Returns:
-            (the loss [b, S] with labels, else logits [b, S, v/p]; the loss mask [b, S] or None).
+            (the loss [b, S] with labels, else logits [b, S, v/p]; the loss mask [b, S] or None);
+            S is padded to a multiple of TP under sequence parallelism.
         """
         if inference_params is not None:
             raise ValueError("LLaVA: inference (inference_params) is not supported yet")
@@ -243,8 +258,7 @@ class LLaVAModel(MegatronModule):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
-        text_ids = input_ids.masked_fill(input_ids == token, 0)
-        text = self.language_model.embedding(input_ids=text_ids, position_ids=position_ids)
+        text = self._text_embeddings(input_ids.masked_fill(input_ids == token, 0), position_ids)
 
         if has_placeholders or n_tiles == 0:
             image_tokens = self.image_embeddings(images) if n_tiles else None
@@ -256,10 +270,43 @@ class LLaVAModel(MegatronModule):
             attention_mask = None
         else:
             combined = self._fixed_index(text, images, labels, loss_mask)
+        if self.config.sequence_parallel:
+            combined, labels, loss_mask = self._scatter(combined, labels, loss_mask)
         output = self.language_model(
             None, None, attention_mask, decoder_input=combined, labels=labels
         )
         return output, loss_mask
+
+    def _text_embeddings(self, ids: Tensor, position_ids: Tensor) -> Tensor:
+        """[b, s] -> [s, b, h], the whole sequence on every rank. Under sequence parallelism
+        the embedding scatters its output: the text is padded to a multiple of TP first and the
+        pieces gathered back (backward: each rank keeps its slice of the replicated gradient)."""
+        if not self.config.sequence_parallel:
+            return self.language_model.embedding(input_ids=ids, position_ids=position_ids)
+        s = ids.shape[1]
+        pad = -s % self.config.tensor_model_parallel_size
+        ids = torch.nn.functional.pad(ids, (0, pad))  # [b, s + pad]
+        position_ids = torch.nn.functional.pad(position_ids, (0, pad))
+        text = self.language_model.embedding(input_ids=ids, position_ids=position_ids)
+        text = tensor_parallel.gather_from_sequence_parallel_region(
+            text, tensor_parallel_output_grad=False, group=self.language_model.pg_collection.tp
+        )  # [(s + pad)/p, b, h] -> [s + pad, b, h]
+        return text[:s]
+
+    def _scatter(self, combined: Tensor, labels, loss_mask):
+        """Sequence parallelism: pad the combined sequence [S, b, h] to a multiple of TP (zero
+        embeddings, label IGNORE_INDEX, mask 0) and give each rank its [S/p, b, h] slice."""
+        pad = -combined.shape[0] % self.config.tensor_model_parallel_size
+        if pad:
+            combined = torch.nn.functional.pad(combined, (0, 0, 0, 0, 0, pad))  # [S + pad, b, h]
+            if labels is not None:
+                labels = torch.nn.functional.pad(labels, (0, pad), value=IGNORE_INDEX)
+            if loss_mask is not None:
+                loss_mask = torch.nn.functional.pad(loss_mask, (0, pad))
+        combined = tensor_parallel.scatter_to_sequence_parallel_region(
+            combined, group=self.language_model.pg_collection.tp
+        )
+        return combined, labels, loss_mask
 
     def _fixed_index(self, text: Tensor, images: Tensor, labels, loss_mask) -> Tensor:
         """r0.8: [text[:idx]; image; text[idx:]] for one image per sample. text [s, b, h]."""
@@ -295,8 +342,14 @@ def _check_layout(config: TransformerConfig) -> None:
             "LLaVA: context parallelism is not supported yet "
             f"(--context-parallel-size {config.context_parallel_size})"
         )
-    if config.sequence_parallel:
-        raise ValueError("LLaVA: --sequence-parallel is not supported yet")
+
+
+def _without_sequence_parallel(config: TransformerConfig, part: str) -> TransformerConfig:
+    """The vision parts run on the whole image sequence, as in Megatron."""
+    if not config.sequence_parallel:
+        return config
+    logger.warning(f"> Disabling Sequence parallelism in {part}. Not yet supported")
+    return dataclasses.replace(config, sequence_parallel=False)
 
 
 def _ignore_missing_projection(module, incompatible_keys) -> None:

@@ -352,3 +352,24 @@ def test_tensor_parallel_matches_unsharded(sequence_parallel):
         assert grads.keys() == ref_grads.keys()
         for name, g in ref_grads.items():
             assert (grads[name] - g).abs().max() < 1e-4, name
+
+
+def test_hf_weight_round_trip():
+    from megatron.core.models.gpt.hf_weight_mapping import llama_config_kwargs
+    from megatron.core.models.multimodal.hf_weight_mapping import (
+        llava_hf_to_mcore_state_dict,
+        mcore_to_hf_llava_state_dict,
+    )
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    hf = _hf_llava(-1, 'default')
+    lm = TransformerConfig(**llama_config_kwargs(hf.config.text_config)['config'])
+    hf_sd = hf.state_dict()
+    back = mcore_to_hf_llava_state_dict(llava_hf_to_mcore_state_dict(hf_sd, lm, 4, 2), lm, 4)
+    # CLIP's post_layernorm only feeds HF's pooler output: not in the model, exported as identity.
+    kept = {k: v for k, v in hf_sd.items() if 'post_layernorm' not in k}
+    assert back.keys() - kept.keys() == {
+        'model.vision_tower.post_layernorm.weight',
+        'model.vision_tower.post_layernorm.bias',
+    }
+    assert all(torch.equal(back[k], v) for k, v in kept.items())

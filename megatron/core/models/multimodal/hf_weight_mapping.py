@@ -1,4 +1,4 @@
-"""Hugging Face `LlavaForConditionalGeneration` state dict -> `LLaVAModel` (unsharded).
+"""Hugging Face `LlavaForConditionalGeneration` state dict <-> `LLaVAModel` (unsharded).
 
 The language model goes through the Llama mapping, the vision tower through the CLIP mapping
 (layers past the selected `vision_feature_layer` are dropped: LLaVAModel does not build them),
@@ -14,10 +14,14 @@ import torch
 
 from megatron.core.models.gpt.hf_weight_mapping import (
     llama_hf_to_mcore_state_dict,
+    mcore_to_llama_hf_state_dict,
     merge_tensor_parallel_state_dicts,
     split_state_dict_for_tensor_parallel,
 )
-from megatron.core.models.vision.hf_weight_mapping import hf_to_mcore_vision_state_dict
+from megatron.core.models.vision.hf_weight_mapping import (
+    hf_to_mcore_vision_state_dict,
+    mcore_to_hf_vision_state_dict,
+)
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -111,4 +115,30 @@ def merge_llava_tensor_parallel_state_dicts(shards, configs) -> StateDict:
     for part, config in zip(_PARTS, configs):
         merged = merge_tensor_parallel_state_dicts([r[part] for r in by_rank], config)
         out.update({_join(part, k): v for k, v in merged.items()})
+    return out
+
+
+def mcore_to_hf_llava_state_dict(
+    mc_sd: StateDict,
+    language_config,
+    vision_num_heads: int,
+    true_vocab_size: Optional[int] = None,
+) -> StateDict:
+    """A full LLaVAModel state dict -> `LlavaForConditionalGeneration` weights (transformers 5.x
+    keys). The vision tower gets the layers the model has (a model built for
+    `vision_feature_layer=-2` exports a tower one layer shorter, to be read with -1); CLIP's
+    pooler-only `post_layernorm` is written as identity."""
+    parts = _by_part({k: v for k, v in mc_sd.items() if isinstance(v, torch.Tensor)})
+    out: StateDict = {}
+    lm = mcore_to_llama_hf_state_dict(parts['language_model.'], language_config, true_vocab_size)
+    for key, value in lm.items():
+        out[key if key.startswith('lm_head.') else 'model.language_' + key] = value
+    vision = mcore_to_hf_vision_state_dict(parts['vision_model.'], vision_num_heads)
+    out.update({f'model.vision_tower.{k}': v for k, v in vision.items()})
+    for hf_name, mc_name in (('linear_1', 'linear_fc1'), ('linear_2', 'linear_fc2')):
+        for suffix in ('weight', 'bias'):
+            key = f'mlp.{mc_name}.{suffix}'
+            if key in parts['vision_projection.']:
+                value = parts['vision_projection.'][key]
+                out[f'model.multi_modal_projector.{hf_name}.{suffix}'] = value
     return out

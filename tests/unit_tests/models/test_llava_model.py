@@ -281,17 +281,26 @@ def _modes_and_freeze():
             call()
         except ValueError as e:
             errors.append(str(e))
+    # A text-only batch gives the vision parts zero gradients (not None: DDP reduces them).
+    text_only, _ = model(None, ids[2:], None, None)
+    text_only.sum().backward()
+    vision_grads = [
+        p.grad for n, p in model.named_parameters() if not n.startswith('language_model')
+    ]
+    anchored = all(g is not None and not g.any() for g in vision_grads)
+    lm_trained = model.language_model.output_layer.weight.grad.abs().sum() > 0
     model.freeze(False, True, False)
     frozen = {n.split('.')[0] for n, p in model.named_parameters() if not p.requires_grad}
     # A checkpoint without the projector loads when the flag allows it.
     lenient, _ = _build(-1, 'default', allow_missing_vision_projection_checkpoint=True)
     no_proj = {k: v for k, v in model.state_dict().items() if 'vision_projection' not in k}
     result = lenient.load_state_dict(no_proj, strict=True)
-    return placeholder, fixed, loss, loss_mask, labels, errors, frozen, list(result.missing_keys)
+    missing, anchored = list(result.missing_keys), anchored and lm_trained
+    return placeholder, fixed, loss, loss_mask, labels, errors, frozen, missing, anchored
 
 
 def test_fixed_index_mode_labels_freeze_and_missing_projection():
-    placeholder, fixed, loss, mask, labels, errors, frozen, missing = run_distributed(
+    placeholder, fixed, loss, mask, labels, errors, frozen, missing, anchored = run_distributed(
         _modes_and_freeze, world_size=1
     )[0]
     # r0.8's fixed index 2 on the text without its placeholder = the placeholder at index 2.
@@ -306,6 +315,7 @@ def test_fixed_index_mode_labels_freeze_and_missing_projection():
     assert 'labels has 8 positions, the combined sequence 24' in errors[1]
     assert frozen == {'vision_model'}
     assert missing == []
+    assert anchored
 
 
 def _tp_run(full, sequence_parallel=False):

@@ -268,6 +268,8 @@ class LLaVAModel(MegatronModule):
                 self.supervise_first_token_after_image,
             )  # fmt: skip
             attention_mask = None
+            if n_tiles == 0 and torch.is_grad_enabled():
+                combined = combined + self._zero_anchor()
         else:
             combined = self._fixed_index(text, images, labels, loss_mask)
         if self.config.sequence_parallel:
@@ -276,6 +278,18 @@ class LLaVAModel(MegatronModule):
             None, None, attention_mask, decoder_input=combined, labels=labels
         )
         return output, loss_mask
+
+    def _zero_anchor(self):
+        """0 x every trainable vision and projector parameter: a text-only batch still gives
+        them (zero) gradients, so the data-parallel gradient reduction sees every parameter on
+        every rank (later Megatron anchors text-only batches the same way)."""
+        params = [
+            p
+            for module in (self.vision_model, self.vision_projection)
+            for p in module.parameters()
+            if p.requires_grad
+        ]
+        return sum(p.sum() for p in params) * 0.0 if params else 0.0
 
     def _text_embeddings(self, ids: Tensor, position_ids: Tensor) -> Tensor:
         """[b, s] -> [s, b, h], the whole sequence on every rank. Under sequence parallelism

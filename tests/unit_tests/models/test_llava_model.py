@@ -383,3 +383,37 @@ def test_hf_weight_round_trip():
         'model.vision_tower.post_layernorm.bias',
     }
     assert all(torch.equal(back[k], v) for k, v in kept.items())
+
+
+def _greedy():
+    from megatron.core.inference_params import InferenceParams
+    from megatron.core.models.multimodal.hf_weight_mapping import llava_hf_to_mcore_state_dict
+
+    hf = _hf_llava(-2, 'default')
+    model, configs = _build(-2, 'default')
+    _load(model, configs, llava_hf_to_mcore_state_dict(hf.state_dict(), configs[0], 4, 1))
+    model.eval()
+    ids, images, _ = _batch()
+    prompt, image = ids[:1], images[:1]  # one image
+    steps = 5
+    with torch.no_grad():
+        theirs = hf.generate(
+            input_ids=_hf_ids(prompt[0], model.img_seq_len), pixel_values=image,
+            max_new_tokens=steps, do_sample=False,
+        )[0, -steps:]  # fmt: skip
+        params = InferenceParams(1, MAX_SEQ)
+        logits, _ = model(image, prompt, None, None, inference_params=params)
+        ours = [int(logits[0, -1].argmax())]
+        params.sequence_len_offset += logits.shape[1]
+        for _ in range(steps - 1):
+            # The image passed again is ignored: its tokens are in the KV cache.
+            step = torch.tensor([[ours[-1]]])
+            logits, _ = model(image, step, None, None, inference_params=params)
+            params.sequence_len_offset += 1
+            ours.append(int(logits[0, -1].argmax()))
+    return ours, theirs.tolist()
+
+
+def test_kv_cache_greedy_matches_hf_generate():
+    ours, theirs = run_distributed(_greedy, world_size=1)[0]
+    assert ours == theirs

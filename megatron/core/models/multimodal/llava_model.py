@@ -242,7 +242,12 @@ class LLaVAModel(MegatronModule):
             position_ids: [b, s] text positions (learned absolute); None = 0..s-1.
             attention_mask: see above.
             labels, loss_mask: [b, s] (fixed-index mode: [b, S]) or None.
-            inference_params: not supported yet (must be None).
+            inference_params (InferenceParams): KV-cache decoding. The prompt step runs the
+                images; later steps (`sequence_len_offset` > 0) feed text only and `images` is
+                ignored, since the image tokens are already in the cache (r0.8 skips the ViT
+                then too). Default positions continue from the offset, which is right for RoPE;
+                learned absolute positions count text only, so pass them. Prompts of different
+                combined lengths are right-padded, so batch only equal-length prompts.
             num_image_tiles: [n_img] tiles per image (None: one each).
             image_token_index: overrides the constructor's placeholder id.
 
@@ -250,14 +255,16 @@ class LLaVAModel(MegatronModule):
             (the loss [b, S] with labels, else logits [b, S, v/p]; the loss mask [b, S] or None);
             S is padded to a multiple of TP under sequence parallelism.
         """
-        if inference_params is not None:
-            raise ValueError("LLaVA: inference (inference_params) is not supported yet")
+        offset = 0
+        if inference_params is not None and inference_params.sequence_len_offset > 0:
+            images, offset = None, inference_params.sequence_len_offset
         token = self.image_token_index if image_token_index is None else image_token_index
         n_tiles = 0 if images is None else images.shape[0]
         has_placeholders = bool(count_placeholders(input_ids, token).sum() > 0)
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
-            position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
+            s = input_ids.shape[1]
+            position_ids = torch.arange(offset, offset + s, device=input_ids.device)
+            position_ids = position_ids.unsqueeze(0).expand_as(input_ids)  # [b, s]
         text = self._text_embeddings(input_ids.masked_fill(input_ids == token, 0), position_ids)
 
         if has_placeholders or n_tiles == 0:
@@ -275,7 +282,12 @@ class LLaVAModel(MegatronModule):
         if self.config.sequence_parallel:
             combined, labels, loss_mask = self._scatter(combined, labels, loss_mask)
         output = self.language_model(
-            None, None, attention_mask, decoder_input=combined, labels=labels
+            None,
+            None,
+            attention_mask,
+            decoder_input=combined,
+            labels=labels,
+            inference_params=inference_params,
         )
         return output, loss_mask
 

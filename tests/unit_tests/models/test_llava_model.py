@@ -276,6 +276,9 @@ def _modes_and_freeze():
     for call in (
         lambda: model(images[:2], ids[:1], None, None),  # 2 images, 1 placeholder
         lambda: model(images[:1], ids[2:], None, None, labels=labels),  # fixed, short labels
+        # Checked before the vision model runs: it would refuse these 5x5 images.
+        lambda: model(torch.zeros(2, 3, 5, 5), ids[:1], None, None),
+        lambda: model(torch.zeros(1, 3, 5, 5), ids[2:], None, None, labels=labels),
     ):
         try:
             call()
@@ -313,6 +316,7 @@ def test_fixed_index_mode_labels_freeze_and_missing_projection():
     assert (loss[0][trained] - expected[trained]).abs().max() < 1e-4
     assert 'fewer image tokens' in errors[0] and '1 placeholders for 2 images' in errors[0]
     assert 'labels has 8 positions, the combined sequence 24' in errors[1]
+    assert errors[2] == errors[0] and errors[3] == errors[1]
     assert frozen == {'vision_model'}
     assert missing == []
     assert anchored

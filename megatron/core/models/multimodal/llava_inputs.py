@@ -60,6 +60,44 @@ def _sample_layout(ids: Tensor, image_token_index: int, image_lengths: Tensor):
     return starts, is_image.nonzero(as_tuple=True)[0], int(ids.numel() + extra.sum())
 
 
+def plan_placeholder_batch(
+    input_ids: Tensor,
+    n_tiles: int,
+    tokens_per_tile: int,
+    num_image_tiles: Optional[Tensor],
+    image_token_index: int,
+    max_sequence_length: int,
+):
+    """Check a placeholder batch and lay it out, before any image is encoded.
+
+    ValueError when the placeholders and the images do not match in number, when
+    `num_image_tiles` does not add up to `n_tiles`, or when an image's tokens would end beyond
+    `max_sequence_length`.
+
+    Returns:
+        (per-sample layouts, tiles per image [n_img], tokens per image [n_img], combined length)
+    """
+    if num_image_tiles is None:
+        num_image_tiles = torch.ones(n_tiles, dtype=torch.long)
+    num_image_tiles = torch.as_tensor(num_image_tiles, dtype=torch.long).cpu()
+    if int(num_image_tiles.sum()) != n_tiles:
+        raise ValueError(
+            f"LLaVA: num_image_tiles adds up to {int(num_image_tiles.sum())} tiles but "
+            f"{n_tiles} image tiles were given"
+        )
+    per_sample = check_image_counts(input_ids, num_image_tiles.numel(), image_token_index)
+    image_lengths = (num_image_tiles * tokens_per_tile).to(input_ids.device)  # [n_img]
+    layouts, image_id = [], 0
+    for i in range(input_ids.shape[0]):
+        n = per_sample[i]
+        lengths = image_lengths[image_id : image_id + n]
+        layouts.append((image_id, n) + _sample_layout(input_ids[i], image_token_index, lengths))
+        image_id += n
+    _check_truncation(layouts, image_lengths, max_sequence_length)
+    combined_len = min(max(layout[-1] for layout in layouts), max_sequence_length)
+    return layouts, num_image_tiles, image_lengths, combined_len
+
+
 def merge_placeholder_batch(
     text_embeddings: Tensor,
     image_embeddings: Optional[Tensor],
@@ -91,27 +129,11 @@ def merge_placeholder_batch(
     b, s = input_ids.shape
     h = text_embeddings.shape[-1]
     n_tiles = 0 if image_embeddings is None else image_embeddings.shape[0]
-    if num_image_tiles is None:
-        num_image_tiles = torch.ones(n_tiles, dtype=torch.long)
-    num_image_tiles = torch.as_tensor(num_image_tiles, dtype=torch.long).cpu()
-    if int(num_image_tiles.sum()) != n_tiles:
-        raise ValueError(
-            f"LLaVA: num_image_tiles adds up to {int(num_image_tiles.sum())} tiles but "
-            f"{n_tiles} image tiles were given"
-        )
-    per_sample = check_image_counts(input_ids, num_image_tiles.numel(), image_token_index)
     k = 0 if image_embeddings is None else image_embeddings.shape[1]
-    image_lengths = (num_image_tiles * k).to(input_ids.device)  # [n_img]
+    layouts, num_image_tiles, image_lengths, combined_len = plan_placeholder_batch(
+        input_ids, n_tiles, k, num_image_tiles, image_token_index, max_sequence_length
+    )
     tile_offsets = torch.cumsum(num_image_tiles, 0) - num_image_tiles  # [n_img]
-
-    layouts, image_id = [], 0
-    for i in range(b):
-        n = per_sample[i]
-        lengths = image_lengths[image_id : image_id + n]
-        layouts.append((image_id, n) + _sample_layout(input_ids[i], image_token_index, lengths))
-        image_id += n
-    combined_len = min(max(layout[-1] for layout in layouts), max_sequence_length)
-    _check_truncation(layouts, image_lengths, max_sequence_length)
 
     rows = []
     for i, (first, n, starts, places, _) in enumerate(layouts):

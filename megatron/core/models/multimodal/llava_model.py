@@ -22,6 +22,7 @@ from megatron.core.models.multimodal.llava_inputs import (
     IGNORE_INDEX,
     count_placeholders,
     merge_placeholder_batch,
+    plan_placeholder_batch,
 )
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
@@ -268,6 +269,11 @@ class LLaVAModel(MegatronModule):
         text = self._text_embeddings(input_ids.masked_fill(input_ids == token, 0), position_ids)
 
         if has_placeholders or n_tiles == 0:
+            # Every check before the vision model runs (merge_placeholder_batch repeats it).
+            plan_placeholder_batch(
+                input_ids, n_tiles, self.img_seq_len, num_image_tiles, token,
+                self.language_max_sequence_length,
+            )  # fmt: skip
             image_tokens = self.image_embeddings(images) if n_tiles else None
             combined, labels, loss_mask = merge_placeholder_batch(
                 text, image_tokens, input_ids, num_image_tiles, token,
@@ -345,15 +351,14 @@ class LLaVAModel(MegatronModule):
             )
         if not 0 <= idx <= s:
             raise ValueError(f"LLaVA: img_embedding_idx {idx} is outside the {s} text tokens")
-        image = self.image_embeddings(images).transpose(0, 1)  # [b, k, h] -> [k, b, h]
-        combined = torch.cat([text[:idx], image, text[idx:]], dim=0)  # [S, b, h]
         for name, t in (('labels', labels), ('loss_mask', loss_mask)):
-            if t is not None and t.shape[1] != combined.shape[0]:
+            if t is not None and t.shape[1] != s + self.img_seq_len:
                 raise ValueError(
                     f"LLaVA fixed-index mode: {name} has {t.shape[1]} positions, the combined "
-                    f"sequence {combined.shape[0]} ({s} text + {image.shape[0]} image tokens)"
+                    f"sequence {s + self.img_seq_len} ({s} text + {self.img_seq_len} image tokens)"
                 )
-        return combined
+        image = self.image_embeddings(images).transpose(0, 1)  # [b, k, h] -> [k, b, h]
+        return torch.cat([text[:idx], image, text[idx:]], dim=0)  # [S, b, h]
 
 
 def _check_layout(config: TransformerConfig) -> None:

@@ -261,19 +261,20 @@ class LLaVAModel(MegatronModule):
             images, offset = None, inference_params.sequence_len_offset
         token = self.image_token_index if image_token_index is None else image_token_index
         n_tiles = 0 if images is None else images.shape[0]
-        has_placeholders = bool(count_placeholders(input_ids, token).sum() > 0)
+        placeholder_mode = n_tiles == 0 or bool(count_placeholders(input_ids, token).sum() > 0)
+        if placeholder_mode:
+            # Every check before any work (merge_placeholder_batch repeats it).
+            plan_placeholder_batch(
+                input_ids, n_tiles, self.img_seq_len, num_image_tiles, token,
+                self.language_max_sequence_length,
+            )  # fmt: skip
         if position_ids is None:
             s = input_ids.shape[1]
             position_ids = torch.arange(offset, offset + s, device=input_ids.device)
             position_ids = position_ids.unsqueeze(0).expand_as(input_ids)  # [b, s]
         text = self._text_embeddings(input_ids.masked_fill(input_ids == token, 0), position_ids)
 
-        if has_placeholders or n_tiles == 0:
-            # Every check before the vision model runs (merge_placeholder_batch repeats it).
-            plan_placeholder_batch(
-                input_ids, n_tiles, self.img_seq_len, num_image_tiles, token,
-                self.language_max_sequence_length,
-            )  # fmt: skip
+        if placeholder_mode:
             image_tokens = self.image_embeddings(images) if n_tiles else None
             combined, labels, loss_mask = merge_placeholder_batch(
                 text, image_tokens, input_ids, num_image_tiles, token,

@@ -12,10 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.enums import ModelType
-from megatron.legacy.data.vit_dataset import build_train_valid_datasets
 from megatron.legacy.model.vision.classification import VitClassificationModel
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.datasets.vision_batch import check_class_count, image_batch
+from megatron.training.datasets.vision_batch import image_batch, vision_datasets
 from megatron.training.global_vars import get_args, get_timers
 from megatron.training.run_control.errors import run_main
 from megatron.training.training import pretrain
@@ -59,20 +58,7 @@ def forward_step(data_iterator, model: VitClassificationModel):
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """The training and validation image folders of --data-path (no test split)."""
-    args = get_args()
-    print_rank_0('> building train, validation, and test datasets for VIT ...')
-    train_ds, valid_ds = build_train_valid_datasets(
-        data_path=args.data_path,
-        image_size=(args.img_h, args.img_w),
-        num_channels=args.num_channels,
-        classes_fraction=args.classes_fraction,
-        data_per_class_fraction=args.data_per_class_fraction,
-        seed=args.seed,
-        augment=args.image_augmentation,
-    )
-    check_class_count(args, train_ds.classes)
-    print_rank_0('> finished creating VIT datasets ...')
-    return train_ds, valid_ds, None
+    return vision_datasets(get_args(), 'classify')
 
 
 # Every rank reads its own batches (the images are not broadcast over the TP group): the seeded

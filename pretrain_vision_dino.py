@@ -11,9 +11,9 @@ from functools import partial
 
 from megatron.core.enums import ModelType
 from megatron.core.utils import get_current_device, unwrap_model
-from megatron.legacy.data.vit_dataset import build_train_valid_datasets
 from megatron.legacy.model.vision.dino import DINOPretrainModel, teacher_temperatures
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.datasets.vision_batch import vision_datasets
 from megatron.training.global_vars import get_args, get_timers
 from megatron.training.run_control.errors import run_main
 from megatron.training.training import pretrain
@@ -73,22 +73,7 @@ def forward_step(data_iterator, model):
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """The training and validation image folders of --data-path, as multi-crop views."""
-    args = get_args()
-    print_rank_0('> building train, validation, and test datasets for VIT ...')
-    train_ds, valid_ds = build_train_valid_datasets(
-        data_path=args.data_path,
-        image_size=(args.img_h, args.img_w),
-        num_channels=args.num_channels,
-        classes_fraction=args.classes_fraction,
-        data_per_class_fraction=args.data_per_class_fraction,
-        seed=args.seed,
-        augment=args.image_augmentation,
-        pretraining_type='dino',
-        local_img_size=args.dino_local_img_size,
-        local_crops_number=args.dino_local_crops_number,
-    )
-    print_rank_0('> finished creating VIT datasets ...')
-    return train_ds, valid_ds, None
+    return vision_datasets(get_args(), 'dino')
 
 
 # Every rank reads its own batches, as in pretrain_vision_classify.py.

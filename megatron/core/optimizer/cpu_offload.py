@@ -20,12 +20,11 @@ from typing import List
 import torch
 
 from .. import tensor_parallel
+from ..device import uses_cuda
 
 
 def _host_copy(shard: torch.Tensor, model_param: torch.nn.Parameter) -> torch.Tensor:
-    host = torch.empty(
-        shard.shape, dtype=torch.float32, device='cpu', pin_memory=torch.cuda.is_available()
-    )
+    host = torch.empty(shard.shape, dtype=torch.float32, device='cpu', pin_memory=uses_cuda())
     host.copy_(shard)
     tensor_parallel.copy_tensor_model_parallel_attributes(host, model_param)
     if hasattr(model_param, 'shared'):

@@ -86,6 +86,10 @@ from megatron.training.logging.training_log import (  # noqa: F401
     format_log_line,
 )
 from megatron.training.loop.evaluation import format_validation_line  # noqa: F401
+from megatron.training.loop.step_results import (  # noqa: F401
+    _call_model_hook,
+    reduce_losses_over_microbatches,
+)
 from megatron.training.theoretical_memory_usage import report_theoretical_memory  # noqa: F401
 from megatron.training.utils import report_memory  # noqa: F401
 
@@ -668,40 +672,6 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         loss_reduced = reduce_losses_over_microbatches(losses_reduced)
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
-
-
-def _call_model_hook(model, name, iteration):
-    """Megatron's vision hooks (DINO's `cancel_gradients_last_layer` before the optimizer step,
-    `update_momentum` after it): called when the unwrapped first model chunk has the method."""
-    hook = getattr(unwrap_model(model[0]), name, None)
-    if callable(hook):
-        hook(iteration)
-
-
-def reduce_losses_over_microbatches(losses_reduced):
-    """The iteration's value of each key of the loss functions' dicts (Megatron's rule).
-
-    A (numerator, denominator) pair (the 3-tuple loss functions' token sums) is summed over the
-    micro-batches, then divided; a tensor is averaged over the micro-batches.
-    """
-    loss_reduced = {}
-    for key in losses_reduced[0].keys():
-        numerator = 0
-        denominator = 0
-        for x in losses_reduced:
-            val = x[key]
-            if isinstance(val, (tuple, list)):
-                numerator += val[0]
-                denominator += val[1]
-            else:
-                numerator += val
-                denominator += 1
-        loss_reduced[key] = numerator / denominator
-    return loss_reduced
-
-
-# Iteration of the last checkpoint this process saved (None: none yet).
-_LAST_SAVED_ITERATION = None
 
 
 def save_checkpoint_and_time(

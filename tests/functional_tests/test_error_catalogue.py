@@ -59,6 +59,13 @@ TINY = [
 ]
 #: Rows exercised by other test files (the row names the file).
 ELSEWHERE = {
+    **{
+        case: 'tests/functional_tests/test_vision_classify.py'
+        for case in ('vision-patch', 'vision-classes', 'vision-channels', 'vision-backbone')
+        + ('vision-pipeline',)
+    },
+    'image-file-bad': 'tests/unit_tests/data/test_image_data.py',
+    'image-folder-bad': 'tests/unit_tests/data/test_image_data.py',
     # issue 33 part 1 (the round-4 probe)
     'dist-ckpt-metadata-objects': 'tests/unit_tests/dist_checkpointing/test_metadata_unpickler.py',
     'fim-same-sentinel': 'tests/unit_tests/data/test_fim.py',

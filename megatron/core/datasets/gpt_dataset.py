@@ -21,6 +21,7 @@ from typing import Dict, Optional, Tuple
 import numpy
 import torch
 
+from megatron.core.datasets import index_memo
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.index_cache import load_index, save_index, write_text
 from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -251,7 +252,7 @@ class GPTDataset(MegatronDataset):
             )
             self.built_anew_on_cache_miss = True
             t_beg = time.time()
-            document_index, sample_index, shuffle_index = self._build_indices()
+            document_index, sample_index, shuffle_index = self._build_indices(memo=paths is None)
             if paths is not None:
                 os.makedirs(paths["dir"], exist_ok=True)
                 write_text(paths["description"], self.unique_description)
@@ -289,7 +290,11 @@ class GPTDataset(MegatronDataset):
         )
         return document_index, sample_index, shuffle_index
 
-    def _build_indices(self) -> Tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+    def _build_indices(
+        self, memo: bool = False
+    ) -> Tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+        """Build the three indices; with `memo`, reuse this process's earlier build of the same
+        (see index_memo.py: only for builds that have no on-disk cache)."""
         sequence_length = self.config.sequence_length
         extra = int(self.config.add_extra_token_to_sequence)
         num_tokens_per_epoch = self._get_num_tokens_per_epoch()
@@ -318,36 +323,53 @@ class GPTDataset(MegatronDataset):
             log_single_rank(logger, logging.DEBUG, f"> num_samples_per_epoch: {samples_per_epoch}")
         log_single_rank(logger, logging.DEBUG, f"> separate_final_epoch: {separate_final_epoch}")
 
-        numpy_random_state = numpy.random.RandomState(self.config.random_seed)
-        document_index = _build_document_index(
-            self.indices, num_epochs, numpy_random_state, separate_final_epoch
-        )
-
         drop_last_partial_sequence = (
             self.config.drop_last_partial_validation_sequence
             if self.index_split == Split.valid
             else True
         )
-
-        from megatron.core.datasets import helpers
-
-        assert document_index.dtype == numpy.int32
         sequence_lengths = numpy.asarray(self.dataset.sequence_lengths, dtype=numpy.int32)
-        sample_index = helpers.build_sample_idx(
-            sequence_lengths,
-            document_index,
+
+        def build():
+            numpy_random_state = numpy.random.RandomState(self.config.random_seed)
+            document_index = _build_document_index(
+                self.indices, num_epochs, numpy_random_state, separate_final_epoch
+            )
+            from megatron.core.datasets import helpers
+
+            assert document_index.dtype == numpy.int32
+            sample_index = helpers.build_sample_idx(
+                sequence_lengths,
+                document_index,
+                sequence_length,
+                num_epochs,
+                num_tokens_per_epoch,
+                drop_last_partial_sequence,
+                extra,
+            )
+            num_built = sample_index.shape[0] - 1
+            first_block = num_samples_sans_final_epoch if separate_final_epoch else num_built
+            shuffle_index = _build_shuffle_index(first_block, num_built, numpy_random_state)
+            return document_index, sample_index, shuffle_index
+
+        log_single_rank(logger, logging.INFO, f"> total number of epochs: {num_epochs}")
+        if not memo:
+            return build()
+        # Everything the three indices are a function of (num_samples only through the plan).
+        key = index_memo.digest(
+            type(self).__name__,
+            numpy.asarray(self.indices),
+            sequence_lengths[self.indices],
+            self.config.random_seed,
             sequence_length,
+            extra,
             num_epochs,
             num_tokens_per_epoch,
+            separate_final_epoch,
+            num_samples_sans_final_epoch,
             drop_last_partial_sequence,
-            extra,
         )
-
-        num_built = sample_index.shape[0] - 1
-        first_block = num_samples_sans_final_epoch if separate_final_epoch else num_built
-        shuffle_index = _build_shuffle_index(first_block, num_built, numpy_random_state)
-        log_single_rank(logger, logging.INFO, f"> total number of epochs: {num_epochs}")
-        return document_index, sample_index, shuffle_index
+        return index_memo.memoized(key, build)
 
     def _get_num_tokens_per_epoch(self) -> int:
         """Tokens in one epoch of this split."""

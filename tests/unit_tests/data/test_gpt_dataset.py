@@ -467,6 +467,46 @@ def test_mock_dataset(corpus):
         train[len(train)]
 
 
+def test_mock_rebuild_reuses_the_indices_of_the_same_plan(corpus, monkeypatch):
+    """Without an on-disk cache a second build in the same process takes the memoised indices:
+    the same arrays (read-only) for the same epoch plan, whatever num_samples asked for it,
+    equal to a fresh build; another seed or sequence length builds anew."""
+    from megatron.core.datasets import index_memo
+
+    long_seq = 1024  # fewer samples per epoch than SEQ: quicker builds
+
+    def build(seed=1234, seq=long_seq, sizes=(20, 4, 2)):
+        cfg = GPTDatasetConfig(
+            random_seed=seed,
+            sequence_length=seq,
+            tokenizer=corpus.tok,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+        )
+        return BlendedMegatronDatasetBuilder(MockGPTDataset, list(sizes), lambda: True, cfg).build()
+
+    index_memo.clear()
+    first = build()
+    again = build(sizes=(24, 8, 2))  # still one epoch of every split: the same plan
+    for a, b in zip(first, again):
+        assert a.shuffle_index is b.shuffle_index and a.sample_index is b.sample_index
+        assert not a.shuffle_index.flags.writeable
+    index_memo.clear()
+    monkeypatch.setattr(index_memo, "MAX_BYTES", 0)  # nothing fits: every build is fresh
+    fresh = build()
+    for a, b in zip(first, fresh):
+        assert a.shuffle_index is not b.shuffle_index
+        assert numpy.array_equal(a.shuffle_index, b.shuffle_index)
+        assert numpy.array_equal(a.sample_index, b.sample_index)
+        assert numpy.array_equal(a.document_index, b.document_index)
+    monkeypatch.undo()
+    other_seed, other_seq = build(seed=99)[0], build(seq=long_seq // 2)[0]
+    assert not numpy.array_equal(other_seed.shuffle_index[:64], first[0].shuffle_index[:64])
+    assert other_seq.sample_index.shape != first[0].sample_index.shape
+    index_memo.clear()
+
+
 def _distributed_build(fortunes_prefix, cache, data_dir):
     """Every rank builds through the builder; rank 0 writes the cache, the others load it."""
     tok = build_tokenizer(

@@ -73,6 +73,8 @@ setup(
         "test": [
             "pytest>=7",
             "pytest-timeout",
+            # tests/run_tests.sh runs the suite on two workers (one per core of the CI machine).
+            "pytest-xdist",
             "transformers",
             "tokenizers",
             "nltk",

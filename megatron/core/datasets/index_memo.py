@@ -21,7 +21,7 @@ from typing import Callable, Hashable, Tuple
 import numpy
 
 #: Upper bound on the bytes the memo holds per process (least recently used entries go first).
-MAX_BYTES = 384 * 2**20
+MAX_BYTES = 256 * 2**20
 
 _entries: 'collections.OrderedDict[str, Tuple[numpy.ndarray, ...]]' = collections.OrderedDict()
 _lock = threading.Lock()

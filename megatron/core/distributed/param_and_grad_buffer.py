@@ -260,10 +260,11 @@ class ParamAndGradBuffer:
     """Flat gradient buffer (and, for the distributed optimizer, parameter buffer) with buckets.
 
     Parameters are laid out in reverse order of `params`. A bucket closes once it holds
-    `bucket_size` elements or more (None: one bucket) and, with the distributed optimizer, after a
-    shared embedding weight. With the distributed optimizer every parameter starts at a multiple
-    of 64 elements and each bucket's end is padded to a multiple of lcm(DP, 128), so every rank
-    owns an equal, aligned shard (Megatron r0.8's layout, so the bucket sizes match its).
+    `bucket_size` elements or more (None: one bucket). With the distributed optimizer every
+    parameter starts at a multiple of 64 elements, each bucket's end is padded to a multiple of
+    lcm(DP, 128) so every rank owns an equal, aligned shard, and a shared embedding weight has a
+    bucket of its own (Megatron r0.8's layout, so the bucket sizes match its; see
+    docs/differences.md for the one case where the shared weight's start differs).
 
     Args:
         ddp_config: DistributedDataParallel configuration.
@@ -324,8 +325,8 @@ class ParamAndGradBuffer:
             return param_start_index
 
         def _does_param_require_new_bucket(param) -> bool:
-            # With the distributed optimizer a shared embedding weight closes its bucket, so the
-            # first and last pipeline stages shard its optimizer state the same way across DP
+            # With the distributed optimizer a shared embedding weight is alone in its bucket, so
+            # the first and last pipeline stages shard its optimizer state the same way across DP
             # replicas (the DP reduce-scatter can then run before the embedding all-reduce).
             return (
                 getattr(param, "shared_embedding", False)
@@ -334,7 +335,7 @@ class ParamAndGradBuffer:
 
         # First pass: compute the layout (Megatron r0.8's rule: in reverse parameter order a
         # bucket closes once it holds >= bucket_size elements, padding between parameters
-        # included, or after a shared embedding weight).
+        # included, and before and after a shared embedding weight).
         param_start_index = 0
         bucket_data_start_index = 0
         bucket_params: List[torch.nn.Parameter] = []
@@ -357,6 +358,12 @@ class ParamAndGradBuffer:
             if not param.requires_grad:
                 continue
             param_start_index = _pad_start_of_param_if_needed(param_start_index)
+            if _does_param_require_new_bucket(param) and len(bucket_params) > 0:
+                # The parameters gathered so far close their bucket first, so the shared weight
+                # starts its own bucket at a DP-aligned offset on every stage holding a copy.
+                # Megatron r0.8 leaves the weight at this (64-aligned) start instead, inside the
+                # previous bucket's end padding, where no optimizer shard owns it.
+                param_start_index = _close_bucket(param_start_index)
             param_end_index = param_start_index + param.data.nelement()
             self.param_index_map[param] = (param_start_index, param_end_index, bucket_id)
             bucket_params.append(param)

@@ -1,9 +1,9 @@
 """ParamAndGradBuffer's bucketing and grad sync as Megatron r0.8's: buckets close at >= bucket_size
 elements in reverse parameter order, with the distributed optimizer parameters start 64-aligned,
-bucket ends are padded to lcm(DP, 128) and a shared embedding weight closes its bucket (after
-itself only); finish_grad_sync forces the collective through on every call without overlap and,
-with overlap, raises (an AssertionError too) until every gradient is ready. Layouts below are
-worked out by hand for three parameters of 100, 30 and 50 elements (DP = 2)."""
+bucket ends are padded to lcm(DP, 128) and a shared embedding weight has a bucket of its own;
+finish_grad_sync forces the collective through on every call without overlap and, with overlap,
+raises (an AssertionError too) until every gradient is ready. Layouts below are worked out by
+hand (DP = 2), by default for three parameters of 100, 30 and 50 elements."""
 
 import pytest
 import torch
@@ -11,12 +11,12 @@ import torch
 from tests.unit_tests.dist_utils import run_distributed
 
 
-def _buffer(use_distributed_optimizer, bucket_size, shared, overlap=False):
+def _buffer(use_distributed_optimizer, bucket_size, shared, overlap=False, sizes=(100, 30, 50)):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
 
-    params = [torch.nn.Parameter(torch.ones(n)) for n in (100, 30, 50)]  # forward order
+    params = [torch.nn.Parameter(torch.ones(n)) for n in sizes]  # forward order
     for index in shared:
         params[index].shared_embedding = True
     config = DistributedDataParallelConfig(
@@ -37,8 +37,8 @@ def _buffer(use_distributed_optimizer, bucket_size, shared, overlap=False):
     return params, buffer
 
 
-def _layout(use_distributed_optimizer, bucket_size, shared):
-    params, buffer = _buffer(use_distributed_optimizer, bucket_size, shared)
+def _layout(use_distributed_optimizer, bucket_size, shared, sizes=(100, 30, 50)):
+    params, buffer = _buffer(use_distributed_optimizer, bucket_size, shared, sizes=sizes)
     ids = [id(p) for p in params]
     return {
         'unpadded': [b.numel_unpadded for b in buffer.buckets],
@@ -52,7 +52,23 @@ CASES = [
     # (distributed optimizer, bucket_size, shared embedding params) -> expected layout
     ((False, 60, ()), [80, 100], [80, 100], [(80, 180), (50, 80), (0, 50)], [[2, 1], [0]]),
     ((True, 60, ()), [94, 100], [128, 128], [(128, 228), (64, 94), (0, 50)], [[2, 1], [0]]),
-    ((True, None, (0, 2)), [50, 164], [128, 256], [(192, 292), (128, 158), (0, 50)], [[2], [1, 0]]),
+    # The shared weight p0 starts its own bucket at 256 (Megatron r0.8 leaves it at its 64-aligned
+    # start 192, inside bucket 1's padding: the one deliberate difference).
+    (
+        (True, None, (0, 2)),
+        [50, 64, 100],
+        [128, 128, 128],
+        [(256, 356), (128, 158), (0, 50)],
+        [[2], [1], [0]],
+    ),
+    # Its start already aligned: exactly Megatron r0.8's layout.
+    (
+        (True, None, (0,), (100, 64, 64)),
+        [128, 100],
+        [128, 128],
+        [(128, 228), (64, 128), (0, 64)],
+        [[2, 1], [0]],
+    ),
     ((False, None, (0, 2)), [180], [180], [(80, 180), (50, 80), (0, 50)], [[2, 1, 0]]),
     (
         (True, 20, ()),

@@ -58,6 +58,13 @@ def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, op, group,
     return scatter(output, input_, op=op, group=group, async_op=async_op)
 
 
+class GradSyncNotIssuedError(RuntimeError, AssertionError):
+    """finish_grad_sync() with overlap_grad_reduce before the bucket's reduction was started.
+
+    Megatron r0.8 asserts here, so this is also an AssertionError for library code catching it.
+    """
+
+
 class Bucket:
     """A contiguous group of parameters whose gradients are reduced by one collective.
 
@@ -109,6 +116,7 @@ class Bucket:
         self.params_with_grad = set()
         self.communication_handle = None
         self.communication_issued = False
+        self._synced_by_finish = False
 
     def _check_grads(self):
         """Validate the bucket's local gradient norm before the data-parallel collective: NaN
@@ -184,15 +192,23 @@ class Bucket:
         self.communication_issued = True
 
     def finish_grad_sync(self):
-        """Wait for the bucket's reduction; start it (synchronously) first if overlap is off.
+        """Finish the bucket's reduction.
 
-        A reduction already started (by the backward hooks, or by `start_grad_sync` from a
-        pipeline schedule's grad_sync_func) is not issued a second time.
+        Without `overlap_grad_reduce` every call runs the (synchronous) collective, as Megatron
+        r0.8 does, except right after an explicit `start_grad_sync()`, whose result stands. With
+        it, waits for the reduction the last gradient's hook (or a schedule's grad_sync_func)
+        started; calling it before every parameter's gradient is ready raises
+        GradSyncNotIssuedError.
         """
-        if not self.communication_issued and not self.ddp_config.overlap_grad_reduce:
-            self.start_grad_sync()
+        if not self.ddp_config.overlap_grad_reduce:
+            if not self.communication_issued or self._synced_by_finish:
+                self.communication_handle = None
+                self.communication_issued = False
+                self.start_grad_sync()
+            self._synced_by_finish = True
+            return
         if not self.communication_issued:
-            raise RuntimeError(
+            raise GradSyncNotIssuedError(
                 "Communication call has not been issued for this bucket "
                 f"({len(self.params_with_grad)}/{len(self.params)} params have grad available); "
                 "with overlap_grad_reduce every parameter in the module must receive a gradient "
@@ -243,10 +259,12 @@ class Bucket:
 class ParamAndGradBuffer:
     """Flat gradient buffer (and, for the distributed optimizer, parameter buffer) with buckets.
 
-    Parameters are laid out in reverse order of `params`. A new bucket starts when the current one
-    reaches `bucket_size` elements (None: one bucket), and before/after a shared embedding weight
-    when the distributed optimizer is used. With the distributed optimizer each bucket's end is
-    padded to a multiple of lcm(DP, 128) so every rank owns an equal, aligned shard.
+    Parameters are laid out in reverse order of `params`. A bucket closes once it holds
+    `bucket_size` elements or more (None: one bucket). With the distributed optimizer every
+    parameter starts at a multiple of 64 elements, each bucket's end is padded to a multiple of
+    lcm(DP, 128) so every rank owns an equal, aligned shard, and a shared embedding weight has a
+    bucket of its own (Megatron r0.8's layout, so the bucket sizes match its; see
+    docs/differences.md for the one case where the shared weight's start differs).
 
     Args:
         ddp_config: DistributedDataParallel configuration.
@@ -300,16 +318,25 @@ class ParamAndGradBuffer:
                 return _pad(bucket_end_index, math.lcm(self.data_parallel_world_size, 128))
             return bucket_end_index
 
+        def _pad_start_of_param_if_needed(param_start_index: int) -> int:
+            if self.ddp_config.use_distributed_optimizer:
+                # Every parameter starts 64-element (128-byte for 16-bit values) aligned.
+                return _pad(param_start_index, 64)
+            return param_start_index
+
         def _does_param_require_new_bucket(param) -> bool:
-            # The shared embedding gets a bucket of its own with the distributed optimizer so that
-            # its all-reduce over the embedding group does not straddle DP shards awkwardly.
+            # With the distributed optimizer a shared embedding weight is alone in its bucket, so
+            # the first and last pipeline stages shard its optimizer state the same way across DP
+            # replicas (the DP reduce-scatter can then run before the embedding all-reduce).
             return (
                 getattr(param, "shared_embedding", False)
                 and self.ddp_config.use_distributed_optimizer
             )
 
-        # First pass: compute the layout.
-        data_start_index = 0
+        # First pass: compute the layout (Megatron r0.8's rule: in reverse parameter order a
+        # bucket closes once it holds >= bucket_size elements, padding between parameters
+        # included, and before and after a shared embedding weight).
+        param_start_index = 0
         bucket_data_start_index = 0
         bucket_params: List[torch.nn.Parameter] = []
         bucket_id = 0
@@ -326,23 +353,30 @@ class ParamAndGradBuffer:
             bucket_id += 1
             return data_end_index
 
+        param_end_index = 0
         for param in params[::-1]:
             if not param.requires_grad:
                 continue
-            this_numel = param.data.nelement()
+            param_start_index = _pad_start_of_param_if_needed(param_start_index)
             if _does_param_require_new_bucket(param) and len(bucket_params) > 0:
-                data_start_index = _close_bucket(data_start_index)
-            data_end_index = data_start_index + this_numel
-            self.param_index_map[param] = (data_start_index, data_end_index, bucket_id)
+                # The parameters gathered so far close their bucket first, so the shared weight
+                # starts its own bucket at a DP-aligned offset on every stage holding a copy.
+                # Megatron r0.8 leaves the weight at this (64-aligned) start instead, inside the
+                # previous bucket's end padding, where no optimizer shard owns it.
+                param_start_index = _close_bucket(param_start_index)
+            param_end_index = param_start_index + param.data.nelement()
+            self.param_index_map[param] = (param_start_index, param_end_index, bucket_id)
             bucket_params.append(param)
             if (
                 bucket_size is not None
-                and (data_end_index - bucket_data_start_index) >= bucket_size
+                and (param_end_index - bucket_data_start_index) >= bucket_size
             ) or _does_param_require_new_bucket(param):
-                data_end_index = _close_bucket(data_end_index)
-            data_start_index = data_end_index
+                param_start_index = _close_bucket(param_end_index)
+            else:
+                param_start_index = param_end_index
         if len(bucket_params) > 0:
-            data_start_index = _close_bucket(data_start_index)
+            param_start_index = _close_bucket(param_end_index)
+        data_start_index = param_start_index
 
         self.numel = data_start_index
         self.numel_unpadded = sum(self.per_bucket_numel_unpadded)

@@ -41,7 +41,9 @@ def add_arguments(parser):
 
 def check_arguments(args, md):
     if md is not None and mamba_checkpoint.is_mamba(md):
-        md = None  # the Hugging Face config is built (and checked) by the Mamba saver
+        if md.hf_config is None:  # refuses an architecture HF cannot hold, before any work
+            mamba_checkpoint.hf_config_from_args(md.checkpoint_args, 1, md.params_dtype)
+        md = None  # the rest of the checks below are the GPT families'
     elif md is not None and md.model_type != 'GPT':
         raise ValueError(
             f'--saver hf exports GPT models (GPT-2 and Llama families), not --model-type '

@@ -63,6 +63,12 @@ def test_hf_to_tp2_to_hf_round_trip(kind, tp, pp, tmp_path):
     hf = _hf_model(kind)
     hf.save_pretrained(tmp_path / 'hf')
     common = ['--model-type', 'mamba', '--hf-tokenizer-type', 'GPT2BPETokenizer']
+    # 4 Mamba heads, 2 groups: TP3 is refused in one line before any process starts.
+    rc = _convert(
+        *common, '--loader', 'hf', '--saver', 'mcore', '--load-dir', str(tmp_path / 'hf'),
+        '--save-dir', str(tmp_path / 'bad'), '--target-tensor-parallel-size', '3',
+    )  # fmt: skip
+    assert rc == 2 and not (tmp_path / 'bad').exists()
     rc = _convert(
         *common, '--loader', 'hf', '--saver', 'mcore', '--load-dir', str(tmp_path / 'hf'),
         '--save-dir', str(tmp_path / 'mcore'), '--target-tensor-parallel-size', str(tp),

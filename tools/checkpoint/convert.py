@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         '--model-type',
         type=str,
         required=True,
-        choices=['GPT', 'BERT', 'T5'],
-        help='Type of the model (T5: the mcore / megatron loader and saver)',
+        choices=['GPT', 'BERT', 'T5', 'mamba'],
+        help='Type of the model (T5: the mcore / megatron loader and saver; mamba: '
+        'pretrain_mamba.py checkpoints and Hugging Face Mamba2 / NemotronH, hf and mcore plugins)',
     )
     parser.add_argument(
         '--loader',

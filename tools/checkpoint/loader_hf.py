@@ -9,6 +9,7 @@ import os
 import types
 
 import loader_mcore
+import mamba_checkpoint
 import torch
 import utils
 
@@ -159,6 +160,8 @@ def build_metadata(args, tokenizer_type=None):
 
 
 def check_arguments(args):
+    if mamba_checkpoint.is_mamba(args):
+        return mamba_checkpoint.hf_metadata(args)[1]
     return build_metadata(args)[1]
 
 
@@ -187,4 +190,5 @@ def _load(queue, args):
 
 def load_checkpoint(queue, args):
     utils.add_megatron_path(args.megatron_path)
-    utils.run_loader(queue, _load, args)
+    body = mamba_checkpoint.load_hf if mamba_checkpoint.is_mamba(args) else _load
+    utils.run_loader(queue, body, args)

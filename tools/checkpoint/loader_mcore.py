@@ -9,6 +9,7 @@ state is not converted). The checkpoint's own args decide the architecture;
 
 import types
 
+import mamba_checkpoint
 import mcore_t5
 import utils
 
@@ -94,6 +95,8 @@ def _true_vocab_size(args, checkpoint_args):
 
 def check_arguments(args):
     """Read the source's layout and args (no tensors); returns the metadata namespace."""
+    if mamba_checkpoint.is_mamba(args):
+        return mamba_checkpoint.mcore_metadata(args)[1]
     reader = cc_moe.MoECheckpointReader(args.load_dir)
     if reader.model_type != args.model_type:
         raise ValueError(
@@ -250,4 +253,5 @@ def send_tail(queue, md, rest):
 
 def load_checkpoint(queue, args):
     utils.add_megatron_path(args.megatron_path)
-    utils.run_loader(queue, _load, args)
+    body = mamba_checkpoint.load_mcore if mamba_checkpoint.is_mamba(args) else _load
+    utils.run_loader(queue, body, args)

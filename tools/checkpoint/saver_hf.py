@@ -7,6 +7,7 @@ loader, else the one the checkpoint records, else the padded table is kept).
 import os
 import sys
 
+import mamba_checkpoint
 import utils
 
 utils.add_megatron_path()
@@ -39,7 +40,11 @@ def add_arguments(parser):
 
 
 def check_arguments(args, md):
-    if md is not None and md.model_type != 'GPT':
+    if md is not None and mamba_checkpoint.is_mamba(md):
+        if md.hf_config is None:  # refuses an architecture HF cannot hold, before any work
+            mamba_checkpoint.hf_config_from_args(md.checkpoint_args, 1, md.params_dtype)
+        md = None  # the rest of the checks below are the GPT families'
+    elif md is not None and md.model_type != 'GPT':
         raise ValueError(
             f'--saver hf exports GPT models (GPT-2 and Llama families), not --model-type '
             f'{md.model_type}'
@@ -119,6 +124,10 @@ def _receive_full_model(queue, md, args):
 
 def save_checkpoint(queue, args):
     utils.add_megatron_path(args.megatron_path)
+    if mamba_checkpoint.is_mamba(args):
+        mamba_checkpoint.save_hf(queue, args)
+        print('Done!')
+        return
     md = utils.queue_get(queue)
     try:
         check_arguments(args, md)

@@ -11,6 +11,7 @@ untied output layer gets the same padding.
 import os
 import sys
 
+import mamba_checkpoint
 import mcore_t5
 import utils
 
@@ -97,6 +98,9 @@ def target_vocab_size(md, tp, source_rows):
 def check_arguments(args, md):
     """Target layout against the model, and the save directory; ValueError in one line."""
     if md is None:
+        return
+    if mamba_checkpoint.is_mamba(md):
+        mamba_checkpoint.check_mcore_target(args, md)
         return
     tp, pp = target_sizes(args, md)
     for flag, size in (
@@ -332,4 +336,7 @@ def _save(queue, args):
 def save_checkpoint(queue, args):
     utils.add_megatron_path(args.megatron_path)
     os.environ.setdefault('WORLD_SIZE', '1')
+    if mamba_checkpoint.is_mamba(args):
+        mamba_checkpoint.save_mcore(queue, args)
+        return
     _save(queue, args)

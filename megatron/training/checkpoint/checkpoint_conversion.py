@@ -286,6 +286,10 @@ class CheckpointReader:
             f'model_optim_rng.pt under {base} (found {present})'
         )
 
+    def merge_shards(self, shards: List[StateDict], swiglu) -> StateDict:
+        """One chunk's TP shards -> its full tensors (a model family may override the rules)."""
+        return merge_tensor_parallel_state_dicts(shards, swiglu)
+
     @property
     def model_type(self) -> str:
         """'T5' for an encoder-decoder model, 'BERT' when the model has an encoder block only,
@@ -325,7 +329,7 @@ class CheckpointReader:
                 # Nothing to merge: keep the memory-mapped tensors instead of copying them.
                 merged = dict(files[0][key])
             else:
-                merged = merge_tensor_parallel_state_dicts([f[key] for f in files], swiglu)
+                merged = self.merge_shards([f[key] for f in files], swiglu)
             offset = (
                 None
                 if self.model_type == 'T5'

@@ -142,3 +142,18 @@ def test_digit_caption_sample_layout():
     assert sample['image'].shape == (3, 8, 8)
     with pytest.raises(ValueError, match='--seq-length 8 is too short'):
         DigitCaptionDataset('valid', 1, TextEncoder(_Null(), True), 8, 8, 8, seed=1)
+
+
+def test_bad_image_and_unknown_words_refused(tmp_path):
+    from megatron.training.datasets.vlm_dataset import TextEncoder, read_image
+
+    bad = tmp_path / 'broken.png'
+    bad.write_bytes(b'not a png')
+    with pytest.raises(ValueError, match=f'cannot decode image {bad}'):
+        read_image(str(bad), 8, 8)
+
+    class _Null:
+        eod = 20
+
+    with pytest.raises(ValueError, match=r"only the digit caption words are known, got \['cat'\]"):
+        TextEncoder(_Null(), True)('which cat')

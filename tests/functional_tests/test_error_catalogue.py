@@ -65,6 +65,11 @@ ELSEWHERE = {
         + ('vision-pipeline',)
     },
     'image-file-bad': 'tests/unit_tests/data/test_image_data.py',
+    **{
+        case: 'tests/functional_tests/test_pretrain_vlm.py'
+        for case in ('vlm-vision-model-type', 'vlm-patch', 'vlm-seq-length', 'vlm-image-bad')
+        + ('vlm-null-tokenizer-words',)
+    },
     'image-folder-bad': 'tests/unit_tests/data/test_image_data.py',
     # issue 33 part 1 (the round-4 probe)
     'dist-ckpt-metadata-objects': 'tests/unit_tests/dist_checkpointing/test_metadata_unpickler.py',

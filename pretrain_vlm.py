@@ -1,0 +1,252 @@
+"""Pretrain a vision-language model: LLaVA (Megatron's pretrain_vlm.py).
+
+Thin entry script: the VLM flags, the model provider, the batch getter, the forward step and
+the dataset provider; `pretrain()` does the rest, and the loss is pretrain_gpt's (logged as
+`lm loss`). Data: `--mock-data` is Megatron's MockMultimodalDataset (mock text, blank images);
+`--data-path FILE.json` (or .jsonl) a LLaVA-style conversation set with an image folder; with
+neither, the bundled handwritten digits captioned ("which digit is this ?" -> "it is a
+handwritten seven ."). `bash examples/multimodal/quickstart_vlm.sh` trains a tiny LLaVA on
+them. Design notes: docs/multimodal.md.
+"""
+
+import copy
+import dataclasses
+
+import torch
+
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.multimodal_dataset import (
+    MockMultimodalDataset,
+    MultimodalDatasetConfig,
+)
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.multimodal import LLaVAModel
+from megatron.core.models.multimodal.llava_inputs import DEFAULT_IMAGE_TOKEN_INDEX
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.datasets.vlm_dataset import (
+    DigitCaptionDataset,
+    LlavaJsonDataset,
+    TextEncoder,
+    vlm_batch,
+)
+from megatron.training.global_vars import get_args, get_timers, get_tokenizer
+from megatron.training.run_control.errors import run_main
+from megatron.training.training import pretrain
+from megatron.training.utils import print_rank_0
+from pretrain_gpt import core_gpt_dataset_config_from_args, loss_func
+
+VISION_MODEL_TYPES = ('clip',)
+
+
+def add_vlm_extra_args(parser):
+    """Megatron's 'vision language model specific arguments' (r0.8: --drop-vision-class-token;
+    later versions and examples/multimodal: the freezing and vision-model flags)."""
+    group = parser.add_argument_group(title='vision language model specific arguments')
+    group.add_argument(
+        '--drop-vision-class-token',
+        action='store_true',
+        help="Drop the ViT's class tokens before the projector (r0.8's name).",
+    )
+    group.add_argument(
+        '--disable-vision-class-token',
+        action='store_true',
+        help="Drop the ViT's class tokens before the projector (later name, same effect).",
+    )
+    group.add_argument(
+        '--freeze-LM', action='store_true', help='Freeze the language model (no gradients).'
+    )
+    group.add_argument(
+        '--freeze-ViT', action='store_true', help='Freeze the vision model (no gradients).'
+    )
+    group.add_argument(
+        '--vision-model-type',
+        default='clip',
+        help='Vision encoder: clip (a CLIP ViT of --encoder-num-layers layers).',
+    )
+    group.add_argument(
+        '--allow-missing-vision-projection-checkpoint',
+        action='store_true',
+        help='Loading a checkpoint without the projector weights is not an error.',
+    )
+    group.add_argument(
+        '--img-embedding-idx',
+        type=int,
+        default=0,
+        help="r0.8's fixed image position, for batches without the image placeholder token.",
+    )
+    return parser
+
+
+def check_vlm_args(args) -> None:
+    """Refuse flag combinations that cannot work, one line each, before any model is built."""
+    if args.vision_model_type not in VISION_MODEL_TYPES:
+        raise ValueError(
+            f"pretrain_vlm.py: --vision-model-type {args.vision_model_type} is not supported "
+            f"(choose from {', '.join(VISION_MODEL_TYPES)})"
+        )
+    if args.img_h % args.patch_dim or args.img_w % args.patch_dim:
+        raise ValueError(
+            f"pretrain_vlm.py: --img-h {args.img_h} and --img-w {args.img_w} must be multiples "
+            f"of --patch-dim {args.patch_dim}"
+        )
+    if args.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            "pretrain_vlm.py: pipeline parallelism is not supported for LLaVA yet "
+            f"(--pipeline-model-parallel-size {args.pipeline_model_parallel_size})"
+        )
+
+
+def image_token_count(args) -> int:
+    """Tokens one image gives the language model (patches, plus the class token if kept)."""
+    patches = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
+    drop = args.drop_vision_class_token or args.disable_vision_class_token
+    return patches + (0 if drop else 1)
+
+
+def vlm_configs(args):
+    """(language, vision, projection) TransformerConfigs from args. The ViT and projector copy
+    the language config as Megatron's script does; the ViT has --encoder-num-layers layers
+    (default --num-layers) and the projector's inner size is the LM hidden size."""
+    language = core_transformer_config_from_args(args)
+    vision = dataclasses.replace(
+        copy.deepcopy(language), num_layers=args.encoder_num_layers or args.num_layers
+    )
+    projection = dataclasses.replace(
+        copy.deepcopy(language), num_layers=1, ffn_hidden_size=args.hidden_size
+    )
+    return language, vision, projection
+
+
+def model_provider(pre_process=True, post_process=True) -> LLaVAModel:
+    """The LLaVA model (the whole model on one pipeline stage), frozen as the flags say."""
+    args = get_args()
+    check_vlm_args(args)
+    print_rank_0('building a multimodal model ...')
+    language, vision, projection = vlm_configs(args)
+    model = LLaVAModel(
+        language_transformer_config=language,
+        language_transformer_layer_spec=get_gpt_layer_local_spec(
+            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm
+        ),
+        language_vocab_size=args.padded_vocab_size,
+        language_max_sequence_length=args.decoder_seq_length
+        or args.seq_length + image_token_count(args),
+        vision_transformer_config=vision,
+        vision_transformer_layer_spec=get_vit_layer_with_local_spec(),
+        drop_vision_class_token=args.drop_vision_class_token or args.disable_vision_class_token,
+        vision_projection_config=projection,
+        vision_projection_layer_spec=MLPSubmodules(
+            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
+        ),
+        allow_missing_vision_projection_checkpoint=args.allow_missing_vision_projection_checkpoint,
+        parallel_output=True,
+        language_position_embedding_type=args.position_embedding_type,
+        language_rotary_percent=args.rotary_percent,
+        language_rotary_base=args.rotary_base,
+        img_embedding_idx=args.img_embedding_idx,
+        img_h=args.img_h,
+        img_w=args.img_w,
+        patch_dim=args.patch_dim,
+    )
+    model.freeze(
+        freeze_language_model=args.freeze_LM,
+        freeze_vision_model=args.freeze_ViT,
+        freeze_vision_projection=False,
+    )
+    return model
+
+
+def forward_step(data_iterator, model: LLaVAModel):
+    """Forward one micro-batch; returns (per-token losses, loss function of the expanded mask)."""
+    timers = get_timers()
+    timers('batch-generator', log_level=2).start()
+    batch = vlm_batch(data_iterator)
+    timers('batch-generator').stop()
+    output, loss_mask = model(
+        batch['image'],
+        batch['tokens'],
+        batch['position_ids'],
+        None,
+        labels=batch['labels'],
+        loss_mask=batch['loss_mask'],
+    )
+    return output, lambda output_tensor: loss_func(loss_mask, output_tensor)
+
+
+def _mock_placeholder_sample(sample):
+    """A mock GPT sample in the placeholder layout: the image id first (the last text id
+    dropped, so the length stays), label = the first text id, loss mask 0 there."""
+    tokens = torch.as_tensor(sample['tokens'])
+    out = {
+        'tokens': torch.cat([tokens.new_tensor([DEFAULT_IMAGE_TOKEN_INDEX]), tokens[:-1]]),
+        'labels': torch.cat([tokens[:1], torch.as_tensor(sample['labels'])[:-1]]),
+        'loss_mask': torch.cat([torch.zeros(1), torch.as_tensor(sample['loss_mask'])[:-1]]),
+        'position_ids': torch.as_tensor(sample['position_ids']),
+        'image': sample['image'],
+    }
+    return out
+
+
+def _mock_datasets(args, train_val_test_num_samples):
+    config = core_gpt_dataset_config_from_args(args, config_class=MultimodalDatasetConfig)
+    config = dataclasses.replace(
+        config,
+        image_h=args.img_h,
+        image_w=args.img_w,
+        preprocess_func=_mock_placeholder_sample,
+        create_attention_mask=False,
+    )
+    return BlendedMegatronDatasetBuilder(
+        MockMultimodalDataset, train_val_test_num_samples, lambda: True, config
+    ).build()
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """Mock, LLaVA JSON or the bundled digit captions (module docstring); no test split
+    except with mock data."""
+    args = get_args()
+    print_rank_0('> building train, validation, and test datasets for multimodal ...')
+    if args.mock_data:
+        datasets = _mock_datasets(args, train_val_test_num_samples)
+    else:
+        tokenizer = get_tokenizer()
+        encode = TextEncoder(tokenizer, args.tokenizer_type == 'NullTokenizer')
+        n_train, n_valid, _ = train_val_test_num_samples
+        size = (args.seq_length, args.img_h, args.img_w)
+        if args.data_path:
+            train_path = args.data_path[0]
+            valid_path = args.data_path[1] if len(args.data_path) > 1 else train_path
+            datasets = (
+                LlavaJsonDataset(train_path, n_train, encode, *size),
+                LlavaJsonDataset(valid_path, n_valid, encode, *size),
+                None,
+            )
+        else:
+            datasets = (
+                DigitCaptionDataset('train', n_train, encode, *size, seed=args.seed),
+                DigitCaptionDataset('valid', n_valid, encode, *size, seed=args.seed),
+                None,
+            )
+    print_rank_0('> finished creating multimodal datasets ...')
+    return datasets
+
+
+# Every rank reads its own batches (samples are a pure function of their index), as the vision
+# scripts do; the images are not broadcast over the TP group.
+train_valid_test_datasets_provider.is_distributed = True
+
+
+if __name__ == '__main__':
+    run_main(
+        pretrain,
+        train_valid_test_datasets_provider,
+        model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        extra_args_provider=add_vlm_extra_args,
+        args_defaults={'tokenizer_type': 'GPT2BPETokenizer'},
+    )

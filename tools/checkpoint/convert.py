@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         '--model-type',
         type=str,
         required=True,
-        choices=['GPT', 'BERT', 'T5'],
-        help='Type of the model (T5: the mcore / megatron loader and saver)',
+        choices=['GPT', 'BERT', 'T5', 'VISION'],
+        help='Type of the model (T5: the mcore / megatron loader and saver; VISION: a CLIP / '
+        'SigLIP encoder, --loader hf|mcore --saver mcore|hf)',
     )
     parser.add_argument(
         '--loader',

@@ -9,6 +9,7 @@ import os
 import types
 
 import loader_mcore
+import mcore_vision
 import torch
 import utils
 
@@ -159,6 +160,8 @@ def build_metadata(args, tokenizer_type=None):
 
 
 def check_arguments(args):
+    if args.model_type == 'VISION':
+        return mcore_vision.hf_metadata(args)
     return build_metadata(args)[1]
 
 
@@ -187,4 +190,5 @@ def _load(queue, args):
 
 def load_checkpoint(queue, args):
     utils.add_megatron_path(args.megatron_path)
-    utils.run_loader(queue, _load, args)
+    body = mcore_vision.load_hf if args.model_type == 'VISION' else _load
+    utils.run_loader(queue, body, args)

@@ -10,6 +10,7 @@ state is not converted). The checkpoint's own args decide the architecture;
 import types
 
 import mcore_t5
+import mcore_vision
 import utils
 
 utils.add_megatron_path()
@@ -94,7 +95,11 @@ def _true_vocab_size(args, checkpoint_args):
 
 def check_arguments(args):
     """Read the source's layout and args (no tensors); returns the metadata namespace."""
+    if args.model_type == 'VISION':
+        return mcore_vision.mcore_metadata(args)[1]
     reader = cc_moe.MoECheckpointReader(args.load_dir)
+    if getattr(reader.args, 'vision_model_type', None) is not None:
+        raise ValueError(f'{args.load_dir} holds a vision encoder: pass --model-type VISION')
     if reader.model_type != args.model_type:
         raise ValueError(
             f'--model-type {args.model_type}, but {args.load_dir} holds a {reader.model_type} model'
@@ -250,4 +255,5 @@ def send_tail(queue, md, rest):
 
 def load_checkpoint(queue, args):
     utils.add_megatron_path(args.megatron_path)
-    utils.run_loader(queue, _load, args)
+    body = mcore_vision.load_mcore if args.model_type == 'VISION' else _load
+    utils.run_loader(queue, body, args)

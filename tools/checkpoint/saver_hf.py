@@ -7,6 +7,7 @@ loader, else the one the checkpoint records, else the padded table is kept).
 import os
 import sys
 
+import mcore_vision
 import utils
 
 utils.add_megatron_path()
@@ -39,12 +40,14 @@ def add_arguments(parser):
 
 
 def check_arguments(args, md):
-    if md is not None and md.model_type != 'GPT':
+    if md is not None and md.model_type == 'VISION':
+        pass
+    elif md is not None and md.model_type != 'GPT':
         raise ValueError(
             f'--saver hf exports GPT models (GPT-2 and Llama families), not --model-type '
             f'{md.model_type}'
         )
-    if md is not None:
+    if md is not None and md.model_type != 'VISION':
         if _is_moe(md):
             hfc_moe.hf_moe_family_of_args(md.checkpoint_args)
         else:
@@ -125,6 +128,10 @@ def save_checkpoint(queue, args):
     except ValueError as exc:
         print(f'error: {exc}')
         sys.exit(1)
+    if md.model_type == 'VISION':
+        mcore_vision.save_hf(queue, md, args)
+        print('Done!')
+        return
     full = _receive_full_model(queue, md, args)
     dtype = full['embedding.word_embeddings.weight'].dtype
     if _is_moe(md):

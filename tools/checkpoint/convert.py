@@ -60,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
         '--model-type',
         type=str,
         required=True,
-        choices=['GPT', 'BERT', 'T5', 'mamba'],
+        choices=['GPT', 'BERT', 'T5', 'mamba', 'VISION'],
         help='Type of the model (T5: the mcore / megatron loader and saver; mamba: '
-        'pretrain_mamba.py checkpoints and Hugging Face Mamba2 / NemotronH, hf and mcore plugins)',
+        'pretrain_mamba.py checkpoints and Hugging Face Mamba2 / NemotronH, hf and mcore plugins; '
+        'VISION: a CLIP / SigLIP encoder, --loader hf|mcore --saver mcore|hf)',
     )
     parser.add_argument(
         '--loader',

@@ -10,6 +10,7 @@ import types
 
 import loader_mcore
 import mamba_checkpoint
+import mcore_vision
 import torch
 import utils
 
@@ -162,6 +163,8 @@ def build_metadata(args, tokenizer_type=None):
 def check_arguments(args):
     if mamba_checkpoint.is_mamba(args):
         return mamba_checkpoint.hf_metadata(args)[1]
+    if args.model_type == 'VISION':
+        return mcore_vision.hf_metadata(args)
     return build_metadata(args)[1]
 
 
@@ -190,5 +193,10 @@ def _load(queue, args):
 
 def load_checkpoint(queue, args):
     utils.add_megatron_path(args.megatron_path)
-    body = mamba_checkpoint.load_hf if mamba_checkpoint.is_mamba(args) else _load
+    if mamba_checkpoint.is_mamba(args):
+        body = mamba_checkpoint.load_hf
+    elif args.model_type == 'VISION':
+        body = mcore_vision.load_hf
+    else:
+        body = _load
     utils.run_loader(queue, body, args)

@@ -11,6 +11,7 @@ import types
 
 import mamba_checkpoint
 import mcore_t5
+import mcore_vision
 import utils
 
 utils.add_megatron_path()
@@ -97,7 +98,11 @@ def check_arguments(args):
     """Read the source's layout and args (no tensors); returns the metadata namespace."""
     if mamba_checkpoint.is_mamba(args):
         return mamba_checkpoint.mcore_metadata(args)[1]
+    if args.model_type == 'VISION':
+        return mcore_vision.mcore_metadata(args)[1]
     reader = cc_moe.MoECheckpointReader(args.load_dir)
+    if getattr(reader.args, 'vision_model_type', None) is not None:
+        raise ValueError(f'{args.load_dir} holds a vision encoder: pass --model-type VISION')
     if reader.model_type != args.model_type:
         raise ValueError(
             f'--model-type {args.model_type}, but {args.load_dir} holds a {reader.model_type} model'
@@ -253,5 +258,10 @@ def send_tail(queue, md, rest):
 
 def load_checkpoint(queue, args):
     utils.add_megatron_path(args.megatron_path)
-    body = mamba_checkpoint.load_mcore if mamba_checkpoint.is_mamba(args) else _load
+    if mamba_checkpoint.is_mamba(args):
+        body = mamba_checkpoint.load_mcore
+    elif args.model_type == 'VISION':
+        body = mcore_vision.load_mcore
+    else:
+        body = _load
     utils.run_loader(queue, body, args)

@@ -8,6 +8,7 @@ import os
 import sys
 
 import mamba_checkpoint
+import mcore_vision
 import utils
 
 utils.add_megatron_path()
@@ -40,7 +41,9 @@ def add_arguments(parser):
 
 
 def check_arguments(args, md):
-    if md is not None and mamba_checkpoint.is_mamba(md):
+    if md is not None and md.model_type == 'VISION':
+        pass
+    elif md is not None and mamba_checkpoint.is_mamba(md):
         if md.hf_config is None:  # refuses an architecture HF cannot hold, before any work
             mamba_checkpoint.hf_config_from_args(md.checkpoint_args, 1, md.params_dtype)
         md = None  # the rest of the checks below are the GPT families'
@@ -49,7 +52,7 @@ def check_arguments(args, md):
             f'--saver hf exports GPT models (GPT-2 and Llama families), not --model-type '
             f'{md.model_type}'
         )
-    if md is not None:
+    if md is not None and md.model_type != 'VISION':
         if _is_moe(md):
             hfc_moe.hf_moe_family_of_args(md.checkpoint_args)
         else:
@@ -134,6 +137,10 @@ def save_checkpoint(queue, args):
     except ValueError as exc:
         print(f'error: {exc}')
         sys.exit(1)
+    if md.model_type == 'VISION':
+        mcore_vision.save_hf(queue, md, args)
+        print('Done!')
+        return
     full = _receive_full_model(queue, md, args)
     dtype = full['embedding.word_embeddings.weight'].dtype
     if _is_moe(md):

@@ -13,6 +13,7 @@ import sys
 
 import mamba_checkpoint
 import mcore_t5
+import mcore_vision
 import utils
 
 utils.add_megatron_path()
@@ -109,6 +110,10 @@ def check_arguments(args, md):
     ):
         if size < 1:
             raise ValueError(f'{flag} must be at least 1, got {size}')
+    if md.model_type == 'VISION':
+        mcore_vision.check_target(md, tp, pp)
+        _check_save_dir(args)
+        return
     margs = md.checkpoint_args
     _check_expert_parallel(args, md, tp)
     heads = md.num_attention_heads
@@ -147,6 +152,10 @@ def check_arguments(args, md):
             f'vocabulary ({source_rows} rows) and the true vocabulary size is unknown: give the '
             f'loader --true-vocab-size or --vocab-file'
         )
+    _check_save_dir(args)
+
+
+def _check_save_dir(args):
     if checkpoint_exists(args.save_dir) and not args.overwrite:
         raise ValueError(
             f'--save-dir {args.save_dir} already holds a checkpoint '
@@ -283,6 +292,11 @@ def _save(queue, args):
     except ValueError as exc:
         print(f'error: {exc}')
         sys.exit(1)
+    if md.model_type == 'VISION':
+        remove_stale_staging(args.save_dir)
+        mcore_vision.save_mcore(queue, md, args, tp)
+        print('Done!')
+        return
     source_rows = md.checkpoint_args.padded_vocab_size
     padded = target_vocab_size(md, tp, source_rows)
     split = mcore_t5.target_split_rank(args, md, pp) if md.model_type == 'T5' else None

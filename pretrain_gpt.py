@@ -18,18 +18,17 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_decoder_block_spec,
-    get_gpt_layer_local_spec,
-)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import StragglerDetector
-from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
 from megatron.training.datasets.sft_batch import get_sft_batch
 from megatron.training.datasets.sft_dataset import SFTDataset, SFTDatasetConfig
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
-from megatron.training.mla_config import mla_config_from_args, mla_layer_spec
+from megatron.training.gpt_builder import (
+    gpt_config_from_args,
+    gpt_layer_spec_from_args,
+    gpt_model_kwargs,
+)
 from megatron.training.run_control.errors import run_main
 from megatron.training.run_control.rerun_training import validate_loss
 from megatron.training.training import pretrain
@@ -52,23 +51,8 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
     """
     args = get_args()
     print_rank_0('building GPT model ...')
-    config = core_transformer_config_from_args(args)
-    if getattr(args, 'multi_latent_attention', False):
-        config = mla_config_from_args(args)
-    if args.spec is not None:
-        import importlib
-
-        module_name, function_name = args.spec
-        transformer_layer_spec = getattr(importlib.import_module(module_name), function_name)()
-    elif getattr(args, 'multi_latent_attention', False):
-        transformer_layer_spec = mla_layer_spec(config)  # MLA, dense or MoE per layer
-    elif args.num_experts is not None and args.moe_layer_freq != 1:
-        # Dense and MoE layers mixed: one spec per layer of this stage.
-        transformer_layer_spec = get_gpt_decoder_block_spec(config)
-    else:
-        transformer_layer_spec = get_gpt_layer_local_spec(
-            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm
-        )
+    config = gpt_config_from_args(args)
+    transformer_layer_spec = gpt_layer_spec_from_args(args, config)
     if args.reset_attention_mask:
         if hasattr(transformer_layer_spec, 'layer_specs'):
             transformer_layer_spec.layer_specs = [
@@ -79,19 +63,10 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
     return GPTModel(
         config=config,
         transformer_layer_spec=transformer_layer_spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
-        rope_scaling=getattr(args, 'use_rope_scaling', False),
-        rope_scaling_factor=getattr(args, 'rope_scaling_factor', 8.0),
+        **gpt_model_kwargs(args),
     )
 
 

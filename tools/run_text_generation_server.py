@@ -24,10 +24,6 @@ sys.path.append(os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.
 import torch
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_decoder_block_spec,
-    get_gpt_layer_local_spec,
-)
 from megatron.core.utils import get_current_device
 from megatron.inference.inference_engine import get_dynamic_inference_engine
 from megatron.inference.serving import Serving
@@ -38,11 +34,14 @@ from megatron.inference.text_generation_server import (
     run_generation_worker_loop,
 )
 from megatron.inference.worker_loop import ServingLoop
-from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.checkpointing import load_checkpoint
 from megatron.training.global_vars import get_args, get_tokenizer
+from megatron.training.gpt_builder import (
+    gpt_config_from_args,
+    gpt_layer_spec_from_args,
+    gpt_model_kwargs,
+)
 from megatron.training.initialize import initialize_megatron
-from megatron.training.mla_config import mla_config_from_args, mla_layer_spec
 from megatron.training.run_control.errors import run_main
 from megatron.training.training import get_model
 from megatron.training.utils import print_rank_0
@@ -51,33 +50,20 @@ from megatron.training.validation.context_parallel_checks import refuse_context_
 
 def model_provider(pre_process=True, post_process=True) -> GPTModel:
     """The GPT model of this stage, with full-vocabulary logits on every TP rank
-    (parallel_output=False) so that each rank can sample. As in Megatron the layer spec is built
-    without q/k layernorm."""
+    (parallel_output=False) so that each rank can sample. Built as pretrain_gpt.py builds it
+    (megatron/training/gpt_builder.py): Megatron's server builds its layer spec without q/k
+    layernorm, which would serve a Qwen3 checkpoint without its q/k norms; here --qk-layernorm,
+    MLA, the dense / MoE layer mix and the rope flags are honoured."""
     args = get_args()
     print_rank_0('building GPT model ...')
-    config = core_transformer_config_from_args(args)
-    if getattr(args, 'multi_latent_attention', False):
-        config = mla_config_from_args(args)
-        transformer_layer_spec = mla_layer_spec(config)
-    elif args.num_experts is not None and args.moe_layer_freq != 1:
-        transformer_layer_spec = get_gpt_decoder_block_spec(config)  # dense and MoE layers
-    else:
-        transformer_layer_spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm)
+    config = gpt_config_from_args(args)
     return GPTModel(
         config=config,
-        transformer_layer_spec=transformer_layer_spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
+        transformer_layer_spec=gpt_layer_spec_from_args(args, config),
         pre_process=pre_process,
         post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         parallel_output=False,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-        rope_scaling=getattr(args, 'use_rope_scaling', False),
-        rope_scaling_factor=getattr(args, 'rope_scaling_factor', 8.0),
+        **gpt_model_kwargs(args),
     )
 
 

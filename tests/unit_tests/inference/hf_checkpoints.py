@@ -17,8 +17,9 @@ MAX_POSITIONS = 64
 
 
 def build_hf_model(arch, seed=0, max_positions=MAX_POSITIONS):
-    """A random tiny GPT2LMHeadModel ("gpt2"), LlamaForCausalLM with GQA ("llama") or
-    MixtralForCausalLM with GQA, 4 experts, top-2 ("mixtral"), eval mode.
+    """A random tiny GPT2LMHeadModel ("gpt2"), LlamaForCausalLM with GQA ("llama"),
+    Qwen3ForCausalLM with GQA and per-head q/k RMSNorm, head size 16 != hidden / heads ("qwen3")
+    or MixtralForCausalLM with GQA, 4 experts, top-2 ("mixtral"), eval mode.
 
     Weights are drawn with a larger spread than HF's init so that greedy choices are decided by
     clear margins (ties between candidates would make token-for-token comparisons fragile).
@@ -30,6 +31,8 @@ def build_hf_model(arch, seed=0, max_positions=MAX_POSITIONS):
         LlamaForCausalLM,
         MixtralConfig,
         MixtralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -62,6 +65,23 @@ def build_hf_model(arch, seed=0, max_positions=MAX_POSITIONS):
             eos_token_id=VOCAB_SIZE - 1,
         )
         model = MixtralForCausalLM(config)
+    elif arch == "qwen3":
+        config = Qwen3Config(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=max_positions,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            bos_token_id=VOCAB_SIZE - 1,
+            eos_token_id=VOCAB_SIZE - 1,
+        )
+        model = Qwen3ForCausalLM(config)
     else:
         config = LlamaConfig(
             vocab_size=VOCAB_SIZE,

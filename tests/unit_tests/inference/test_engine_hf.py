@@ -1,5 +1,5 @@
 """megatron.core.inference engines on checkpoints converted from random tiny Hugging Face GPT-2 and
-Llama models (tools/checkpoint/convert.py), at TP1, TP2 and PP2:
+Llama models (tools/checkpoint/convert.py), at TP1, TP2 and PP2, and Qwen3 at TP2:
 
 - the static engine (MCoreEngine, r0.8 API) gives exactly the tokens and log probs of Megatron's
   generate() (same forwards), cut at num_tokens_to_generate and before the end-of-document id;
@@ -100,8 +100,15 @@ def _before_eod(tokens):
     return tokens[: tokens.index(EOD)] if EOD in tokens else tokens
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-@pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
+_CASES = [(a, lay) for a in ("gpt2", "llama") for lay in ((1, 1), (2, 1), (1, 2))]
+# Qwen3 (q/k RMSNorm per head, head size != hidden / heads) at TP2: the server's model provider
+# must build the q/k norms from the checkpoint's --qk-layernorm.
+_CASES.append(("qwen3", (2, 1)))
+
+
+@pytest.mark.parametrize(
+    "arch,layout", _CASES, ids=[f"{a}-tp{lay[0]}pp{lay[1]}" for a, lay in _CASES]
+)
 def test_engines_match_generate_and_transformers(checkpoints, arch, layout):
     tp, pp = layout
     # PP: a small threshold runs the static prompt step in pipelined micro-batches of 1 row.

@@ -309,6 +309,23 @@ class ParamAndGradBuffer:
         self.bucket_indices: List[tuple] = []
         self.per_bucket_numel_unpadded: List[int] = []
 
+        per_bucket_params = self._compute_layout(params, bucket_size)
+        self.numel = self.bucket_indices[-1][1] if self.bucket_indices else 0
+        self.numel_unpadded = sum(self.per_bucket_numel_unpadded)
+        if self.ddp_config.use_distributed_optimizer:
+            assert self.numel % self.data_parallel_world_size == 0
+        self._allocate_and_point_params()
+        self._build_buckets(per_bucket_params)
+        self._log_buckets(param_to_name)
+
+    def _compute_layout(
+        self, params: List[torch.nn.Parameter], bucket_size: Optional[int]
+    ) -> List[List[torch.nn.Parameter]]:
+        """First pass: fill param_index_map, bucket_indices and per_bucket_numel_unpadded; return
+        each bucket's parameters (Megatron r0.8's rule: in reverse parameter order a bucket closes
+        once it holds >= bucket_size elements, padding between parameters included, and before
+        and after a shared embedding weight)."""
+
         def _pad(number_to_be_padded: int, divisor: int) -> int:
             return int(math.ceil(number_to_be_padded / divisor) * divisor)
 
@@ -333,9 +350,6 @@ class ParamAndGradBuffer:
                 and self.ddp_config.use_distributed_optimizer
             )
 
-        # First pass: compute the layout (Megatron r0.8's rule: in reverse parameter order a
-        # bucket closes once it holds >= bucket_size elements, padding between parameters
-        # included, and before and after a shared embedding weight).
         param_start_index = 0
         bucket_data_start_index = 0
         bucket_params: List[torch.nn.Parameter] = []
@@ -375,22 +389,17 @@ class ParamAndGradBuffer:
             else:
                 param_start_index = param_end_index
         if len(bucket_params) > 0:
-            param_start_index = _close_bucket(param_end_index)
-        data_start_index = param_start_index
+            _close_bucket(param_end_index)
+        return per_bucket_params
 
-        self.numel = data_start_index
-        self.numel_unpadded = sum(self.per_bucket_numel_unpadded)
-        if self.ddp_config.use_distributed_optimizer:
-            assert self.numel % self.data_parallel_world_size == 0
-
-        # Allocate the flat buffers.
+    def _allocate_and_point_params(self) -> None:
+        """Allocate the flat buffers; point every parameter (and its main_grad) into them."""
         device = get_current_device()
         self.param_data = None
         if self.ddp_config.use_distributed_optimizer:
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
         self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
 
-        # Second pass: point params (and main_grad) at the buffers, build the buckets.
         for param, (start, end, _) in self.param_index_map.items():
             if self.param_data is not None:
                 old_param_data = param.data
@@ -400,6 +409,8 @@ class ParamAndGradBuffer:
                 del old_param_data
             param.main_grad = self._get(param.data.shape, start, BufferType.GRAD)
 
+    def _build_buckets(self, per_bucket_params: List[List[torch.nn.Parameter]]) -> None:
+        """One Bucket per layout entry, over views of the flat buffers."""
         for bucket_id, ((start, end), bparams) in enumerate(
             zip(self.bucket_indices, per_bucket_params)
         ):
@@ -423,6 +434,8 @@ class ParamAndGradBuffer:
                 assert param not in self.param_to_bucket
                 self.param_to_bucket[param] = bucket
 
+    def _log_buckets(self, param_to_name: Dict[torch.nn.Parameter, str]) -> None:
+        """Log the buckets and their parameters (rank 0, INFO)."""
         if logger.isEnabledFor(logging.INFO) and torch.distributed.get_rank() == 0:
             lines = [
                 f"Number of buckets for gradient all-reduce / reduce-scatter: {len(self.buckets)}"

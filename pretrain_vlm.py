@@ -20,7 +20,6 @@ from megatron.core.datasets.multimodal_dataset import (
     MultimodalDatasetConfig,
 )
 from megatron.core.enums import ModelType
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.multimodal import LLaVAModel
 from megatron.core.models.multimodal.llava_inputs import DEFAULT_IMAGE_TOKEN_INDEX
 from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
@@ -34,6 +33,7 @@ from megatron.training.datasets.vlm_dataset import (
     vlm_batch,
 )
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
+from megatron.training.gpt_builder import gpt_layer_spec_from_args
 from megatron.training.run_control.errors import run_main
 from megatron.training.training import pretrain
 from megatron.training.utils import print_rank_0
@@ -129,9 +129,8 @@ def model_provider(pre_process=True, post_process=True) -> LLaVAModel:
     language, vision, projection = vlm_configs(args)
     model = LLaVAModel(
         language_transformer_config=language,
-        language_transformer_layer_spec=get_gpt_layer_local_spec(
-            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm
-        ),
+        # The language model's layers as pretrain_gpt.py builds them from the same flags.
+        language_transformer_layer_spec=gpt_layer_spec_from_args(args, language),
         language_vocab_size=args.padded_vocab_size,
         language_max_sequence_length=args.decoder_seq_length
         or args.seq_length + image_token_count(args),

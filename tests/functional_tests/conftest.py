@@ -5,7 +5,7 @@ text generation server the server test modules share (stopped after the last tes
 import pytest
 
 from tests.functional_tests.bert_utils import prepare_bert_data
-from tests.functional_tests.gpt_utils import prepare_data
+from tests.functional_tests.gpt_utils import fold_to_small_vocab, prepare_data
 from tests.functional_tests.t5_utils import prepare_t5_data
 
 
@@ -13,6 +13,12 @@ from tests.functional_tests.t5_utils import prepare_t5_data
 def gpt_data_prefix(tmp_path_factory):
     """Prefix of mobydick.jsonl preprocessed with GPT-2 BPE (.bin/.idx), shared by the session."""
     return prepare_data(str(tmp_path_factory.mktemp('gpt_data')))
+
+
+@pytest.fixture(scope='session')
+def small_vocab_data_prefix(gpt_data_prefix, tmp_path_factory):
+    """The same corpus folded into a 4096-id vocabulary (use with gpt_utils.SMALL_VOCAB_ARGS)."""
+    return fold_to_small_vocab(gpt_data_prefix, str(tmp_path_factory.mktemp('gpt_data_4096')))
 
 
 @pytest.fixture(scope='session')

@@ -128,18 +128,83 @@ def make_source_checkpoint(save_dir, arch_args, layout_args, world_size, tp, pp,
     run_distributed(run_pretrain, world_size=world_size, tp=tp, pp=pp, args=(extra,), timeout=600)
 
 
-def convert(*flags, check=True, model_type='GPT', script=CONVERT):
-    """Run tools/checkpoint/convert.py (or `script`) in a subprocess; the CompletedProcess."""
-    env = dict(os.environ, PYTHONPATH=REPO)
+def _run_script_in_child(script, argv, out_path, err_path):
+    """Body of the forked child: run `script` as `python script argv...` would, output to files.
+
+    Never returns: the child leaves with os._exit so that none of pytest's exit handlers run in
+    it.
+    """
+    import runpy
+    import traceback
+
+    code = 1
+    try:
+        out = open(out_path, 'w')
+        err = open(err_path, 'w')
+        # C-level writes (and any grandchild the script forks, such as convert.py's saver) go
+        # to the same files as Python's prints.
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout, sys.stderr = out, err
+        sys.argv = [script, *argv]
+        sys.path.insert(0, os.path.dirname(script))
+        try:
+            runpy.run_path(script, run_name='__main__')
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if exc.code is not None and not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def _prime_imports():
+    """Import what the conversion plugins import, once in this process, so that forked runs
+    start with it loaded (a fresh interpreter spends seconds importing torch and transformers)."""
+    import megatron.training.checkpoint.checkpoint_conversion  # noqa: F401
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        pass
+
+
+def convert(*flags, check=True, model_type='GPT', script=CONVERT, timeout=600):
+    """Run tools/checkpoint/convert.py (or `script`) as its command line would; the
+    CompletedProcess (returncode, stdout, stderr).
+
+    The script runs in a child forked from this process rather than in a new interpreter: the
+    same code path from `sys.argv` through `if __name__ == '__main__'`, without paying torch's
+    import again. The child has its own globals, so nothing the loader sets leaks into the
+    tests, and the saver it starts is forked from it as on the command line.
+    """
+    import multiprocessing
+    import tempfile
+
+    _prime_imports()
     model_flags = ['--model-type', model_type] if model_type else []
-    proc = subprocess.run(
-        [sys.executable, script, *model_flags, *flags],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=600,
-    )
+    argv = [*model_flags, *flags]
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path, err_path = os.path.join(tmp, 'out'), os.path.join(tmp, 'err')
+        sys.stdout.flush()
+        sys.stderr.flush()
+        child = multiprocessing.get_context('fork').Process(
+            target=_run_script_in_child, args=(script, argv, out_path, err_path)
+        )
+        child.start()
+        child.join(timeout)
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+            raise subprocess.TimeoutExpired([script, *argv], timeout)
+        stdout, stderr = open(out_path).read(), open(err_path).read()
+    proc = subprocess.CompletedProcess([script, *argv], child.exitcode, stdout, stderr)
     if check:
         assert proc.returncode == 0, f'convert.py {flags} failed:\n{proc.stdout}\n{proc.stderr}'
     return proc

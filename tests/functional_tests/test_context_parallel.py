@@ -29,7 +29,7 @@ import re
 import numpy
 import pytest
 
-from tests.functional_tests.gpt_utils import run_pretrain
+from tests.functional_tests.gpt_utils import SMALL_VOCAB_ARGS, SMALL_VOCAB_EOD, run_pretrain
 from tests.unit_tests.dist_utils import run_distributed
 
 ITERS = 4
@@ -39,7 +39,7 @@ RTOL = 1e-5
 #: from local positions moved the loss by only 5e-6; with 0.2 by 1e-4). Much sharper (0.5) makes
 #: the first Adam steps amplify float32 noise (TP2 alone then drifts from serial by 2e-4).
 QKV_STD = 0.2
-BASE = [
+BASE = SMALL_VOCAB_ARGS + [
     '--num-layers',
     '4',
     '--micro-batch-size',
@@ -89,15 +89,15 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def data_prefix(tmp_path_factory):
-    """Short documents of GPT-2 ids (a skewed draw from the first 1000, so there is something to
-    learn), each ending in the EOD id 50256."""
+    """Short documents of ids (a skewed draw from the first 1000, so there is something to learn),
+    each ending in the EOD id of SMALL_VOCAB_ARGS' vocabulary."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     prefix = str(tmp_path_factory.mktemp('cp_data') / 'short_docs_text_document')
     rng = numpy.random.default_rng(0)
     builder = IndexedDatasetBuilder(prefix + '.bin', dtype=numpy.uint16)
     for _ in range(600):
-        ids = (rng.zipf(1.5, rng.integers(3, 40)) % 1000).tolist() + [50256]
+        ids = (rng.zipf(1.5, rng.integers(3, 40)) % 1000).tolist() + [SMALL_VOCAB_EOD]
         builder.add_document(ids, [len(ids)])
     builder.finalize(prefix + '.idx')
     return prefix

@@ -25,6 +25,14 @@ def _standalone(nproc, port, *extra):
     ]
 
 
+@pytest.fixture(scope='module')
+def corpus(gpt_data_prefix, tmp_path_factory):
+    """Data flags of the jobs that train: the session's preprocessed corpus, with one index cache
+    for the module, so only the first worker of a plan builds its indices."""
+    cache = str(tmp_path_factory.mktemp('torchrun_index_cache'))
+    return ['--data-path', gpt_data_prefix, '--data-cache-path', cache, '--split', '98,2,0']
+
+
 def test_argument_error_is_one_line_once_under_torchrun(tmp_path):
     run = Launcher(
         _standalone(2, free_port()),
@@ -79,11 +87,12 @@ def test_refusal_is_printed_even_when_rank_0_is_late(tmp_path):
     assert [line for line in text.splitlines() if 'error:' in line] == [expected], text
 
 
-def test_frozen_rank_is_reported_by_the_watchdog(tmp_path):
+def test_frozen_rank_is_reported_by_the_watchdog(tmp_path, corpus):
     run = Launcher(
         _standalone(2, free_port()),
         ['--global-batch-size', '4', '--train-iters', '100000', '--watchdog-timeout', '6'],
         str(tmp_path / 'log'),
+        data_args=corpus,
     )
     try:
         run.wait_for(r'iteration +3/', 120)
@@ -115,11 +124,12 @@ def test_frozen_rank_is_reported_by_the_watchdog(tmp_path):
         run.kill()
 
 
-def test_workers_exit_when_the_launcher_dies(tmp_path):
+def test_workers_exit_when_the_launcher_dies(tmp_path, corpus):
     run = Launcher(
         _standalone(2, free_port()),
         ['--global-batch-size', '4', '--train-iters', '100000'],
         str(tmp_path / 'log'),
+        data_args=corpus,
     )
     try:
         run.wait_for(r'iteration +2/', 120)
@@ -145,7 +155,7 @@ def test_workers_exit_when_the_launcher_dies(tmp_path):
 TRAIN = ['--global-batch-size', '4', '--train-iters', '12', '--save-interval', '3']
 
 
-def _two_nodes(tmp_path, name, train_args):
+def _two_nodes(tmp_path, name, train_args, data_args):
     """Two torchrun launchers ("nodes") of one worker each, c10d rendezvous on 127.0.0.1."""
     port = free_port()
     rdzv = [
@@ -160,7 +170,10 @@ def _two_nodes(tmp_path, name, train_args):
         '--rdzv-id',
         f'reliab-{name}',
     ]
-    nodes = [Launcher(rdzv, train_args, str(tmp_path / f'{name}-node{i}.log')) for i in range(2)]
+    nodes = [
+        Launcher(rdzv, train_args, str(tmp_path / f'{name}-node{i}.log'), data_args=data_args)
+        for i in range(2)
+    ]
     try:
         codes = [node.wait(300) for node in nodes]
         outputs = [node.output() for node in nodes]
@@ -172,27 +185,28 @@ def _two_nodes(tmp_path, name, train_args):
 
 
 @pytest.fixture(scope='module')
-def two_node_reference(tmp_path_factory):
+def two_node_reference(tmp_path_factory, corpus):
     """The uninterrupted run of TRAIN on two nodes, saving every 3 iterations: (its losses,
     the checkpoint folder, a scratch folder). Two ranks of DP2 compute the same losses however
     they are launched, so this is also the reference of the single-node restart test."""
     tmp = tmp_path_factory.mktemp('two_nodes')
     ckpt = str(tmp / 'ckpt')
-    text = _two_nodes(tmp, 'first', TRAIN + ['--save', ckpt])
+    text = _two_nodes(tmp, 'first', TRAIN + ['--save', ckpt], corpus)
     assert 'using world size: 2, data-parallel size: 2' in text
     reference = losses(text)
     assert sorted(reference) == list(range(1, 13)), text[-3000:]
     assert open(os.path.join(ckpt, 'latest_checkpointed_iteration.txt')).read() == '12'
-    return reference, ckpt, tmp
+    return reference, ckpt, tmp, corpus
 
 
 def test_max_restarts_resumes_with_uninterrupted_losses(tmp_path, two_node_reference):
-    reference = two_node_reference[0]
+    reference, corpus = two_node_reference[0], two_node_reference[3]
     ckpt = str(tmp_path / 'ckpt')
     run = Launcher(
         _standalone(2, free_port(), '--max-restarts', '1'),
         TRAIN + ['--save', ckpt, '--load', ckpt],
         str(tmp_path / 'run.log'),
+        data_args=corpus,
     )
     try:
         run.wait_for(r'successfully saved checkpoint from iteration +6 ', 300)
@@ -221,8 +235,8 @@ def test_max_restarts_resumes_with_uninterrupted_losses(tmp_path, two_node_refer
 def test_two_nodes_on_one_machine_train_and_resume(two_node_reference):
     """The two-node job resumes from its iteration-6 checkpoint, on two nodes again, with the
     uninterrupted losses."""
-    reference, ckpt, tmp = two_node_reference
-    second = _two_nodes(tmp, 'second', TRAIN + ['--load', ckpt, '--ckpt-step', '6'])
+    reference, ckpt, tmp, corpus = two_node_reference
+    second = _two_nodes(tmp, 'second', TRAIN + ['--load', ckpt, '--ckpt-step', '6'], corpus)
     assert re.search(r'successfully loaded checkpoint from .* at iteration 6', second)
     got = losses(second)
     assert sorted(got) == list(range(7, 13))

@@ -25,7 +25,7 @@ with sequence parallelism, allgather (load-balancing counts summed over the tp x
 
 import pytest
 
-from tests.functional_tests.gpt_utils import run_pretrain
+from tests.functional_tests.gpt_utils import SMALL_VOCAB_ARGS, run_pretrain
 from tests.unit_tests.dist_utils import run_distributed
 
 ITERS = 4
@@ -82,7 +82,8 @@ LAYOUTS = {
 
 
 def _run(world, tp, cp, ep, extra, data_prefix, cache):
-    flags = MOE_CP_ARGS + list(extra) + ['--tensor-model-parallel-size', str(tp)]
+    flags = MOE_CP_ARGS + SMALL_VOCAB_ARGS + list(extra)
+    flags += ['--tensor-model-parallel-size', str(tp)]
     flags += ['--context-parallel-size', str(cp), '--expert-model-parallel-size', str(ep)]
     flags += ['--data-path', data_prefix, '--data-cache-path', cache]
     results = run_distributed(
@@ -108,12 +109,12 @@ def _logged(result, field):
     return [float(line.split(f' {field}: ')[1].split(' ')[0]) for line in lines]
 
 
-def test_moe_under_context_parallelism_matches_serial(gpt_data_prefix, tmp_path_factory):
+def test_moe_under_context_parallelism_matches_serial(small_vocab_data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp('moe_cp_cache'))
-    reference = _run(1, 1, 1, 1, [], gpt_data_prefix, cache)
+    reference = _run(1, 1, 1, 1, [], small_vocab_data_prefix, cache)
     assert _losses(reference)[-1] < _losses(reference)[0]
     for name, (world, tp, cp, ep, extra) in LAYOUTS.items():
-        result = _run(world, tp, cp, ep, extra, gpt_data_prefix, cache)
+        result = _run(world, tp, cp, ep, extra, small_vocab_data_prefix, cache)
         assert _losses(result) == pytest.approx(_losses(reference), rel=RTOL), name
         assert result['valid_losses']['lm loss'] == pytest.approx(
             reference['valid_losses']['lm loss'], rel=RTOL

@@ -11,7 +11,7 @@ at most 2e-7 on CPU, torch 2.13); the two dispatchers agree bit for bit at tp = 
 
 import pytest
 
-from tests.functional_tests.gpt_utils import run_pretrain
+from tests.functional_tests.gpt_utils import SMALL_VOCAB_ARGS, run_pretrain
 from tests.unit_tests.dist_utils import run_distributed
 
 TRAIN_ITERS = 4
@@ -76,6 +76,7 @@ LAYOUTS = {
 def _run(world, tp, pp, ep, extra, data_prefix, cache, capture_stdout=False):
     flags = (
         MOE_ARGS
+        + SMALL_VOCAB_ARGS
         + extra
         + [
             '--tensor-model-parallel-size',
@@ -118,14 +119,14 @@ def _logged(result, field):
 
 
 @pytest.fixture(scope='module')
-def reference(gpt_data_prefix, tmp_path_factory):
+def reference(small_vocab_data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp('moe_cache'))
-    return _run(1, 1, 1, 1, [], gpt_data_prefix, cache, capture_stdout=True)
+    return _run(1, 1, 1, 1, [], small_vocab_data_prefix, cache, capture_stdout=True)
 
 
 def test_reference_learns_and_logs_moe_losses(reference):
     losses = _losses(reference)
-    assert losses[-1] < losses[0] - 0.1  # 10.84 -> 10.65 over the 4 iterations
+    assert losses[-1] < losses[0] - 0.1  # over the 4 iterations, from ~ln(4096)
     lines = [line for line in reference['stdout'].splitlines() if 'consumed samples:' in line]
     assert len(lines) == TRAIN_ITERS
     for line in lines:
@@ -135,11 +136,11 @@ def test_reference_learns_and_logs_moe_losses(reference):
         assert 0.9 < balance < 2.0, line  # 1.0 = perfect balance
 
 
-def test_layouts_match_serial(reference, gpt_data_prefix, tmp_path_factory):
+def test_layouts_match_serial(reference, small_vocab_data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp('moe_cache'))
     results = {}
     for name, (world, tp, pp, ep, extra) in LAYOUTS.items():
-        results[name] = _run(world, tp, pp, ep, extra, gpt_data_prefix, cache, True)
+        results[name] = _run(world, tp, pp, ep, extra, small_vocab_data_prefix, cache, True)
         assert _losses(results[name]) == pytest.approx(_losses(reference), rel=RTOL), name
         # Every expert is counted once in the gradient norm (clipping) and the parameter norm.
         for field in ('grad norm', 'params norm', 'load_balancing_loss', 'z_loss'):

@@ -11,7 +11,8 @@ import time
 
 from tests.functional_tests.gpt_utils import MERGES, REPO, VOCAB
 
-#: A tiny GPT on mock data: start-up dominates, each iteration takes milliseconds.
+#: A tiny GPT (the data flags come with each launcher): start-up dominates, each iteration takes
+#: milliseconds.
 TINY = [
     '--num-layers',
     '2',
@@ -31,7 +32,6 @@ TINY = [
     VOCAB,
     '--merge-file',
     MERGES,
-    '--mock-data',
     '--make-vocab-size-divisible-by',
     '64',
     '--log-interval',
@@ -56,7 +56,10 @@ def free_port() -> int:
 class Launcher:
     """One `torchrun ... pretrain_gpt.py` process group whose output goes to `log_path`."""
 
-    def __init__(self, torchrun_args, train_args, log_path, env=None):
+    def __init__(self, torchrun_args, train_args, log_path, env=None, data_args=('--mock-data',)):
+        """`data_args`: the data flags. Jobs that train should pass a small preprocessed corpus
+        with a shared `--data-cache-path`: every worker is a fresh process, and mock data makes
+        each of them shuffle the synthetic corpus's ~12M training samples anew (seconds)."""
         self.log_path = log_path
         cmd = [
             sys.executable,
@@ -65,6 +68,7 @@ class Launcher:
             *torchrun_args,
             os.path.join(REPO, 'pretrain_gpt.py'),
             *TINY,
+            *data_args,
             *train_args,
         ]
         full_env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS='1', **(env or {}))

@@ -156,6 +156,25 @@ def fold_to_small_vocab(src_prefix, work_dir):
     return prefix
 
 
+def write_short_documents(prefix, num_docs=600, eod=SMALL_VOCAB_EOD, seed=0):
+    """Write an indexed dataset (`prefix`.bin/.idx) of `num_docs` short documents: 3-39 ids drawn
+    skewed from the first 1000 (something to learn), each followed by `eod`. Returns `prefix`.
+
+    Cheap to index in any fresh process, unlike --mock-data, whose ~12M training samples at
+    sequence length 16 each new process shuffles anew (seconds)."""
+    import numpy
+
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = numpy.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(prefix + '.bin', dtype=numpy.uint16)
+    for _ in range(num_docs):
+        ids = (rng.zipf(1.5, rng.integers(3, 40)) % 1000).tolist() + [eod]
+        builder.add_document(ids, [len(ids)])
+    builder.finalize(prefix + '.idx')
+    return prefix
+
+
 def set_reference_weights(model_chunk, num_layers, layer_offset, qkv_std=0.02):
     """Overwrite every parameter with values that depend only on its *global* name.
 

@@ -26,10 +26,9 @@ bf16. Gradient norms are logged with 3 decimals: absolute 1.5e-3.
 import os
 import re
 
-import numpy
 import pytest
 
-from tests.functional_tests.gpt_utils import SMALL_VOCAB_ARGS, SMALL_VOCAB_EOD, run_pretrain
+from tests.functional_tests.gpt_utils import SMALL_VOCAB_ARGS, run_pretrain, write_short_documents
 from tests.unit_tests.dist_utils import run_distributed
 
 ITERS = 4
@@ -91,16 +90,9 @@ def cache(tmp_path_factory):
 def data_prefix(tmp_path_factory):
     """Short documents of ids (a skewed draw from the first 1000, so there is something to learn),
     each ending in the EOD id of SMALL_VOCAB_ARGS' vocabulary."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    prefix = str(tmp_path_factory.mktemp('cp_data') / 'short_docs_text_document')
-    rng = numpy.random.default_rng(0)
-    builder = IndexedDatasetBuilder(prefix + '.bin', dtype=numpy.uint16)
-    for _ in range(600):
-        ids = (rng.zipf(1.5, rng.integers(3, 40)) % 1000).tolist() + [SMALL_VOCAB_EOD]
-        builder.add_document(ids, [len(ids)])
-    builder.finalize(prefix + '.idx')
-    return prefix
+    return write_short_documents(
+        str(tmp_path_factory.mktemp('cp_data') / 'short_docs_text_document')
+    )
 
 
 _SERIAL = {}

@@ -87,8 +87,9 @@ def _hex_losses(train_losses):
     return {int(it): float(losses['lm loss']).hex() for it, losses in train_losses.items()}
 
 
-def _run_pretrain_in_worker(extra_args):
-    """pretrain() on this harness rank; returns the hex losses (last stage) or {}."""
+def _run_pretrain_in_worker(extra_args, base_args=None):
+    """pretrain() on this harness rank (flags: `base_args`, default RESUME_ARGS, then
+    `extra_args`); returns the hex losses (last stage) or {}."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     import pretrain_gpt
@@ -103,7 +104,7 @@ def _run_pretrain_in_worker(extra_args):
             pretrain_gpt.model_provider,
             ModelType.encoder_or_decoder,
             pretrain_gpt.forward_step,
-            args_list=RESUME_ARGS + list(extra_args),
+            args_list=list(RESUME_ARGS if base_args is None else base_args) + list(extra_args),
         )
     finally:
         destroy_global_vars()
@@ -181,7 +182,7 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _torchrun(nproc, out_prefix, extra_args):
+def _torchrun(nproc, out_prefix, extra_args, base_args=None):
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
     cmd = (
         [
@@ -197,7 +198,7 @@ def _torchrun(nproc, out_prefix, extra_args):
             os.path.abspath(__file__),
             out_prefix,
         ]
-        + RESUME_ARGS
+        + list(RESUME_ARGS if base_args is None else base_args)
         + list(extra_args)
     )
     return subprocess.Popen(
@@ -231,9 +232,9 @@ def _finish(proc, timeout):
     return out
 
 
-def _run_until_signal(out_prefix, extra_args, signal_after_iteration, timeout):
+def _run_until_signal(out_prefix, extra_args, signal_after_iteration, timeout, base_args=None):
     """Start a torchrun job, SIGTERM torchrun once the log shows `signal_after_iteration`."""
-    proc = _torchrun(2, out_prefix, extra_args)
+    proc = _torchrun(2, out_prefix, extra_args, base_args)
     lines, sent = [], threading.Event()
     marker = f' iteration {signal_after_iteration:8d}/'
 
@@ -261,15 +262,21 @@ def _run_until_signal(out_prefix, extra_args, signal_after_iteration, timeout):
 def test_sigterm_saves_and_resumes_distributed_optimizer(tmp_path):
     """DP=2, --use-distributed-optimizer: SIGTERM -> checkpoint -> rerun the same command."""
     from megatron.training import checkpointing
+    from tests.functional_tests.gpt_utils import write_short_documents
     from tests.unit_tests.dist_utils import run_distributed
 
     train_iters = 24  # margin: the job must still be training when SIGTERM arrives
     common = ['--use-distributed-optimizer', '--train-iters', str(train_iters)]
+    # Short documents instead of mock data: the torchrun workers are fresh processes, which
+    # would each shuffle the mock corpus's ~12M samples anew.
+    data = write_short_documents(str(tmp_path / 'docs_text_document'))
+    base = [a for a in RESUME_ARGS if a != '--mock-data']
+    base += ['--data-path', data, '--data-cache-path', str(tmp_path / 'index_cache')]
     # The uninterrupted reference runs in the (warm) harness ranks: same code, same gloo numerics.
     outs = run_distributed(
         _run_pretrain_in_worker,
         world_size=2,
-        args=(common + ['--save', str(tmp_path / 'ref')],),
+        args=(common + ['--save', str(tmp_path / 'ref')], base),
         timeout=300,
     )
     reference = next(o for o in outs if o)
@@ -277,7 +284,7 @@ def test_sigterm_saves_and_resumes_distributed_optimizer(tmp_path):
 
     ckpt = str(tmp_path / 'ckpt')
     command = common + ['--save', ckpt, '--load', ckpt, '--exit-signal-handler']
-    sent, out = _run_until_signal(str(tmp_path / 'sig_losses'), command, 2, timeout=300)
+    sent, out = _run_until_signal(str(tmp_path / 'sig_losses'), command, 2, 300, base)
     assert sent, f'the run never logged iteration 2:\n{out[-5000:]}'
     assert 'exiting program after receiving SIGTERM' in out, out[-5000:]
     tracker = checkpointing.get_checkpoint_tracker_filename(ckpt)
@@ -290,7 +297,7 @@ def test_sigterm_saves_and_resumes_distributed_optimizer(tmp_path):
     assert files == ['distrib_optim_dp000.pt', 'distrib_optim_dp001.pt', 'model_optim_rng.pt']
 
     res_prefix = str(tmp_path / 'resumed_losses')
-    out = _finish(_torchrun(2, res_prefix, command), timeout=300)
+    out = _finish(_torchrun(2, res_prefix, command, base), timeout=300)
     assert f'successfully loaded checkpoint from {ckpt}' in out, out[-5000:]
     resumed = _read_losses(res_prefix, 2)
     assert resumed == {it: reference[it] for it in range(stopped_at + 1, train_iters + 1)}, (

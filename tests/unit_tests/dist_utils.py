@@ -60,7 +60,8 @@ ERROR_GRACE = 5.0
 START_METHOD = os.environ.get("DIST_UTILS_START_METHOD", "forkserver")
 #: Imported once by the forkserver, so every worker it forks starts with them (about 2 s of CPU
 #: per worker otherwise: torch.distributed.checkpoint pulls in DTensor, the models the MoE and
-#: checkpointing code, most parity tests transformers).
+#: checkpointing code, most parity tests transformers; and about 3 s per worker for the common
+#: mock-data indices).
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -69,6 +70,8 @@ _PRELOAD = [
     "megatron.core.models.gpt",
     "megatron.training.training",
     "transformers",
+    # The common mock-data indices, built once here and shared by every worker (see its doc).
+    "tests.unit_tests.mock_index_warmup",
 ]
 
 

@@ -7,8 +7,8 @@ tiny SwiGLU GPT, mock data):
 - resumed with FSDP2 at TP1 x DP4 and with the distributed optimizer at TP2 x DP2 (which saves
   again at iteration 4), the losses equal the reference's within reduction noise: weights and
   Adam state moved between the layouts;
-- the distributed optimizer's checkpoint resumed with FSDP2 at TP1 x DP4 (iteration 4 -> 6)
-  follows the reference too;
+- the distributed optimizer's checkpoint resumed with FSDP2 at TP1 x DP4 (iteration 4 -> 6,
+  `--ckpt-fully-parallel-load`) follows the reference too;
 - uneven shards (3 rows over 4 ranks: one rank holds none) and the SwiGLU fc1 factory, written
   from DTensors, read back as full tensors and into other DTensor shards;
 - a model with a parameter the checkpoint lacks (`--untie-embeddings-and-output-weights` on a
@@ -68,7 +68,8 @@ def test_fsdp2_resume_matrix(tmp_path):
         common
         + _layout(1, 1)
         + FSDP2
-        + ['--use-dist-ckpt', '--load', distopt_ckpt, '--ckpt-step', str(SECOND_STOP)],
+        + ['--use-dist-ckpt', '--load', distopt_ckpt, '--ckpt-step', str(SECOND_STOP)]
+        + ['--ckpt-fully-parallel-load'],
         common + _layout(2, 1) + FSDP2 + resume + ['--untie-embeddings-and-output-weights'],
         common
         + _layout(2, 1)

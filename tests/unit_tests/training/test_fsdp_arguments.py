@@ -77,7 +77,8 @@ def test_accepted_flags_give_the_wrapper_config():
     'fmt', [['--ckpt-format', 'torch_dist'], ['--ckpt-format', 'fsdp_dtensor'], ['--use-dist-ckpt']]
 )
 def test_fsdp2_checkpoints_in_the_distributed_format(fmt):
-    args = _validate(['--use-torch-fsdp2', '--save', '/nonexistent/ckpt'] + fmt)
+    save = ['--save', '/nonexistent/ckpt', '--save-interval', '2']
+    args = _validate(['--use-torch-fsdp2'] + save + fmt)
     # fsdp_dtensor is later Megatron's name for the same files.
     assert (args.ckpt_format, args.use_dist_ckpt) == ('torch_dist', True)
     strategy = ['--use-megatron-fsdp', '--data-parallel-sharding-strategy', 'optim_grads']

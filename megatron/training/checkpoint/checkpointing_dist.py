@@ -423,10 +423,13 @@ def _load_plan(args, common, checkpoint_dir, release, optimizer) -> Dict[str, An
                 f'--no-load-optim or at the saved {names}'
             )
         if not _has_distributed_optimizer(optimizer):
+            # FSDP2 refuses --use-distributed-optimizer: only --no-load-optim is left to it.
+            fsdp2 = getattr(args, 'use_torch_fsdp2', False)
+            fix = '' if fsdp2 else ' or --use-distributed-optimizer'
             raise ValueError(
                 f'{checkpoint_dir} holds distributed-optimizer state of type '
                 f'dp_zero_gather_scatter, which only --use-distributed-optimizer can load; load '
-                f'with --no-load-optim or --use-distributed-optimizer'
+                f'with --no-load-optim{fix}'
             )
     return dict(load_optim=load_optim, load_rng=load_rng, sharding_type=sharding_type)
 

@@ -90,8 +90,8 @@ def validate_fsdp_args(args):
         raise ValueError('--torch-fsdp2-reduce-in-bf16 requires --bf16')
     if (args.save is not None or args.load is not None) and not _dist_checkpoint_format(args):
         raise ValueError(
-            f'{flag}: --save / --load of FSDP2-sharded models need the distributed format: add '
-            '--ckpt-format torch_dist (or --use-dist-ckpt); the legacy torch format is refused'
+            f'{flag} requires --ckpt-format torch_dist (or --use-dist-ckpt, --ckpt-format '
+            'fsdp_dtensor) with --save / --load: the legacy torch format is refused'
         )
     # The fused weight-gradient GEMM accumulates into `param.main_grad`, which FSDP2's sharded
     # parameters do not have; the unfused path gives the same gradients.

@@ -31,7 +31,7 @@ REFUSED = {
     'distributed-optimizer': (['--use-distributed-optimizer'], '--use-distributed-optimizer'),
     'fp16': (['--fp16'], '--fp16'),
     'bf16-reduce-needs-bf16': (['--torch-fsdp2-reduce-in-bf16'], 'requires --bf16'),
-    'legacy-checkpoint': (['--save', '/nonexistent/ckpt'], 'add --ckpt-format torch_dist'),
+    'legacy-checkpoint': (['--save', '/nonexistent/ckpt'], 'requires --ckpt-format torch_dist'),
     'legacy-checkpoint-load': (
         ['--load', '/nonexistent/ckpt', '--ckpt-format', 'torch'],
         'the legacy torch format is refused',

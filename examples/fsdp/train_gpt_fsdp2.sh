@@ -3,8 +3,9 @@
 # processes: each rank keeps a quarter of the parameters, gradients and Adam state, gathers one
 # transformer layer at a time, and reduce-scatters gradients in fp32 once per step. TP=2 runs
 # TP2 x FSDP2 on the same 4 processes. Runs on a CPU-only machine (gloo) in a few minutes; with
-# GPUs the same command uses NCCL. No checkpoint is written (FSDP2 checkpoints are not supported
-# yet, see docs/fsdp.md).
+# GPUs the same command uses NCCL. A torch_dist checkpoint is saved in $WORK_DIR/ckpt at the
+# end; running again with a larger TRAIN_ITERS resumes from it, also at another TP / NPROC
+# (docs/fsdp.md, "Checkpoints").
 #
 # Usage (from the repository root):   bash examples/fsdp/train_gpt_fsdp2.sh
 # Environment: WORK_DIR (default ./fsdp_work), TRAIN_ITERS (default 50), NPROC (default 4),
@@ -56,4 +57,6 @@ echo "==> training with --use-torch-fsdp2 on $NPROC processes (TP $TP, data para
     --data-path "$WORK_DIR/data/mobydick_text_document" \
     --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE" \
     --split 90,8,2 --num-workers 0 --data-cache-path "$WORK_DIR/cache" \
-    --log-interval 10 --eval-interval "$TRAIN_ITERS" --eval-iters 2
+    --log-interval 10 --eval-interval "$TRAIN_ITERS" --eval-iters 2 \
+    --ckpt-format torch_dist --save "$WORK_DIR/ckpt" --load "$WORK_DIR/ckpt" \
+    --save-interval "$TRAIN_ITERS"

@@ -747,6 +747,11 @@ def load_checkpoint(
     )
     if state_dict is None:
         return 0, 0
+    if getattr(args, 'use_torch_fsdp2', False):
+        raise ValueError(
+            f'--use-torch-fsdp2: {checkpoint_name} is a legacy torch-format checkpoint, which '
+            'FSDP2-sharded models cannot load; save it with --ckpt-format torch_dist'
+        )
     record_checkpoint_version(state_dict, checkpoint_name)
     iteration, num_floating_point_operations_so_far = _read_iteration(
         args, state_dict, checkpoint_name, release

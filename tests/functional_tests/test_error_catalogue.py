@@ -103,6 +103,8 @@ ELSEWHERE = {
     'dist-ckpt-moe-extended-tp': 'tests/functional_tests/test_dist_ckpt_errors.py',
     'dist-ckpt-incomplete': 'tests/unit_tests/dist_checkpointing/test_serialization.py',
     'dist-ckpt-planted': 'tests/unit_tests/dist_checkpointing/test_serialization.py',
+    'dist-ckpt-absent-model-keys': 'tests/functional_tests/test_fsdp2_dist_ckpt_resume.py',
+    'fsdp2-legacy-checkpoint-load': 'tests/unit_tests/checkpointing/test_checkpointing.py',
     **{
         case: 'tests/unit_tests/training/test_fsdp_arguments.py'
         for case in (
@@ -110,7 +112,7 @@ ELSEWHERE = {
             'fsdp2-experts',
             'fsdp2-distributed-optimizer',
             'fsdp2-fp16',
-            'fsdp2-checkpoint',
+            'fsdp2-legacy-checkpoint',
             'fsdp2-bf16-reduce-needs-bf16',
             'fsdp2-option-alone',
             'fsdp-both',

@@ -34,7 +34,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
-from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+from megatron.core.dist_checkpointing.dtensor import is_empty_shard, shard_dtensor_entries
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
     ShardedTensor,
@@ -177,6 +178,9 @@ def generate_sharded_state_dict(
             state_dict['opt_param_scheduler'] = opt_param_scheduler.state_dict()
     if rng_state is not None:
         state_dict['rng_state'] = rng_state
+    # FSDP2 parameters and their optimizer state are DTensors: each rank writes its rows only,
+    # under the keys and global shapes a DDP / distributed-optimizer run uses.
+    shard_dtensor_entries(state_dict)
     return state_dict
 
 
@@ -419,10 +423,13 @@ def _load_plan(args, common, checkpoint_dir, release, optimizer) -> Dict[str, An
                 f'--no-load-optim or at the saved {names}'
             )
         if not _has_distributed_optimizer(optimizer):
+            # FSDP2 refuses --use-distributed-optimizer: only --no-load-optim is left to it.
+            fsdp2 = getattr(args, 'use_torch_fsdp2', False)
+            fix = '' if fsdp2 else ' or --use-distributed-optimizer'
             raise ValueError(
                 f'{checkpoint_dir} holds distributed-optimizer state of type '
                 f'dp_zero_gather_scatter, which only --use-distributed-optimizer can load; load '
-                f'with --no-load-optim or --use-distributed-optimizer'
+                f'with --no-load-optim{fix}'
             )
     return dict(load_optim=load_optim, load_rng=load_rng, sharding_type=sharding_type)
 
@@ -461,18 +468,38 @@ def _drop_optional_absent(state_dict, stored: set) -> bool:
 
 def _complete_model_state_dict(module, loaded: Dict) -> Dict:
     """The loaded model dict plus the names it lacks: a second name of the same parameter (T5's
-    output layer) and empty `_extra_state` entries."""
+    output layer), empty `_extra_state` entries, and FSDP2 parameters of which this rank holds
+    no rows (it requested nothing for them)."""
     current = module.state_dict(keep_vars=True)
     by_id = {id(current[k]): v for k, v in loaded.items() if k in current}
     complete = dict(loaded)
     for name, value in current.items():
         if name in complete:
             continue
-        if name.endswith('_extra_state'):
+        if name.endswith('_extra_state') or is_empty_shard(value):
             complete[name] = value
         elif id(value) in by_id:
             complete[name] = by_id[id(value)]
     return complete
+
+
+def _refuse_absent_model_keys(state_dict, stored: set, checkpoint_dir: str) -> None:
+    """A model tensor the checkpoint lacks would keep its initial value (a lenient
+    --dist-ckpt-strictness drops it silently): refuse, naming the keys (local check, so every
+    rank that requests such a key raises before the collective load)."""
+    absent = sorted(
+        {
+            sh.key
+            for sh in nested_values(state_dict_models(state_dict))
+            if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and sh.key not in stored
+        }
+    )
+    if absent:
+        shown = ', '.join(absent[:8]) + (f' and {len(absent) - 8} more' if len(absent) > 8 else '')
+        raise ValueError(
+            f'{checkpoint_dir} lacks {len(absent)} model tensor(s) this run has ({shown}): they '
+            'would keep their initial values; load a checkpoint of the same model'
+        )
 
 
 def _load_strategy(args, checkpoint_dir):
@@ -538,6 +565,8 @@ def load_dist_checkpoint(
     if plan['load_optim'] and optimizer is not None:
         match_optimizer_keys(state_dict['optimizer'], stored)
     no_fp32_copies = _drop_optional_absent(state_dict, stored)
+    if strict or getattr(args, 'use_torch_fsdp2', False):
+        _refuse_absent_model_keys(state_dict, stored, checkpoint_dir)
     loaded = _dist_load(args, state_dict, checkpoint_dir)
 
     _load_model_chunks(model, loaded, strict)

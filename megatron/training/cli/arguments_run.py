@@ -104,9 +104,10 @@ def _add_checkpointing_args(parser):
         '--ckpt-format',
         type=str,
         default=None,
-        choices=['torch', 'torch_dist'],
+        choices=['torch', 'torch_dist', 'fsdp_dtensor'],
         help='Checkpoint format to save (later Megatron\'s flag; default torch, the legacy '
-        'format; torch_dist = --use-dist-ckpt). Loading detects the format.',
+        'format; torch_dist = --use-dist-ckpt; fsdp_dtensor, later Megatron\'s FSDP format '
+        'name, is an alias of torch_dist). Loading detects the format.',
     )
     group.add_argument(
         '--auto-detect-ckpt-format',

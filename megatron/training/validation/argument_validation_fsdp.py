@@ -41,6 +41,12 @@ def _translate_megatron_fsdp(args):
     return flag
 
 
+def _dist_checkpoint_format(args) -> bool:
+    """Whether the run saves torch_dist (runs before the checkpoint flags are normalised)."""
+    fmt = getattr(args, 'ckpt_format', None)
+    return fmt in ('torch_dist', 'fsdp_dtensor') or bool(getattr(args, 'use_dist_ckpt', False))
+
+
 def validate_fsdp_args(args):
     """Check the FSDP flags against the others (ValueError, one line); translate
     --use-megatron-fsdp into the engine of its strategy."""
@@ -82,9 +88,10 @@ def validate_fsdp_args(args):
         )
     if args.torch_fsdp2_reduce_in_bf16 and not args.bf16:
         raise ValueError('--torch-fsdp2-reduce-in-bf16 requires --bf16')
-    if args.save is not None or args.load is not None:
+    if (args.save is not None or args.load is not None) and not _dist_checkpoint_format(args):
         raise ValueError(
-            f'{flag}: checkpoints (--save / --load) of FSDP2-sharded models are not supported yet'
+            f'{flag} requires --ckpt-format torch_dist (or --use-dist-ckpt, --ckpt-format '
+            'fsdp_dtensor) with --save / --load: the legacy torch format is refused'
         )
     # The fused weight-gradient GEMM accumulates into `param.main_grad`, which FSDP2's sharded
     # parameters do not have; the unfused path gives the same gradients.

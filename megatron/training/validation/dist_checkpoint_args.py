@@ -2,6 +2,8 @@
 
 - `--ckpt-format torch_dist` (later Megatron) and `--use-dist-ckpt` (r0.8) mean the same:
   `args.use_dist_ckpt` and `args.ckpt_format` are both set. The torch format stays the default.
+- `--ckpt-format fsdp_dtensor` (later Megatron's FSDP format name) is read as torch_dist: the
+  same files, loadable with or without FSDP.
 - `--dist-ckpt-format zarr` (deprecated in Megatron) is refused: only torch_dist exists here.
 - `--async-save` needs the torch_dist format when the run saves (Megatron fails at the first
   save; here before any work starts).
@@ -18,6 +20,10 @@ _NOT_RESHARDABLE_WARNING = (
 
 def validate_dist_checkpoint_args(args) -> None:
     """Derive `use_dist_ckpt` / `ckpt_format`; one-line ValueErrors naming the flags."""
+    if getattr(args, 'ckpt_format', None) == 'fsdp_dtensor':
+        # Later Megatron's name of its FSDP checkpoints: here the same torch_dist files (FSDP2
+        # shards are stored under the plain model keys, see dist_checkpointing/dtensor.py).
+        args.ckpt_format = 'torch_dist'
     if getattr(args, 'ckpt_format', None) is None:
         args.ckpt_format = 'torch_dist' if args.use_dist_ckpt else 'torch'
     elif args.ckpt_format == 'torch' and args.use_dist_ckpt:

@@ -555,6 +555,21 @@ def _expect_load_error_body(ckpt_dir, extra):
     return str(excinfo.value)
 
 
+def _fsdp2_legacy_load_body(ckpt_dir):
+    _save_only_body(ckpt_dir, [])
+    return _expect_load_error_body(ckpt_dir, ['--use-torch-fsdp2', '--use-dist-ckpt'])
+
+
+def test_fsdp2_refuses_a_legacy_checkpoint(tmp_path):
+    """FSDP2 shards cannot take a legacy torch-format file: one line, before anything is read."""
+    (msg,) = run_distributed(_fsdp2_legacy_load_body, world_size=1, args=(str(tmp_path),))
+    assert msg == (
+        f'--use-torch-fsdp2: {tmp_path}/iter_0000001/mp_rank_00/model_optim_rng.pt is a legacy '
+        'torch-format checkpoint, which FSDP2-sharded models cannot load; save it with '
+        '--ckpt-format torch_dist'
+    )
+
+
 def test_mismatched_tensor_parallel_size(tmp_path):
     """TP=2 checkpoint into a TP=1 run and TP=1 checkpoint into a TP=2 run: both sizes named."""
     tp2_dir, tp1_dir = str(tmp_path / 'tp2'), str(tmp_path / 'tp1')

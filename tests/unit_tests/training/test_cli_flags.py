@@ -43,7 +43,7 @@ OUR_EXTRA_FLAGS = {
     '--non-persistent-global-ckpt-dir',
     '--non-persistent-save-interval',
     '--renormalize-blend-weights',
-    '--ckpt-format',  # core_r0.9.0's checkpoint format flag (torch | torch_dist here)
+    '--ckpt-format',  # core_r0.9.0's checkpoint format flag (torch | torch_dist | fsdp_dtensor)
     # MoE flags of later Megatron versions (megatron/core/transformer/moe).
     '--moe-router-score-function',
     '--moe-router-topk-scaling-factor',

@@ -31,7 +31,11 @@ REFUSED = {
     'distributed-optimizer': (['--use-distributed-optimizer'], '--use-distributed-optimizer'),
     'fp16': (['--fp16'], '--fp16'),
     'bf16-reduce-needs-bf16': (['--torch-fsdp2-reduce-in-bf16'], 'requires --bf16'),
-    'checkpoint': (['--save', '/nonexistent/ckpt'], 'checkpoints (--save / --load)'),
+    'legacy-checkpoint': (['--save', '/nonexistent/ckpt'], 'requires --ckpt-format torch_dist'),
+    'legacy-checkpoint-load': (
+        ['--load', '/nonexistent/ckpt', '--ckpt-format', 'torch'],
+        'the legacy torch format is refused',
+    ),
 }
 
 
@@ -67,6 +71,19 @@ def test_accepted_flags_give_the_wrapper_config():
     assert not keeps_fp32_params(args)
     config = fsdp2_config_from_args(args)
     assert not config.reshard_after_forward and config.reduce_dtype is None
+
+
+@pytest.mark.parametrize(
+    'fmt', [['--ckpt-format', 'torch_dist'], ['--ckpt-format', 'fsdp_dtensor'], ['--use-dist-ckpt']]
+)
+def test_fsdp2_checkpoints_in_the_distributed_format(fmt):
+    save = ['--save', '/nonexistent/ckpt', '--save-interval', '2']
+    args = _validate(['--use-torch-fsdp2'] + save + fmt)
+    # fsdp_dtensor is later Megatron's name for the same files.
+    assert (args.ckpt_format, args.use_dist_ckpt) == ('torch_dist', True)
+    strategy = ['--use-megatron-fsdp', '--data-parallel-sharding-strategy', 'optim_grads']
+    args = _validate(strategy + ['--load', '/nonexistent/ckpt'] + fmt)
+    assert args.use_torch_fsdp2 and args.use_dist_ckpt
 
 
 #: strategy -> (use_distributed_optimizer, use_torch_fsdp2, reshard_after_forward)

@@ -22,7 +22,8 @@ torch_dist (`--format torch_dist`, distributed checkpoints; --use-distributed-op
 
 - sync save / load vs torch.save / torch.load of the same bytes (each rank its own .distcp
   bytes; goal <= 1.5);
-- async save: the time the training loop is blocked (the save call: planning) as a share of the
+- async save: the time the training loop is blocked (the save call: the state-dict build and
+  pickling; the write list, planning and writing are the writer thread's) as a share of the
   sync save (goal <= 0.1), when the snapshot (the staging copy, in the writer thread) is taken
   (the next optimizer step waits for it if the forward and backward end earlier), and the time
   until the background write is finalized;

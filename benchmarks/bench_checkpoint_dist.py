@@ -12,7 +12,8 @@ Phases, each one set of spawned ranks (`mp.spawn`) of the same world size:
 
 Times: wall on rank 0 between barriers (the slowest rank), and CPU: the process CPU time of
 every rank (all threads) summed. The async save's blocked time is the slowest rank's time in
-`save_checkpoint` (planning, the snapshot, scheduling); its CPU is the main threads' CPU.
+`save_checkpoint` (the state-dict build, pickling, scheduling); its CPU is the main threads'
+CPU.
 """
 
 import contextlib

@@ -6,10 +6,12 @@ Two gloo ranks (DP2, distributed optimizer) build a tiny GPT through the trainin
 one optimizer step, save synchronously into one directory and asynchronously into another,
 then at once take another step. The snapshot is slowed down (a sleep before the copy) so that
 the step would overwrite the parameters and Adam moments before they are copied unless the
-step waits for the staging, as it must.
+step waits for the staging, as it must. The save call itself does not plan: the planning
+exchange runs in the writer thread.
 """
 
 import os
+import threading
 import time
 
 import torch
@@ -68,12 +70,19 @@ def _save_sync_then_async_and_step(save_root):
     checkpointing.save_checkpoint(1, model, optimizer, scheduler, 0)
 
     stage_all = torch_strategy._stage_all
+    plan = torch_strategy.TorchDistSaveShardedStrategy._plan
+    planned_in = []  # per planning exchange: whether it ran on the main thread
 
     def slow_stage_all(*stage_args):
         time.sleep(STAGING_DELAY)
         return stage_all(*stage_args)
 
+    def recorded_plan(*plan_args, **kwargs):
+        planned_in.append(threading.current_thread() is threading.main_thread())
+        return plan(*plan_args, **kwargs)
+
     torch_strategy._stage_all = slow_stage_all
+    torch_strategy.TorchDistSaveShardedStrategy._plan = recorded_plan
     try:
         args.save, args.async_save = async_dir, True
         before = [p.detach().clone() for chunk in model for p in chunk.parameters()]
@@ -86,6 +95,7 @@ def _save_sync_then_async_and_step(save_root):
         checkpointing.maybe_finalize_async_save(blocking=True)
     finally:
         torch_strategy._stage_all = stage_all
+        torch_strategy.TorchDistSaveShardedStrategy._plan = plan
     torch.distributed.barrier()
     if torch.distributed.get_rank() != 0:
         return None
@@ -100,6 +110,7 @@ def _save_sync_then_async_and_step(save_root):
         'differing': differing,
         'params_changed': changed,
         'tracker': tracker,
+        'planned_in_main_thread': planned_in,
     }
 
 
@@ -109,3 +120,4 @@ def test_async_save_with_background_staging_equals_sync_save(tmp_path):
     assert out['keys'] > 10 and out['same_keys']
     assert out['differing'] == [], out['differing'][:5]
     assert out['tracker'] == '1'
+    assert out['planned_in_main_thread'] == [False]  # the async save planned in its writer

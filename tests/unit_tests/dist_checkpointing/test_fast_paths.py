@@ -101,7 +101,7 @@ def _save_twice_then_change(ckpt, cached):
     rank = torch.distributed.get_rank()
     exchanges, checks = [], []
     gather, verdict = torch_strategy._gather_to_0, torch_strategy._global_verdict
-    torch_strategy._gather_to_0 = lambda obj: exchanges.append(1) or gather(obj)
+    torch_strategy._gather_to_0 = lambda obj, group=None: exchanges.append(1) or gather(obj, group)
     torch_strategy._global_verdict = lambda gathered: checks.append(1) or verdict(gathered)
     strategy = TorchDistSaveShardedStrategy(cached_metadata=cached)
     out = {}

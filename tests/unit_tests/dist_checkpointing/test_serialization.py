@@ -139,22 +139,40 @@ def test_strictness_choices(tmp_path, strict, kind):
 def _two_main_replicas(ckpt):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import CheckpointingException, ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     if torch.distributed.get_rank() == 0:
         os.makedirs(ckpt)
     torch.distributed.barrier()
     sd = {'w': ShardedTensor.from_rank_offsets('w', torch.ones(2), replica_id=0)}
+    out = {'sync': None, 'async': None}
     try:
         dist_checkpointing.save(sd, ckpt)
     except CheckpointingException as exc:
-        return str(exc)
-    return None
+        out['sync'] = str(exc)
+    # Asynchronous: the writer threads plan, so the refusal comes from the finalization, on
+    # every rank, and nothing is left to finish (no metadata.json).
+    async_dir = ckpt + '_async'
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(async_dir)
+    torch.distributed.barrier()
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(dist_checkpointing.save(sd, async_dir, async_sharded_save=True))
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except RuntimeError as exc:
+        out['async'] = str(exc)
+    out['async_finished'] = os.path.exists(os.path.join(async_dir, 'metadata.json'))
+    return out
 
 
 def test_two_main_replicas_refused_on_every_rank(tmp_path):
     outs = run_distributed(_two_main_replicas, world_size=2, args=(str(tmp_path / 'c'),))
     assert outs[0] == outs[1]
-    assert 'Invalid access pattern for w' in outs[0] and '2 main replicas' in outs[0]
+    for kind in ('sync', 'async'):
+        assert 'Invalid access pattern for w' in outs[0][kind], outs[0]
+        assert '2 main replicas' in outs[0][kind]
+    assert not outs[0]['async_finished']
 
 
 class _Planted:

@@ -2,13 +2,15 @@
 
 A save is split into an `AsyncRequest`:
 
-- the collective, fast part runs at once on every rank (planning);
+- what must see the values of the save call and is cheap runs at once (the torch_dist
+  strategy pickles the objects that may change; a synchronous save also plans here);
 - `stage_fn` (when given) runs first in the background thread: a CPU snapshot of every tensor
   this rank writes. The caller's tensors must not change until it is done: the trainer's
   optimizer step waits for it (`AsyncCallsQueue.wait_for_staging`), so the copy overlaps the
   next iteration's forward and backward instead of blocking training;
-- `async_fn` then writes this rank's files in the same thread (no collectives, so it never
-  interleaves with the training loop's communication);
+- `async_fn` then writes this rank's files in the same thread; its only collectives (the
+  torch_dist planning exchange) run over a process group of their own, so they never
+  interleave with the training loop's communication;
 - finalization runs on the main thread once *every* rank's writer is done: one gather of
   every rank's outcome to rank 0, which writes DCP's `.metadata` (from the gathered write
   results), then `metadata.json`, then the caller's steps (the trainer moves the tracker file
@@ -41,7 +43,9 @@ class AsyncRequest:
     finalize functions.
 
     Args:
-        async_fn: writes files; must not run collectives. None: nothing to write.
+        async_fn: writes files; collectives only over a group the main thread never uses.
+            It is skipped when stage_fn raises, so with collectives in async_fn a stage_fn
+            hands its failure on to async_fn instead of raising. None: nothing to write.
         async_fn_args: its positional arguments.
         finalize_fns: run in order on every rank after a successful finalization.
         coordinator_fns: run in order on rank 0 with every rank's async_fn result.

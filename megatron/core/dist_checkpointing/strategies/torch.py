@@ -18,8 +18,10 @@ tuples, gathered on rank 0, which checks the sharding, builds the metadata, chec
 neither overlap nor leave holes, and broadcasts the verdict; none with an unchanged structure
 under `--ckpt-assume-constant-structure`); writing is local (no intermediate copy of a tensor
 that views a larger buffer); finishing gathers the write results to rank 0, which writes
-`.metadata`. The same steps serve asynchronous saves (see async_utils.py): the writer thread
-first copies the tensors to CPU (staging), while the trainer's next forward and backward run.
+`.metadata`. The same steps serve asynchronous saves (see async_utils.py), all but the
+pickling of mutable objects in the writer thread: it builds the write list and copies the
+tensors to CPU (staging) while the trainer's next forward and backward run, then takes part in
+the planning exchange over a gloo group of its own and writes.
 
 Loading needs no collective: every rank reads `.metadata` (with an unpickler that builds only
 DCP's metadata classes, so a planted file cannot run code; parsed once per load) and then the
@@ -201,6 +203,9 @@ class MCoreSavePlanner(SavePlanner):
         self.set_data(items)
         self.is_coordinator = False
 
+    def items(self) -> List[Tuple[WriteItem, Any]]:
+        return self._items
+
     def set_data(self, items: List[Tuple[WriteItem, Any]]) -> None:
         """Write `items`' data (the same write items, e.g. their staged snapshots)."""
         for item, data in items:
@@ -239,13 +244,26 @@ def build_write_items(
     `stage` snapshots every tensor on the CPU (for a background write while training changes
     the parameters); see `_stage_all`.
     """
-    items = _write_items(sharded_state_dict, pickle_objects=stage)
+    pickled = pickled_objects(sharded_state_dict) if stage else None
+    items = _write_items(sharded_state_dict, pickled)
     return _stage_all(items, staging) if stage else items
 
 
-def _write_items(sharded_state_dict: ShardedStateDict, pickle_objects: bool):
-    """(write item, data) for every main replica, tensors as they are; `pickle_objects`
-    pickles every object that is not a `snapshot` now (its value may change later)."""
+def pickled_objects(sharded_state_dict: ShardedStateDict) -> Dict[str, io.BytesIO]:
+    """The bytes of every main-replica object that is not a `snapshot`, by unique key.
+
+    An asynchronous save pickles them in the save call: their values may change as soon as it
+    returns (a snapshot object is a private copy, pickled by the writer)."""
+    return {
+        sh.unique_key: _object_bytes(sh.data)
+        for sh in nested_values(sharded_state_dict)
+        if isinstance(sh, ShardedObject) and is_main_replica(sh.replica_id) and not sh.snapshot
+    }
+
+
+def _write_items(sharded_state_dict: ShardedStateDict, pickled: Optional[Dict] = None):
+    """(write item, data) for every main replica, tensors as they are; an object's data is its
+    bytes in `pickled` when there, else the object itself."""
     items = []
     for sh in nested_values(sharded_state_dict):
         if isinstance(sh, ShardedTensor):
@@ -266,8 +284,7 @@ def _write_items(sharded_state_dict: ShardedStateDict, pickle_objects: bool):
         elif isinstance(sh, ShardedObject):
             if not is_main_replica(sh.replica_id):
                 continue
-            # Staging pickles the object now; a snapshot is pickled by the writer.
-            data = _object_bytes(sh.data) if pickle_objects and not sh.snapshot else sh.data
+            data = sh.data if pickled is None else pickled.get(sh.unique_key, sh.data)
             items.append(
                 (WriteItem(index=MetadataIndex(sh.unique_key), type=WriteItemType.BYTE_IO), data)
             )
@@ -458,14 +475,16 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         stage: bool,
         preflight: Optional[SavePreflight] = None,
     ) -> AsyncRequest:
-        """Plan (collective; raises on every rank) and return the request that writes this
-        rank's files and, when finalized, DCP's `.metadata` (rank 0). With `stage` the
-        request's `stage_fn` snapshots the tensors first (in the writer's thread)."""
+        """The request that writes this rank's files and, when finalized, DCP's `.metadata`
+        (rank 0).
+
+        Without `stage` the planning exchange runs now (collective; a problem raises on every
+        rank). With `stage` the save call only pickles the objects that may change
+        (`pickled_objects`); the writer thread builds the write list and snapshots the tensors
+        (the request's `stage_fn`), then plans over a process group of its own (so its
+        collectives never interleave with training's) and writes; a problem then fails the
+        request on every rank at finalization."""
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        coordinator = rank == 0
-        items = _write_items(sharded_state_dict, pickle_objects=stage)
-        planner = MCoreSavePlanner(items)
-        planner.set_up_planner(is_coordinator=coordinator)
         writer = FileSystemWriter(
             checkpoint_dir,
             single_file_per_rank=True,
@@ -473,7 +492,49 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             sync_files=True,
             overwrite=False,
         )
-        writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+        done: Dict[str, Any] = {}  # what the steps below hand on
+
+        def write_metadata(results):
+            writer.finish(done['metadata'], results)
+
+        if not stage:
+            items = _write_items(sharded_state_dict)
+            planner = MCoreSavePlanner(items)
+            plan, done['metadata'] = self._local_and_global_plan(
+                planner, writer, preflight, rank, None
+            )
+            return AsyncRequest(
+                lambda: writer.write_data(plan, planner).value(),
+                coordinator_fns=[write_metadata],
+            )
+
+        pickled = pickled_objects(sharded_state_dict)
+        group = _planning_group()
+
+        def snapshot():
+            try:
+                items = _write_items(sharded_state_dict, pickled)
+                done['planner'] = MCoreSavePlanner(_stage_all(items, self._staging))
+            except Exception as exc:  # every rank must still take part in the planning
+                done['problem'] = f'rank {rank}: staging failed: {exc!r}'
+
+        def plan_and_write():
+            problem = done.get('problem') or (preflight.problem if preflight else None)
+            planner = done.get('planner') or MCoreSavePlanner([])
+            checks = dataclasses.replace(preflight or SavePreflight(), problem=problem)
+            plan, done['metadata'] = self._local_and_global_plan(
+                planner, writer, checks, rank, group
+            )
+            return writer.write_data(plan, planner).value()
+
+        return AsyncRequest(plan_and_write, coordinator_fns=[write_metadata], stage_fn=snapshot)
+
+    def _local_and_global_plan(self, planner, writer, preflight, rank, group):
+        """Collective over `group` (None: the default one): this rank's DCP plan under its file
+        prefix and the global metadata (rank 0; None elsewhere), or the same error raised on
+        every rank."""
+        planner.set_up_planner(is_coordinator=rank == 0)
         problem = preflight.problem if preflight is not None else None
         try:
             local_plan = writer.prepare_local_plan(planner.create_local_plan())
@@ -481,35 +542,24 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             problem = problem or f'rank {rank}: {exc}'
             local_plan = None
         sharding = preflight.sharding if preflight is not None else None
-        metadata = self._plan(_write_records(items), sharding, problem, coordinator)
-        central_plan = dataclasses.replace(local_plan, storage_data=_StoragePrefix(f'__{rank}_'))
+        records = _write_records(planner.items())
+        metadata = self._plan(records, sharding, problem, rank == 0, group)
+        return dataclasses.replace(local_plan, storage_data=_StoragePrefix(f'__{rank}_')), metadata
 
-        def snapshot():
-            planner.set_data(_stage_all(items, self._staging))
-
-        def write():
-            return writer.write_data(central_plan, planner).value()
-
-        def write_metadata(results):
-            writer.finish(metadata, results)
-
-        return AsyncRequest(
-            write, (), coordinator_fns=[write_metadata], stage_fn=snapshot if stage else None
-        )
-
-    def _plan(self, records, sharding, problem, coordinator) -> Optional[Metadata]:
-        """Collective: the global metadata (rank 0; None elsewhere) or the same error raised
-        on every rank."""
+    def _plan(self, records, sharding, problem, coordinator, group=None) -> Optional[Metadata]:
+        """Collective over `group`: the global metadata (rank 0; None elsewhere) or the same
+        error raised on every rank."""
         key = (records, sharding)
         if self.use_cached_ckpt_structure and self._cached is not None:
             same = int(problem is None and self._cached[0] == key)
             if torch.distributed.is_initialized():
-                flag = torch.tensor([same], dtype=torch.int32, device=get_current_device())
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+                device = 'cpu' if group is not None else get_current_device()
+                flag = torch.tensor([same], dtype=torch.int32, device=device)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
                 same = int(flag.item())
             if same:
                 return self._cached[1]
-        gathered = _gather_to_0((records, sharding, problem))
+        gathered = _gather_to_0((records, sharding, problem), group)
         verdict, metadata = None, None
         if coordinator:
             # The verdict is a function of what was gathered: an unchanged structure (every
@@ -521,13 +571,30 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 self._accepted = None if verdict else (gathered, metadata)
         if torch.distributed.is_initialized():
             box = [verdict]
-            torch.distributed.broadcast_object_list(box, src=0)
+            torch.distributed.broadcast_object_list(box, src=0, group=group)
             verdict = box[0]
         if verdict:
             raise CheckpointingException(verdict)
         if self.use_cached_ckpt_structure:
             self._cached = (key, metadata)
         return metadata
+
+
+_PLANNING_GROUP: List[Tuple[Any, Any]] = []  # (the default group it was made in, the group)
+
+
+def _planning_group():
+    """A gloo group of every rank for the writer threads' planning exchange, made once per
+    default process group (collective: every rank calls it in the same save), or None when
+    torch.distributed is not initialized. Its own group keeps the exchange, which runs while
+    the main thread communicates, apart from training's collectives; gloo because the
+    exchange is of pickled objects (CPU)."""
+    if not torch.distributed.is_initialized():
+        return None
+    world = torch.distributed.group.WORLD
+    if not _PLANNING_GROUP or _PLANNING_GROUP[0][0] is not world:
+        _PLANNING_GROUP[:] = [(world, torch.distributed.new_group(backend='gloo'))]
+    return _PLANNING_GROUP[0][1]
 
 
 def _chunk_problems(metadata: Metadata) -> List[str]:
@@ -546,12 +613,12 @@ def _chunk_problems(metadata: Metadata) -> List[str]:
     return problems[:5]
 
 
-def _gather_to_0(obj) -> Optional[List]:
+def _gather_to_0(obj, group=None) -> Optional[List]:
     if not torch.distributed.is_initialized():
         return [obj]
     rank = torch.distributed.get_rank()
     out = [None] * torch.distributed.get_world_size() if rank == 0 else None
-    torch.distributed.gather_object(obj, out, dst=0)
+    torch.distributed.gather_object(obj, out, dst=0, group=group)
     return out
 
 

@@ -1,7 +1,8 @@
 """Saver plugin: a Hugging Face model directory (GPT-2 or Llama family; Mixtral, Qwen2-MoE or
-Qwen3-MoE for MoE models; DeepSeek-V3 for MLA models) that transformers' `from_pretrained` loads: config.json, model.safetensors and, with
---hf-tokenizer-dir, the tokenizer files. The vocabulary padding is removed (true size from the
-loader, else the one the checkpoint records, else the padded table is kept).
+Qwen3-MoE for MoE models; DeepSeek-V3 for MLA models) that transformers' `from_pretrained`
+loads: config.json, model.safetensors and, with --hf-tokenizer-dir, the tokenizer files. The
+vocabulary padding is removed (true size from the loader, else the one the checkpoint records,
+else the padded table is kept).
 """
 
 import os

@@ -80,10 +80,10 @@ LAYER_MESSAGE_KEYS = {
 _EXTRA_STATE_MODULES = (
     'self_attention.linear_proj',
     'self_attention.linear_qkv',
+    # MLA's column-parallel projections (its down projections are DuplicatedLinear: no extra
+    # state).
     'self_attention.linear_q_proj',
-    'self_attention.linear_q_down_proj',
     'self_attention.linear_q_up_proj',
-    'self_attention.linear_kv_down_proj',
     'self_attention.linear_kv_up_proj',
     'cross_attention.linear_proj',
     'cross_attention.linear_q',

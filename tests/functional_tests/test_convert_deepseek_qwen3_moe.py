@@ -1,17 +1,18 @@
 """DeepSeek-V3 (MLA + group-limited sigmoid MoE with expert bias and a shared expert + a first
-dense layer + YaRN) and Qwen3-MoE (qk-norm, GQA, a dense layer) through tools/checkpoint/convert.py.
+dense layer + YaRN + one multi-token-prediction module) and Qwen3-MoE (qk-norm, GQA, a dense
+layer) through tools/checkpoint/convert.py.
 
 Tiny random models are built with transformers (the DeepSeek-V3 one is the parity test's) and
-saved; convert.main runs in this process (the saver is a forked child):
+saved. DeepseekV3ForCausalLM holds no MTP weights: its MTP module is transformers' generic
+`MtpModel` (random here), written into the files as DeepSeek's checkpoints hold it (the extra
+layer `model.layers.3`). convert.main runs in this process (the saver is a forked child):
 
 - HF -> ours at TP2 x EP2 (loader_hf -> saver_mcore) -> HF (loader_mcore -> saver_hf): every
-  exported tensor equals the original bitwise, and transformers loads the export.
+  exported tensor, the MTP module's included, equals the original bitwise, and transformers
+  loads the export.
 - --use-checkpoint-args restores every architectural field from the converted checkpoint alone.
 - GPTModel built by pretrain_gpt.model_provider from those args at TP2 x EP2 gives Hugging Face's
-  logits.
-
-transformers' DeepseekV3ForCausalLM holds no multi-token-prediction weights (its MTP modules are
-loaded by the separate MtpModel), so the round trip here has none.
+  logits, and its MTP layer MtpModel's depth-1 logits.
 """
 
 import os
@@ -59,9 +60,67 @@ def _qwen3_moe():
 
 
 def _deepseek_v3():
+    from transformers.modeling_layers import MtpModel
+
     from tests.unit_tests.models.test_deepseek_v3_parity import _hf_model
 
-    return _hf_model()
+    hf = _hf_model()
+    mtp = MtpModel(hf, 1).eval()
+    with torch.no_grad():
+        for name, tensor in mtp.named_parameters():
+            if 'norm' in name:
+                tensor.uniform_(0.5, 1.5)
+        mtp.layers[0].mtp_block.mlp.gate.e_score_correction_bias.copy_(torch.rand(8) * 0.2)
+    return hf, mtp
+
+
+def _mtp_file_tensors(hf, mtp):
+    """MtpModel's module 0 under DeepSeek's file names (layer L = num_hidden_layers, experts per
+    expert, copies of the main embedding and head)."""
+    p, block = f'model.layers.{hf.config.num_hidden_layers}.', 'layers.0.mtp_block.'
+    out = {}
+    for name, tensor in mtp.state_dict().items():
+        if name == f'{block}mlp.experts.gate_up_proj':
+            for j, rows in enumerate(tensor):
+                gate, up = rows.chunk(2)
+                out[f'{p}mlp.experts.{j}.gate_proj.weight'] = gate
+                out[f'{p}mlp.experts.{j}.up_proj.weight'] = up
+        elif name == f'{block}mlp.experts.down_proj':
+            for j, rows in enumerate(tensor):
+                out[f'{p}mlp.experts.{j}.down_proj.weight'] = rows
+        elif name.startswith(block):
+            out[p + name[len(block) :]] = tensor
+        elif name == 'layers.0.post_norm.weight':
+            out[p + 'shared_head.norm.weight'] = tensor
+        elif name.startswith('layers.0.'):
+            out[p + name[len('layers.0.') :]] = tensor
+    out[p + 'shared_head.head.weight'] = hf.lm_head.weight
+    out[p + 'embed_tokens.weight'] = hf.model.embed_tokens.weight
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+def _hf_mtp_logits(hf, mtp):
+    """MtpModel depth 1 on ids[:, 1:] and the main hidden state [:, :-1] -> [b, s-1, v]."""
+    s = TOKENS.shape[1]
+    with torch.no_grad():
+        main = hf.model(TOKENS).last_hidden_state  # [b, s, h], after the final norm
+        positions = torch.arange(1, s).unsqueeze(0).expand(TOKENS.shape[0], -1)
+        h1 = mtp.forward_layer(0, main[:, :-1], positions, None, input_ids=TOKENS[:, 1:])
+        return mtp._project_to_logits(h1)
+
+
+def _our_mtp_logits(model, tokens):
+    """Our MTP layer 1 on the rolled ids and the decoder output -> [b, s-1, v] (full vocab)."""
+    from megatron.core.transformer.multi_token_prediction import roll_left
+    from tests.unit_tests.models.gpt_test_utils import gather_logits
+
+    s = tokens.shape[1]
+    rotary = model.rotary_pos_emb(s) if model.use_gpt_rotary else None
+    hidden = model.decoder(model.embedding(input_ids=tokens, position_ids=None), None,
+                           rotary_pos_emb=rotary)  # fmt: skip
+    embedded = model.embedding(input_ids=roll_left(tokens), position_ids=None)
+    h1 = model.mtp.layers[0](embedded, hidden, None, rotary)
+    return gather_logits(model.output_logits(h1)).transpose(0, 1)[:, : s - 1]  # [b, s-1, v]
 
 
 def _convert(*argv):
@@ -76,9 +135,19 @@ def _convert(*argv):
 @pytest.fixture(scope='module', params=['deepseek_v3', 'qwen3_moe'])
 def converted(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
-    hf = _deepseek_v3() if request.param == 'deepseek_v3' else _qwen3_moe()
     dirs = {n: str(root / n) for n in ('hf', 'tp2ep2', 'export')}
-    hf.save_pretrained(dirs['hf'])
+    expected_mtp = None
+    if request.param == 'deepseek_v3':
+        hf, mtp = _deepseek_v3()
+        hf.save_pretrained(dirs['hf'])
+        path = os.path.join(dirs['hf'], 'model.safetensors')
+        tensors = safetensors_torch.load_file(path)
+        tensors.update(_mtp_file_tensors(hf, mtp))
+        safetensors_torch.save_file(tensors, path, metadata={'format': 'pt'})
+        expected_mtp = _hf_mtp_logits(hf, mtp)
+    else:
+        hf = _qwen3_moe()
+        hf.save_pretrained(dirs['hf'])
     _convert(
         *('--loader', 'hf', '--saver', 'mcore', '--load-dir', dirs['hf']),
         *('--save-dir', dirs['tp2ep2'], '--target-tensor-parallel-size', '2'),
@@ -90,7 +159,7 @@ def converted(request, tmp_path_factory):
     )
     with torch.no_grad():
         expected = hf(TOKENS).logits
-    return request.param, dirs, expected
+    return request.param, dirs, (expected, expected_mtp)
 
 
 def test_round_trip_is_bitwise(converted):
@@ -108,10 +177,13 @@ def test_round_trip_is_bitwise(converted):
         'mp_rank_01_001',
     ]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(dirs['export']).eval()
-    assert type(reloaded).__name__ == {
-        'deepseek_v3': 'DeepseekV3ForCausalLM',
-        'qwen3_moe': 'Qwen3MoeForCausalLM',
-    }[arch]
+    assert (
+        type(reloaded).__name__
+        == {
+            'deepseek_v3': 'DeepseekV3ForCausalLM',
+            'qwen3_moe': 'Qwen3MoeForCausalLM',
+        }[arch]
+    )
     # The original directory loaded the same way (same attention implementation) gives the
     # same logits bit for bit.
     source = transformers.AutoModelForCausalLM.from_pretrained(dirs['hf']).eval()
@@ -140,6 +212,7 @@ _RESTORED = {
         yarn_original_max_position_embeddings=16,
         yarn_beta_fast=32.0,
         yarn_beta_slow=1.0,
+        mtp_num_layers=1,
         rotary_base=10000,
         norm_epsilon=1e-6,
         num_experts=8,
@@ -195,13 +268,20 @@ def test_use_checkpoint_args_restores_the_architecture(converted):
 
 
 def test_tp2_ep2_checkpoint_gives_hf_logits(converted):
-    _, dirs, expected = converted
+    arch, dirs, (expected, expected_mtp) = converted
+    # MTP refuses --sequence-parallel; MoE under TP needs it only for training.
+    extra = [] if arch == 'deepseek_v3' else ['--sequence-parallel']
+    also = _our_mtp_logits if arch == 'deepseek_v3' else None
     outs = run_distributed(
         cu.logits_from_checkpoint,
         world_size=4,
         tp=2,
         ep=2,
-        args=(dirs['tp2ep2'], TOKENS, ['--sequence-parallel']),
+        args=(dirs['tp2ep2'], TOKENS, extra),
+        kwargs=dict(also=also),
         timeout=600,
     )
-    torch.testing.assert_close(outs[0][..., :VOCAB], expected, atol=2e-5, rtol=1e-4)
+    logits, mtp_logits = outs[0] if also is not None else (outs[0], None)
+    torch.testing.assert_close(logits[..., :VOCAB], expected, atol=2e-5, rtol=1e-4)
+    if also is not None:
+        torch.testing.assert_close(mtp_logits[..., :VOCAB], expected_mtp, atol=2e-5, rtol=1e-4)

@@ -169,12 +169,10 @@ def build_metadata(args, tokenizer_type=None):
 def _deepseek_metadata(args, config, tokenizer_type):
     hfc.check_hf_files(args.load_dir)
     mtp = hfc_ds.check_deepseek_hf_shapes(args.load_dir, config)
-    if mtp:
-        # The layer protocol has no MTP message yet: the main model is converted, as
-        # DeepseekV3ForCausalLM itself loads it.
-        print(f'loader_hf: leaving out the {mtp} multi-token-prediction module(s) in the files')
     kind, files = tokenizer_args(args.load_dir, 'moe', tokenizer_type or args.hf_tokenizer_type)
-    margs = hfc_ds.megatron_args_from_hf_deepseek(config, kind, seq_length=args.seq_length, **files)
+    margs = hfc_ds.megatron_args_from_hf_deepseek(
+        config, kind, seq_length=args.seq_length, mtp_layers=mtp, **files
+    )
     margs.params_dtype = _config_dtype(config)
     return config, metadata(args, config, margs, margs.params_dtype)
 

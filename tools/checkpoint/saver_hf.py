@@ -57,6 +57,12 @@ def check_arguments(args, md):
     if md is not None and md.model_type != 'VISION':
         if hfc_ds.is_deepseek_args(md.checkpoint_args):
             hfc_ds.check_deepseek_args(md.checkpoint_args)
+        elif getattr(md.checkpoint_args, 'mtp_num_layers', None):
+            raise ValueError(
+                f'saver_hf: multi-token prediction (--mtp-num-layers '
+                f'{md.checkpoint_args.mtp_num_layers}) has a Hugging Face layout only in '
+                f'DeepSeek-V3 (--multi-latent-attention) models'
+            )
         elif _is_moe(md):
             hfc_moe.hf_moe_family_of_args(md.checkpoint_args)
         else:
@@ -123,6 +129,11 @@ def _receive_full_model(queue, md, args):
         full['output_layer.weight'] = msg.pop('weight')
         utils.check_message(msg, args.checking)
     msg = utils.queue_get(queue, None, args.checking)
+    while msg != 'done' and msg['name'].startswith('mtp layer '):
+        print(f'received {msg["name"]}', flush=True)
+        full.update(cc_moe.message_to_mtp_layer(msg, md.swiglu, int(msg['name'].split()[-1])))
+        utils.check_message(msg, args.checking)
+        msg = utils.queue_get(queue, None, args.checking)
     if msg != 'done':
         print(f'ERROR: got some more data but was expecting to be done ({msg["name"]})')
         sys.exit(1)

@@ -391,6 +391,7 @@ def split_chunk_by_layer(chunk: StateDict, offset: int) -> Tuple[Dict[int, State
 
 
 _LAYER_RE = re.compile(r'^(decoder|encoder)\.layers\.(\d+)\.(.+)$')
+_MTP_LAYER_RE = re.compile(r'^mtp\.layers\.(\d+)\.')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,10 +442,17 @@ def add_extra_state_entries(stage: StateDict, has_output_layer: bool) -> StateDi
     layers = sorted(
         {m.group(1, 2) for m in map(_LAYER_RE.match, stage) if m}, key=lambda bl: int(bl[1])
     )
-    for block, i in layers:
+    prefixes = [f'{block}.layers.{i}.' for block, i in layers]
+    # Multi-token prediction modules: eh_proj and the inner layer's linears.
+    mtp = sorted({m.group(1) for m in map(_MTP_LAYER_RE.match, stage) if m}, key=int)
+    for k in mtp:
+        if f'mtp.layers.{k}.eh_proj.weight' in stage:
+            out[f'mtp.layers.{k}.eh_proj._extra_state'] = None
+        prefixes.append(f'mtp.layers.{k}.transformer_layer.')
+    for prefix in prefixes:
         for module in _EXTRA_STATE_MODULES:
-            if f'{block}.layers.{i}.{module}.weight' in stage:
-                out[f'{block}.layers.{i}.{module}._extra_state'] = None
+            if f'{prefix}{module}.weight' in stage:
+                out[f'{prefix}{module}._extra_state'] = None
     if has_output_layer:
         out['output_layer._extra_state'] = None
         if any(name.startswith('lm_head.output_layer.') for name in stage):

@@ -21,10 +21,9 @@ config.json -> flags:
 - Multi-token prediction: `num_nextn_predict_layers` (transformers' `num_mtp_layers`) modules are
   stored, as DeepSeek's checkpoints hold them, as the extra layers `model.layers.{L + k}`
   (enorm, hnorm, eh_proj, shared_head.norm, the decoder layer; shared_head.head / embed_tokens
-  copies of the main tables). DeepseekV3ForCausalLM itself ignores them (transformers' generic
-  `MtpModel` loads them). The shape checks accept them and the state-dict functions map them
-  (`mtp_layers`), but convert.py does not carry them yet (the layer protocol has no MTP
-  message): loader_hf leaves them out, saver_hf writes num_nextn_predict_layers 0.
+  copies of the main tables). They are imported (--mtp-num-layers) when the files hold them
+  and exported back; DeepseekV3ForCausalLM itself ignores them (transformers' generic
+  `MtpModel` loads them).
 
 The weight renaming lives in megatron/core/models/gpt/hf_weight_mapping_deepseek.py.
 """
@@ -419,7 +418,7 @@ def deepseek_config_from_args(args, vocab_size: int, dtype: torch.dtype) -> dict
         'rope_interleave': True,
         'attention_bias': False,
         'attention_dropout': args.attention_dropout,
-        'num_nextn_predict_layers': 0,  # convert.py does not carry MTP modules yet
+        'num_nextn_predict_layers': getattr(args, 'mtp_num_layers', None) or 0,
         'torch_dtype': {v: k for k, v in hfc._DTYPES.items()}.get(dtype, 'float32'),
     }
 

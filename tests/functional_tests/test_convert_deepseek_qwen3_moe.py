@@ -285,3 +285,21 @@ def test_tp2_ep2_checkpoint_gives_hf_logits(converted):
     torch.testing.assert_close(logits[..., :VOCAB], expected, atol=2e-5, rtol=1e-4)
     if also is not None:
         torch.testing.assert_close(mtp_logits[..., :VOCAB], expected_mtp, atol=2e-5, rtol=1e-4)
+
+
+def test_mtp_model_at_pipeline_parallel_target_is_refused(converted, tmp_path, capsys):
+    arch, dirs, _ = converted
+    if arch != 'deepseek_v3':
+        pytest.skip('the Qwen3-MoE model has no MTP module')
+    import convert  # tools/checkpoint is on sys.path (the fixture's conversions)
+
+    rc = convert.main(
+        ['--model-type', 'GPT', '--loader', 'mcore', '--saver', 'mcore']
+        + ['--load-dir', dirs['tp2ep2'], '--save-dir', str(tmp_path / 'pp3')]
+        + ['--target-pipeline-parallel-size', '3']
+    )
+    assert rc == 2 and not (tmp_path / 'pp3').exists()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        'error: --target-pipeline-parallel-size 3: the model has multi-token prediction '
+        '(--mtp-num-layers 1), which runs on one pipeline stage only'
+    )

@@ -251,12 +251,13 @@ def full_model(ckpt_dir):
     return full, reader
 
 
-def logits_from_checkpoint(load_dir, tokens, extra_args=()):
+def logits_from_checkpoint(load_dir, tokens, extra_args=(), also=None):
     """Full-vocabulary logits [b, s, v] of a checkpoint at its own layout (harness rank).
 
     The model is built by pretrain_gpt.model_provider from the checkpoint's saved args only
     (--use-checkpoint-args), the rank's file loaded with strict=True, and activations passed
-    between pipeline stages by hand.
+    between pipeline stages by hand. With `also`, the last stage returns (logits,
+    also(model, tokens)).
     """
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
@@ -315,6 +316,8 @@ def logits_from_checkpoint(load_dir, tokens, extra_args=()):
             if not last:
                 torch.distributed.send(out.contiguous(), ps.get_pipeline_model_parallel_next_rank())
                 return None
+            if also is not None:
+                return gather_logits(out), also(model, tokens)
             return gather_logits(out)
     finally:
         destroy_global_vars()

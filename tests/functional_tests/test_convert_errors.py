@@ -101,7 +101,8 @@ def test_unsupported_hf_architecture(capsys, tmp_path):
         str(tmp_path / 'out'),
     ) == (
         "error: Hugging Face config: unsupported architecture model_type='bert' "
-        "(architectures ['BertForMaskedLM']); supported: gpt2, llama, mistral, qwen2, qwen3"
+        "(architectures ['BertForMaskedLM']); supported: gpt2, llama, mistral, qwen2, qwen3, "
+        "mixtral, qwen2_moe, qwen3_moe, deepseek_v3"
     )
 
 

@@ -1,4 +1,5 @@
-"""Loader plugin: a Hugging Face model directory (GPT-2 or Llama family; Mixtral / Qwen2-MoE).
+"""Loader plugin: a Hugging Face model directory (GPT-2 or Llama family; Mixtral / Qwen2-MoE /
+Qwen3-MoE; DeepSeek-V3).
 
 `--load-dir` holds config.json and model.safetensors (or an index and its shards). The model is
 sent as a TP = PP = 1 model at iteration 1 with our args for its architecture, so that the saved
@@ -19,6 +20,7 @@ utils.add_megatron_path()
 from megatron.training.checkpoint import checkpoint_conversion as cc  # noqa: E402
 from megatron.training.checkpoint import checkpoint_conversion_moe as cc_moe  # noqa: E402
 from megatron.training.checkpoint import hf_checkpoint as hfc  # noqa: E402
+from megatron.training.checkpoint import hf_checkpoint_deepseek as hfc_ds  # noqa: E402
 from megatron.training.checkpoint import hf_checkpoint_moe as hfc_moe  # noqa: E402
 
 
@@ -129,6 +131,8 @@ def metadata(args, config, margs, dtype):
 
 
 def _hf_vocab_size(config):
+    if hfc_ds.is_deepseek_hf_config(config):
+        return hfc_ds.deepseek_config_namespace(config).vocab_size
     if hfc_moe.is_moe_hf_config(config):
         return hfc_moe.hf_moe_config_namespace(config).vocab_size
     return hfc.hf_config_namespace(config).vocab_size
@@ -146,6 +150,8 @@ def build_metadata(args, tokenizer_type=None):
     if args.model_type != 'GPT':
         raise ValueError(f'--model-type {args.model_type}: Hugging Face imports are GPT models')
     config = hfc.read_hf_config(args.load_dir)
+    if hfc_ds.is_deepseek_hf_config(config):
+        return _deepseek_metadata(args, config, tokenizer_type)
     moe = hfc_moe.is_moe_hf_config(config)
     family = 'moe' if moe else hfc.hf_family(config)
     hfc.check_hf_files(args.load_dir)
@@ -156,6 +162,17 @@ def build_metadata(args, tokenizer_type=None):
     kind, files = tokenizer_args(args.load_dir, family, tokenizer_type or args.hf_tokenizer_type)
     to_args = hfc_moe.megatron_args_from_hf_moe if moe else hfc.megatron_args_from_hf
     margs = to_args(config, kind, seq_length=args.seq_length, **files)
+    margs.params_dtype = _config_dtype(config)
+    return config, metadata(args, config, margs, margs.params_dtype)
+
+
+def _deepseek_metadata(args, config, tokenizer_type):
+    hfc.check_hf_files(args.load_dir)
+    mtp = hfc_ds.check_deepseek_hf_shapes(args.load_dir, config)
+    kind, files = tokenizer_args(args.load_dir, 'moe', tokenizer_type or args.hf_tokenizer_type)
+    margs = hfc_ds.megatron_args_from_hf_deepseek(
+        config, kind, seq_length=args.seq_length, mtp_layers=mtp, **files
+    )
     margs.params_dtype = _config_dtype(config)
     return config, metadata(args, config, margs, margs.params_dtype)
 
@@ -182,12 +199,14 @@ def send_full_model(queue, md, full):
 def _load(queue, args):
     config, md = build_metadata(args)
     print(f'reading {os.path.join(args.load_dir, hfc.SAFETENSORS_NAME)}', flush=True)
-    to_full = (
-        hfc_moe.full_state_dict_from_hf_moe
-        if hfc_moe.is_moe_hf_config(config)
-        else hfc.full_state_dict_from_hf
-    )
-    full = to_full(config, hfc.load_hf_state_dict(args.load_dir))
+    hf_state_dict = hfc.load_hf_state_dict(args.load_dir)
+    if hfc_ds.is_deepseek_hf_config(config):
+        mtp = md.checkpoint_args.mtp_num_layers or 0
+        full = hfc_ds.full_state_dict_from_hf_deepseek(config, hf_state_dict, mtp)
+    elif hfc_moe.is_moe_hf_config(config):
+        full = hfc_moe.full_state_dict_from_hf_moe(config, hf_state_dict)
+    else:
+        full = hfc.full_state_dict_from_hf(config, hf_state_dict)
     send_full_model(queue, md, full)
 
 

@@ -218,7 +218,8 @@ def embeddings_message(md, rest):
 
 
 def send_tail(queue, md, rest):
-    """'final norm', 'output layer' (untied), BERT's 'pooler', 'lm head', 'binary head', 'done'.
+    """'final norm', 'output layer' (untied), a GPT's 'mtp layer k', BERT's 'pooler', 'lm head',
+    'binary head', 'done'.
 
     BERT's output-layer bias travels in 'lm head' as 'output bias' (Megatron's converter leaves
     it at zero).
@@ -230,6 +231,11 @@ def send_tail(queue, md, rest):
     utils.queue_put(queue, 'final norm', message)
     if md.output_layer:
         utils.queue_put(queue, 'output layer', {'weight': rest['output_layer.weight']})
+    if md.model_type == 'GPT':
+        for name, message in cc_moe.mtp_layer_messages(
+            rest, md.swiglu, getattr(md, 'num_experts', None)
+        ):
+            utils.queue_put(queue, name, message)
     if md.model_type == 'BERT':
         if 'pooler.dense.weight' in rest:
             utils.queue_put(

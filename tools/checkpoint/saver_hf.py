@@ -1,7 +1,8 @@
-"""Saver plugin: a Hugging Face model directory (GPT-2 or Llama family; Mixtral or Qwen2-MoE for
-MoE models) that transformers' `from_pretrained` loads: config.json, model.safetensors and, with
---hf-tokenizer-dir, the tokenizer files. The vocabulary padding is removed (true size from the
-loader, else the one the checkpoint records, else the padded table is kept).
+"""Saver plugin: a Hugging Face model directory (GPT-2 or Llama family; Mixtral, Qwen2-MoE or
+Qwen3-MoE for MoE models; DeepSeek-V3 for MLA models) that transformers' `from_pretrained`
+loads: config.json, model.safetensors and, with --hf-tokenizer-dir, the tokenizer files. The
+vocabulary padding is removed (true size from the loader, else the one the checkpoint records,
+else the padded table is kept).
 """
 
 import os
@@ -16,6 +17,7 @@ utils.add_megatron_path()
 from megatron.training.checkpoint import checkpoint_conversion as cc  # noqa: E402
 from megatron.training.checkpoint import checkpoint_conversion_moe as cc_moe  # noqa: E402
 from megatron.training.checkpoint import hf_checkpoint as hfc  # noqa: E402
+from megatron.training.checkpoint import hf_checkpoint_deepseek as hfc_ds  # noqa: E402
 from megatron.training.checkpoint import hf_checkpoint_moe as hfc_moe  # noqa: E402
 
 
@@ -53,7 +55,15 @@ def check_arguments(args, md):
             f'{md.model_type}'
         )
     if md is not None and md.model_type != 'VISION':
-        if _is_moe(md):
+        if hfc_ds.is_deepseek_args(md.checkpoint_args):
+            hfc_ds.check_deepseek_args(md.checkpoint_args)
+        elif getattr(md.checkpoint_args, 'mtp_num_layers', None):
+            raise ValueError(
+                f'saver_hf: multi-token prediction (--mtp-num-layers '
+                f'{md.checkpoint_args.mtp_num_layers}) has a Hugging Face layout only in '
+                f'DeepSeek-V3 (--multi-latent-attention) models'
+            )
+        elif _is_moe(md):
             hfc_moe.hf_moe_family_of_args(md.checkpoint_args)
         else:
             hfc.hf_family_of_args(md.checkpoint_args)
@@ -119,6 +129,11 @@ def _receive_full_model(queue, md, args):
         full['output_layer.weight'] = msg.pop('weight')
         utils.check_message(msg, args.checking)
     msg = utils.queue_get(queue, None, args.checking)
+    while msg != 'done' and msg['name'].startswith('mtp layer '):
+        print(f'received {msg["name"]}', flush=True)
+        full.update(cc_moe.message_to_mtp_layer(msg, md.swiglu, int(msg['name'].split()[-1])))
+        utils.check_message(msg, args.checking)
+        msg = utils.queue_get(queue, None, args.checking)
     if msg != 'done':
         print(f'ERROR: got some more data but was expecting to be done ({msg["name"]})')
         sys.exit(1)
@@ -143,7 +158,14 @@ def save_checkpoint(queue, args):
         return
     full = _receive_full_model(queue, md, args)
     dtype = full['embedding.word_embeddings.weight'].dtype
-    if _is_moe(md):
+    if hfc_ds.is_deepseek_args(md.checkpoint_args):
+        config = hfc_ds.deepseek_config_from_args(md.checkpoint_args, _true_vocab(md), dtype)
+        try:
+            state_dict = hfc_ds.deepseek_state_dict_from_full(config, full)
+        except ValueError as exc:
+            print(f'error: {exc}')
+            sys.exit(1)
+    elif _is_moe(md):
         config = hfc_moe.hf_moe_config_from_args(md.checkpoint_args, _true_vocab(md), dtype)
         try:
             state_dict = hfc_moe.hf_moe_state_dict_from_full(config, full)

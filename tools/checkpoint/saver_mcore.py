@@ -140,6 +140,11 @@ def check_arguments(args, md):
             f'--target-pipeline-parallel-split-rank is for --model-type T5 (encoder-decoder '
             f'models), not {md.model_type}'
         )
+    elif pp > 1 and getattr(margs, 'mtp_num_layers', None):
+        raise ValueError(
+            f'--target-pipeline-parallel-size {pp}: the model has multi-token prediction '
+            f'(--mtp-num-layers {margs.mtp_num_layers}), which runs on one pipeline stage only'
+        )
     elif md.num_layers % pp:
         raise ValueError(
             f'--target-pipeline-parallel-size {pp} does not divide the number of '
@@ -254,14 +259,33 @@ def _last_stage_tail(queue, md, args, padded, word, pp):
     return stage
 
 
+def _mtp_layer(msg, md, depth):
+    """One 'mtp layer k' message -> its `mtp.layers.{k}.*` tensors (experts checked)."""
+    if 'router weight' in msg:
+        margs = md.checkpoint_args
+        ffn = getattr(margs, 'moe_ffn_hidden_size', None) or margs.ffn_hidden_size
+        try:
+            cc_moe.check_expert_message(msg, md.num_experts, md.hidden_size, ffn, md.swiglu)
+        except ValueError as exc:
+            print(f'error: mtp layer {depth}: {exc}')
+            sys.exit(1)
+    return cc_moe.message_to_mtp_layer(msg, md.swiglu, depth)
+
+
 def _bert_heads(queue, md, args, padded, stage):
-    """Receive the optional 'pooler', 'lm head', 'binary head' (in that order) until 'done'."""
+    """Receive a GPT's 'mtp layer k' messages, or the optional 'pooler', 'lm head', 'binary
+    head' of a BERT (in that order), until 'done'."""
     expected = ['pooler', 'lm head', 'binary head']
     while True:
         msg = utils.queue_get(queue, None, args.checking)
         if msg == 'done':
             return
         name = msg['name']
+        if name.startswith('mtp layer ') and md.model_type == 'GPT':
+            print(f'received {name}', flush=True)
+            stage.update(_mtp_layer(msg, md, int(name.split()[-1])))
+            utils.check_message(msg, args.checking)
+            continue
         if name not in expected or md.model_type != 'BERT':
             print(f'ERROR: got some more data but was expecting to be done ({name})')
             sys.exit(1)

@@ -63,6 +63,13 @@ LAYER_MESSAGE_KEYS = {
     'self_attention.linear_proj.bias': 'dense bias',
     'self_attention.q_layernorm.weight': 'q norm weight',
     'self_attention.k_layernorm.weight': 'k norm weight',
+    # Multi-latent attention (q_layernorm is its query latent norm, "q norm weight" above).
+    'self_attention.linear_q_proj.weight': 'q proj weight',
+    'self_attention.linear_q_down_proj.weight': 'q down proj weight',
+    'self_attention.linear_q_up_proj.weight': 'q up proj weight',
+    'self_attention.linear_kv_down_proj.weight': 'kv down proj weight',
+    'self_attention.kv_layernorm.weight': 'kv norm weight',
+    'self_attention.linear_kv_up_proj.weight': 'kv up proj weight',
     'mlp.linear_fc1.weight': 'mlp l0 weight',
     'mlp.linear_fc1.bias': 'mlp l0 bias',
     'mlp.linear_fc2.weight': 'mlp l1 weight',
@@ -73,6 +80,11 @@ LAYER_MESSAGE_KEYS = {
 _EXTRA_STATE_MODULES = (
     'self_attention.linear_proj',
     'self_attention.linear_qkv',
+    # MLA's column-parallel projections (its down projections are DuplicatedLinear: no extra
+    # state).
+    'self_attention.linear_q_proj',
+    'self_attention.linear_q_up_proj',
+    'self_attention.linear_kv_up_proj',
     'cross_attention.linear_proj',
     'cross_attention.linear_q',
     'cross_attention.linear_kv',
@@ -379,6 +391,7 @@ def split_chunk_by_layer(chunk: StateDict, offset: int) -> Tuple[Dict[int, State
 
 
 _LAYER_RE = re.compile(r'^(decoder|encoder)\.layers\.(\d+)\.(.+)$')
+_MTP_LAYER_RE = re.compile(r'^mtp\.layers\.(\d+)\.')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,10 +442,17 @@ def add_extra_state_entries(stage: StateDict, has_output_layer: bool) -> StateDi
     layers = sorted(
         {m.group(1, 2) for m in map(_LAYER_RE.match, stage) if m}, key=lambda bl: int(bl[1])
     )
-    for block, i in layers:
+    prefixes = [f'{block}.layers.{i}.' for block, i in layers]
+    # Multi-token prediction modules: eh_proj and the inner layer's linears.
+    mtp = sorted({m.group(1) for m in map(_MTP_LAYER_RE.match, stage) if m}, key=int)
+    for k in mtp:
+        if f'mtp.layers.{k}.eh_proj.weight' in stage:
+            out[f'mtp.layers.{k}.eh_proj._extra_state'] = None
+        prefixes.append(f'mtp.layers.{k}.transformer_layer.')
+    for prefix in prefixes:
         for module in _EXTRA_STATE_MODULES:
-            if f'{block}.layers.{i}.{module}.weight' in stage:
-                out[f'{block}.layers.{i}.{module}._extra_state'] = None
+            if f'{prefix}{module}.weight' in stage:
+                out[f'{prefix}{module}._extra_state'] = None
     if has_output_layer:
         out['output_layer._extra_state'] = None
         if any(name.startswith('lm_head.output_layer.') for name in stage):

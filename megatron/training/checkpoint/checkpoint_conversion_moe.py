@@ -9,6 +9,10 @@ likewise, when present). Beyond Megatron's protocol: "router expert bias" [E], a
 experts as "shared mlp l0 weight W" / "V", "shared mlp l1 weight" and "shared gate weight".
 Dense layers of a mixed model send the dense messages.
 
+Multi-token prediction module k (`mtp.layers.{k}.`, last pipeline stage) travels as "mtp layer
+{k}" after "output layer": its inner transformer layer as a layer message, plus "enorm weight",
+"hnorm weight", "eh proj weight" and "final norm weight".
+
 Files: expert-parallel rank r's file holds every dense weight and its experts r nle .. r nle +
 nle - 1 under local indices 0 .. nle - 1 (nle = E / ep); a grouped-GEMM checkpoint holds them as
 `mlp.experts.weight1` / `weight2`, which are read and written here as well.
@@ -16,7 +20,7 @@ nle - 1 under local indices 0 .. nle - 1 (nle = E / ep); a grouped-GEMM checkpoi
 
 import os
 import re
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -140,6 +144,52 @@ def check_expert_message(message: Dict, num_experts: int, hidden: int, ffn: int,
                 f'MoE layer message: "{key}" has shape {tuple(message[key].shape)}, expected '
                 f'{shape}'
             )
+
+
+_MTP_RE = re.compile(r'^mtp\.layers\.(\d+)\.(.+)$')
+_MTP_INNER = 'transformer_layer.'
+_MTP_PARTS = {
+    'enorm.weight': 'enorm weight',
+    'hnorm.weight': 'hnorm weight',
+    'eh_proj.weight': 'eh proj weight',
+    'final_layernorm.weight': 'final norm weight',
+}
+
+
+def mtp_layer_messages(
+    rest: StateDict, swiglu: bool, num_experts: Optional[int]
+) -> List[Tuple[str, Dict]]:
+    """[("mtp layer k", message)] for the MTP modules among a last stage's non-layer tensors.
+
+    Raises:
+        ValueError: an MTP tensor the protocol has no message for.
+    """
+    by_depth: Dict[int, StateDict] = {}
+    for name, tensor in rest.items():
+        match = _MTP_RE.match(name)
+        if match and not name.endswith('_extra_state'):
+            by_depth.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+    messages = []
+    for k in sorted(by_depth):
+        parts = by_depth[k]
+        inner = {n[len(_MTP_INNER) :]: t for n, t in parts.items() if n.startswith(_MTP_INNER)}
+        unknown = sorted(n for n in parts if not n.startswith(_MTP_INNER) and n not in _MTP_PARTS)
+        if unknown:
+            raise ValueError(f'mtp.layers.{k}.{unknown[0]} has no message in the protocol')
+        message = moe_layer_to_message(inner, swiglu, num_experts)
+        message.update({key: parts[n] for n, key in _MTP_PARTS.items() if n in parts})
+        messages.append((f'mtp layer {k}', message))
+    return messages
+
+
+def message_to_mtp_layer(message: Dict, swiglu: bool, depth: int) -> StateDict:
+    """Inverse of one `mtp_layer_messages` entry: `mtp.layers.{depth}.*` tensors (pops the
+    known keys)."""
+    prefix = f'mtp.layers.{depth}.'
+    out = {prefix + n: message.pop(key) for n, key in _MTP_PARTS.items() if key in message}
+    inner = message_to_moe_layer(message, swiglu)
+    out.update({prefix + _MTP_INNER + n: t for n, t in inner.items()})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def hf_family(config: dict) -> str:
     raise ValueError(
         f'Hugging Face config: unsupported architecture model_type={model_type!r} '
         f'(architectures {config.get("architectures")}); supported: gpt2, llama, mistral, '
-        'qwen2, qwen3'
+        'qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3'
     )
 
 

@@ -1,5 +1,5 @@
-"""Hugging Face Mixtral / Qwen2-MoE directories <-> this project's args and full megatron-core
-state dicts (the MoE counterpart of hf_checkpoint.py, whose file helpers it uses).
+"""Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE directories <-> this project's args and full
+megatron-core state dicts (the MoE counterpart of hf_checkpoint.py, whose file helpers it uses).
 
 - Mixtral (`model_type` "mixtral"): Llama attention, every layer MoE with `num_local_experts`
   SwiGLU experts of size `intermediate_size`, top-`num_experts_per_tok` routing renormalized
@@ -9,6 +9,9 @@ state dicts (the MoE counterpart of hf_checkpoint.py, whose file helpers it uses
   shared expert of `shared_expert_intermediate_size` with a sigmoid gate, routing without
   renormalization when `norm_topk_prob` is false (--moe-router-pre-softmax), dense layers of
   `intermediate_size` where `mlp_only_layers` / `decoder_sparse_step` say so (--moe-layer-freq).
+- Qwen3-MoE (`model_type` "qwen3_moe"): Qwen3 attention (per-head q/k RMSNorm, --qk-layernorm;
+  explicit `head_dim`; no biases), experts as Qwen2-MoE's without a shared expert, renormalized
+  top-k with `norm_topk_prob` (else --moe-router-pre-softmax), dense layers likewise.
 
 The weight renaming lives in megatron/core/models/gpt/hf_weight_mapping_moe.py.
 """
@@ -23,7 +26,7 @@ import torch
 from megatron.core.models.gpt import hf_weight_mapping_moe as hfm_moe
 from megatron.training.checkpoint import hf_checkpoint as hfc
 
-MOE_MODEL_TYPES = ('mixtral', 'qwen2_moe')
+MOE_MODEL_TYPES = ('mixtral', 'qwen2_moe', 'qwen3_moe')
 
 # transformers' defaults for the keys a config.json may leave out.
 _COMMON = dict(
@@ -73,6 +76,33 @@ _QWEN2_MOE_DEFAULTS = dict(
 )
 
 
+_QWEN3_MOE_DEFAULTS = dict(
+    _COMMON,
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=24,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    decoder_sparse_step=1,
+    moe_intermediate_size=768,
+    num_experts_per_tok=8,
+    num_experts=128,
+    norm_topk_prob=False,
+    mlp_only_layers=[],
+    attention_bias=False,
+    use_sliding_window=False,
+    rope_theta=10000.0,
+)
+_DEFAULTS = {
+    'mixtral': _MIXTRAL_DEFAULTS,
+    'qwen2_moe': _QWEN2_MOE_DEFAULTS,
+    'qwen3_moe': _QWEN3_MOE_DEFAULTS,
+}
+
+
 def is_moe_hf_config(config: dict) -> bool:
     """Whether a config.json describes a Mixtral or Qwen2-MoE model."""
     return config.get('model_type') in MOE_MODEL_TYPES
@@ -83,8 +113,10 @@ def hf_moe_config_namespace(config: dict) -> types.SimpleNamespace:
     model_type = config.get('model_type')
     if model_type not in MOE_MODEL_TYPES:
         raise ValueError(f'Hugging Face config: model_type {model_type!r} is not an MoE model')
-    values = dict(_MIXTRAL_DEFAULTS if model_type == 'mixtral' else _QWEN2_MOE_DEFAULTS)
+    values = dict(_DEFAULTS[model_type])
     values.update(config)
+    if model_type == 'qwen3_moe' and values.get('attention_bias'):
+        raise ValueError('Hugging Face config: Qwen3-MoE with attention_bias is not supported')
     rope = values.get('rope_parameters') or {}
     if 'rope_theta' in rope:
         values['rope_theta'] = rope['rope_theta']
@@ -97,7 +129,7 @@ def hf_moe_config_namespace(config: dict) -> types.SimpleNamespace:
     if values['hidden_act'] != 'silu':
         raise ValueError(f'Hugging Face config: hidden_act {values["hidden_act"]!r} (only silu)')
     window = values.get('sliding_window')
-    if model_type == 'qwen2_moe' and not values.get('use_sliding_window'):
+    if model_type != 'mixtral' and not values.get('use_sliding_window'):
         window = None
     if window is not None and window < values['max_position_embeddings']:
         raise ValueError(
@@ -116,7 +148,9 @@ def hf_moe_config_namespace(config: dict) -> types.SimpleNamespace:
             )
     else:
         values['moe_ffn_hidden_size'] = values['moe_intermediate_size']
-        values['moe_shared_expert_intermediate_size'] = values['shared_expert_intermediate_size']
+        values['moe_shared_expert_intermediate_size'] = values.get(
+            'shared_expert_intermediate_size'
+        )
         values['moe_layer_pattern'] = hfm_moe.qwen2_moe_layer_pattern(
             values['num_hidden_layers'], values['decoder_sparse_step'], values['mlp_only_layers']
         )
@@ -186,8 +220,12 @@ def megatron_args_list_moe(
             args.append('--moe-router-pre-softmax')
         if c.qkv_bias:
             args.append('--add-qkv-bias')
-        if not all(c.moe_layer_pattern):
-            args += ['--moe-layer-freq', str(c.moe_layer_pattern).replace(' ', '')]
+    if config['model_type'] == 'qwen3_moe':
+        args.append('--qk-layernorm')
+        if not c.norm_topk_prob:
+            args.append('--moe-router-pre-softmax')
+    if config['model_type'] != 'mixtral' and not all(c.moe_layer_pattern):
+        args += ['--moe-layer-freq', str(c.moe_layer_pattern).replace(' ', '')]
     args += ['--tokenizer-type', tokenizer_type, '--micro-batch-size', 1, '--mock-data']
     for flag, value in (
         ('--tokenizer-model', tokenizer_model),
@@ -304,7 +342,8 @@ def full_state_dict_from_hf_moe(config: dict, hf_state_dict) -> Dict[str, torch.
 
 
 def hf_moe_family_of_args(args) -> str:
-    """'mixtral' or 'qwen2_moe' for an MoE model's args; ValueError naming what does not fit."""
+    """'mixtral', 'qwen2_moe' or 'qwen3_moe' (--qk-layernorm) for an MoE model's args;
+    ValueError naming what does not fit."""
     reasons = []
     if args.position_embedding_type != 'rope' or getattr(args, 'normalization', '') != 'RMSNorm':
         reasons.append('RoPE and RMSNorm')
@@ -328,7 +367,16 @@ def hf_moe_family_of_args(args) -> str:
                 'saver_hf: shared experts without --moe-shared-expert-gate have no Hugging Face '
                 'equivalent (Qwen2-MoE gates its shared expert)'
             )
+        if getattr(args, 'qk_layernorm', False):
+            raise ValueError(
+                'saver_hf: --qk-layernorm with shared experts has no Hugging Face equivalent '
+                '(Qwen3-MoE has no shared experts, Qwen2-MoE no q/k norms)'
+            )
         return 'qwen2_moe'
+    if getattr(args, 'qk_layernorm', False):
+        if getattr(args, 'add_qkv_bias', False):
+            raise ValueError('saver_hf: --qk-layernorm (Qwen3-MoE) with --add-qkv-bias')
+        return 'qwen3_moe'
     freq = args.moe_layer_freq
     if args.moe_router_pre_softmax or getattr(args, 'add_qkv_bias', False) or freq != 1:
         raise ValueError(
@@ -380,6 +428,20 @@ def hf_moe_config_from_args(args, vocab_size: int, dtype: torch.dtype) -> dict:
         )
         return config
     pattern = _moe_pattern(args)
+    if family == 'qwen3_moe':
+        config.update(
+            architectures=['Qwen3MoeForCausalLM'],
+            model_type='qwen3_moe',
+            intermediate_size=args.ffn_hidden_size,
+            moe_intermediate_size=moe_ffn,
+            num_experts=args.num_experts,
+            norm_topk_prob=not args.moe_router_pre_softmax,
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
+            attention_bias=False,
+            use_sliding_window=False,
+        )
+        return config
     config.update(
         architectures=['Qwen2MoeForCausalLM'],
         model_type='qwen2_moe',

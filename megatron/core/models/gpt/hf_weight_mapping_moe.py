@@ -1,5 +1,5 @@
-"""Weight mapping between Hugging Face Mixtral / Qwen2-MoE state dicts and full (TP = EP = PP = 1)
-megatron-core GPTModel state dicts with MoE layers.
+"""Weight mapping between Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE state dicts and full
+(TP = EP = PP = 1) megatron-core GPTModel state dicts with MoE layers.
 
 Pure functions on `{name: tensor}` dicts (no `transformers` import), in the on-disk key names that
 `save_pretrained` writes (transformers 4.36 to 5.x):
@@ -12,6 +12,8 @@ Pure functions on `{name: tensor}` dicts (no `transformers` import), in the on-d
   [gate_proj; up_proj]); `mlp.shared_expert_gate.weight` [1, h] is `mlp.shared_experts.gate_weight`.
   Layers listed in `mlp_only_layers` (or skipped by `decoder_sparse_step`) have a dense
   `mlp.gate_proj / up_proj / down_proj`. Attention has q/k/v biases (`qkv_bias`).
+- Qwen3-MoE: Qwen2-MoE's expert names without the shared expert; `self_attn.q_norm` / `k_norm`
+  [head_dim] are `self_attention.q_layernorm` / `k_layernorm`.
 
 Attention, norms, embeddings and the output layer map as for Llama (the grouped QKV layout of
 `hf_weight_mapping`). Every expert weight is checked: a missing or mis-shaped one raises
@@ -38,6 +40,12 @@ StateDict = Dict[str, Tensor]
 _EXPERT_KEYS = {
     "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.", "w1", "w3", "w2"),
     "qwen2_moe": ("mlp.gate.weight", "mlp.experts.{j}.", "gate_proj", "up_proj", "down_proj"),
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{j}.", "gate_proj", "up_proj", "down_proj"),
+}
+#: Qwen3-MoE's per-head query / key RMSNorms: HF name -> megatron-core name (under the layer).
+_QK_NORMS = {
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
 }
 
 
@@ -104,6 +112,9 @@ def moe_hf_to_mcore_state_dict(
                 hn,
             )
         out[m + "self_attention.linear_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
+        for hf_name, name in _QK_NORMS.items():
+            if family == "qwen3_moe":
+                out[m + name] = _take(sd, p + hf_name, (hn,))
         out[m + "pre_mlp_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
         if not config.moe_layer_pattern[i]:
             dense_f = config.ffn_hidden_size
@@ -178,6 +189,9 @@ def mcore_to_moe_hf_state_dict(
             out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"] = q, k
             out[p + "self_attn.v_proj.bias"] = v
         out[p + "self_attn.o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"]
+        for hf_name, name in _QK_NORMS.items():
+            if family == "qwen3_moe":
+                out[p + hf_name] = _take(sd, m + name, (hn,))
         out[p + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"]
         if not config.moe_layer_pattern[i]:
             dense_f = config.ffn_hidden_size

@@ -483,6 +483,14 @@ def _complete_model_state_dict(module, loaded: Dict) -> Dict:
     return complete
 
 
+def _is_stored(sh, stored: set) -> bool:
+    """Whether the checkpoint holds `sh`: its key, or for a factory (a Mamba mixer's fused
+    in_proj / conv1d split into named parts) any of the part keys it writes under its own."""
+    if sh.key in stored:
+        return True
+    return isinstance(sh, ShardedTensorFactory) and any(k.startswith(sh.key) for k in stored)
+
+
 def _refuse_absent_model_keys(state_dict, stored: set, checkpoint_dir: str) -> None:
     """A model tensor the checkpoint lacks would keep its initial value (a lenient
     --dist-ckpt-strictness drops it silently): refuse, naming the keys (local check, so every
@@ -491,7 +499,7 @@ def _refuse_absent_model_keys(state_dict, stored: set, checkpoint_dir: str) -> N
         {
             sh.key
             for sh in nested_values(state_dict_models(state_dict))
-            if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and sh.key not in stored
+            if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and not _is_stored(sh, stored)
         }
     )
     if absent:

@@ -66,10 +66,16 @@ def _deepseek_v3():
 
     hf = _hf_model()
     mtp = MtpModel(hf, 1).eval()
+    # Every value drawn here: whether transformers initialises a new module's weights depends
+    # on state an earlier from_pretrained in the same process may leave (then they are
+    # torch.empty garbage).
+    g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, tensor in mtp.named_parameters():
-            if 'norm' in name:
-                tensor.uniform_(0.5, 1.5)
+            if name.startswith(('embed_tokens', 'lm_head')) or tensor is hf.lm_head.weight:
+                continue
+            noise = torch.rand(tensor.shape, generator=g)
+            tensor.copy_(0.5 + noise if 'norm' in name else 0.2 * (noise - 0.5))
         mtp.layers[0].mtp_block.mlp.gate.e_score_correction_bias.copy_(torch.rand(8) * 0.2)
     return hf, mtp
 

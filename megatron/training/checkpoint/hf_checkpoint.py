@@ -444,7 +444,14 @@ def megatron_args_list(
             ]
         if not c.tie_word_embeddings:
             args.append('--untie-embeddings-and-output-weights')
-    args += ['--tokenizer-type', tokenizer_type, '--micro-batch-size', 1, '--mock-data']
+    args += tokenizer_flags(tokenizer_type, tokenizer_model, vocab_file, merge_file)
+    return [str(a) for a in args]
+
+
+def tokenizer_flags(tokenizer_type, tokenizer_model=None, vocab_file=None, merge_file=None):
+    """The flags every imported architecture ends with: its tokenizer (the files given),
+    micro-batch 1 and mock data (a conversion reads no dataset)."""
+    args = ['--tokenizer-type', tokenizer_type, '--micro-batch-size', 1, '--mock-data']
     for flag, value in (
         ('--tokenizer-model', tokenizer_model),
         ('--vocab-file', vocab_file),
@@ -452,7 +459,22 @@ def megatron_args_list(
     ):
         if value is not None:
             args += [flag, value]
-    return [str(a) for a in args]
+    return args
+
+
+def validated_args(args_list: List[str], vocab_size: int):
+    """Our full, validated args namespace for `args_list` at TP = EP = PP = 1, its
+    `padded_vocab_size` the Hugging Face vocabulary (the table as stored)."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.validation.argument_validation import validate_args
+
+    args = parse_args(args_list=args_list)
+    args.world_size = 1
+    args.rank = 0
+    with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
+        validate_args(args)
+    args.padded_vocab_size = vocab_size
+    return args
 
 
 def megatron_args_from_hf(config: dict, tokenizer_type: str, **kwargs):
@@ -460,16 +482,9 @@ def megatron_args_from_hf(config: dict, tokenizer_type: str, **kwargs):
 
     `padded_vocab_size` is the Hugging Face vocabulary (the table as stored).
     """
-    from megatron.training.arguments import parse_args
-    from megatron.training.validation.argument_validation import validate_args
-
-    args = parse_args(args_list=megatron_args_list(config, tokenizer_type, **kwargs))
-    args.world_size = 1
-    args.rank = 0
-    with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
-        validate_args(args)
-    args.padded_vocab_size = hf_config_namespace(config).vocab_size
-    return args
+    return validated_args(
+        megatron_args_list(config, tokenizer_type, **kwargs), hf_config_namespace(config).vocab_size
+    )
 
 
 def full_state_dict_from_hf(config: dict, hf_state_dict) -> Dict[str, torch.Tensor]:

@@ -28,8 +28,6 @@ config.json -> flags:
 The weight renaming lives in megatron/core/models/gpt/hf_weight_mapping_deepseek.py.
 """
 
-import contextlib
-import io
 import types
 from typing import Dict, List, Optional
 
@@ -193,29 +191,16 @@ def megatron_args_list_deepseek(
         args += ['--mtp-num-layers', mtp_layers]
     if not c.tie_word_embeddings:
         args.append('--untie-embeddings-and-output-weights')
-    args += ['--tokenizer-type', tokenizer_type, '--micro-batch-size', 1, '--mock-data']
-    for flag, value in (
-        ('--tokenizer-model', tokenizer_model),
-        ('--vocab-file', vocab_file),
-        ('--merge-file', merge_file),
-    ):
-        if value is not None:
-            args += [flag, value]
+    args += hfc.tokenizer_flags(tokenizer_type, tokenizer_model, vocab_file, merge_file)
     return [str(a) for a in args]
 
 
 def megatron_args_from_hf_deepseek(config: dict, tokenizer_type: str, **kwargs):
     """Our full, validated args namespace for a DeepSeek-V3 config (TP = EP = PP = 1)."""
-    from megatron.training.arguments import parse_args
-    from megatron.training.validation.argument_validation import validate_args
-
-    args = parse_args(args_list=megatron_args_list_deepseek(config, tokenizer_type, **kwargs))
-    args.world_size = 1
-    args.rank = 0
-    with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
-        validate_args(args)
-    args.padded_vocab_size = deepseek_config_namespace(config).vocab_size
-    return args
+    return hfc.validated_args(
+        megatron_args_list_deepseek(config, tokenizer_type, **kwargs),
+        deepseek_config_namespace(config).vocab_size,
+    )
 
 
 def expected_deepseek_shapes(config: dict, mtp_layers: int = 0) -> Dict[str, tuple]:

@@ -163,11 +163,28 @@ class GPT2Tokenizer(object):
         self.special_tokens = {}
         self.special_tokens_decoder = {}
         self.set_special_tokens(special_tokens)
-        self.bpe = lru_cache(maxsize=cache_size)(self._bpe)
-        # A compiled library's encoder giving the same ids (tiktoken / tokenizers), if installed.
+        self._cache_size = cache_size
+        self._build_encoders(bpe_merges)
+
+    def _build_encoders(self, bpe_merges) -> None:
+        """The memoised `bpe` and, if a compiled library is installed (tiktoken / tokenizers), its
+        encoder giving the same ids."""
+        self.bpe = lru_cache(maxsize=self._cache_size)(self._bpe)
         self._fast_encode, self.encode_backend = build_fast_gpt2_encode(
             self.encoder, bpe_merges, self.byte_decoder, GPT2_PRETOKENIZE_PATTERN
         )
+
+    def __getstate__(self) -> dict:
+        # The lru_cache wrapper and a compiled encoder do not pickle (a DataLoader worker started
+        # by spawn or forkserver receives the tokenizer pickled): they are rebuilt on unpickling.
+        state = dict(self.__dict__)
+        for name in ('bpe', '_fast_encode', 'encode_backend'):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._build_encoders(sorted(self.bpe_ranks, key=self.bpe_ranks.get))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, cache_dir=None, *inputs, **kwargs):

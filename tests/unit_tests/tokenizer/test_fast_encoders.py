@@ -131,3 +131,21 @@ def test_fast_wordpiece_matches_pure_python(monkeypatch, tokenizer_type):
         assert tok.tokenize(text) == tok.tokenize_python(text), text[:80]
     monkeypatch.setenv("MEGATRON_TOKENIZER_BACKEND", "python")
     assert build().encode_backend == "python"
+
+
+def test_tokenizer_pickles_for_spawned_dataloader_workers():
+    """A DataLoader worker started by spawn / forkserver receives the tokenizer pickled: the
+    memoised bpe and the compiled encoder are rebuilt, with the same ids and backend."""
+    import pickle
+
+    from megatron.training.tokenizer.tokenizer import _GPT2BPETokenizer
+
+    wrapper = _GPT2BPETokenizer(VOCAB, MERGES)
+    tok = wrapper.tokenizer
+    tok.encode(EDGE_CASES[1])  # fills the bpe cache, which must not travel
+    copy = pickle.loads(pickle.dumps(wrapper))
+    assert copy.tokenizer.encode_backend == tok.encode_backend
+    for text in EDGE_CASES + _corpus_slice("mobydick.jsonl", 20):
+        assert copy.tokenize(text) == wrapper.tokenize(text), text[:80]
+        assert copy.tokenizer.encode_python(text) == tok.encode_python(text), text[:80]
+    assert copy.detokenize(wrapper.tokenize(EDGE_CASES[3])) == EDGE_CASES[3]

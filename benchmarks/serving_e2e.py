@@ -33,10 +33,14 @@ MERGES = os.path.join(REPO, "data", "gpt2", "gpt2-merges.txt")
 EOD = 50256
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _free_port(avoid=None):
+    """A port free now (not `avoid`: two ports asked for one after the other can coincide)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port != avoid:
+            return port
 
 
 def _hf_model(args):
@@ -77,7 +81,7 @@ class _Server:
             WORLD_SIZE="1",
             LOCAL_RANK="0",
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+            MASTER_PORT=str(_free_port(avoid=self.port)),
             OMP_NUM_THREADS=str(threads),
         )
         cmd = [sys.executable, os.path.join(REPO, "tools", "run_text_generation_server.py"),

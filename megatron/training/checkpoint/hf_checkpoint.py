@@ -396,40 +396,9 @@ def megatron_args_list(
                 f'Hugging Face config: attention_bias={c.attention_bias} with '
                 f'mlp_bias={c.mlp_bias} is not supported (both or neither)'
             )
-        head_dim = kw['config']['kv_channels']
-        args = [
-            '--num-layers',
-            c.num_hidden_layers,
-            '--hidden-size',
-            c.hidden_size,
-            '--num-attention-heads',
-            c.num_attention_heads,
-            '--ffn-hidden-size',
-            c.intermediate_size,
-            '--kv-channels',
-            head_dim,
-            '--max-position-embeddings',
-            c.max_position_embeddings,
-            '--seq-length',
-            seq_length or min(c.max_position_embeddings, 4096),
-            '--norm-epsilon',
-            c.rms_norm_eps,
-            '--normalization',
-            'RMSNorm',
-            '--swiglu',
-            '--position-embedding-type',
-            'rope',
-            '--rotary-base',
-            int(kw['model']['rotary_base']),
-            '--hidden-dropout',
-            0.0,
-            '--attention-dropout',
-            c.attention_dropout,
-            '--init-method-std',
-            c.initializer_range,
-        ]
-        if c.num_key_value_heads != c.num_attention_heads:
-            args += ['--group-query-attention', '--num-query-groups', c.num_key_value_heads]
+        args = llama_family_flags(
+            c, kw['config']['kv_channels'], int(kw['model']['rotary_base']), seq_length
+        )
         if not c.mlp_bias:
             args.append('--disable-bias-linear')
         if c.qkv_bias:
@@ -446,6 +415,45 @@ def megatron_args_list(
             args.append('--untie-embeddings-and-output-weights')
     args += tokenizer_flags(tokenizer_type, tokenizer_model, vocab_file, merge_file)
     return [str(a) for a in args]
+
+
+def llama_family_flags(c, head_dim: int, rotary_base: int, seq_length=None) -> list:
+    """The flags every Llama-style import starts with (RMSNorm, SwiGLU, RoPE, no dropout in the
+    hidden states), and grouped-query attention when the config has fewer key/value heads."""
+    args = [
+        '--num-layers',
+        c.num_hidden_layers,
+        '--hidden-size',
+        c.hidden_size,
+        '--num-attention-heads',
+        c.num_attention_heads,
+        '--ffn-hidden-size',
+        c.intermediate_size,
+        '--kv-channels',
+        head_dim,
+        '--max-position-embeddings',
+        c.max_position_embeddings,
+        '--seq-length',
+        seq_length or min(c.max_position_embeddings, 4096),
+        '--norm-epsilon',
+        c.rms_norm_eps,
+        '--normalization',
+        'RMSNorm',
+        '--swiglu',
+        '--position-embedding-type',
+        'rope',
+        '--rotary-base',
+        rotary_base,
+        '--hidden-dropout',
+        0.0,
+        '--attention-dropout',
+        c.attention_dropout,
+        '--init-method-std',
+        c.initializer_range,
+    ]
+    if c.num_key_value_heads != c.num_attention_heads:
+        args += ['--group-query-attention', '--num-query-groups', c.num_key_value_heads]
+    return args
 
 
 def tokenizer_flags(tokenizer_type, tokenizer_model=None, vocab_file=None, merge_file=None):

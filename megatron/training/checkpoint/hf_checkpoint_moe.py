@@ -16,8 +16,6 @@ megatron-core state dicts (the MoE counterpart of hf_checkpoint.py, whose file h
 The weight renaming lives in megatron/core/models/gpt/hf_weight_mapping_moe.py.
 """
 
-import contextlib
-import io
 import types
 from typing import Dict, List, Optional
 
@@ -168,37 +166,9 @@ def megatron_args_list_moe(
     """pretrain_gpt.py flags that build the architecture of a Mixtral / Qwen2-MoE config."""
     c = hf_moe_config_namespace(config)
     head_dim = c.head_dim or c.hidden_size // c.num_attention_heads
-    args = [
-        '--num-layers',
-        c.num_hidden_layers,
-        '--hidden-size',
-        c.hidden_size,
-        '--num-attention-heads',
-        c.num_attention_heads,
-        '--ffn-hidden-size',
-        c.intermediate_size,
-        '--kv-channels',
-        head_dim,
-        '--max-position-embeddings',
-        c.max_position_embeddings,
-        '--seq-length',
-        seq_length or min(c.max_position_embeddings, 4096),
-        '--norm-epsilon',
-        c.rms_norm_eps,
-        '--normalization',
-        'RMSNorm',
-        '--swiglu',
+    args = hfc.llama_family_flags(c, head_dim, int(c.rope_theta), seq_length)
+    args += [
         '--disable-bias-linear',
-        '--position-embedding-type',
-        'rope',
-        '--rotary-base',
-        int(c.rope_theta),
-        '--hidden-dropout',
-        0.0,
-        '--attention-dropout',
-        c.attention_dropout,
-        '--init-method-std',
-        c.initializer_range,
         '--num-experts',
         c.num_moe_experts,
         '--moe-router-topk',
@@ -206,8 +176,6 @@ def megatron_args_list_moe(
         '--moe-ffn-hidden-size',
         c.moe_ffn_hidden_size,
     ]
-    if c.num_key_value_heads != c.num_attention_heads:
-        args += ['--group-query-attention', '--num-query-groups', c.num_key_value_heads]
     if not c.tie_word_embeddings:
         args.append('--untie-embeddings-and-output-weights')
     if config['model_type'] == 'qwen2_moe':
@@ -226,29 +194,16 @@ def megatron_args_list_moe(
             args.append('--moe-router-pre-softmax')
     if config['model_type'] != 'mixtral' and not all(c.moe_layer_pattern):
         args += ['--moe-layer-freq', str(c.moe_layer_pattern).replace(' ', '')]
-    args += ['--tokenizer-type', tokenizer_type, '--micro-batch-size', 1, '--mock-data']
-    for flag, value in (
-        ('--tokenizer-model', tokenizer_model),
-        ('--vocab-file', vocab_file),
-        ('--merge-file', merge_file),
-    ):
-        if value is not None:
-            args += [flag, value]
+    args += hfc.tokenizer_flags(tokenizer_type, tokenizer_model, vocab_file, merge_file)
     return [str(a) for a in args]
 
 
 def megatron_args_from_hf_moe(config: dict, tokenizer_type: str, **kwargs):
     """Our full, validated args namespace for a Mixtral / Qwen2-MoE config (TP = EP = PP = 1)."""
-    from megatron.training.arguments import parse_args
-    from megatron.training.validation.argument_validation import validate_args
-
-    args = parse_args(args_list=megatron_args_list_moe(config, tokenizer_type, **kwargs))
-    args.world_size = 1
-    args.rank = 0
-    with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
-        validate_args(args)
-    args.padded_vocab_size = hf_moe_config_namespace(config).vocab_size
-    return args
+    return hfc.validated_args(
+        megatron_args_list_moe(config, tokenizer_type, **kwargs),
+        hf_moe_config_namespace(config).vocab_size,
+    )
 
 
 def _tensor_shapes(hf_dir: str) -> Dict[str, tuple]:

@@ -186,6 +186,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
     def _self_attention_step(
         self, hidden_states, attention_mask, rotary_pos_emb, inference_params, packed_seq_params
     ):
+        """Norm, self attention, bias-dropout-add: [s, b, h] -> [s, b, h]."""
         normed, residual = self._norm_and_residual(
             self.input_layernorm,
             hidden_states,
@@ -201,6 +202,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         return self._bias_dropout_add(self.self_attn_bda, out_with_bias, residual)
 
     def _cross_attention_step(self, hidden_states, context, context_mask, inference_params):
+        """Norm, cross attention over `context`, bias-dropout-add -> (hidden_states, context)."""
         # Without a cross-attention norm there is no post-norm output to take as residual.
         post_norm = self.config.apply_residual_connection_post_layernorm and not isinstance(
             self.pre_cross_attn_layernorm, IdentityOp
@@ -220,6 +222,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         return self._bias_dropout_add(self.cross_attn_bda, out_with_bias, residual), context
 
     def _mlp_step(self, hidden_states):
+        """Norm, MLP (or MoE), bias-dropout-add: [s, b, h] -> [s, b, h]."""
         normed, residual = self._norm_and_residual(
             self.pre_mlp_layernorm,
             hidden_states,

@@ -47,15 +47,10 @@ class InferenceParams:
         if len(self.key_value_memory_dict) == 0:
             raise ValueError("should not swap when dict in empty")
 
-        for layer_number in self.key_value_memory_dict:
-            inference_key_memory, inference_value_memory = self.key_value_memory_dict[layer_number]
-            assert len(batch_idx) == inference_key_memory.shape[1]  # make sure batch size is same
-            new_inference_key_memory = inference_key_memory[:, batch_idx]
-            new_inference_value_memory = inference_value_memory[:, batch_idx]
-            self.key_value_memory_dict[layer_number] = (
-                new_inference_key_memory,
-                new_inference_value_memory,
-            )
+        for layer_number, (keys, values) in list(self.key_value_memory_dict.items()):
+            # Caches are [s, b, ng, hn]: the batch is dimension 1.
+            assert len(batch_idx) == keys.shape[1]  # make sure batch size is same
+            self.key_value_memory_dict[layer_number] = (keys[:, batch_idx], values[:, batch_idx])
 
     def __str__(self):
         return (

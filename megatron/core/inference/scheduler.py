@@ -41,22 +41,17 @@ class Scheduler:
         request_id = str(next(self.request_counter))
         if arrival_time is None:
             arrival_time = time.time()
-        if len(self.active_request_pool) < self.max_batch_size:
-            status = Status.ACTIVE_BUT_NOT_GENERATING_TOKENS
-        else:
-            status = Status.WAITING_IN_QUEUE
-        request = InferenceRequest(
+        has_room = len(self.active_request_pool) < self.max_batch_size
+        status = Status.ACTIVE_BUT_NOT_GENERATING_TOKENS if has_room else Status.WAITING_IN_QUEUE
+        pool = self.active_request_pool if has_room else self.waiting_request_pool
+        pool[request_id] = InferenceRequest(
             request_id=request_id,
+            status=status,
             prompt=prompt,
+            prompt_tokens=prompt_tokens,
             inference_parameters=inference_parameters,
             arrival_time=arrival_time,
-            prompt_tokens=prompt_tokens,
-            status=status,
         )
-        if status == Status.ACTIVE_BUT_NOT_GENERATING_TOKENS:
-            self.active_request_pool[request_id] = request
-        else:
-            self.waiting_request_pool[request_id] = request
         return request_id
 
     def have_requests_pending(self) -> bool:

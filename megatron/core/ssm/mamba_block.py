@@ -255,15 +255,18 @@ class MambaStack(MegatronModule):
             rotary_pos_emb: RoPE angles for the attention layers.
             seq_idx: [b, s] document ids of packed documents (Mamba layers).
         """
-        if not self.pre_process:
-            hidden_states = self.input_tensor
+        # Later pipeline stages read the previous stage's output (set_input_tensor).
+        hidden_states = hidden_states if self.pre_process else self.input_tensor
+        # Viewless, as the pipeline schedule frees the storage of the tensor it sends.
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        # Under sequence parallelism the TP ranks hold different tokens: their dropout masks
+        # come from the model-parallel RNG stream.
+        rng_context = nullcontext()
         if self.config.sequence_parallel:
             rng_context = tensor_parallel.get_cuda_rng_tracker().fork()
-        else:
-            rng_context = nullcontext()
+        full_recompute = self.config.recompute_granularity == 'full' and self.training
         with rng_context:
-            if self.config.recompute_granularity == 'full' and self.training:
+            if full_recompute:
                 hidden_states = self._checkpointed_forward(
                     hidden_states, attention_mask, rotary_pos_emb, seq_idx
                 )

@@ -98,6 +98,55 @@ def validate_hybrid_ratios(attention_ratio: float, mlp_ratio: float) -> None:
         )
 
 
+def _log_info(line: str) -> None:
+    log_single_rank(logger, logging.INFO, line)
+
+
+def _apply_override(
+    total_layers_count: int,
+    override_pattern: str,
+    automatic: List[str],
+    ratios_given: bool,
+    verbose: bool,
+) -> List[str]:
+    """The override pattern's layer list, checked against the automatic one: with target ratios
+    given, both must hold the same number of each layer type."""
+    override = _allocate_override(total_layers_count, override_pattern)
+    if verbose:
+        _log_info("Using hybrid override pattern")
+    if ratios_given and not _layer_counts_match(override, automatic):
+        raise ValueError(
+            "The number of each type of layer in the override pattern must match the number "
+            "in the overridden pattern."
+        )
+    if not verbose:
+        return override
+    if override == automatic:
+        _log_info("The override pattern matches the overridden pattern")
+    else:
+        _log_info("Warning: overriding pattern A with pattern B")
+        _log_info(f"A: {''.join(automatic)}")
+        _log_info(f"B: {''.join(override)}")
+    return override
+
+
+def _allocate(
+    total_layers_count: int,
+    target_attention_ratio: float,
+    target_mlp_ratio: float,
+    override_pattern: Optional[str],
+    verbose: bool,
+) -> List[str]:
+    if total_layers_count <= 0:
+        raise ValueError(f"num_layers ({total_layers_count}) must be positive")
+    validate_hybrid_ratios(target_attention_ratio, target_mlp_ratio)
+    automatic = _allocate_auto(total_layers_count, target_attention_ratio, target_mlp_ratio)
+    if override_pattern is None:
+        return automatic
+    ratios_given = target_attention_ratio > 0.0 or target_mlp_ratio > 0.0
+    return _apply_override(total_layers_count, override_pattern, automatic, ratios_given, verbose)
+
+
 def check_hybrid_allocation(
     total_layers_count: int,
     target_attention_ratio: float,
@@ -105,21 +154,9 @@ def check_hybrid_allocation(
     override_pattern: Optional[str] = None,
 ) -> List[str]:
     """The errors of `allocate_layers` without its log lines; returns the pattern."""
-    if total_layers_count <= 0:
-        raise ValueError(f"num_layers ({total_layers_count}) must be positive")
-    validate_hybrid_ratios(target_attention_ratio, target_mlp_ratio)
-    layer_type_list = _allocate_auto(total_layers_count, target_attention_ratio, target_mlp_ratio)
-    if override_pattern is None:
-        return layer_type_list
-    override = _allocate_override(total_layers_count, override_pattern)
-    if (target_attention_ratio > 0.0 or target_mlp_ratio > 0.0) and not _layer_counts_match(
-        override, layer_type_list
-    ):
-        raise ValueError(
-            "The number of each type of layer in the override pattern must match the number "
-            "in the overridden pattern."
-        )
-    return override
+    return _allocate(
+        total_layers_count, target_attention_ratio, target_mlp_ratio, override_pattern, False
+    )
 
 
 def allocate_layers(
@@ -140,32 +177,9 @@ def allocate_layers(
         The list of L symbols. Logged on rank 0 at INFO as Megatron does (nothing for a pure
         Mamba model without an override).
     """
-    if total_layers_count <= 0:
-        raise ValueError(f"num_layers ({total_layers_count}) must be positive")
-    validate_hybrid_ratios(target_attention_ratio, target_mlp_ratio)
-
-    layer_type_list = _allocate_auto(total_layers_count, target_attention_ratio, target_mlp_ratio)
-
-    if override_pattern is not None:
-        layer_type_list_override = _allocate_override(total_layers_count, override_pattern)
-        log_single_rank(logger, logging.INFO, "Using hybrid override pattern")
-        if (target_attention_ratio > 0.0 or target_mlp_ratio > 0.0) and not _layer_counts_match(
-            layer_type_list_override, layer_type_list
-        ):
-            raise ValueError(
-                "The number of each type of layer in the override pattern must match the number "
-                "in the overridden pattern."
-            )
-        if layer_type_list_override == layer_type_list:
-            log_single_rank(
-                logger, logging.INFO, "The override pattern matches the overridden pattern"
-            )
-        else:
-            log_single_rank(logger, logging.INFO, "Warning: overriding pattern A with pattern B")
-            log_single_rank(logger, logging.INFO, f"A: {''.join(layer_type_list)}")
-            log_single_rank(logger, logging.INFO, f"B: {''.join(layer_type_list_override)}")
-        layer_type_list = layer_type_list_override
-
+    layer_type_list = _allocate(
+        total_layers_count, target_attention_ratio, target_mlp_ratio, override_pattern, True
+    )
     if target_attention_ratio > 0.0 or target_mlp_ratio > 0.0 or override_pattern is not None:
         attention_count = layer_type_list.count(Symbols.ATTENTION)
         mlp_count = layer_type_list.count(Symbols.MLP)

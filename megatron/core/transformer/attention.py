@@ -25,26 +25,48 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide, get_current_device
 
+# A submodule slot of a spec: a ModuleSpec, a bare class, or None when the slot is left out.
+_SubmoduleSpec = Optional[Union[ModuleSpec, type]]
+
 
 @dataclass
 class SelfAttentionSubmodules:
-    """Specs of the submodules of `SelfAttention`."""
+    """Specs of the submodules of `SelfAttention`; q_layernorm / k_layernorm are optional."""
 
-    linear_qkv: Union[ModuleSpec, type] = None
-    core_attention: Union[ModuleSpec, type] = None
-    linear_proj: Union[ModuleSpec, type] = None
-    q_layernorm: Union[ModuleSpec, type] = None
-    k_layernorm: Union[ModuleSpec, type] = None
+    linear_qkv: _SubmoduleSpec = None
+    core_attention: _SubmoduleSpec = None
+    linear_proj: _SubmoduleSpec = None
+    q_layernorm: _SubmoduleSpec = None
+    k_layernorm: _SubmoduleSpec = None
 
 
 @dataclass
 class CrossAttentionSubmodules:
     """Specs of the submodules of `CrossAttention`."""
 
-    linear_q: Union[ModuleSpec, type] = None
-    linear_kv: Union[ModuleSpec, type] = None
-    core_attention: Union[ModuleSpec, type] = None
-    linear_proj: Union[ModuleSpec, type] = None
+    linear_q: _SubmoduleSpec = None
+    linear_kv: _SubmoduleSpec = None
+    core_attention: _SubmoduleSpec = None
+    linear_proj: _SubmoduleSpec = None
+
+
+_AttentionSubmodules = Union[SelfAttentionSubmodules, CrossAttentionSubmodules]
+
+
+def _cache_window(start, length, capacity, what, limit_name):
+    """The slice [start, start + length) of one KV-cache dimension, or a ValueError when the
+    cache (sized by `limit_name`) is too small for it."""
+    end = start + length
+    if end > capacity:
+        raise ValueError(f"inference {what} [{start}, {end}) exceed {limit_name} ({capacity})")
+    return start, end
+
+
+def _as_query_key_pair(rotary_pos_emb):
+    """RoPE angles as a (query, key) pair; one tensor serves both."""
+    if rotary_pos_emb is None or isinstance(rotary_pos_emb, tuple):
+        return rotary_pos_emb
+    return (rotary_pos_emb, rotary_pos_emb)
 
 
 class Attention(MegatronModule, ABC):
@@ -69,7 +91,7 @@ class Attention(MegatronModule, ABC):
     def __init__(
         self,
         config: TransformerConfig,
-        submodules: Union[SelfAttentionSubmodules, CrossAttentionSubmodules],
+        submodules: _AttentionSubmodules,
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
@@ -81,87 +103,110 @@ class Attention(MegatronModule, ABC):
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
+        self._derive_head_sizes()
 
-        # For normal attention without groups, num_query_groups == num_attention_heads,
-        # so these two are the same.
-        self.query_projection_size = self.config.kv_channels * self.config.num_attention_heads
-        self.kv_projection_size = self.config.kv_channels * self.config.num_query_groups
-
-        world_size = self.pg_collection.tp.size()
-        self.hidden_size_per_attention_head = divide(
-            self.query_projection_size, self.config.num_attention_heads
-        )
-        self.num_attention_heads_per_partition = divide(self.config.num_attention_heads, world_size)
-        self.num_query_groups_per_partition = divide(self.config.num_query_groups, world_size)
-
+        # Construction order is the order of the weight-init draws: the core attention (no
+        # weights of its own in most backends) first, then the output projection; the subclass
+        # builds its input projections afterwards.
+        core_kwargs = {
+            name: getattr(self, name)
+            for name in ('config', 'layer_number', 'attn_mask_type', 'attention_type')
+        }
         self.core_attention = build_module(
-            submodules.core_attention,
-            config=self.config,
-            layer_number=self.layer_number,
-            attn_mask_type=self.attn_mask_type,
-            attention_type=self.attention_type,
-            pg_collection=self.pg_collection,
+            submodules.core_attention, pg_collection=self.pg_collection, **core_kwargs
         )
-
         self.checkpoint_core_attention = self.config.recompute_granularity == 'selective'
-
+        # [s, b, np * hn] split across TP -> [s, b, h] summed across TP.
         self.linear_proj = build_module(
             submodules.linear_proj,
             self.query_projection_size,
             self.config.hidden_size,
-            config=self.config,
-            init_method=self.config.output_layer_init_method,
-            bias=self.config.add_bias_linear,
             input_is_parallel=True,
-            skip_bias_add=True,
-            is_expert=False,
             tp_comm_buffer_name='proj',
-            tp_group=self.pg_collection.tp,
+            **self._projection_kwargs(
+                self.config.output_layer_init_method, self.config.add_bias_linear, True
+            ),
         )
+
+    def _derive_head_sizes(self):
+        """Projection widths and per-rank head counts: each of the tp ranks holds
+        num_attention_heads / tp query heads and num_query_groups / tp key/value heads."""
+        cfg = self.config
+        tp_size = self.pg_collection.tp.size()
+        # Equal widths unless grouped-query attention shares key/value heads between queries.
+        self.query_projection_size = cfg.kv_channels * cfg.num_attention_heads
+        self.kv_projection_size = cfg.kv_channels * cfg.num_query_groups
+        self.hidden_size_per_attention_head = divide(
+            self.query_projection_size, cfg.num_attention_heads
+        )
+        self.num_attention_heads_per_partition = divide(cfg.num_attention_heads, tp_size)
+        self.num_query_groups_per_partition = divide(cfg.num_query_groups, tp_size)
+
+    def _projection_kwargs(self, init_method, bias, skip_bias_add):
+        """Keyword arguments every projection of this module shares (none is an MoE expert)."""
+        return {
+            'config': self.config,
+            'init_method': init_method,
+            'bias': bias,
+            'skip_bias_add': skip_bias_add,
+            'is_expert': False,
+            'tp_group': self.pg_collection.tp,
+        }
 
     def _checkpointed_attention_forward(
         self,
-        query,
-        key,
-        value,
-        attention_mask,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
         rotary_pos_emb=None,
         attn_mask_type=None,
         packed_seq_params=None,
     ):
         """Core attention under activation checkpointing (selective recompute): the attention
         scores, softmax and dropout are recomputed in backward instead of being stored."""
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
 
-        def custom_forward(*inputs):
-            query, key, value, attention_mask = inputs[:4]
-            attn_mask_type = AttnMaskType(int(inputs[5].item()))
+        def run_core_attention(q, k, v, mask, _rotary, mask_type_code):
             return self.core_attention(
-                query,
-                key,
-                value,
-                attention_mask,
-                attn_mask_type=attn_mask_type,
+                q,
+                k,
+                v,
+                mask,
+                attn_mask_type=AttnMaskType(int(mask_type_code.item())),
                 packed_seq_params=packed_seq_params,
             )
 
-        if attn_mask_type is None:
-            attn_mask_type = self.attn_mask_type
-        # The checkpoint function takes tensors: carry the enum as one.
-        attn_mask_type = torch.tensor([attn_mask_type.value], dtype=torch.int)
-        return tensor_parallel.checkpoint(
-            custom_forward, False, query, key, value, attention_mask, rotary_pos_emb, attn_mask_type
-        )
+        # checkpoint() passes tensors through, so the enum travels as a one-element tensor.
+        mask_type_code = torch.tensor([mask_type.value], dtype=torch.int)
+        inputs = (query, key, value, attention_mask, rotary_pos_emb, mask_type_code)
+        return tensor_parallel.checkpoint(run_core_attention, False, *inputs)
 
     def _allocate_memory(self, inference_max_sequence_length, batch_size, dim, dtype):
-        """An empty KV buffer [max_seq, max_batch, ng, hn] on the current device."""
-        return torch.empty(
+        """An uninitialised KV buffer on the current device."""
+        # [max_seq, max_batch, ng, hn]
+        shape = (
             inference_max_sequence_length,
             batch_size,
             self.num_query_groups_per_partition,
             dim,
-            dtype=dtype,
-            device=get_current_device(),
         )
+        return torch.empty(shape, dtype=dtype, device=get_current_device())
+
+    def _layer_kv_cache(self, inference_params, key, value):
+        """This layer's (key, value) cache buffers, allocated on the first call."""
+        caches = inference_params.key_value_memory_dict
+        if self.layer_number not in caches:
+            caches[self.layer_number] = tuple(
+                self._allocate_memory(
+                    inference_params.max_sequence_length,
+                    inference_params.max_batch_size,
+                    t.shape[-1],
+                    t.dtype,
+                )
+                for t in (key, value)
+            )
+        return caches[self.layer_number]
 
     def _adjust_key_value_for_inference(self, inference_params, key, value, rotary_pos_emb):
         """Write this step's keys and values into the layer's KV cache and return the cached ones.
@@ -179,64 +224,73 @@ class Attention(MegatronModule, ABC):
             causal mask of the core attention is aligned to the last query, so a one-token step
             attends to every cached position and a longer step stays causal within itself.
         """
-        attn_mask_type = self.attn_mask_type
-        if self.layer_number not in inference_params.key_value_memory_dict:
-            inf_max_seq_length = inference_params.max_sequence_length
-            inf_max_batch_size = inference_params.max_batch_size
-            inference_key_memory = self._allocate_memory(
-                inf_max_seq_length, inf_max_batch_size, key.shape[-1], key.dtype
-            )
-            inference_value_memory = self._allocate_memory(
-                inf_max_seq_length, inf_max_batch_size, value.shape[-1], value.dtype
-            )
-            inference_params.key_value_memory_dict[self.layer_number] = (
-                inference_key_memory,
-                inference_value_memory,
-            )
-        else:
-            inference_key_memory, inference_value_memory = inference_params.key_value_memory_dict[
-                self.layer_number
-            ]
-
-        batch_start = inference_params.batch_size_offset
-        batch_end = batch_start + key.size(1)
-        if batch_end > inference_key_memory.size(1):
-            raise ValueError(
-                f"inference batch rows [{batch_start}, {batch_end}) exceed max_batch_size "
-                f"({inference_key_memory.size(1)})"
-            )
-        sequence_start = inference_params.sequence_len_offset
-        sequence_end = sequence_start + key.size(0)
-        if sequence_end > inference_key_memory.size(0):
-            raise ValueError(
-                f"inference positions [{sequence_start}, {sequence_end}) exceed "
-                f"max_sequence_length ({inference_key_memory.size(0)})"
-            )
+        key_cache, value_cache = self._layer_kv_cache(inference_params, key, value)
+        b0, b1 = _cache_window(
+            inference_params.batch_size_offset,
+            key.size(1),
+            key_cache.size(1),
+            "batch rows",
+            "max_batch_size",
+        )
+        s0, s1 = _cache_window(
+            inference_params.sequence_len_offset,
+            key.size(0),
+            key_cache.size(0),
+            "positions",
+            "max_sequence_length",
+        )
 
         q_pos_emb = None
         if rotary_pos_emb is not None:
-            q_pos_emb, k_pos_emb = rotary_pos_emb
-            q_pos_emb = q_pos_emb[sequence_start:sequence_end]  # [sq, 1, 1, d]
-            key = apply_rotary_pos_emb(
-                key, k_pos_emb[sequence_start:sequence_end], config=self.config
-            )
+            # Angles of this step's positions only: [sq, 1, 1, d]
+            q_pos_emb = rotary_pos_emb[0][s0:s1]
+            key = apply_rotary_pos_emb(key, rotary_pos_emb[1][s0:s1], config=self.config)
 
-        # Copy the new keys and values into the cache.
-        inference_key_memory[sequence_start:sequence_end, batch_start:batch_end, ...] = key
-        inference_value_memory[sequence_start:sequence_end, batch_start:batch_end, ...] = value
-        # [sk, b, ng, hn] with sk = sequence_end
-        key = inference_key_memory[:sequence_end, batch_start:batch_end, ...]
-        value = inference_value_memory[:sequence_end, batch_start:batch_end, ...]
-        return q_pos_emb, key, value, attn_mask_type
+        key_cache[s0:s1, b0:b1, ...] = key
+        value_cache[s0:s1, b0:b1, ...] = value
+        # Everything cached so far for these rows: [sk, b, ng, hn] with sk = s1
+        return (
+            q_pos_emb,
+            key_cache[:s1, b0:b1, ...],
+            value_cache[:s1, b0:b1, ...],
+            self.attn_mask_type,
+        )
 
     @abstractmethod
     def get_query_key_value_tensors(self, hidden_states, key_value_states):
         """Project to query [sq, b, np, hn], key and value [sk, b, ng, hn]."""
 
+    def _forward_with_kv_cache(
+        self, query, key, value, attention_mask, inference_params, rotary_pos_emb
+    ):
+        """One decoding step of self attention against the KV cache -> (output, bias)."""
+        if inference_params.is_dynamic_batching():
+            # Packed requests over a paged KV cache: the context attends each request over
+            # its own blocks (megatron/core/inference/contexts/dynamic_context.py).
+            context = inference_params.attention(
+                self.layer_number, query, key, value, rotary_pos_emb, self.config
+            )
+            return self.linear_proj(context)
+        q_pos_emb, key, value, mask_type = self._adjust_key_value_for_inference(
+            inference_params, key, value, _as_query_key_pair(rotary_pos_emb)
+        )
+        if q_pos_emb is not None:
+            query = apply_rotary_pos_emb(query, q_pos_emb, config=self.config)
+        context = self.core_attention(query, key, value, attention_mask, attn_mask_type=mask_type)
+        # [sq, b, np * hn] -> [sq, b, h]
+        return self.linear_proj(context)
+
+    def _rotate(self, query, key, rotary_pos_emb):
+        """RoPE on query and key, each with the angles of its own leading positions."""
+        q_angles, k_angles = _as_query_key_pair(rotary_pos_emb)
+        query = apply_rotary_pos_emb(query, q_angles[: query.size(0)], config=self.config)
+        key = apply_rotary_pos_emb(key, k_angles[: key.size(0)], config=self.config)
+        return query, key
+
     def forward(
         self,
-        hidden_states,
-        attention_mask,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
         key_value_states=None,
         inference_params=None,
         rotary_pos_emb=None,
@@ -263,37 +317,17 @@ class Attention(MegatronModule, ABC):
         # query: [sq, b, np, hn], key / value: [sk, b, ng, hn]
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
 
-        if inference_params is not None and self.attention_type == "self":
-            if inference_params.is_dynamic_batching():
-                # Packed requests over a paged KV cache: the context attends each request over
-                # its own blocks (megatron/core/inference/contexts/dynamic_context.py).
-                core_attn_out = inference_params.attention(
-                    self.layer_number, query, key, value, rotary_pos_emb, self.config
-                )
-                return self.linear_proj(core_attn_out)
-            if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
-                rotary_pos_emb = (rotary_pos_emb,) * 2
-            q_pos_emb, key, value, attn_mask_type = self._adjust_key_value_for_inference(
-                inference_params, key, value, rotary_pos_emb
-            )
-            if q_pos_emb is not None:
-                query = apply_rotary_pos_emb(query, q_pos_emb, config=self.config)
-            core_attn_out = self.core_attention(
-                query, key, value, attention_mask, attn_mask_type=attn_mask_type
-            )
-            # [sq, b, hp] -> [sq, b, h]
-            return self.linear_proj(core_attn_out)
         if inference_params is not None:
-            raise NotImplementedError(
-                "inference_params (KV cache) is only supported for self attention"
+            if self.attention_type != "self":
+                raise NotImplementedError(
+                    "inference_params (KV cache) is only supported for self attention"
+                )
+            return self._forward_with_kv_cache(
+                query, key, value, attention_mask, inference_params, rotary_pos_emb
             )
 
         if rotary_pos_emb is not None:
-            if not isinstance(rotary_pos_emb, tuple):
-                rotary_pos_emb = (rotary_pos_emb,) * 2
-            q_pos_emb, k_pos_emb = rotary_pos_emb
-            query = apply_rotary_pos_emb(query, q_pos_emb[: query.size(0)], config=self.config)
-            key = apply_rotary_pos_emb(key, k_pos_emb[: key.size(0)], config=self.config)
+            query, key = self._rotate(query, key, rotary_pos_emb)
 
         if getattr(self.config, 'qk_clip', False) and self.training:
             from megatron.core.transformer.attention_logits import is_causal, record_max_logits
@@ -301,28 +335,18 @@ class Attention(MegatronModule, ABC):
             scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head)
             record_max_logits(self, query, key, scale, is_causal(self))
 
-        if self.checkpoint_core_attention and self.training:
-            core_attn_out = self._checkpointed_attention_forward(
-                query,
-                key,
-                value,
-                attention_mask,
-                attn_mask_type=self.attn_mask_type,
-                packed_seq_params=packed_seq_params,
-            )
-        else:
-            core_attn_out = self.core_attention(
-                query,
-                key,
-                value,
-                attention_mask,
-                attn_mask_type=self.attn_mask_type,
-                packed_seq_params=packed_seq_params,
-            )
-
-        # [sq, b, hp] -> [sq, b, h]
-        output, bias = self.linear_proj(core_attn_out)
-        return output, bias
+        recompute = self.checkpoint_core_attention and self.training
+        attend = self._checkpointed_attention_forward if recompute else self.core_attention
+        context = attend(
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=self.attn_mask_type,
+            packed_seq_params=packed_seq_params,
+        )
+        # [sq, b, np * hn] -> [sq, b, h]
+        return self.linear_proj(context)
 
 
 class SelfAttention(Attention):
@@ -344,83 +368,55 @@ class SelfAttention(Attention):
         config: TransformerConfig,
         submodules: SelfAttentionSubmodules,
         layer_number: int,
-        attn_mask_type=AttnMaskType.padding,
+        attn_mask_type: AttnMaskType = AttnMaskType.padding,
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(
-            config=config,
-            submodules=submodules,
-            layer_number=layer_number,
-            attn_mask_type=attn_mask_type,
-            attention_type="self",
-            pg_collection=pg_collection,
+            config, submodules, layer_number, attn_mask_type, "self", pg_collection=pg_collection
         )
-
+        # [s, b, h] -> [s, b, ng * (np/ng + 2) * hn], rows split across TP by query group.
+        qkv_width = self.query_projection_size + 2 * self.kv_projection_size
+        qkv_bias = self.config.add_bias_linear or self.config.add_qkv_bias
         self.linear_qkv = build_module(
             submodules.linear_qkv,
             self.config.hidden_size,
-            self.query_projection_size + 2 * self.kv_projection_size,
-            config=self.config,
-            init_method=self.config.init_method,
+            qkv_width,
             gather_output=False,
-            bias=self.config.add_bias_linear or self.config.add_qkv_bias,
-            skip_bias_add=False,
-            is_expert=False,
             tp_comm_buffer_name='qkv',
-            tp_group=self.pg_collection.tp,
+            **self._projection_kwargs(self.config.init_method, qkv_bias, False),
         )
-
-        if submodules.q_layernorm is not None:
-            self.q_layernorm = build_module(
-                submodules.q_layernorm,
-                hidden_size=self.hidden_size_per_attention_head,
-                config=self.config,
-                eps=self.config.layernorm_epsilon,
-            )
-        else:
-            self.q_layernorm = None
-
-        if submodules.k_layernorm is not None:
-            self.k_layernorm = build_module(
-                submodules.k_layernorm,
-                hidden_size=self.hidden_size_per_attention_head,
-                config=self.config,
-                eps=self.config.layernorm_epsilon,
-            )
-        else:
-            self.k_layernorm = None
+        # Optional per-head norms of query and key (QK-norm), over the head dimension hn.
+        for name in ('q_layernorm', 'k_layernorm'):
+            spec = getattr(submodules, name)
+            norm = None
+            if spec is not None:
+                norm = build_module(
+                    spec,
+                    hidden_size=self.hidden_size_per_attention_head,
+                    config=self.config,
+                    eps=self.config.layernorm_epsilon,
+                )
+            setattr(self, name, norm)
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
         """Split the fused projection into query [sq, b, np, hn], key and value [sq, b, ng, hn]."""
+        hn = self.hidden_size_per_attention_head
+        ng = self.num_query_groups_per_partition
+        heads_per_group = self.num_attention_heads_per_partition // ng
         # [sq, b, h] -> [sq, b, ng * (np/ng + 2) * hn]
         mixed_qkv, _ = self.linear_qkv(hidden_states)
-
-        heads_per_group = (
-            self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        )
-        new_tensor_shape = mixed_qkv.size()[:-1] + (
-            self.num_query_groups_per_partition,
-            (heads_per_group + 2) * self.hidden_size_per_attention_head,
-        )
-        # [sq, b, ng * (np/ng + 2) * hn] -> [sq, b, ng, (np/ng + 2) * hn]
-        mixed_qkv = mixed_qkv.view(*new_tensor_shape)
-
-        split_arg_list = [
-            heads_per_group * self.hidden_size_per_attention_head,
-            self.hidden_size_per_attention_head,
-            self.hidden_size_per_attention_head,
-        ]
-        # [sq, b, ng, (np/ng + 2) * hn] -> [sq, b, ng, np/ng * hn], [sq, b, ng, hn], [sq, b, ng, hn]
-        query, key, value = torch.split(mixed_qkv, split_arg_list, dim=3)
-
-        # [sq, b, ng, np/ng * hn] -> [sq, b, np, hn]
-        query = query.reshape(query.size(0), query.size(1), -1, self.hidden_size_per_attention_head)
+        # -> [sq, b, ng, np/ng + 2, hn]: per group its queries, then one key, then one value
+        grouped = mixed_qkv.view(*mixed_qkv.shape[:-1], ng, heads_per_group + 2, hn)
+        query, key, value = torch.split(grouped, [heads_per_group, 1, 1], dim=3)
+        # [sq, b, ng, np/ng, hn] -> [sq, b, np, hn]
+        query = query.reshape(*query.shape[:2], -1, hn)
+        # [sq, b, ng, 1, hn] -> [sq, b, ng, hn]
+        key, value = key.squeeze(3), value.squeeze(3)
 
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
         if self.k_layernorm is not None:
             key = self.k_layernorm(key)
-
         return query, key, value
 
 
@@ -442,18 +438,12 @@ class CrossAttention(Attention):
         config: TransformerConfig,
         submodules: CrossAttentionSubmodules,
         layer_number: int,
-        attn_mask_type=AttnMaskType.padding,
+        attn_mask_type: AttnMaskType = AttnMaskType.padding,
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(
-            config=config,
-            submodules=submodules,
-            layer_number=layer_number,
-            attn_mask_type=attn_mask_type,
-            attention_type="cross",
-            pg_collection=pg_collection,
+            config, submodules, layer_number, attn_mask_type, "cross", pg_collection=pg_collection
         )
-
         if self.config.num_query_groups != self.config.num_attention_heads:
             raise ValueError(
                 f"CrossAttention: num_query_groups ({self.config.num_query_groups}) must equal "
@@ -462,53 +452,35 @@ class CrossAttention(Attention):
             )
         assert self.query_projection_size == self.kv_projection_size
 
-        self.linear_q = build_module(
-            submodules.linear_q,
-            self.config.hidden_size,
-            self.query_projection_size,
-            config=self.config,
-            init_method=self.config.init_method,
-            gather_output=False,
-            bias=self.config.add_bias_linear,
-            skip_bias_add=False,
-            is_expert=False,
-            tp_group=self.pg_collection.tp,
+        # Queries [s, b, h] -> [s, b, np * hn] first, then keys and values -> [s, b, np * 2 * hn]:
+        # the order of their weight-init draws.
+        shared = self._projection_kwargs(
+            self.config.init_method, self.config.add_bias_linear, False
         )
-
-        self.linear_kv = build_module(
-            submodules.linear_kv,
-            self.config.hidden_size,
-            2 * self.kv_projection_size,
-            config=self.config,
-            init_method=self.config.init_method,
-            gather_output=False,
-            bias=self.config.add_bias_linear,
-            skip_bias_add=False,
-            is_expert=False,
-            tp_group=self.pg_collection.tp,
-        )
+        for name, width in (
+            ('linear_q', self.query_projection_size),
+            ('linear_kv', 2 * self.kv_projection_size),
+        ):
+            layer = build_module(
+                getattr(submodules, name),
+                self.config.hidden_size,
+                width,
+                gather_output=False,
+                **shared,
+            )
+            setattr(self, name, layer)
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states):
         """query [sq, b, np, hn] from hidden_states; key, value [sk, b, np, hn] from
         key_value_states."""
-        # [sk, b, h] -> [sk, b, np * 2 * hn]
+        heads = self.num_attention_heads_per_partition
+        hn = self.hidden_size_per_attention_head
+        # [sk, b, h] -> [sk, b, np * 2 * hn] -> [sk, b, np, 2, hn]
         mixed_kv, _ = self.linear_kv(key_value_states)
-
-        new_tensor_shape = mixed_kv.size()[:-1] + (
-            self.num_attention_heads_per_partition,
-            2 * self.hidden_size_per_attention_head,
-        )
-        mixed_kv = mixed_kv.view(*new_tensor_shape)  # [sk, b, np * 2 * hn] -> [sk, b, np, 2 * hn]
-
-        # [sk, b, np, 2 * hn] -> 2 x [sk, b, np, hn]
-        key, value = torch.split(mixed_kv, self.hidden_size_per_attention_head, dim=3)
-
-        # [sq, b, h] -> [sq, b, np * hn]
+        mixed_kv = mixed_kv.view(*mixed_kv.shape[:-1], heads, 2, hn)
+        # [sk, b, np, 2, hn] -> 2 x [sk, b, np, hn]
+        key, value = mixed_kv.unbind(dim=3)
+        # [sq, b, h] -> [sq, b, np * hn] -> [sq, b, np, hn]
         query, _ = self.linear_q(hidden_states)
-        new_tensor_shape = query.size()[:-1] + (
-            self.num_attention_heads_per_partition,
-            self.hidden_size_per_attention_head,
-        )
-        query = query.view(*new_tensor_shape)  # [sq, b, np * hn] -> [sq, b, np, hn]
-
+        query = query.view(*query.shape[:-1], heads, hn)
         return query, key, value

@@ -89,27 +89,22 @@ class DotProductAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
 
-        projection_size = self.config.kv_channels * self.config.num_attention_heads
-        world_size = self.pg_collection.tp.size()
-        self.hidden_size_per_partition = divide(projection_size, world_size)
-        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
-        self.num_attention_heads_per_partition = divide(self.config.num_attention_heads, world_size)
-        self.num_query_groups_per_partition = divide(self.config.num_query_groups, world_size)
-
-        coeff = None
+        self._derive_head_sizes()
+        # Query-key layer scaling divides the scores by an extra layer_number before the
+        # softmax (which multiplies them back in fp32) to keep fp16 scores in range.
+        coeff = self.layer_number if self.config.apply_query_key_layer_scaling else None
         self.norm_factor = math.sqrt(self.hidden_size_per_attention_head)
-        if self.config.apply_query_key_layer_scaling:
-            coeff = self.layer_number
+        if coeff is not None:
             self.norm_factor *= coeff
-
+        cfg = self.config
         self.scale_mask_softmax = FusedScaleMaskSoftmax(
-            input_in_fp16=self.config.fp16,
-            input_in_bf16=self.config.bf16,
             attn_mask_type=self.attn_mask_type,
-            scaled_masked_softmax_fusion=self.config.masked_softmax_fusion,
             mask_func=attention_mask_func,
-            softmax_in_fp32=self.config.attention_softmax_in_fp32,
             scale=coeff,
+            input_in_fp16=cfg.fp16,
+            input_in_bf16=cfg.bf16,
+            scaled_masked_softmax_fusion=cfg.masked_softmax_fusion,
+            softmax_in_fp32=cfg.attention_softmax_in_fp32,
         )
 
         # Dropping out whole keys per query, as in the original Transformer.
@@ -117,6 +112,17 @@ class DotProductAttention(MegatronModule):
             self.config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self.attention_dropout = torch.nn.Dropout(self.attention_dropout_p)
+
+    def _derive_head_sizes(self):
+        """Per-rank sizes: the tp ranks split the num_attention_heads query heads (hp = np * hn
+        each) and the num_query_groups key/value heads evenly."""
+        heads, groups = self.config.num_attention_heads, self.config.num_query_groups
+        tp_size = self.pg_collection.tp.size()
+        projection_size = self.config.kv_channels * heads
+        self.hidden_size_per_partition = divide(projection_size, tp_size)
+        self.hidden_size_per_attention_head = divide(projection_size, heads)
+        self.num_attention_heads_per_partition = divide(heads, tp_size)
+        self.num_query_groups_per_partition = divide(groups, tp_size)
 
     def _can_use_sdpa(
         self, query: Tensor, attention_mask: Optional[Tensor], attn_mask_type

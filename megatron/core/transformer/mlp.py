@@ -21,8 +21,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 class MLPSubmodules:
     """Specs of the two linear layers of `MLP`."""
 
-    linear_fc1: Union[ModuleSpec, type] = None
-    linear_fc2: Union[ModuleSpec, type] = None
+    linear_fc1: Optional[Union[ModuleSpec, type]] = None
+    linear_fc2: Optional[Union[ModuleSpec, type]] = None
 
 
 class MLP(MegatronModule):
@@ -60,42 +60,40 @@ class MLP(MegatronModule):
         super().__init__(config=config)
         self.config = config
         self.pg_collection = resolve_process_groups(pg_collection, ("tp",))
-        self.input_size = input_size if input_size is not None else self.config.hidden_size
-
-        if ffn_hidden_size is None:
-            ffn_hidden_size = self.config.ffn_hidden_size
-        self.ffn_hidden_size = ffn_hidden_size
-        if self.config.gated_linear_unit:
-            ffn_hidden_size *= 2
-
+        cfg = self.config
+        self.input_size = cfg.hidden_size if input_size is None else input_size
+        self.ffn_hidden_size = cfg.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
+        # A gated unit computes its gate and up projections in one fc1 of twice the width.
+        fc1_width = self.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
+        # Both biases are returned unapplied: the activation (fc1) and the bias-dropout-add of
+        # the layer (fc2) add them in their fused kernels.
+        shared = {
+            'config': cfg,
+            'bias': cfg.add_bias_linear,
+            'skip_bias_add': True,
+            'is_expert': is_expert,
+            'tp_group': self.pg_collection.tp,
+        }
+        # [s, b, h] -> [s, b, fc1_width / p]
         self.linear_fc1 = build_module(
             submodules.linear_fc1,
             self.input_size,
-            ffn_hidden_size,
-            config=self.config,
-            init_method=self.config.init_method,
+            fc1_width,
+            init_method=cfg.init_method,
             gather_output=False,
-            bias=self.config.add_bias_linear,
-            skip_bias_add=True,
-            is_expert=is_expert,
             tp_comm_buffer_name='fc1',
-            tp_group=self.pg_collection.tp,
+            **shared,
         )
-
-        self.activation_func = self.config.activation_func
-
+        self.activation_func = cfg.activation_func
+        # [s, b, f/p] -> [s, b, h], summed across TP
         self.linear_fc2 = build_module(
             submodules.linear_fc2,
             self.ffn_hidden_size,
-            self.config.hidden_size,
-            config=self.config,
-            init_method=self.config.output_layer_init_method,
-            bias=self.config.add_bias_linear,
+            cfg.hidden_size,
+            init_method=cfg.output_layer_init_method,
             input_is_parallel=True,
-            skip_bias_add=True,
-            is_expert=is_expert,
             tp_comm_buffer_name='fc2',
-            tp_group=self.pg_collection.tp,
+            **shared,
         )
 
     def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
@@ -103,46 +101,37 @@ class MLP(MegatronModule):
         layout, see apply_swiglu_sharded_factory), so it reshards across TP."""
         from megatron.core.dist_checkpointing.utils import apply_swiglu_sharded_factory
 
-        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        if self.config.gated_linear_unit:
-            for name in ('weight', 'bias'):
-                key = f'{prefix}linear_fc1.{name}'
-                if key in sharded_state_dict:
-                    sharded_state_dict[key] = apply_swiglu_sharded_factory(
-                        sharded_state_dict[key], sharded_offsets
-                    )
-        return sharded_state_dict
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if not self.config.gated_linear_unit:
+            return state
+        for key in (f'{prefix}linear_fc1.weight', f'{prefix}linear_fc1.bias'):
+            if key in state:
+                state[key] = apply_swiglu_sharded_factory(state[key], sharded_offsets)
+        return state
+
+    def _fused_bias_activation(self, fc1_out, fc1_bias):
+        """One kernel for the bias add and the activation (GeLU, or SwiGLU when gated)."""
+        if self.activation_func == F.gelu:
+            assert self.config.add_bias_linear is True
+            return bias_gelu_impl(fc1_out, fc1_bias)
+        if self.activation_func == F.silu and self.config.gated_linear_unit:
+            return bias_swiglu_impl(fc1_out, fc1_bias, self.config.activation_func_fp8_input_store)
+        raise ValueError("Only support fusion of gelu and swiglu")
+
+    def _activate(self, fc1_out, fc1_bias):
+        """act(fc1_out + fc1_bias); a gated unit multiplies act(gate half) by the up half."""
+        if self.config.bias_activation_fusion:
+            return self._fused_bias_activation(fc1_out, fc1_bias)
+        if fc1_bias is not None:
+            fc1_out = fc1_out + fc1_bias
+        if not self.config.gated_linear_unit:
+            return self.activation_func(fc1_out)
+        gate, up = torch.chunk(fc1_out, 2, dim=-1)  # [s, b, 2f/p] -> 2 x [s, b, f/p]
+        return self.config.activation_func(gate) * up
 
     def forward(self, hidden_states: torch.Tensor):
         """hidden_states [s, b, h] -> (output [s, b, h], output_bias [h] or None)."""
         # [s, b, h] -> [s, b, f/p] (2f/p when gated)
-        intermediate_parallel, bias_parallel = self.linear_fc1(hidden_states)
-
-        if self.config.bias_activation_fusion:
-            if self.activation_func == F.gelu:
-                assert self.config.add_bias_linear is True
-                intermediate_parallel = bias_gelu_impl(intermediate_parallel, bias_parallel)
-            elif self.activation_func == F.silu and self.config.gated_linear_unit:
-                intermediate_parallel = bias_swiglu_impl(
-                    intermediate_parallel,
-                    bias_parallel,
-                    self.config.activation_func_fp8_input_store,
-                )
-            else:
-                raise ValueError("Only support fusion of gelu and swiglu")
-        else:
-            if bias_parallel is not None:
-                intermediate_parallel = intermediate_parallel + bias_parallel
-            if self.config.gated_linear_unit:
-
-                def glu(x):
-                    x = torch.chunk(x, 2, dim=-1)  # [s, b, 2f/p] -> 2 x [s, b, f/p]
-                    return self.config.activation_func(x[0]) * x[1]
-
-                intermediate_parallel = glu(intermediate_parallel)
-            else:
-                intermediate_parallel = self.activation_func(intermediate_parallel)
-
+        fc1_out, fc1_bias = self.linear_fc1(hidden_states)
         # [s, b, f/p] -> [s, b, h]
-        output, output_bias = self.linear_fc2(intermediate_parallel)
-        return output, output_bias
+        return self.linear_fc2(self._activate(fc1_out, fc1_bias))

@@ -1,5 +1,7 @@
 """Base class of megatron-core modules and the fp16/bf16 wrapper."""
 
+import operator
+
 import torch
 from torch.autograd import Variable
 
@@ -56,44 +58,39 @@ class MegatronModule(torch.nn.Module):
 
 
 def conversion_helper(val, conversion):
-    """Apply `conversion` to every leaf of nested tuples / lists."""
+    """Apply `conversion` to every leaf of nested tuples / lists (tuples come back as tuples)."""
     if not isinstance(val, (tuple, list)):
         return conversion(val)
-    rtn = [conversion_helper(v, conversion) for v in val]
-    if isinstance(val, tuple):
-        rtn = tuple(rtn)
-    return rtn
+    converted = [conversion_helper(item, conversion) for item in val]
+    return tuple(converted) if isinstance(val, tuple) else converted
+
+
+def _tensor_dtype(val):
+    """The dtype of a tensor's data, or None when `val` is not a tensor."""
+    data = val.data if isinstance(val, (torch.nn.parameter.Parameter, Variable)) else val
+    return data.dtype if isinstance(data, torch.Tensor) else None
 
 
 def fp32_to_float16(val, float16_convertor):
     """Convert fp32 tensors (only those) inside `val` with `float16_convertor`."""
 
-    def half_conversion(val):
-        val_typecheck = val
-        if isinstance(val_typecheck, (torch.nn.parameter.Parameter, Variable)):
-            val_typecheck = val.data
-        if isinstance(val_typecheck, torch.Tensor) and val_typecheck.dtype == torch.float32:
-            val = float16_convertor(val)
-        return val
+    def down(leaf):
+        return float16_convertor(leaf) if _tensor_dtype(leaf) == torch.float32 else leaf
 
-    return conversion_helper(val, half_conversion)
+    return conversion_helper(val, down)
 
 
 def float16_to_fp32(val):
     """Convert fp16 / bf16 tensors (only those) inside `val` to fp32."""
 
-    def float_conversion(val):
-        val_typecheck = val
-        if isinstance(val_typecheck, (torch.nn.parameter.Parameter, Variable)):
-            val_typecheck = val.data
-        if isinstance(val_typecheck, torch.Tensor) and val_typecheck.dtype in (
-            torch.float16,
-            torch.bfloat16,
-        ):
-            val = val.float()
-        return val
+    def up(leaf):
+        return leaf.float() if _tensor_dtype(leaf) in (torch.float16, torch.bfloat16) else leaf
 
-    return conversion_helper(val, float_conversion)
+    return conversion_helper(val, up)
+
+
+# (config flag, tensor / module method casting to that precision), in order of precedence.
+_HALF_PRECISIONS = (('fp16', 'half'), ('bf16', 'bfloat16'))
 
 
 class Float16Module(MegatronModule):
@@ -109,46 +106,39 @@ class Float16Module(MegatronModule):
         super().__init__(config)
         self.fp16 = config.fp16
         self.bf16 = config.bf16
-
-        if self.fp16:
-            self.add_module('module', module.half())
-
-            def float16_convertor(val):
-                return val.half()
-
-        elif self.bf16:
-            self.add_module('module', module.bfloat16())
-
-            def float16_convertor(val):
-                return val.bfloat16()
-
-        else:
+        cast = next((method for flag, method in _HALF_PRECISIONS if getattr(self, flag)), None)
+        if cast is None:
             raise ValueError(
                 "Float16Module needs config.fp16 or config.bf16 to be True (both are False)"
             )
-
-        self.float16_convertor = float16_convertor
+        # The parameters are cast in place; inputs are cast per call with the same method.
+        self.add_module('module', getattr(module, cast)())
+        self.float16_convertor = operator.methodcaller(cast)
 
     def set_input_tensor(self, input_tensor):
         """Forward the pipeline input tensor to the wrapped module."""
         return self.module.set_input_tensor(input_tensor)
 
     def forward(self, *inputs, **kwargs):
+        """Run the wrapped module: fp32 inputs are cast down on the first pipeline stage (later
+        stages receive half-precision activations), outputs cast up on the last one."""
         if parallel_state.is_pipeline_first_stage():
             inputs = fp32_to_float16(inputs, self.float16_convertor)
-        outputs = self.module(*inputs, **kwargs)
-        if parallel_state.is_pipeline_last_stage():
-            outputs = float16_to_fp32(outputs)
-        return outputs
+        result = self.module(*inputs, **kwargs)
+        return float16_to_fp32(result) if parallel_state.is_pipeline_last_stage() else result
+
+    # The wrapper adds no state of its own: checkpoints hold the wrapped module's keys.
 
     def state_dict(self, destination=None, prefix='', keep_vars=False):
-        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        """Delegates to the wrapped module (no `module.` prefix)."""
+        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars, destination=destination)
 
     def state_dict_for_save_checkpoint(self, prefix='', keep_vars=False):
         """Delegates to the wrapped module."""
         return self.module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict, strict=True):
+        """Delegates to the wrapped module."""
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def sharded_state_dict(self, prefix='', sharded_offsets=(), metadata=None):

@@ -47,15 +47,15 @@ from megatron.core.utils import divide, get_current_device
 class MLASelfAttentionSubmodules:
     """Specs of the submodules of `MLASelfAttention` (Megatron's names)."""
 
-    linear_q_proj: Union[ModuleSpec, type] = None
-    linear_q_down_proj: Union[ModuleSpec, type] = None
-    linear_q_up_proj: Union[ModuleSpec, type] = None
-    linear_kv_down_proj: Union[ModuleSpec, type] = None
-    linear_kv_up_proj: Union[ModuleSpec, type] = None
-    core_attention: Union[ModuleSpec, type] = None
-    linear_proj: Union[ModuleSpec, type] = None
-    q_layernorm: Union[ModuleSpec, type] = None
-    kv_layernorm: Union[ModuleSpec, type] = None
+    linear_q_proj: Optional[Union[ModuleSpec, type]] = None
+    linear_q_down_proj: Optional[Union[ModuleSpec, type]] = None
+    linear_q_up_proj: Optional[Union[ModuleSpec, type]] = None
+    linear_kv_down_proj: Optional[Union[ModuleSpec, type]] = None
+    linear_kv_up_proj: Optional[Union[ModuleSpec, type]] = None
+    core_attention: Optional[Union[ModuleSpec, type]] = None
+    linear_proj: Optional[Union[ModuleSpec, type]] = None
+    q_layernorm: Optional[Union[ModuleSpec, type]] = None
+    kv_layernorm: Optional[Union[ModuleSpec, type]] = None
 
 
 def mla_softmax_scale(config) -> float:

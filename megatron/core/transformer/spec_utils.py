@@ -33,13 +33,14 @@ def import_module(module_path: Tuple[str]):
     return vars(module)[name]
 
 
+# What a spec may name directly; anything else in `ModuleSpec.module` is a (path, name) pair.
+_DIRECT_KINDS = (type, types.FunctionType)
+
+
 def get_module(spec_or_module: Union[ModuleSpec, type], **additional_kwargs):
     """The class or function a spec names (without building it)."""
-    if isinstance(spec_or_module, (type, types.FunctionType)):
-        return spec_or_module
-    if isinstance(spec_or_module.module, (type, types.FunctionType)):
-        return spec_or_module.module
-    return import_module(spec_or_module.module)
+    named = spec_or_module if isinstance(spec_or_module, _DIRECT_KINDS) else spec_or_module.module
+    return named if isinstance(named, _DIRECT_KINDS) else import_module(named)
 
 
 def build_module(spec_or_module: Union[ModuleSpec, type], *args, **kwargs):
@@ -48,33 +49,19 @@ def build_module(spec_or_module: Union[ModuleSpec, type], *args, **kwargs):
     A function in the spec (e.g. `get_bias_dropout_add`) is returned as is, not called. A class is
     instantiated with `*args`, `spec.params`, `submodules=spec.submodules` (if set) and `**kwargs`.
     """
-    # A bare function given as the spec itself is returned unchanged.
-    if isinstance(spec_or_module, types.FunctionType):
-        return spec_or_module
+    target = get_module(spec_or_module)
+    # Functions (bias-dropout-add factories and the like) are handed back, not called.
+    if isinstance(target, types.FunctionType):
+        return target
 
-    if isinstance(spec_or_module, ModuleSpec) and isinstance(
-        spec_or_module.module, types.FunctionType
-    ):
-        return spec_or_module.module
-
-    if isinstance(spec_or_module, type):
-        module = spec_or_module
-    elif hasattr(spec_or_module, "module") and isinstance(spec_or_module.module, type):
-        module = spec_or_module.module
-    else:
-        module = import_module(spec_or_module.module)
-
-    # A class that is itself a function factory (e.g. IdentityFuncOp) is still instantiated.
-    if isinstance(module, types.FunctionType):
-        return module
-
-    if hasattr(spec_or_module, "submodules") and spec_or_module.submodules is not None:
-        kwargs["submodules"] = spec_or_module.submodules
-
+    submodules = getattr(spec_or_module, "submodules", None)
+    if submodules is not None:
+        kwargs["submodules"] = submodules
     params = getattr(spec_or_module, "params", {}) or {}
     try:
-        return module(*args, **params, **kwargs)
+        return target(*args, **params, **kwargs)
     except TypeError as exc:
-        raise TypeError(f"{exc} when instantiating {module.__name__}").with_traceback(
+        # Name the class: the bare TypeError only names the unexpected argument.
+        raise TypeError(f"{exc} when instantiating {target.__name__}").with_traceback(
             exc.__traceback__
         ) from None

@@ -50,8 +50,12 @@ class TransformerBlockSubmodules:
     layer_norm: Optional[Union[ModuleSpec, torch.nn.Module]] = None
 
 
+# What a block is built from: its submodules, or one layer spec to repeat.
+_BlockSpec = Union[TransformerBlockSubmodules, ModuleSpec]
+
+
 def _get_block_submodules(
-    config: TransformerConfig, spec: Union[TransformerBlockSubmodules, ModuleSpec]
+    config: TransformerConfig, spec: _BlockSpec
 ) -> TransformerBlockSubmodules:
     """Expand a block spec: a layer spec is repeated for every layer of this stage."""
     if isinstance(spec, TransformerBlockSubmodules):
@@ -92,7 +96,7 @@ class TransformerBlock(MegatronModule):
     def __init__(
         self,
         config: TransformerConfig,
-        spec: Union[TransformerBlockSubmodules, ModuleSpec],
+        spec: _BlockSpec,
         post_layer_norm: bool = True,
         pre_process: bool = True,
         post_process: bool = True,
@@ -114,28 +118,23 @@ class TransformerBlock(MegatronModule):
         self.num_layers_per_pipeline_rank = len(self.layers)
 
     def _build_layers(self):
-        # Layer numbers are 1-based and local; each layer adds its stage offset.
+        # Layer numbers count from 1 within the stage; each layer adds its stage offset itself.
         self.layers = torch.nn.ModuleList(
-            [
-                build_module(
-                    layer_spec,
-                    config=self.config,
-                    layer_number=i + 1,
-                    pg_collection=self.pg_collection,
-                )
-                for i, layer_spec in enumerate(self.submodules.layer_specs)
-            ]
+            build_module(
+                spec, config=self.config, layer_number=number, pg_collection=self.pg_collection
+            )
+            for number, spec in enumerate(self.submodules.layer_specs, start=1)
         )
-
-        if self.submodules.layer_norm and self.post_process and self.post_layer_norm:
+        # Only the last stage normalises the block output.
+        wants_final_norm = self.submodules.layer_norm and self.post_process and self.post_layer_norm
+        self.final_layernorm = None
+        if wants_final_norm:
             self.final_layernorm = build_module(
                 self.submodules.layer_norm,
                 config=self.config,
                 hidden_size=self.config.hidden_size,
                 eps=self.config.layernorm_epsilon,
             )
-        else:
-            self.final_layernorm = None
 
     def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
         """Distributed checkpoint: every layer parameter is one global tensor [num_layers, ...].
@@ -179,75 +178,75 @@ class TransformerBlock(MegatronModule):
         return sharded_state_dict
 
     def _get_layer(self, layer_number: int):
+        """The layer at 0-based position `layer_number` of this stage."""
         return self.layers[layer_number]
+
+    def _recompute_segments(self):
+        """(start, end, checkpointed) for each run of layers under full recomputation.
+
+        'uniform': groups of recompute_num_layers layers, each checkpointed (only the group
+        inputs are stored); 'block': the first recompute_num_layers layers checkpointed one by
+        one, the rest run normally.
+        """
+        count = self.num_layers_per_pipeline_rank
+        group = self.config.recompute_num_layers
+        method = self.config.recompute_method
+        if method == 'uniform':
+            return [(first, min(first + group, count), True) for first in range(0, count, group)]
+        if method == 'block':
+            return [(index, index + 1, index < group) for index in range(count)]
+        raise ValueError(f"Invalid activation recompute method {method!r}.")
+
+    def _layer_range_forward(self, start: int, end: int, packed_seq_params):
+        """A function running layers [start, end) of the stage, with positional tensor inputs
+        as tensor_parallel.checkpoint hands them over."""
+
+        def run(hidden_states, attention_mask, context, context_mask, rotary_pos_emb):
+            for index in range(start, end):
+                hidden_states, context = self._get_layer(index)(
+                    hidden_states=hidden_states,
+                    context=context,
+                    **self._layer_kwargs(
+                        attention_mask, context_mask, rotary_pos_emb, None, packed_seq_params
+                    ),
+                )
+            return hidden_states, context
+
+        return run
+
+    @staticmethod
+    def _layer_kwargs(
+        attention_mask, context_mask, rotary_pos_emb, inference_params, packed_seq_params
+    ):
+        """The inputs every layer receives unchanged from the block."""
+        return {
+            'attention_mask': attention_mask,
+            'context_mask': context_mask,
+            'rotary_pos_emb': rotary_pos_emb,
+            'inference_params': inference_params,
+            'packed_seq_params': packed_seq_params,
+        }
 
     def _checkpointed_forward(
         self,
         hidden_states: Tensor,
-        attention_mask: Tensor,
-        context: Tensor,
-        context_mask: Tensor,
-        rotary_pos_emb: Tensor,
+        attention_mask: Optional[Tensor],
+        context: Optional[Tensor],
+        context_mask: Optional[Tensor],
+        rotary_pos_emb: Optional[Tensor],
         packed_seq_params=None,
     ):
         """Full activation recomputation: only the inputs of checkpointed layer groups are kept,
         the layers are re-run in backward (tensor_parallel.checkpoint restores the RNG states so
         dropout masks are the same)."""
-
-        def custom(start: int, end: int):
-            def custom_forward(
-                hidden_states, attention_mask, context, context_mask, rotary_pos_emb
-            ):
-                for index in range(start, end):
-                    layer = self._get_layer(index)
-                    hidden_states, context = layer(
-                        hidden_states=hidden_states,
-                        attention_mask=attention_mask,
-                        context=context,
-                        context_mask=context_mask,
-                        rotary_pos_emb=rotary_pos_emb,
-                        inference_params=None,
-                        packed_seq_params=packed_seq_params,
-                    )
-                return hidden_states, context
-
-            return custom_forward
-
-        def checkpoint_handler(forward_func):
-            return tensor_parallel.checkpoint(
-                forward_func,
-                self.config.distribute_saved_activations,
-                hidden_states,
-                attention_mask,
-                context,
-                context_mask,
-                rotary_pos_emb,
-            )
-
-        if self.config.recompute_method == 'uniform':
-            # Checkpoint groups of recompute_num_layers layers; only the group inputs are stored.
-            layer_idx = 0
-            while layer_idx < self.num_layers_per_pipeline_rank:
-                end = min(
-                    layer_idx + self.config.recompute_num_layers, self.num_layers_per_pipeline_rank
-                )
-                hidden_states, context = checkpoint_handler(custom(layer_idx, end))
-                layer_idx += self.config.recompute_num_layers
-
-        elif self.config.recompute_method == 'block':
-            # Checkpoint the first recompute_num_layers layers of the stage; run the rest normally.
-            for layer_idx in range(self.num_layers_per_pipeline_rank):
-                if layer_idx < self.config.recompute_num_layers:
-                    hidden_states, context = checkpoint_handler(custom(layer_idx, layer_idx + 1))
-                else:
-                    hidden_states, context = custom(layer_idx, layer_idx + 1)(
-                        hidden_states, attention_mask, context, context_mask, rotary_pos_emb
-                    )
-        else:
-            raise ValueError(
-                f"Invalid activation recompute method {self.config.recompute_method!r}."
-            )
-
+        for start, end, checkpointed in self._recompute_segments():
+            run = self._layer_range_forward(start, end, packed_seq_params)
+            inputs = (hidden_states, attention_mask, context, context_mask, rotary_pos_emb)
+            if checkpointed:
+                keep_sharded = self.config.distribute_saved_activations
+                hidden_states, context = tensor_parallel.checkpoint(run, keep_sharded, *inputs)
+            else:
+                hidden_states, context = run(*inputs)
         return hidden_states
 
     def set_input_tensor(self, input_tensor: Tensor):
@@ -269,40 +268,36 @@ class TransformerBlock(MegatronModule):
         packed_seq_params=None,
     ):
         """hidden_states [s, b, h] (ignored on stages after the first) -> [s, b, h]."""
-        if not self.pre_process:
-            # See set_input_tensor().
-            hidden_states = self.input_tensor
+        # Later pipeline stages take their input from set_input_tensor(), not the argument.
+        hidden_states = hidden_states if self.pre_process else self.input_tensor
 
         # The pipeline schedule frees this tensor's storage after sending it: keep it viewless.
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
 
-        if self.config.sequence_parallel:
-            # Each TP rank holds a different slice of the sequence: draw dropout masks from the
-            # model-parallel RNG so they differ across TP ranks.
-            rng_context = tensor_parallel.get_cuda_rng_tracker().fork()
-        else:
-            rng_context = nullcontext()
-
+        # Under sequence parallelism each TP rank holds a different slice of the sequence, so
+        # dropout masks come from the model-parallel RNG, which differs across TP ranks.
+        sequence_parallel = self.config.sequence_parallel
+        rng_context = (
+            tensor_parallel.get_cuda_rng_tracker().fork() if sequence_parallel else nullcontext()
+        )
+        full_recompute = self.config.recompute_granularity == 'full' and self.training
         with rng_context:
-            if self.config.recompute_granularity == 'full' and self.training:
+            if full_recompute:
+                layer_inputs = (attention_mask, context, context_mask, rotary_pos_emb)
                 hidden_states = self._checkpointed_forward(
-                    hidden_states=hidden_states,
-                    attention_mask=attention_mask,
-                    context=context,
-                    context_mask=context_mask,
-                    rotary_pos_emb=rotary_pos_emb,
-                    packed_seq_params=packed_seq_params,
+                    hidden_states, *layer_inputs, packed_seq_params=packed_seq_params
                 )
             else:
+                shared = self._layer_kwargs(
+                    attention_mask,
+                    context_mask,
+                    rotary_pos_emb,
+                    inference_params,
+                    packed_seq_params,
+                )
                 for layer in self.layers:
                     hidden_states, context = layer(
-                        hidden_states=hidden_states,
-                        attention_mask=attention_mask,
-                        context=context,
-                        context_mask=context_mask,
-                        rotary_pos_emb=rotary_pos_emb,
-                        inference_params=inference_params,
-                        packed_seq_params=packed_seq_params,
+                        hidden_states=hidden_states, context=context, **shared
                     )
 
         if self.final_layernorm is not None:

@@ -356,15 +356,16 @@ class TransformerConfig(ModelParallelConfig):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        if self.num_attention_heads % self.tensor_model_parallel_size != 0:
+        # Every TP rank holds whole heads.
+        if self.num_attention_heads % self.tensor_model_parallel_size:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"tensor_model_parallel_size ({self.tensor_model_parallel_size})."
             )
 
+        # Defaults: an MLP four times as wide as the model, heads splitting h evenly.
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-
+            self.ffn_hidden_size = self.hidden_size * 4
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(

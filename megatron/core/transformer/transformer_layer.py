@@ -47,21 +47,29 @@ def get_transformer_layer_offset(config: TransformerConfig) -> int:
     return pipeline_rank * (config.num_layers // pp_size)
 
 
+# A spec slot: a ModuleSpec or a bare class (IdentityOp / IdentityFuncOp leave the part out).
+_Spec = Union[ModuleSpec, type]
+
+
 @dataclass
 class TransformerLayerSubmodules:
-    """Specs of the submodules of `TransformerLayer` (IdentityOp / IdentityFuncOp = absent)."""
+    """Specs of the submodules of `TransformerLayer` (IdentityOp / IdentityFuncOp = absent).
 
-    input_layernorm: Union[ModuleSpec, type] = IdentityOp
-    self_attention: Union[ModuleSpec, type] = IdentityOp
-    self_attn_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    Each of the three sublayers (self attention, cross attention, MLP) is a norm, the sublayer
+    itself and a bias-dropout-add (bda) onto the residual.
+    """
 
-    pre_cross_attn_layernorm: Union[ModuleSpec, type] = IdentityOp
-    cross_attention: Union[ModuleSpec, type] = IdentityOp
-    cross_attn_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    input_layernorm: _Spec = IdentityOp
+    self_attention: _Spec = IdentityOp
+    self_attn_bda: _Spec = IdentityFuncOp
 
-    pre_mlp_layernorm: Union[ModuleSpec, type] = IdentityOp
-    mlp: Union[ModuleSpec, type] = IdentityOp
-    mlp_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    pre_cross_attn_layernorm: _Spec = IdentityOp
+    cross_attention: _Spec = IdentityOp
+    cross_attn_bda: _Spec = IdentityFuncOp
+
+    pre_mlp_layernorm: _Spec = IdentityOp
+    mlp: _Spec = IdentityOp
+    mlp_bda: _Spec = IdentityFuncOp
 
     # Mapping of this layer's state-dict names to Transformer Engine's (for checkpoint interop).
     sharded_state_dict_keys_map: Dict[str, str] = field(default_factory=dict)
@@ -107,44 +115,17 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         self.layer_number = layer_number + get_transformer_layer_offset(self.config)
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
 
-        self.input_layernorm = build_module(
-            submodules.input_layernorm,
-            config=self.config,
-            hidden_size=self.config.hidden_size,
-            eps=self.config.layernorm_epsilon,
-        )
-
-        self.self_attention = build_module(
-            submodules.self_attention,
-            config=self.config,
-            layer_number=self.layer_number,
-            pg_collection=self.pg_collection,
-        )
+        # Built in forward order, which is also the order of the weight-init draws.
+        self.input_layernorm = self._build_norm(submodules.input_layernorm)
+        self.self_attention = self._build_mixer(submodules.self_attention, self.layer_number)
         self.self_attn_bda = build_module(submodules.self_attn_bda)
 
-        self.pre_cross_attn_layernorm = build_module(
-            submodules.pre_cross_attn_layernorm,
-            config=self.config,
-            hidden_size=self.config.hidden_size,
-            eps=self.config.layernorm_epsilon,
-        )
-        self.cross_attention = build_module(
-            submodules.cross_attention,
-            config=self.config,
-            layer_number=self.layer_number,
-            pg_collection=self.pg_collection,
-        )
+        self.pre_cross_attn_layernorm = self._build_norm(submodules.pre_cross_attn_layernorm)
+        self.cross_attention = self._build_mixer(submodules.cross_attention, self.layer_number)
         self.cross_attn_bda = build_module(submodules.cross_attn_bda, config=self.config)
 
-        self.pre_mlp_layernorm = build_module(
-            submodules.pre_mlp_layernorm,
-            config=self.config,
-            hidden_size=self.config.hidden_size,
-            eps=self.config.layernorm_epsilon,
-        )
-        self.mlp = build_module(
-            submodules.mlp, config=self.config, pg_collection=self.pg_collection
-        )
+        self.pre_mlp_layernorm = self._build_norm(submodules.pre_mlp_layernorm)
+        self.mlp = self._build_mixer(submodules.mlp)
         if hasattr(self.mlp, 'set_layer_number'):
             # An MoE layer records its auxiliary losses under the global layer number.
             self.mlp.set_layer_number(self.layer_number)
@@ -152,6 +133,20 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
 
         # Megatron runs bias-dropout-add under this handler (a no-op here).
         self.bias_dropout_add_exec_handler = nullcontext
+
+    def _build_norm(self, spec):
+        """A norm over the hidden size h (an IdentityOp spec ignores the arguments)."""
+        return build_module(
+            spec,
+            config=self.config,
+            hidden_size=self.config.hidden_size,
+            eps=self.config.layernorm_epsilon,
+        )
+
+    def _build_mixer(self, spec, layer_number=None):
+        """An attention (given the global layer number) or an MLP, on this layer's groups."""
+        extra = {} if layer_number is None else {'layer_number': layer_number}
+        return build_module(spec, config=self.config, pg_collection=self.pg_collection, **extra)
 
     def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
         """Distributed checkpoint of the layer, under Transformer Engine's names.
@@ -163,18 +158,77 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         """
         from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
 
-        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        prefixed_map = {
-            f'{prefix}{k}': f'{prefix}{v}'
-            for k, v in self.submodules_config.sharded_state_dict_keys_map.items()
-        }
-        if prefixed_map:
-            apply_prefix_mapping(sharded_state_dict, prefixed_map)
-        return sharded_state_dict
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        renames = self.submodules_config.sharded_state_dict_keys_map
+        if renames:
+            # Both sides of each rename live under this layer's prefix.
+            apply_prefix_mapping(
+                state, {prefix + ours: prefix + te for ours, te in renames.items()}
+            )
+        return state
 
     def _get_layer_offset(self) -> int:
         """The global index of this stage's first layer (see get_transformer_layer_offset)."""
         return get_transformer_layer_offset(self.config)
+
+    def _norm_and_residual(self, norm, hidden_states, post_norm_residual):
+        """(norm(hidden_states), residual): the residual is the norm's output instead of its
+        input when post_norm_residual (apply_residual_connection_post_layernorm) holds."""
+        normed = norm(hidden_states)
+        return normed, (normed if post_norm_residual else hidden_states)
+
+    def _bias_dropout_add(self, bda, output_with_bias, residual):
+        """residual + dropout(output + bias), fused when config.bias_dropout_fusion."""
+        with self.bias_dropout_add_exec_handler():
+            add = bda(self.training, self.config.bias_dropout_fusion)
+            return add(output_with_bias, residual, self.hidden_dropout)
+
+    def _self_attention_step(
+        self, hidden_states, attention_mask, rotary_pos_emb, inference_params, packed_seq_params
+    ):
+        """Norm, self attention, bias-dropout-add: [s, b, h] -> [s, b, h]."""
+        normed, residual = self._norm_and_residual(
+            self.input_layernorm,
+            hidden_states,
+            self.config.apply_residual_connection_post_layernorm,
+        )
+        out_with_bias = self.self_attention(
+            normed,
+            attention_mask=attention_mask,
+            inference_params=inference_params,
+            rotary_pos_emb=rotary_pos_emb,
+            packed_seq_params=packed_seq_params,
+        )
+        return self._bias_dropout_add(self.self_attn_bda, out_with_bias, residual)
+
+    def _cross_attention_step(self, hidden_states, context, context_mask, inference_params):
+        """Norm, cross attention over `context`, bias-dropout-add -> (hidden_states, context)."""
+        # Without a cross-attention norm there is no post-norm output to take as residual.
+        post_norm = self.config.apply_residual_connection_post_layernorm and not isinstance(
+            self.pre_cross_attn_layernorm, IdentityOp
+        )
+        normed, residual = self._norm_and_residual(
+            self.pre_cross_attn_layernorm, hidden_states, post_norm
+        )
+        out_with_bias = self.cross_attention(
+            normed,
+            attention_mask=context_mask,
+            key_value_states=context,
+            inference_params=inference_params,
+        )
+        # A cross attention may hand back an updated context along with its output.
+        if isinstance(out_with_bias, dict) and "context" in out_with_bias:
+            context = out_with_bias["context"]
+        return self._bias_dropout_add(self.cross_attn_bda, out_with_bias, residual), context
+
+    def _mlp_step(self, hidden_states):
+        """Norm, MLP (or MoE), bias-dropout-add: [s, b, h] -> [s, b, h]."""
+        normed, residual = self._norm_and_residual(
+            self.pre_mlp_layernorm,
+            hidden_states,
+            self.config.apply_residual_connection_post_layernorm,
+        )
+        return self._bias_dropout_add(self.mlp_bda, self.mlp(normed), residual)
 
     def forward(
         self,
@@ -187,61 +241,13 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         packed_seq_params=None,
     ):
         """hidden_states [s, b, h] -> (hidden_states [s, b, h], context)."""
-        # Residual connection.
-        residual = hidden_states
-
-        input_layernorm_output = self.input_layernorm(hidden_states)
-        if self.config.apply_residual_connection_post_layernorm:
-            residual = input_layernorm_output
-
-        attention_output_with_bias = self.self_attention(
-            input_layernorm_output,
-            attention_mask=attention_mask,
-            inference_params=inference_params,
-            rotary_pos_emb=rotary_pos_emb,
-            packed_seq_params=packed_seq_params,
+        hidden_states = self._self_attention_step(
+            hidden_states, attention_mask, rotary_pos_emb, inference_params, packed_seq_params
         )
-
-        with self.bias_dropout_add_exec_handler():
-            hidden_states = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
-                attention_output_with_bias, residual, self.hidden_dropout
-            )
-
-        residual = hidden_states
-
-        pre_cross_attn_layernorm_output = self.pre_cross_attn_layernorm(hidden_states)
-        if self.config.apply_residual_connection_post_layernorm and not isinstance(
-            self.pre_cross_attn_layernorm, IdentityOp
-        ):
-            residual = pre_cross_attn_layernorm_output
-
-        attention_output_with_bias = self.cross_attention(
-            pre_cross_attn_layernorm_output,
-            attention_mask=context_mask,
-            key_value_states=context,
-            inference_params=inference_params,
+        hidden_states, context = self._cross_attention_step(
+            hidden_states, context, context_mask, inference_params
         )
-
-        if isinstance(attention_output_with_bias, dict) and "context" in attention_output_with_bias:
-            context = attention_output_with_bias["context"]
-
-        with self.bias_dropout_add_exec_handler():
-            hidden_states = self.cross_attn_bda(self.training, self.config.bias_dropout_fusion)(
-                attention_output_with_bias, residual, self.hidden_dropout
-            )
-
-        residual = hidden_states
-
-        pre_mlp_layernorm_output = self.pre_mlp_layernorm(hidden_states)
-        if self.config.apply_residual_connection_post_layernorm:
-            residual = pre_mlp_layernorm_output
-
-        mlp_output_with_bias = self.mlp(pre_mlp_layernorm_output)
-
-        with self.bias_dropout_add_exec_handler():
-            hidden_states = self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
-                mlp_output_with_bias, residual, self.hidden_dropout
-            )
+        hidden_states = self._mlp_step(hidden_states)
 
         # The output may be sent to the next pipeline stage, which frees its storage: make it
         # viewless so that no base tensor is kept alive (see make_viewless_tensor).

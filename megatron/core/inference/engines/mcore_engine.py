@@ -30,9 +30,10 @@ class MCoreEngine(AbstractEngine):
     """
 
     def __init__(self, text_generation_controller, max_batch_size: int, random_seed=None):
+        # The scheduler holds at most max_batch_size active requests; the rest wait.
+        self.scheduler = Scheduler(max_batch_size=max_batch_size)
         self.text_generation_controller = text_generation_controller
         self.random_seed = random_seed
-        self.scheduler = Scheduler(max_batch_size=max_batch_size)
 
     def generate(
         self,

@@ -26,6 +26,13 @@ logger = logging.getLogger(__name__)
 # LayerNorm or RMSNorm, following config.normalization.
 LNImpl = WrappedTorchNorm
 
+# Transformer Engine fuses each norm into the linear after it; checkpoints store the separate
+# norms of the local spec under those fused names.
+_TE_FUSED_NORM_KEYS = {
+    'input_layernorm.': 'self_attention.linear_qkv.layer_norm_',
+    'pre_mlp_layernorm.': 'mlp.linear_fc1.layer_norm_',
+}
+
 
 def get_gpt_layer_local_spec(
     num_experts: int = None, moe_grouped_gemm: bool = False, qk_layernorm: bool = False
@@ -41,32 +48,30 @@ def get_gpt_layer_local_spec(
         ModuleSpec of a TransformerLayer with separate input / pre-MLP norms, causal
         self attention (fused QKV) and a dense MLP or an MoE layer.
     """
-    mlp = _get_mlp_module_spec(num_experts, moe_grouped_gemm)
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=LNImpl,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=DotProductAttention,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=LNImpl if qk_layernorm else IdentityOp,
-                    k_layernorm=LNImpl if qk_layernorm else IdentityOp,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=LNImpl,
-            mlp=mlp,
-            mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map={
-                'input_layernorm.': 'self_attention.linear_qkv.layer_norm_',
-                'pre_mlp_layernorm.': 'mlp.linear_fc1.layer_norm_',
-            },
-        ),
+    # One norm class serves both per-head norms; IdentityOp leaves them out.
+    qk_norm = LNImpl if qk_layernorm else IdentityOp
+    attention_parts = SelfAttentionSubmodules(
+        linear_qkv=ColumnParallelLinear,
+        core_attention=DotProductAttention,
+        linear_proj=RowParallelLinear,
+        q_layernorm=qk_norm,
+        k_layernorm=qk_norm,
     )
+    causal_attention = ModuleSpec(
+        module=SelfAttention,
+        submodules=attention_parts,
+        params={"attn_mask_type": AttnMaskType.causal},
+    )
+    layer_parts = TransformerLayerSubmodules(
+        input_layernorm=LNImpl,
+        self_attention=causal_attention,
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=LNImpl,
+        mlp=_get_mlp_module_spec(num_experts, moe_grouped_gemm),
+        mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=dict(_TE_FUSED_NORM_KEYS),
+    )
+    return ModuleSpec(module=TransformerLayer, submodules=layer_parts)
 
 
 def get_gpt_layer_with_transformer_engine_spec(

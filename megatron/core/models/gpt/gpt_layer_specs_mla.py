@@ -30,32 +30,35 @@ def get_gpt_mla_layer_local_spec(
         moe_grouped_gemm: GroupedMLP experts.
         qk_layernorm: build the latent RMSNorms q_layernorm / kv_layernorm.
     """
-    norm = LNImpl if qk_layernorm else IdentityOp
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=LNImpl,
-            self_attention=ModuleSpec(
-                module=MLASelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=MLASelfAttentionSubmodules(
-                    linear_q_proj=ColumnParallelLinear,
-                    linear_q_down_proj=DuplicatedLinear,
-                    linear_q_up_proj=ColumnParallelLinear,
-                    linear_kv_down_proj=DuplicatedLinear,
-                    linear_kv_up_proj=ColumnParallelLinear,
-                    core_attention=MLACoreAttention,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=norm,
-                    kv_layernorm=norm,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=LNImpl,
-            mlp=_get_mlp_module_spec(num_experts, moe_grouped_gemm),
-            mlp_bda=get_bias_dropout_add,
-        ),
+    # The latent norms exist only with qk_layernorm.
+    latent_norm = LNImpl if qk_layernorm else IdentityOp
+    # The down projections are small and replicated (DuplicatedLinear); the up projections
+    # and the output projection split the heads across TP.
+    attention_parts = MLASelfAttentionSubmodules(
+        linear_q_proj=ColumnParallelLinear,
+        linear_q_down_proj=DuplicatedLinear,
+        linear_q_up_proj=ColumnParallelLinear,
+        linear_kv_down_proj=DuplicatedLinear,
+        linear_kv_up_proj=ColumnParallelLinear,
+        core_attention=MLACoreAttention,
+        linear_proj=RowParallelLinear,
+        q_layernorm=latent_norm,
+        kv_layernorm=latent_norm,
     )
+    causal_attention = ModuleSpec(
+        module=MLASelfAttention,
+        submodules=attention_parts,
+        params={"attn_mask_type": AttnMaskType.causal},
+    )
+    layer_parts = TransformerLayerSubmodules(
+        input_layernorm=LNImpl,
+        self_attention=causal_attention,
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=LNImpl,
+        mlp=_get_mlp_module_spec(num_experts, moe_grouped_gemm),
+        mlp_bda=get_bias_dropout_add,
+    )
+    return ModuleSpec(module=TransformerLayer, submodules=layer_parts)
 
 
 def get_gpt_mla_decoder_block_spec(config):

@@ -83,29 +83,34 @@ class GPTModel(LanguageModule):
                 f"{position_embedding_type!r}"
             )
 
+        # Constructor options kept as attributes: the schedules, checkpoint converters and
+        # exporters read them under these names.
         self.transformer_layer_spec: ModuleSpec = transformer_layer_spec
-        self.vocab_size = vocab_size
-        self.max_sequence_length = max_sequence_length
-        self.pre_process = pre_process
-        self.post_process = post_process
-        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
-        self.parallel_output = parallel_output
-        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
-        self.position_embedding_type = position_embedding_type
-
-        # megatron core pipelining currently depends on model type
+        options = {
+            'vocab_size': vocab_size,
+            'max_sequence_length': max_sequence_length,
+            'pre_process': pre_process,
+            'post_process': post_process,
+            'fp16_lm_cross_entropy': fp16_lm_cross_entropy,
+            'parallel_output': parallel_output,
+            'share_embeddings_and_output_weights': share_embeddings_and_output_weights,
+            'position_embedding_type': position_embedding_type,
+            # Names TensorRT-LLM export expects.
+            'max_position_embeddings': max_sequence_length,
+            'rotary_percent': rotary_percent,
+        }
+        for name, value in options.items():
+            setattr(self, name, value)
+        # The pipeline schedules pick their communication pattern from the model type.
         self.model_type = ModelType.encoder_or_decoder
 
-        # These 2 attributes are needed for TensorRT-LLM export.
-        self.max_position_embeddings = max_sequence_length
-        self.rotary_percent = rotary_percent
-
+        # Submodules in the order of their weight-init draws: embedding, decoder, output layer.
         if self.pre_process:
             self.embedding = LanguageModelEmbedding(
-                config=self.config,
-                vocab_size=self.vocab_size,
-                max_sequence_length=self.max_sequence_length,
-                position_embedding_type=position_embedding_type,
+                self.config,
+                vocab_size,
+                max_sequence_length,
+                position_embedding_type,
                 pg_collection=self.pg_collection,
             )
 
@@ -114,15 +119,18 @@ class GPTModel(LanguageModule):
             config, 'multi_latent_attention', False
         )
         if self.use_gpt_rotary:
+            rope_options = {
+                'rotary_interleaved': self.config.rotary_interleaved,
+                'seq_len_interpolation_factor': seq_len_interpolation_factor,
+                'rotary_base': rotary_base,
+                'rope_scaling': rope_scaling,
+                'rope_scaling_factor': rope_scaling_factor,
+            }
             self.rotary_pos_emb = RotaryEmbedding(
-                kv_channels=self.config.kv_channels,
-                rotary_percent=rotary_percent,
-                rotary_interleaved=self.config.rotary_interleaved,
-                seq_len_interpolation_factor=seq_len_interpolation_factor,
-                rotary_base=rotary_base,
+                self.config.kv_channels,
+                rotary_percent,
                 cp_group=self.pg_collection.cp,
-                rope_scaling=rope_scaling,
-                rope_scaling_factor=rope_scaling_factor,
+                **rope_options,
             )
 
         self.decoder = TransformerBlock(
@@ -134,16 +142,18 @@ class GPTModel(LanguageModule):
         )
 
         if self.post_process:
+            # [s, b, h] -> [s, b, v/p]. With tied weights on the embedding stage the layer owns
+            # no weight: forward borrows the word-embedding table.
+            borrows_weight = self.pre_process and self.share_embeddings_and_output_weights
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size,
                 self.vocab_size,
+                gather_output=not self.parallel_output,
+                skip_weight_param_allocation=borrows_weight,
                 config=config,
                 init_method=config.init_method,
                 bias=False,
                 skip_bias_add=False,
-                gather_output=not self.parallel_output,
-                skip_weight_param_allocation=self.pre_process
-                and self.share_embeddings_and_output_weights,
                 tp_group=self.pg_collection.tp,
             )
 
@@ -252,14 +262,15 @@ class GPTModel(LanguageModule):
                     cp_rank=0 if cp_group is None else cp_group.rank(),
                 )
 
-        # Run decoder.
+        # Intermediate pipeline stages pass decoder_input=None: the block reads its input tensor.
+        block_kwargs = dict(extra_block_kwargs or {})
         hidden_states = self.decoder(
             hidden_states=decoder_input,
+            rotary_pos_emb=rotary_pos_emb,
             attention_mask=attention_mask,
             inference_params=inference_params,
-            rotary_pos_emb=rotary_pos_emb,
             packed_seq_params=packed_seq_params,
-            **(extra_block_kwargs or {}),
+            **block_kwargs,
         )
 
         if not self.post_process:

@@ -25,27 +25,25 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 def mamba_attention_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal) -> ModuleSpec:
     """The '*' layer: norm -> self attention -> residual."""
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=WrappedTorchNorm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": attn_mask_type},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=DotProductAttention,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map={
-                'input_layernorm.': 'self_attention.linear_qkv.layer_norm_'
-            },
-        ),
+    # Plain attention: fused QKV, no per-head query / key norms.
+    attention_parts = SelfAttentionSubmodules(
+        q_layernorm=IdentityOp,
+        k_layernorm=IdentityOp,
+        linear_qkv=ColumnParallelLinear,
+        core_attention=DotProductAttention,
+        linear_proj=RowParallelLinear,
     )
+    attention = ModuleSpec(
+        module=SelfAttention, submodules=attention_parts, params={"attn_mask_type": attn_mask_type}
+    )
+    # The layer's norm is stored under Transformer Engine's fused name.
+    layer_parts = TransformerLayerSubmodules(
+        input_layernorm=WrappedTorchNorm,
+        self_attention=attention,
+        self_attn_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map={'input_layernorm.': 'self_attention.linear_qkv.layer_norm_'},
+    )
+    return ModuleSpec(module=TransformerLayer, submodules=layer_parts)
 
 
 def mamba_mlp_layer_spec() -> ModuleSpec:

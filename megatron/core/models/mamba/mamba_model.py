@@ -89,58 +89,69 @@ class MambaModel(LanguageModule):
                 "position_embedding_type must be 'learned_absolute', 'rope' or 'none', got "
                 f"{position_embedding_type!r}"
             )
+        # Constructor options kept as attributes under the names other code reads.
         self.mamba_stack_spec = mamba_stack_spec
-        self.vocab_size = vocab_size
-        self.max_sequence_length = max_sequence_length
-        self.pre_process = pre_process
-        self.post_process = post_process
-        self.hybrid_attention_ratio = hybrid_attention_ratio
-        self.hybrid_mlp_ratio = hybrid_mlp_ratio
-        self.hybrid_override_pattern = hybrid_override_pattern
-        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
-        self.parallel_output = parallel_output
-        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
-        self.position_embedding_type = position_embedding_type
+        options = {
+            'vocab_size': vocab_size,
+            'max_sequence_length': max_sequence_length,
+            'pre_process': pre_process,
+            'post_process': post_process,
+            'hybrid_attention_ratio': hybrid_attention_ratio,
+            'hybrid_mlp_ratio': hybrid_mlp_ratio,
+            'hybrid_override_pattern': hybrid_override_pattern,
+            'fp16_lm_cross_entropy': fp16_lm_cross_entropy,
+            'parallel_output': parallel_output,
+            'share_embeddings_and_output_weights': share_embeddings_and_output_weights,
+            'position_embedding_type': position_embedding_type,
+        }
+        for name, value in options.items():
+            setattr(self, name, value)
         self.model_type = ModelType.encoder_or_decoder
 
+        # Submodules in the order of their weight-init draws: embedding, stack, output layer.
         if self.pre_process:
             self.embedding = LanguageModelEmbedding(
-                config=self.config,
-                vocab_size=self.vocab_size,
-                max_sequence_length=self.max_sequence_length,
-                position_embedding_type=position_embedding_type,
+                self.config,
+                vocab_size,
+                max_sequence_length,
+                position_embedding_type,
                 pg_collection=self.pg_collection,
             )
         if self.position_embedding_type == 'rope':
+            # Angles for the attention layers of the stack; the Mamba layers ignore them.
             self.rotary_pos_emb = RotaryEmbedding(
-                kv_channels=self.config.kv_channels,
-                rotary_percent=rotary_percent,
-                rotary_interleaved=self.config.rotary_interleaved,
+                self.config.kv_channels,
+                rotary_percent,
                 seq_len_interpolation_factor=seq_len_interpolation_factor,
                 rotary_base=rotary_base,
+                rotary_interleaved=self.config.rotary_interleaved,
                 cp_group=self.pg_collection.cp,
             )
+        layout = {
+            name: options[name]
+            for name in ('hybrid_attention_ratio', 'hybrid_mlp_ratio', 'hybrid_override_pattern')
+        }
         self.decoder = build_module(
             mamba_stack_spec,
             self.config,
             pre_process=self.pre_process,
-            hybrid_attention_ratio=self.hybrid_attention_ratio,
-            hybrid_mlp_ratio=self.hybrid_mlp_ratio,
-            hybrid_override_pattern=self.hybrid_override_pattern,
             post_process=self.post_process,
             pg_collection=self.pg_collection,
+            **layout,
         )
         if self.post_process:
+            # [s, b, H] -> [s, b, v/p]; with tied weights on the embedding stage the layer owns
+            # no weight and borrows the word-embedding table.
+            borrows_weight = self.pre_process and self.share_embeddings_and_output_weights
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size,
                 self.vocab_size,
+                gather_output=not self.parallel_output,
+                skip_weight_param_allocation=borrows_weight,
                 config=config,
                 init_method=config.init_method,
                 bias=False,
                 skip_bias_add=False,
-                gather_output=not self.parallel_output,
-                skip_weight_param_allocation=self.pre_process
-                and self.share_embeddings_and_output_weights,
                 tp_group=self.pg_collection.tp,
             )
         if self.pre_process or self.post_process:
@@ -160,6 +171,24 @@ class MambaModel(LanguageModule):
             input_tensor = [input_tensor]
         assert len(input_tensor) == 1, 'input_tensor should only be length 1 for mamba'
         self.decoder.set_input_tensor(input_tensor[0])
+
+    def _embed(self, input_ids, position_ids, inference_params):
+        """input_ids [b, s] -> embeddings [s, b, H]; during decoding the default positions
+        continue after the cached ones."""
+        if position_ids is None and inference_params is not None:
+            first = inference_params.sequence_len_offset
+            steps = torch.arange(first, first + input_ids.size(1), device=input_ids.device)
+            position_ids = steps.unsqueeze(0)  # [1, s]
+        return self.embedding(input_ids=input_ids, position_ids=position_ids)
+
+    def _rotary_angles(self, inference_params, decoder_input):
+        """RoPE angles [s, 1, 1, d] for the attention layers of the stack, or None."""
+        if self.position_embedding_type != 'rope':
+            return None
+        length = self.rotary_pos_emb.get_rotary_seq_len(
+            inference_params, self.decoder, decoder_input, self.config
+        )
+        return self.rotary_pos_emb(length)
 
     def forward(
         self,
@@ -189,34 +218,20 @@ class MambaModel(LanguageModule):
             Last stage: the loss [b, s] with labels, else logits [b, s, v/p]. Other stages:
             hidden states [s, b, H].
         """
-        if decoder_input is not None:
-            pass
-        elif self.pre_process:
-            if position_ids is None and inference_params is not None:
-                offset = inference_params.sequence_len_offset
-                position_ids = torch.arange(
-                    offset, offset + input_ids.size(1), device=input_ids.device
-                ).unsqueeze(0)
-            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
-        else:
-            decoder_input = None
+        if decoder_input is None and self.pre_process:
+            decoder_input = self._embed(input_ids, position_ids, inference_params)
+        # Otherwise: a precomputed embedding, or None on later stages (set_input_tensor).
 
         if seq_idx is None and packed_seq_params is not None and input_ids is not None:
             seq_idx = seq_idx_from_packed(packed_seq_params, *input_ids.shape)
 
-        rotary_pos_emb = None
-        if self.position_embedding_type == 'rope':
-            rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
-                inference_params, self.decoder, decoder_input, self.config
-            )
-            rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len)
-
+        rotary_pos_emb = self._rotary_angles(inference_params, decoder_input)
         hidden_states = self.decoder(
             hidden_states=decoder_input,
+            seq_idx=seq_idx,
+            rotary_pos_emb=rotary_pos_emb,
             attention_mask=attention_mask,
             inference_params=inference_params,
-            rotary_pos_emb=rotary_pos_emb,
-            seq_idx=seq_idx,
         )
         if not self.post_process:
             return hidden_states

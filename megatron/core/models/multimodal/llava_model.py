@@ -151,16 +151,17 @@ class LLaVAModel(MegatronModule):
         self.language_max_sequence_length = language_max_sequence_length
         self.supervise_first_token_after_image = supervise_first_token_after_image
 
+        # The language model, the ViT and the projector draw their initial weights in this order.
         self.language_model = GPTModel(
-            config=language_transformer_config,
-            transformer_layer_spec=language_transformer_layer_spec,
-            vocab_size=language_vocab_size,
-            max_sequence_length=language_max_sequence_length,
+            language_transformer_config,
+            language_transformer_layer_spec,
+            language_vocab_size,
+            language_max_sequence_length,
             parallel_output=parallel_output,
-            position_embedding_type=language_position_embedding_type,
-            rotary_percent=language_rotary_percent,
-            rotary_base=language_rotary_base,
             pg_collection=pg_collection,
+            position_embedding_type=language_position_embedding_type,
+            rotary_base=language_rotary_base,
+            rotary_percent=language_rotary_percent,
         )
         self.vision_model = CLIPViTModel(
             vision_transformer_config,

@@ -47,15 +47,17 @@ class MultimodalProjector(MegatronModule):
         if projector_type == 'mlp':
             self.encoder = MLP(config=config, submodules=submodules, input_size=input_size)
         else:
+            # 'affine': one linear [input_size -> h], its output gathered back to full width on
+            # every TP rank; the bias comes back separately and forward adds it.
             self.encoder = build_module(
                 submodules.linear_fc1,
                 input_size,
                 config.hidden_size,
-                config=config,
-                init_method=config.init_method,
                 gather_output=True,
-                bias=config.add_bias_linear,
                 skip_bias_add=True,
+                bias=config.add_bias_linear,
+                init_method=config.init_method,
+                config=config,
                 is_expert=False,
             )
 

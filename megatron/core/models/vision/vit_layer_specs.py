@@ -36,31 +36,33 @@ def _get_mlp_module_spec(use_te: bool = False) -> ModuleSpec:
 def get_vit_layer_with_local_spec() -> ModuleSpec:
     """A ViT layer from the plain-PyTorch modules: LayerNorm, bidirectional self attention
     (fused QKV, column-parallel; output projection row-parallel), LayerNorm, MLP."""
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=WrappedTorchLayerNorm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.no_mask},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=DotProductAttention,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=WrappedTorchLayerNorm,
-            mlp=_get_mlp_module_spec(),
-            mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map={
-                'input_layernorm.': 'self_attention.linear_qkv.layer_norm_',
-                'pre_mlp_layernorm.': 'mlp.linear_fc1.layer_norm_',
-            },
-        ),
+    # Every patch attends to every other one, and there are no per-head query / key norms.
+    attention_parts = SelfAttentionSubmodules(
+        q_layernorm=IdentityOp,
+        k_layernorm=IdentityOp,
+        linear_qkv=ColumnParallelLinear,
+        core_attention=DotProductAttention,
+        linear_proj=RowParallelLinear,
     )
+    bidirectional_attention = ModuleSpec(
+        module=SelfAttention,
+        submodules=attention_parts,
+        params={"attn_mask_type": AttnMaskType.no_mask},
+    )
+    layer_parts = TransformerLayerSubmodules(
+        input_layernorm=WrappedTorchLayerNorm,
+        self_attention=bidirectional_attention,
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=WrappedTorchLayerNorm,
+        mlp=_get_mlp_module_spec(),
+        mlp_bda=get_bias_dropout_add,
+        # Checkpoints name the separate norms as Transformer Engine's fused ones.
+        sharded_state_dict_keys_map={
+            'input_layernorm.': 'self_attention.linear_qkv.layer_norm_',
+            'pre_mlp_layernorm.': 'mlp.linear_fc1.layer_norm_',
+        },
+    )
+    return ModuleSpec(module=TransformerLayer, submodules=layer_parts)
 
 
 def get_vit_layer_with_transformer_engine_spec() -> ModuleSpec:

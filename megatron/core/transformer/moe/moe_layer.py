@@ -62,13 +62,13 @@ class BaseMoELayer(MegatronModule, ABC):
                 )
             self.num_local_experts = config.num_moe_experts // self.expert_parallel_size
             local_expert_indices_offset = self.pg_collection.ep.rank() * self.num_local_experts
-        self.local_expert_indices = [
-            local_expert_indices_offset + i for i in range(self.num_local_experts)
-        ]
-        self.router = None
-        self.experts = None
-        self.token_dispatcher = None
+        # Global indices of the experts this rank holds (a contiguous block).
+        self.local_expert_indices = list(
+            range(local_expert_indices_offset, local_expert_indices_offset + self.num_local_experts)
+        )
         self.layer_number = layer_number
+        # The subclass builds these three parts.
+        self.router = self.experts = self.token_dispatcher = None
 
     @abstractmethod
     def forward(self, hidden_states):

@@ -105,18 +105,19 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
 
 def sinkhorn(cost: torch.Tensor, tol: float = 0.0001) -> torch.Tensor:
     """Sinkhorn balancing of exp(cost) [T, E] to uniform row (1/T) and column (1/E) marginals."""
-    cost = torch.exp(cost)
-    d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
-    d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
+    weights = torch.exp(cost)
+    num_rows, num_cols = weights.shape
     eps = 0.00000001
-    error = 1e9
-    d1_old = d1
-    while error > tol:
-        d0 = (1 / d0.size(0)) * 1 / (torch.sum(d1 * cost, 1) + eps)
-        d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
-        error = torch.mean(torch.abs(d1_old - d1))
-        d1_old = d1
-    return d1 * cost * d0.unsqueeze(1)
+    # Alternately rescale rows and columns (scaling vectors r [T] and c [E]) until c settles.
+    col_scale = torch.ones(num_cols, device=weights.device, dtype=weights.dtype)
+    while True:
+        row_scale = (1 / num_rows) / (torch.sum(col_scale * weights, 1) + eps)
+        new_col_scale = (1 / num_cols) / (torch.sum(row_scale.unsqueeze(1) * weights, 0) + eps)
+        change = torch.mean(torch.abs(col_scale - new_col_scale))
+        col_scale = new_col_scale
+        if not change > tol:
+            break
+    return col_scale * weights * row_scale.unsqueeze(1)  # [T, E]
 
 
 def get_capacity(

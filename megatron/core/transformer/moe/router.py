@@ -211,40 +211,43 @@ class TopKRouter(Router):
 
     # ------------------------------------------------------------------ routing
 
+    # topk_softmax_with_capacity keyword -> the TransformerConfig field that sets it.
+    _TOPK_CONFIG_FIELDS = (
+        ('capacity_factor', 'moe_expert_capacity_factor'),
+        ('pad_to_capacity', 'moe_pad_expert_input_to_capacity'),
+        ('drop_policy', 'moe_token_drop_policy'),
+        ('use_pre_softmax', 'moe_router_pre_softmax'),
+        ('score_function', 'moe_router_score_function'),
+        ('scaling_factor', 'moe_router_topk_scaling_factor'),
+        ('num_groups', 'moe_router_num_groups'),
+        ('group_topk', 'moe_router_group_topk'),
+    )
+
     def _topk(self, logits: torch.Tensor):
+        options = {kw: getattr(self.config, name) for kw, name in self._TOPK_CONFIG_FIELDS}
         return topk_softmax_with_capacity(
-            logits,
-            self.topk,
-            capacity_factor=self.config.moe_expert_capacity_factor,
-            pad_to_capacity=self.config.moe_pad_expert_input_to_capacity,
-            drop_policy=self.config.moe_token_drop_policy,
-            use_pre_softmax=self.config.moe_router_pre_softmax,
-            score_function=self.config.moe_router_score_function,
-            expert_bias=self.expert_bias,
-            scaling_factor=self.config.moe_router_topk_scaling_factor,
-            num_groups=self.config.moe_router_num_groups,
-            group_topk=self.config.moe_router_group_topk,
+            logits, self.topk, expert_bias=self.expert_bias, **options
         )
+
+    def _sinkhorn_activation(self, logits: torch.Tensor) -> torch.Tensor:
+        """Routing scores of the Sinkhorn router: a sigmoid for top-1, else a softmax over the
+        experts (computed in fp32, returned in the logits' dtype)."""
+        if self.topk == 1:
+            return torch.sigmoid(logits)
+        return torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
 
     def sinkhorn_load_balancing(self, logits: torch.Tensor):
         """Sinkhorn-balanced expert choice in training (top-k of the balanced assignment), plain
         top-k in evaluation; the probs are the (softmax, or sigmoid for k = 1) scores of the
         chosen experts, not renormalized."""
-
-        def _sinkhorn_activation(logits):
-            if self.topk == 1:
-                return torch.sigmoid(logits)
-            return torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
-
-        if self.training:
-            with torch.no_grad():
-                norm_logits = sinkhorn(logits.to(dtype=torch.float32))
-                _, indices = torch.topk(norm_logits, k=self.topk, dim=1)
-            logits = _sinkhorn_activation(logits)
-            scores = torch.gather(logits, 1, indices)
+        if not self.training:
+            scores, indices = torch.topk(self._sinkhorn_activation(logits), k=self.topk, dim=1)
         else:
-            logits = _sinkhorn_activation(logits)
-            scores, indices = torch.topk(logits, k=self.topk, dim=1)
+            # The balanced assignment only picks the experts; no gradient flows through it.
+            with torch.no_grad():
+                balanced = sinkhorn(logits.to(dtype=torch.float32))  # [T, E]
+                indices = torch.topk(balanced, k=self.topk, dim=1).indices  # [T, k]
+            scores = self._sinkhorn_activation(logits).gather(1, indices)
         return scores, indices, torch.bincount(indices.view(-1), minlength=self.num_experts)
 
     def aux_loss_load_balancing(self, logits: torch.Tensor):

@@ -53,51 +53,80 @@ class LanguageModelEmbedding(MegatronModule):
         self.config = config
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
+        # 'rope' and 'none' leave positions to the attention layers (or to nobody).
         self.add_position_embedding = position_embedding_type == 'learned_absolute'
         self.num_tokentypes = num_tokentypes
 
+        # Built in this order, which is the order of their weight-init draws.
+        # [v, h] split along v: [v/p, h] per rank.
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-            num_embeddings=self.vocab_size,
-            embedding_dim=self.config.hidden_size,
-            init_method=self.config.init_method,
+            self.vocab_size,
+            self.config.hidden_size,
             config=self.config,
+            init_method=self.config.init_method,
             tp_group=self.pg_collection.tp,
         )
-
         if self.add_position_embedding:
-            self.position_embeddings = torch.nn.Embedding(
-                self.max_sequence_length,
-                self.config.hidden_size,
-                device=get_current_device(),
-                dtype=self.config.params_dtype,
-            )
-            if self.config.perform_initialization:
-                self.config.init_method(self.position_embeddings.weight)
-
+            self.position_embeddings = self._replicated_table(self.max_sequence_length)
+        self.tokentype_embeddings = None
         if self.num_tokentypes > 0:
-            self.tokentype_embeddings = torch.nn.Embedding(
-                self.num_tokentypes,
-                self.config.hidden_size,
-                device=get_current_device(),
-                dtype=self.config.params_dtype,
-            )
-            if self.config.perform_initialization:
-                self.config.init_method(self.tokentype_embeddings.weight)
-        else:
-            self.tokentype_embeddings = None
+            self.tokentype_embeddings = self._replicated_table(self.num_tokentypes)
 
         self.embedding_dropout = torch.nn.Dropout(self.config.hidden_dropout)
 
+    def _replicated_table(self, rows: int) -> torch.nn.Embedding:
+        """A [rows, h] table held whole on every TP rank, drawn from config.init_method."""
+        table = torch.nn.Embedding(
+            rows,
+            self.config.hidden_size,
+            dtype=self.config.params_dtype,
+            device=get_current_device(),
+        )
+        if self.config.perform_initialization:
+            self.config.init_method(table.weight)
+        return table
+
+    def _tables(self):
+        """The embedding tables this module holds."""
+        tables = [self.word_embeddings]
+        if self.add_position_embedding:
+            tables.append(self.position_embeddings)
+        if self.num_tokentypes > 0:
+            tables.append(self.tokentype_embeddings)
+        return tables
+
     def zero_parameters(self):
         """Zero all embedding parameters (and mark them shared)."""
-        self.word_embeddings.weight.data.fill_(0)
-        self.word_embeddings.weight.shared = True
-        if self.add_position_embedding:
-            self.position_embeddings.weight.data.fill_(0)
-            self.position_embeddings.weight.shared = True
-        if self.num_tokentypes > 0:
-            self.tokentype_embeddings.weight.data.fill_(0)
-            self.tokentype_embeddings.weight.shared = True
+        for table in self._tables():
+            table.weight.data.fill_(0)
+            table.weight.shared = True
+
+    def _add_tokentypes(self, embeddings: Tensor, tokentype_ids: Optional[Tensor]) -> Tensor:
+        """Add the token-type embedding; ids must be given exactly when the module has types."""
+        if tokentype_ids is None:
+            if self.tokentype_embeddings is not None:
+                raise ValueError(
+                    f"num_tokentypes is {self.num_tokentypes} but no tokentype_ids were given"
+                )
+            return embeddings
+        if self.tokentype_embeddings is None:
+            raise ValueError("tokentype_ids given but the embedding has num_tokentypes == 0")
+        # [b, s, h] -> [s, b, h]
+        return embeddings + self.tokentype_embeddings(tokentype_ids).permute(1, 0, 2)
+
+    def _dropout(self, embeddings: Tensor) -> Tensor:
+        """Embedding dropout; under sequence parallelism first scatter [s, b, h] -> [s/p, b, h]."""
+        if not self.config.sequence_parallel:
+            return self.embedding_dropout(embeddings)
+        local = tensor_parallel.scatter_to_sequence_parallel_region(
+            embeddings, group=self.pg_collection.tp
+        )
+        # The scattered slice is a view of the whole tensor; a copy lets the whole one be freed.
+        if self.config.clone_scatter_output_in_embedding:
+            local = local.clone()
+        # The ranks hold different positions, so their masks come from the model-parallel RNG.
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return self.embedding_dropout(local)
 
     def forward(
         self,
@@ -107,44 +136,13 @@ class LanguageModelEmbedding(MegatronModule):
     ) -> Tensor:
         """input_ids [b, s] (and position_ids [b, s], default 0..s-1) -> [s, b, h]
         ([s/p, b, h] under sequence parallelism)."""
-        word_embeddings = self.word_embeddings(input_ids)  # [b, s, h]
+        embeddings = self.word_embeddings(input_ids)  # [b, s, h]
         if self.add_position_embedding:
             if position_ids is None:
-                position_ids = torch.arange(input_ids.size(1), device=input_ids.device).unsqueeze(0)
-            position_embeddings = self.position_embeddings(position_ids)
-            embeddings = word_embeddings + position_embeddings
-        else:
-            embeddings = word_embeddings
-
-        # [b, s, h] -> [s, b, h]: the transformer works sequence-first.
-        embeddings = embeddings.transpose(0, 1).contiguous()
-
-        if tokentype_ids is not None:
-            if self.tokentype_embeddings is None:
-                raise ValueError("tokentype_ids given but the embedding has num_tokentypes == 0")
-            # [b, s, h] -> [s, b, h]
-            embeddings = embeddings + self.tokentype_embeddings(tokentype_ids).permute(1, 0, 2)
-        elif self.tokentype_embeddings is not None:
-            raise ValueError(
-                f"num_tokentypes is {self.num_tokentypes} but no tokentype_ids were given"
-            )
-
+                position_ids = torch.arange(input_ids.size(1), device=input_ids.device)[None]
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        # The transformer works sequence-first: [b, s, h] -> [s, b, h]
+        embeddings = self._add_tokentypes(embeddings.transpose(0, 1).contiguous(), tokentype_ids)
         if self.config.fp32_residual_connection:
             embeddings = embeddings.float()
-
-        if self.config.sequence_parallel:
-            # [s, b, h] -> [s/p, b, h]
-            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(
-                embeddings, group=self.pg_collection.tp
-            )
-            # The scatter output is a view of the full embeddings: clone it so that the full
-            # tensor can be freed.
-            if self.config.clone_scatter_output_in_embedding:
-                embeddings = embeddings.clone()
-            # Each TP rank holds a different slice of the sequence: use the model-parallel RNG.
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                embeddings = self.embedding_dropout(embeddings)
-        else:
-            embeddings = self.embedding_dropout(embeddings)
-
-        return embeddings
+        return self._dropout(embeddings)

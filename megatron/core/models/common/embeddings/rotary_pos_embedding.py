@@ -107,14 +107,13 @@ class RotaryEmbedding(torch.nn.Module):
         """
         if inference_params is not None:
             return inference_params.max_sequence_length
-        if transformer.input_tensor is not None:
-            rotary_seq_len = transformer.input_tensor.size(0)
-        else:
-            rotary_seq_len = transformer_input.size(0)
-        if transformer_config.sequence_parallel:
-            rotary_seq_len *= transformer_config.tensor_model_parallel_size
-        rotary_seq_len *= transformer_config.context_parallel_size
-        return rotary_seq_len
+        # Later pipeline stages see the previous stage's output instead of an embedding.
+        block_input = transformer.input_tensor
+        if block_input is None:
+            block_input = transformer_input
+        cfg = transformer_config
+        tp_split = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+        return block_input.size(0) * tp_split * cfg.context_parallel_size
 
 
 def _rotate_half(x: Tensor, rotary_interleaved: bool) -> Tensor:
@@ -140,9 +139,10 @@ def apply_rotary_pos_emb(t: Tensor, freqs: Tensor, config=None, cu_seqlens=None)
     if cu_seqlens is not None:
         raise NotImplementedError("packed sequences (cu_seqlens) are not supported by RoPE here")
     rotary_interleaved = bool(config.rotary_interleaved) if config is not None else False
-    rot_dim = freqs.shape[-1]
-    t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    cos_ = torch.cos(freqs).to(t.dtype)
-    sin_ = torch.sin(freqs).to(t.dtype)
-    t = (t * cos_) + (_rotate_half(t, rotary_interleaved) * sin_)
-    return torch.cat((t, t_pass), dim=-1)
+    # Only the first d channels rotate (rotary_percent < 1 leaves the rest as they are).
+    d = freqs.shape[-1]
+    rotating, passing = t[..., :d], t[..., d:]
+    cos = torch.cos(freqs).to(rotating.dtype)
+    sin = torch.sin(freqs).to(rotating.dtype)
+    rotated = (rotating * cos) + (_rotate_half(rotating, rotary_interleaved) * sin)
+    return torch.cat((rotated, passing), dim=-1)

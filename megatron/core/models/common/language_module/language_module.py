@@ -108,50 +108,59 @@ class LanguageModule(MegatronModule):
         the first stage's table; `finalize_model_grads` keeps the two in sync by all-reducing
         their gradients over the same group. Both copies are marked `shared_embedding = True`.
         """
-        if self.pre_process:
-            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
-        if self.post_process and self.output_layer.weight is not None:
-            self.output_layer.weight.is_embedding_or_output_parameter = True
-
+        self._tag_embedding_and_output_weights()
         if not self.share_embeddings_and_output_weights:
             return
-
         if self.pg_collection.pp.size() == 1:
             # One stage holds both ends: the output layer reads the embedding weight directly.
             self.shared_embedding_or_output_weight().zero_out_wgrad = True
             return
+        self._mark_tied_copies()
+        self._synchronise_tied_copies()
 
+    def _tag_embedding_and_output_weights(self) -> None:
+        """Flag the vocabulary-sized weights this stage holds (the optimizer setup reads it)."""
+        tagged = []
+        if self.pre_process:
+            tagged.append(self.embedding.word_embeddings.weight)
+        if self.post_process and self.output_layer.weight is not None:
+            tagged.append(self.output_layer.weight)
+        for weight in tagged:
+            weight.is_embedding_or_output_parameter = True
+
+    def _mark_tied_copies(self) -> None:
+        """With pp > 1 the first stage's table and the last stage's own copy of it are the two
+        halves of one tied weight; the copy starts at zero so that the all-reduce that follows
+        leaves it equal to the table."""
         if parallel_state.is_pipeline_first_stage() and self.pre_process and not self.post_process:
             self.shared_embedding_or_output_weight().shared_embedding = True
+        if not self.post_process or self.pre_process:
+            return
+        assert not parallel_state.is_pipeline_first_stage()
+        copy = self.output_layer.weight
+        copy.data.fill_(0)
+        copy.shared = True
+        copy.shared_embedding = True
 
-        if self.post_process and not self.pre_process:
-            assert not parallel_state.is_pipeline_first_stage()
-            # Zero out the last stage's copy, then all-reduce it with the first stage's table.
-            self.output_layer.weight.data.fill_(0)
-            self.output_layer.weight.shared = True
-            self.output_layer.weight.shared_embedding = True
-
-        # Parameters are shared between the word embeddings layers, and the heads at the end of
-        # the model. In a pipelined setup with more than one stage, the initial embedding layer
-        # and the head are on different workers, so we do the following:
-        # 1. Create a second copy of word_embeddings on the last stage, with initial parameters
-        #    of 0.0.
-        # 2. Do an all-reduce between the first and last stage to ensure that the two copies of
-        #    word_embeddings start off with the same parameter values.
-        # 3. In the training loop, all-reduce the grads of the two copies (finalize_model_grads).
-        if torch.distributed.is_initialized():
-            # Only the chunk holding an end of the model joins (virtual pipeline: not the middle).
-            if self.pg_collection.embd is not None and (self.pre_process or self.post_process):
-                weight = self.shared_embedding_or_output_weight()
-                torch.distributed.all_reduce(weight.data, group=self.pg_collection.embd)
-        elif not getattr(LanguageModule, "embedding_warning_printed", False):
-            logger.warning(
-                "Distributed processes aren't initialized, so the output layer is not initialized "
-                "with weights from the word embeddings. If you are just manipulating a model this "
-                "is fine, but this needs to be handled manually. If you are training something is "
-                "definitely wrong."
-            )
-            LanguageModule.embedding_warning_printed = True
+    def _synchronise_tied_copies(self) -> None:
+        """Sum the two copies over the embedding group (first and last stage): the zeroed copy
+        takes the table's values. Their gradients are summed over the same group each step
+        (finalize_model_grads), so they stay equal."""
+        if not torch.distributed.is_initialized():
+            if not getattr(LanguageModule, "embedding_warning_printed", False):
+                logger.warning(
+                    "Distributed processes aren't initialized, so the output layer is not "
+                    "initialized with weights from the word embeddings. If you are just "
+                    "manipulating a model this is fine, but this needs to be handled manually. "
+                    "If you are training something is definitely wrong."
+                )
+                LanguageModule.embedding_warning_printed = True
+            return
+        # Only a chunk holding an end of the model joins (virtual pipeline: not the middle ones).
+        if self.pg_collection.embd is None or not (self.pre_process or self.post_process):
+            return
+        weight = self.shared_embedding_or_output_weight()
+        torch.distributed.all_reduce(weight.data, group=self.pg_collection.embd)
 
     def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
         """Distributed checkpoint with the output layer tied as Megatron stores it.

@@ -10,6 +10,8 @@ saved, and the activation is recomputed from it in backward.
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.function_apply import apply_function
+
 
 def bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(y + bias)."""
@@ -45,4 +47,6 @@ class GeLUFunction(torch.autograd.Function):
         return tmp, grad_bias
 
 
-bias_gelu_impl = GeLUFunction.apply
+def bias_gelu_impl(input, bias):
+    """gelu_tanh(input + bias), through GeLUFunction (no autograd node without gradients)."""
+    return apply_function(GeLUFunction, input, bias)

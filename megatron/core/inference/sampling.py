@@ -105,6 +105,8 @@ def sample_rows(
     out = torch.empty(batch, dtype=torch.long, device=logits.device)
     generators = generators if generators is not None else [None] * batch
     greedy = [i for i in range(batch) if params[i].top_k == 1]
+    if len(greedy) == batch:  # every row greedy: one argmax, without copying the logits
+        return sample(logits, top_k=1, vocab_size=vocab_size)
     if greedy:
         idx = torch.tensor(greedy, device=logits.device)
         out[idx] = sample(logits.index_select(0, idx), top_k=1, vocab_size=vocab_size)

@@ -21,6 +21,7 @@ from torch.nn.parameter import Parameter
 
 from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.function_apply import apply_function
 from megatron.core.tensor_parallel.mappings import (
     _gather_along_first_dim,
     _start_gather_along_first_dim,
@@ -455,7 +456,8 @@ def linear_with_grad_accumulation_and_async_allreduce(
         raise ValueError('allreduce_dgrad and sequence_parallel cannot both be True')
     # Fall back to the global tensor model parallel group when none is given.
     tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
-    return LinearWithGradAccumulationAndAsyncCommunication.apply(
+    return apply_function(
+        LinearWithGradAccumulationAndAsyncCommunication,
         input,
         weight,
         bias,

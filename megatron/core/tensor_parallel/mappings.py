@@ -17,6 +17,7 @@ from typing import List, Optional
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.function_apply import apply_function
 from megatron.core.tensor_parallel.utils import (
     all_gather_into_tensor,
     reduce_scatter_tensor,
@@ -426,27 +427,27 @@ class _AllToAll(torch.autograd.Function):
 
 def copy_to_tensor_model_parallel_region(input_, group=None):
     """Enter a tp region: forward identity, backward all-reduce of the gradient."""
-    return _CopyToModelParallelRegion.apply(input_, _resolve(group))
+    return apply_function(_CopyToModelParallelRegion, input_, _resolve(group))
 
 
 def reduce_from_tensor_model_parallel_region(input_, group=None):
     """Leave a tp region: forward all-reduce (sum, in place), backward identity."""
-    return _ReduceFromModelParallelRegion.apply(input_, _resolve(group))
+    return apply_function(_ReduceFromModelParallelRegion, input_, _resolve(group))
 
 
 def scatter_to_tensor_model_parallel_region(input_, group=None):
     """Split the last dim: forward keeps this rank's [..., h/tp] chunk, backward all-gathers."""
-    return _ScatterToModelParallelRegion.apply(input_, _resolve(group))
+    return apply_function(_ScatterToModelParallelRegion, input_, _resolve(group))
 
 
 def gather_from_tensor_model_parallel_region(input_, group=None):
     """Gather the last dim: forward all-gathers [..., h/tp] -> [..., h], backward splits."""
-    return _GatherFromModelParallelRegion.apply(input_, _resolve(group))
+    return apply_function(_GatherFromModelParallelRegion, input_, _resolve(group))
 
 
 def scatter_to_sequence_parallel_region(input_, group=None):
     """Split the first dim: forward keeps [s/tp, ...], backward all-gathers along dim 0."""
-    return _ScatterToSequenceParallelRegion.apply(input_, _resolve(group))
+    return apply_function(_ScatterToSequenceParallelRegion, input_, _resolve(group))
 
 
 def gather_from_sequence_parallel_region(
@@ -457,42 +458,50 @@ def gather_from_sequence_parallel_region(
     Backward reduce-scatters along dim 0 if `tensor_parallel_output_grad` (the gathered tensor
     feeds a tensor parallel computation, so each rank holds a partial gradient), else splits.
     """
-    return _GatherFromSequenceParallelRegion.apply(
-        input_, _resolve(group), tensor_parallel_output_grad, output_split_sizes
+    return apply_function(
+        _GatherFromSequenceParallelRegion,
+        input_,
+        _resolve(group),
+        tensor_parallel_output_grad,
+        output_split_sizes,
     )
 
 
 def reduce_scatter_to_sequence_parallel_region(input_, input_split_sizes=None, group=None):
     """Leave a tp region into a sequence parallel one: forward reduce-scatters along dim 0
     ([s, ...] partial sums -> [s/tp, ...]), backward all-gathers along dim 0."""
-    return _ReduceScatterToSequenceParallelRegion.apply(input_, _resolve(group), input_split_sizes)
+    return apply_function(
+        _ReduceScatterToSequenceParallelRegion, input_, _resolve(group), input_split_sizes
+    )
 
 
 def all_gather_last_dim_from_tensor_parallel_region(input_, group=None):
     """Forward all-gathers along the last dim, backward reduce-scatters along the last dim."""
-    return _AllGatherFromTensorParallelRegion.apply(input_, _resolve(group))
+    return apply_function(_AllGatherFromTensorParallelRegion, input_, _resolve(group))
 
 
 def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None):
     """Forward reduce-scatters along the last dim, backward all-gathers along the last dim."""
-    return _ReduceScatterToTensorParallelRegion.apply(input_, _resolve(group))
+    return apply_function(_ReduceScatterToTensorParallelRegion, input_, _resolve(group))
 
 
 def gather_from_sequence_parallel_region_to_moe(input_, output_split_sizes=None):
     """gather_from_sequence_parallel_region over the tensor + expert parallel group (MoE)."""
     group = parallel_state.get_tensor_and_expert_parallel_group()
-    return _GatherFromSequenceParallelRegion.apply(input_, group, True, output_split_sizes)
+    return apply_function(
+        _GatherFromSequenceParallelRegion, input_, group, True, output_split_sizes
+    )
 
 
 def reduce_scatter_to_sequence_parallel_region_from_moe(input_, input_split_sizes=None):
     """reduce_scatter_to_sequence_parallel_region over the tensor + expert parallel group (MoE)."""
     group = parallel_state.get_tensor_and_expert_parallel_group()
-    return _ReduceScatterToSequenceParallelRegion.apply(input_, group, input_split_sizes)
+    return apply_function(_ReduceScatterToSequenceParallelRegion, input_, group, input_split_sizes)
 
 
 def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes_=None):
     """All-to-all along the first dim over `group` (backward: the reverse all-to-all)."""
-    return _AllToAll.apply(group, input_, output_split_sizes_, input_split_sizes_)
+    return apply_function(_AllToAll, group, input_, output_split_sizes_, input_split_sizes_)
 
 
 def all_to_all_sp2hp(input_, group=None):

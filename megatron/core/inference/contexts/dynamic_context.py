@@ -25,7 +25,6 @@ import torch
 
 from megatron.core.inference.contexts.kv_block_allocator import KVBlockAllocator
 from megatron.core.inference.contexts.paged_attention import (
-    kv_slots,
     paged_attention,
     write_to_paged_cache,
 )
@@ -204,6 +203,7 @@ class DynamicInferenceContext:
         device = get_current_device()
         B = self.block_size_tokens
         ids, positions, slots, logit_positions = [], [], [], []
+        key_slots, request_slots, spans = [], [], []
         self.attention_requests = []
         self.logit_slices = {}
         for chunk in chunks:
@@ -216,9 +216,10 @@ class DynamicInferenceContext:
             span = range(chunk.start_position, kv_len)
             positions.extend(span)
             slots.extend(blocks[p // B] * B + p % B for p in span)
-            block_table = torch.tensor(blocks[: self.blocks_for(kv_len)], device=device)
-            slots_of_request = kv_slots(block_table, kv_len, B)
-            self.attention_requests.append((q_start, q_start + n, kv_len, slots_of_request))
+            # The slots of all the request's keys (one tensor for the whole step, made below).
+            request_slots.append(len(key_slots))
+            key_slots.extend(blocks[p // B] * B + p % B for p in range(kv_len))
+            spans.append((q_start, q_start + n, kv_len))
             first = len(logit_positions)
             if chunk.logits == "last":
                 logit_positions.append(q_start + n - 1)
@@ -231,10 +232,15 @@ class DynamicInferenceContext:
         self.step_position_ids = torch.tensor([positions], dtype=torch.long, device=device)
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         self.logit_positions = torch.tensor(logit_positions, dtype=torch.long, device=device)
-        # Every request's key slots, gathered once per layer by `paged_attention`.
-        self.attention_slots = (
-            torch.cat([r[3] for r in self.attention_requests]) if self.attention_requests else None
-        )
+        # Every request's key slots, gathered once per layer by `paged_attention`; a request's
+        # own are a view of them.
+        self.attention_slots = torch.tensor(key_slots, dtype=torch.long, device=device)
+        self.attention_requests = [
+            (q_start, q_end, kv_len, self.attention_slots[first : first + kv_len])
+            for (q_start, q_end, kv_len), first in zip(spans, request_slots)
+        ]
+        if not self.attention_requests:
+            self.attention_slots = None
 
     # ------------------------------------------------------------------ model hooks
     def attention(self, layer_number, query, key, value, rotary_pos_emb, config) -> torch.Tensor:

@@ -68,31 +68,34 @@ def paged_attention(
     ng = key_pool.size(-2)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
     # Every request's keys / values in one gather each (a copy, so exact); request r's are the
-    # rows [offset_r, offset_r + kv_len_r), with the strides its own gather would have.
+    # rows [offset_r, offset_r + kv_len_r).
     slots = all_slots if all_slots is not None else torch.cat([r[3] for r in requests])
+    # Head-major views of the whole step, sliced per request below: a request's slice has the
+    # shape and strides its own transposed copy would have, without a transpose per request.
+    queries = query[:, 0].transpose(0, 1).unsqueeze(0)  # [1, np, T, hn]
     keys = key_pool.view(-1, ng, hn).index_select(0, slots)  # [sum of kv_len, ng, hn]
     values = value_pool.view(-1, ng, hn).index_select(0, slots)
+    keys = keys.transpose(0, 1).unsqueeze(0)  # [1, ng, sum of kv_len, hn]
+    values = values.transpose(0, 1).unsqueeze(0)
     out = query.new_empty(num_tokens, np_, hn)
+    out_heads = out.transpose(0, 1)  # [np, T, hn], a view: the slices below write into `out`
     offset = 0
     for q_start, q_end, kv_len, _ in requests:
         q_len = q_end - q_start
-        q = query[q_start:q_end, 0].transpose(0, 1).unsqueeze(0)  # [1, np, q, hn]
-        k = keys[offset : offset + kv_len].transpose(0, 1).unsqueeze(0)  # [1, ng, kv, hn]
-        v = values[offset : offset + kv_len].transpose(0, 1).unsqueeze(0)
-        offset += kv_len
         mask = None
         if 1 < q_len < kv_len:
-            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(
                 diagonal=kv_len - q_len
             )
         ctx = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
+            queries[:, :, q_start:q_end],  # [1, np, q, hn]
+            keys[:, :, offset : offset + kv_len],  # [1, ng, kv, hn]
+            values[:, :, offset : offset + kv_len],
             attn_mask=mask,
             is_causal=1 < q_len == kv_len,
             scale=scale,
             enable_gqa=np_ != ng,  # each key head serves np / ng query heads
         )
-        out[q_start:q_end] = ctx[0].transpose(0, 1)  # [1, np, q, hn] -> [q, np, hn]
+        offset += kv_len
+        out_heads[:, q_start:q_end] = ctx[0]  # [np, q, hn]
     return out.view(num_tokens, 1, np_ * hn)

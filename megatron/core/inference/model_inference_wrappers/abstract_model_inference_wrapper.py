@@ -183,7 +183,8 @@ class AbstractModelInferenceWrapper(abc.ABC):
             logits [1, N, v] of the N positions `context` asks for, on the last stage (None on
             the others).
         """
-        self.model.eval()
+        if self.model.training:
+            self.model.eval()
         num_tokens = input_ids.size(1)
         return self._stage_forward(
             (num_tokens, 1, self.inference_wrapper_config.hidden_size),

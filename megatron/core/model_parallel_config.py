@@ -10,9 +10,9 @@ import torch
 class ModelParallelConfig:
     """Base configuration for megatron.core (TransformerConfig extends it).
 
-    Core modules read it and never modify it. Fields that select kernels or overlaps that exist
-    only on NVIDIA GPUs with Transformer Engine (`tp_comm_*`, `use_te_rng_tracker`) are accepted
-    for compatibility and have no effect here.
+    Core modules read it and never modify it. Fields that select Transformer Engine kernels
+    (`tp_comm_atomic_*`, `use_te_rng_tracker`) are accepted for compatibility and have no effect
+    here; the `tp_comm_*` overlap switches drive `tensor_parallel/comm_overlap.py`.
     """
 
     ###################
@@ -119,14 +119,17 @@ class ModelParallelConfig:
     """Use Transformer Engine's RNG tracker; accepted, no effect here."""
 
     tp_comm_overlap: bool = False
-    """Overlap tensor parallel communication with GEMMs (Transformer Engine userbuffers);
-    accepted, no effect here."""
+    """With sequence_parallel, pipeline the linear layers' sequence all-gather / reduce-scatter
+    with their GEMMs (point-to-point sends round the tp ring, `tensor_parallel/comm_overlap.py`;
+    Megatron uses Transformer Engine userbuffers)."""
 
     tp_comm_bulk_wgrad: bool = True
-    """Bulk-overlap the weight-gradient GEMM with the input all-gather (tp_comm_overlap)."""
+    """Hide the backward reduce-scatter of the input gradient behind the weight-gradient GEMM
+    (tp_comm_overlap)."""
 
     tp_comm_bulk_dgrad: bool = True
-    """Bulk-overlap the input-gradient GEMM with the reduce-scatter (tp_comm_overlap)."""
+    """Hide the backward all-gather of the input behind the input-gradient GEMM
+    (tp_comm_overlap)."""
 
     tp_comm_overlap_ag: bool = True
     """Pipeline the all-gather with the GEMM (tp_comm_overlap)."""
@@ -135,16 +138,17 @@ class ModelParallelConfig:
     """Pipeline the reduce-scatter with the GEMM (tp_comm_overlap)."""
 
     tp_comm_overlap_rs_dgrad: bool = False
-    """Overlap the input-gradient reduce-scatter (tp_comm_overlap)."""
+    """Pipeline the input gradient's reduce-scatter with its GEMM (tp_comm_overlap)."""
 
     tp_comm_split_ag: bool = True
-    """Split the all-gather overlap into chunks (deprecated upstream)."""
+    """The all-gather overlap in chunks; False turns it off here (Transformer Engine's atomic
+    GEMM alternative has no plain PyTorch counterpart)."""
 
     tp_comm_atomic_ag: bool = False
     """Atomic GEMM all-gather overlap (deprecated upstream)."""
 
     tp_comm_split_rs: bool = True
-    """Split the reduce-scatter overlap into chunks (deprecated upstream)."""
+    """The reduce-scatter overlap in chunks; False turns it off here (as tp_comm_split_ag)."""
 
     tp_comm_atomic_rs: bool = False
     """Atomic GEMM reduce-scatter overlap (deprecated upstream)."""

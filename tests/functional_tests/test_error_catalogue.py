@@ -65,6 +65,7 @@ ELSEWHERE = {
         + ('vision-pipeline',)
     },
     'image-file-bad': 'tests/unit_tests/data/test_image_data.py',
+    'tp-comm-overlap-sp': 'tests/unit_tests/tensor_parallel/test_tp_comm_overlap.py',
     **{
         case: 'tests/functional_tests/test_pretrain_vlm.py'
         for case in ('vlm-vision-model-type', 'vlm-patch', 'vlm-seq-length', 'vlm-image-bad')

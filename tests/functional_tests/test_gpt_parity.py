@@ -22,29 +22,37 @@ LAYOUTS = {
     'tp1_pp2': (2, 1, 2, 4),
     'tp2_pp2_dp2': (8, 2, 2, 2),
     'dp2_grad_accum': (2, 1, 1, 2),
+    'tp2_sp_comm_overlap': (2, 2, 1, 4),
 }
+#: Flags a layout adds: --tp-comm-overlap pipelines the sequence-parallel collectives with the
+#: GEMMs of every linear layer (tensor_parallel/comm_overlap.py).
+LAYOUT_FLAGS = {'tp2_sp_comm_overlap': ['--sequence-parallel', '--tp-comm-overlap']}
 
 
 def _run(layout, data_prefix, cache):
     world, tp, pp, mbs = LAYOUTS[layout]
-    extra = SMALL_VOCAB_ARGS + [
-        '--tensor-model-parallel-size',
-        str(tp),
-        '--pipeline-model-parallel-size',
-        str(pp),
-        '--micro-batch-size',
-        str(mbs),
-        '--global-batch-size',
-        '8',
-        '--train-iters',
-        str(TRAIN_ITERS),
-        '--eval-iters',
-        '2',
-        '--data-path',
-        data_prefix,
-        '--data-cache-path',
-        cache,
-    ]
+    extra = (
+        SMALL_VOCAB_ARGS
+        + [
+            '--tensor-model-parallel-size',
+            str(tp),
+            '--pipeline-model-parallel-size',
+            str(pp),
+            '--micro-batch-size',
+            str(mbs),
+            '--global-batch-size',
+            '8',
+            '--train-iters',
+            str(TRAIN_ITERS),
+            '--eval-iters',
+            '2',
+            '--data-path',
+            data_prefix,
+            '--data-cache-path',
+            cache,
+        ]
+        + LAYOUT_FLAGS.get(layout, [])
+    )
     results = run_distributed(
         run_pretrain,
         world_size=world,
@@ -73,7 +81,9 @@ def test_reference_run_learns(reference):
     assert losses[-1] < losses[0] - 0.3
 
 
-@pytest.mark.parametrize('layout', ['tp2_pp1', 'tp1_pp2', 'tp2_pp2_dp2', 'dp2_grad_accum'])
+@pytest.mark.parametrize(
+    'layout', ['tp2_pp1', 'tp1_pp2', 'tp2_pp2_dp2', 'dp2_grad_accum', 'tp2_sp_comm_overlap']
+)
 def test_layout_matches_reference(layout, reference, small_vocab_data_prefix, tmp_path_factory):
     result = _run(layout, small_vocab_data_prefix, str(tmp_path_factory.mktemp('cache')))
     assert result['iteration'] == TRAIN_ITERS

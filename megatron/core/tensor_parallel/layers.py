@@ -21,6 +21,12 @@ from torch.nn.parameter import Parameter
 
 from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.comm_overlap import (
+    AllGatherMatmul,
+    MatmulReduceScatter,
+    overlaps_all_gather,
+    overlaps_reduce_scatter,
+)
 from megatron.core.tensor_parallel.function_apply import apply_function
 from megatron.core.tensor_parallel.mappings import (
     _gather_along_first_dim,
@@ -731,18 +737,29 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             self._forward_impl = linear_with_grad_accumulation_and_async_allreduce
 
-        output_parallel = self._forward_impl(
-            input=input_parallel,
-            weight=weight,
-            bias=bias,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            allreduce_dgrad=False if self.explicit_expert_comm else self.allreduce_dgrad,
-            sequence_parallel=False if self.explicit_expert_comm else self.sequence_parallel,
-            grad_output_buffer=self.grad_output_buffer
-            if self.config.defer_embedding_wgrad_compute
-            else None,
-            tp_group=self.tp_group,
-        )
+        if weight.requires_grad and not self.explicit_expert_comm and self._overlaps_gather():
+            # --tp-comm-overlap: the sequence all-gather pipelined with the GEMM.
+            output_parallel = AllGatherMatmul.apply(
+                input_parallel,
+                weight,
+                bias,
+                self.gradient_accumulation_fusion,
+                self.config,
+                self.tp_group,
+            )
+        else:
+            output_parallel = self._forward_impl(
+                input=input_parallel,
+                weight=weight,
+                bias=bias,
+                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                allreduce_dgrad=False if self.explicit_expert_comm else self.allreduce_dgrad,
+                sequence_parallel=False if self.explicit_expert_comm else self.sequence_parallel,
+                grad_output_buffer=self.grad_output_buffer
+                if self.config.defer_embedding_wgrad_compute
+                else None,
+                tp_group=self.tp_group,
+            )
         if self.gather_output:
             assert not self.sequence_parallel
             output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
@@ -750,6 +767,13 @@ class ColumnParallelLinear(torch.nn.Module):
             output = output_parallel
         output_bias = self.bias if self.skip_bias_add else None
         return output, output_bias
+
+    def _overlaps_gather(self) -> bool:
+        """--tp-comm-overlap applies: a sequence-parallel input gathered by this layer (not a
+        deferred embedding weight gradient, which keeps the plain path)."""
+        return not self.config.defer_embedding_wgrad_compute and overlaps_all_gather(
+            self.config, self.sequence_parallel, self.tp_group
+        )
 
     def set_extra_state(self, state: Any):
         """Extra state is ignored (the key exists for Transformer Engine state-dict
@@ -921,19 +945,32 @@ class RowParallelLinear(torch.nn.Module):
         else:
             self._forward_impl = linear_with_grad_accumulation_and_async_allreduce
 
-        output_parallel = self._forward_impl(
-            input=input_parallel,
-            weight=self.weight,
-            bias=None,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            allreduce_dgrad=False,
-            sequence_parallel=False,
-            grad_output_buffer=None,
-            tp_group=self.tp_group,
+        overlap = (
+            self.weight.requires_grad
+            and not self.explicit_expert_comm
+            and overlaps_reduce_scatter(self.config, self.sequence_parallel, self.tp_group)
         )
+        if overlap:
+            # --tp-comm-overlap: the GEMM and the sequence reduce-scatter in one pipeline.
+            output_parallel = MatmulReduceScatter.apply(
+                input_parallel, self.weight, self.gradient_accumulation_fusion, self.tp_group
+            )
+        else:
+            output_parallel = self._forward_impl(
+                input=input_parallel,
+                weight=self.weight,
+                bias=None,
+                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                allreduce_dgrad=False,
+                sequence_parallel=False,
+                grad_output_buffer=None,
+                tp_group=self.tp_group,
+            )
 
         # All-reduce (or reduce-scatter along the sequence) the partial outputs across tp.
-        if self.explicit_expert_comm:
+        if overlap:
+            output_ = output_parallel
+        elif self.explicit_expert_comm:
             assert self.skip_bias_add
             output_ = output_parallel
         elif self.sequence_parallel:

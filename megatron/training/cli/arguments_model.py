@@ -337,8 +337,9 @@ def _add_training_args(parser):
         action='store_true',
         default=False,
         help=(
-            'Enables the overlap of Tensor parallel communication and GEMM kernels'
-            ' (TE only; unused).'
+            'Pipeline the sequence-parallel all-gather and reduce-scatter of the linear layers '
+            'with their GEMMs (point-to-point sends round the tensor parallel ring); needs '
+            '--sequence-parallel.'
         ),
     )
     group.add_argument(
@@ -505,13 +506,13 @@ def _add_training_args(parser):
         '--disable-tp-comm-split-ag',
         action='store_false',
         dest='tp_comm_split_ag',
-        help='Disables the All-Gather overlap with fprop GEMM (TE only; unused).',
+        help='With --tp-comm-overlap: no pipelined all-gather in the forward GEMMs.',
     )
     group.add_argument(
         '--disable-tp-comm-split-rs',
         action='store_false',
         dest='tp_comm_split_rs',
-        help='Disables the Reduce-Scatter overlap with fprop GEMM (TE only; unused).',
+        help='With --tp-comm-overlap: no pipelined reduce-scatter in the forward GEMMs.',
     )
     group.add_argument(
         '--calculate-per-token-loss',

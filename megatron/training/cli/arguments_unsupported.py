@@ -6,15 +6,15 @@ missing must not be silently ignored: `UNSUPPORTED_FLAGS` (flag -> reason) lists
 `check_unsupported_flags` (run first by `validate_args`, before any work starts) stops start-up
 with one line naming the flag when a run sets one of them to anything but its default.
 
-The argument groups below (biencoder, retro, one logger, the TE communication-overlap
-flags of the training group) are the ones whose features are entirely absent; flags of a
+The argument groups below (biencoder, retro, one logger) are the ones whose features are
+entirely absent (the communication-overlap flags defined here are supported); flags of a
 supported group that are unsupported (fp8, ...) are defined with their group in
 `arguments.py` and listed in the same table.
 """
 
-_TE_COMM = (
-    'Transformer Engine userbuffers overlap (its fused all-gather/reduce-scatter GEMM kernels) is '
-    'not available: the sequence-parallel collectives here are whole torch.distributed calls'
+_TE_COMM_CFG = (
+    'it tunes Transformer Engine userbuffers (buffer counts, SM shares, kernel methods); '
+    '--tp-comm-overlap here pipelines point-to-point sends with the GEMMs and has none of them'
 )
 _FP8 = 'fp8 training needs Transformer Engine, which this package does not use'
 _VISION = 'the Swin and MiT vision backbones are not included (the ViT is)'
@@ -27,16 +27,8 @@ _ONE_LOGGER = 'one_logger (an NVIDIA-internal E2E metrics tool) is not available
 #: at start-up for being unimplemented, and code that reads one of these (e.g. num_experts for
 #: the layer spec) only ever sees its default.
 UNSUPPORTED_FLAGS = {
-    # Transformer Engine communication/GEMM overlap (training group).
-    '--tp-comm-overlap': _TE_COMM,
-    '--tp-comm-overlap-cfg': _TE_COMM,
-    '--disable-tp-comm-overlap-ag': _TE_COMM,
-    '--disable-tp-comm-overlap-rs': _TE_COMM,
-    '--tp-comm-overlap-rs-dgrad': _TE_COMM,
-    '--disable-tp-comm-bulk-dgrad': _TE_COMM,
-    '--disable-tp-comm-bulk-wgrad': _TE_COMM,
-    '--disable-tp-comm-split-ag': _TE_COMM,
-    '--disable-tp-comm-split-rs': _TE_COMM,
+    # Transformer Engine userbuffers tuning (--tp-comm-overlap itself is supported).
+    '--tp-comm-overlap-cfg': _TE_COMM_CFG,
     # Transformer Engine fp8.
     '--fp8-format': _FP8,
     '--fp8-margin': _FP8,
@@ -137,42 +129,42 @@ def add_tp_comm_overlap_args(parser):
         '--tp-comm-overlap-cfg',
         type=str,
         default=None,
-        help='YAML file tuning the TP communication overlap (needs Transformer Engine).',
+        help='YAML file tuning Transformer Engine userbuffers for --tp-comm-overlap (refused).',
     )
     group.add_argument(
         '--disable-tp-comm-overlap-ag',
         action='store_false',
         dest='tp_comm_overlap_ag',
-        help='Run the TP all-gather before its GEMM instead of chunk by chunk alongside it '
-        '(needs Transformer Engine).',
+        help='With --tp-comm-overlap: all-gather the sequence before the GEMM instead of '
+        'passing it round the ring chunk by chunk alongside the GEMM.',
     )
     group.add_argument(
         '--disable-tp-comm-overlap-rs',
         action='store_false',
         dest='tp_comm_overlap_rs',
-        help='Run the TP reduce-scatter after its GEMM instead of chunk by chunk alongside it '
-        '(needs Transformer Engine).',
+        help='With --tp-comm-overlap: reduce-scatter after the GEMM instead of passing the '
+        'partial sums round the ring chunk by chunk alongside the GEMM.',
     )
     group.add_argument(
         '--tp-comm-overlap-rs-dgrad',
         action='store_true',
         dest='tp_comm_overlap_rs_dgrad',
-        help='Overlap the reduce-scatter of the input-gradient GEMM with it (needs Transformer '
-        'Engine).',
+        help='With --tp-comm-overlap: pipeline the backward reduce-scatter of the input '
+        'gradient with its own GEMM (instead of hiding it behind the weight-gradient GEMM).',
     )
     group.add_argument(
         '--disable-tp-comm-bulk-dgrad',
         action='store_false',
         dest='tp_comm_bulk_dgrad',
-        help='Do not hide the backward all-gather behind the input-gradient GEMM (needs '
-        'Transformer Engine).',
+        help='With --tp-comm-overlap: do not hide the backward all-gather of the input behind '
+        'the input-gradient GEMM.',
     )
     group.add_argument(
         '--disable-tp-comm-bulk-wgrad',
         action='store_false',
         dest='tp_comm_bulk_wgrad',
-        help='Do not hide the backward reduce-scatter behind the weight-gradient GEMM (needs '
-        'Transformer Engine).',
+        help='With --tp-comm-overlap: do not hide the backward reduce-scatter of the input '
+        'gradient behind the weight-gradient GEMM.',
     )
     return parser
 

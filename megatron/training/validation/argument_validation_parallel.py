@@ -134,5 +134,11 @@ def validate_sequence_parallel(args):
             args, '--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled'
         )
         args.sequence_parallel = False
+    if args.tp_comm_overlap and not args.sequence_parallel:
+        raise ValueError(
+            '--tp-comm-overlap: tensor parallel communication/GEMM overlap can happen only when '
+            'sequence parallelism is enabled (add --sequence-parallel, with '
+            f'--tensor-model-parallel-size > 1; got {args.tensor_model_parallel_size})'
+        )
     if args.sequence_parallel:
         args.async_tensor_model_parallel_allreduce = False

@@ -186,9 +186,10 @@ def is_dataset_built_on_rank():
     return get_args().sft or mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage()
 
 
-def core_gpt_dataset_config_from_args(args, config_class=GPTDatasetConfig):
-    """The dataset config (GPTDatasetConfig, or the SFT / FIM one) from args: the one place args
-    become a dataset config."""
+def core_gpt_dataset_config_from_args(args, config_class=GPTDatasetConfig, **overrides):
+    """The dataset config (GPTDatasetConfig, or the SFT / FIM / multimodal one) from args: the
+    one place args become a dataset config. `overrides` set fields the args do not give (a
+    subclass's own fields, which its validation may need at construction)."""
     kwargs = dict(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -224,6 +225,7 @@ def core_gpt_dataset_config_from_args(args, config_class=GPTDatasetConfig):
             'eod': args.fim_eod_token,
         },
     )
+    kwargs.update(overrides)
     fields = {f.name for f in dataclasses.fields(config_class)}
     return config_class(**{k: v for k, v in kwargs.items() if k in fields})
 

@@ -191,9 +191,9 @@ def _mock_placeholder_sample(sample):
 
 
 def _mock_datasets(args, train_val_test_num_samples):
-    config = core_gpt_dataset_config_from_args(args, config_class=MultimodalDatasetConfig)
-    config = dataclasses.replace(
-        config,
+    config = core_gpt_dataset_config_from_args(
+        args,
+        config_class=MultimodalDatasetConfig,
         image_h=args.img_h,
         image_w=args.img_w,
         preprocess_func=_mock_placeholder_sample,

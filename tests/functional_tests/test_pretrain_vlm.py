@@ -157,3 +157,47 @@ def test_bad_image_and_unknown_words_refused(tmp_path):
 
     with pytest.raises(ValueError, match=r"only the digit caption words are known, got \['cat'\]"):
         TextEncoder(_Null(), True)('which cat')
+
+
+def _pretrain_mock(extra):
+    import pretrain_vlm
+    from megatron.core.enums import ModelType
+    from megatron.training.global_vars import destroy_global_vars
+    from megatron.training.training import pretrain
+
+    destroy_global_vars()
+    try:
+        samples = pretrain_vlm._mock_datasets  # the script's own mock path, as `--mock-data` runs
+        result = pretrain(
+            pretrain_vlm.train_valid_test_datasets_provider,
+            pretrain_vlm.model_provider,
+            ModelType.encoder_or_decoder,
+            pretrain_vlm.forward_step,
+            extra_args_provider=pretrain_vlm.add_vlm_extra_args,
+            args_list=TINY_VLM_ARGS + list(extra),
+        )
+        from megatron.training.global_vars import get_args
+
+        train, _, _ = samples(get_args(), [4, 4, 4])
+        result['first_sample'] = train[0]
+        return result
+    finally:
+        destroy_global_vars()
+
+
+def test_mock_data_trains_through_the_script():
+    """`pretrain_vlm.py --mock-data`: Megatron's MockMultimodalDataset in the placeholder layout
+    (the image token first, no loss on it), two training steps and an evaluation."""
+    from megatron.core.models.multimodal.llava_model import DEFAULT_IMAGE_TOKEN_INDEX
+
+    # Mock documents are 1, 2, ..., n - 1 with n up to 4096: a vocabulary that holds those ids.
+    extra = ['--mock-data', '--vocab-size', '4096', '--eval-iters', '1', '--eval-interval', '2']
+    result = run_distributed(_pretrain_mock, world_size=1, args=(extra,))[0]
+    assert result['iteration'] == 2
+    losses = [result['train_losses'][i]['lm loss'] for i in (1, 2)]
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert torch.isfinite(torch.tensor(result['valid_losses']['lm loss']))
+    sample = result['first_sample']
+    assert int(sample['tokens'][0]) == DEFAULT_IMAGE_TOKEN_INDEX
+    assert float(sample['loss_mask'][0]) == 0.0
+    assert tuple(sample['image'].shape[-2:]) == (8, 8)

@@ -142,3 +142,50 @@ def test_multicrop_batching_and_position_interpolation():
     assert s_shape == (8, 12) and t_shape == (4, 12)  # 4 crops x 2 images; 2 global for the teacher
     torch.testing.assert_close(pos, expected)
     assert math.isfinite(float(together.abs().sum()))
+
+
+def _knn_by_hand(query, bank, labels, classes, k, t):
+    """Top label of each query: its k most similar bank rows vote exp(sim / t) each."""
+    tops = []
+    for q in query:
+        sims = [float(np.dot(q, b)) for b in bank]
+        nearest = sorted(range(len(bank)), key=lambda i: -sims[i])[:k]
+        votes = [0.0] * classes
+        for i in nearest:
+            votes[labels[i]] += math.exp(sims[i] / t)
+        tops.append(int(np.argmax(votes)))
+    return tops
+
+
+def test_knn_predict_and_accuracies_equal_a_direct_vote():
+    from megatron.legacy.model.vision import knn_monitor as knn
+
+    # Hand case: (1, 0) has (1, 0) [class 0] and (0.8, 0.6) [class 1] nearest; with T = 0.07 the
+    # closer one's exp(1 / T) outweighs exp(0.8 / T) + exp(0 / T).
+    bank = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0], [-1.0, 0.0]])
+    labels = torch.tensor([0, 1, 1, 0])
+    query = torch.tensor([[1.0, 0.0], [0.6, 0.8]])
+    for k, expected in ((1, [0, 1]), (2, [0, 1]), (3, [0, 1]), (4, [0, 1])):
+        ranked = knn.knn_predict(query, bank.t(), labels, 2, k, 0.07)
+        assert ranked[:, 0].tolist() == expected, k
+    # Random case against the direct vote, k beyond the bank included.
+    g = torch.Generator().manual_seed(0)
+    bank = torch.nn.functional.normalize(torch.randn(50, 8, generator=g), dim=1)
+    labels = torch.randint(0, 5, (50,), generator=g)
+    query = torch.nn.functional.normalize(torch.randn(7, 8, generator=g), dim=1)
+    for k in (1, 10, 200):
+        ranked = knn.knn_predict(query, bank.t(), labels, 5, k, 0.07)
+        assert ranked[:, 0].tolist() == _knn_by_hand(
+            query.numpy(), bank.numpy(), labels.tolist(), 5, k, 0.07
+        )
+    # knn_acc_K over the bank set by compute_feature_bank (here set directly).
+    knn.reset_feature_bank({'features': bank.t(), 'labels': labels, 'classes': 5})
+    try:
+        truth = torch.tensor(
+            _knn_by_hand(query.numpy(), bank.numpy(), labels.tolist(), 5, 10, 0.07)
+        )
+        truth[:3] = (truth[:3] + 1) % 5  # three wrong labels
+        accuracies = knn.knn_accuracies(query * 3.0, truth, ks=(10,))  # features are normalised
+        assert accuracies[0].item() == pytest.approx(4 / 7)
+    finally:
+        knn.reset_feature_bank()

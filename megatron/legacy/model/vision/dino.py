@@ -260,6 +260,12 @@ class DINOPretrainModel(MegatronModule):
             teacher_output = self.teacher(crops[:2])
         return student_output, teacher_output
 
+    @torch.no_grad()
+    def teacher_features(self, images: Tensor) -> Tensor:
+        """The teacher backbone's class-token features [b, hidden] of images [b, c, h, w]
+        (what the k-NN evaluation compares)."""
+        return self.teacher.backbone(images)[:, 0]
+
     def epoch(self, iteration: int) -> int:
         return iteration // self.iter_per_epoch
 

@@ -152,6 +152,20 @@ def test_flags_reach_the_layer_config_and_need_sequence_parallel():
     assert not config.tp_comm_bulk_wgrad and config.tp_comm_bulk_dgrad
     assert not config.tp_comm_overlap_rs and config.tp_comm_overlap_ag
     assert not config.tp_comm_split_ag and config.tp_comm_split_rs
+
+    class _TwoRanks:
+        def size(self):
+            return 2
+
+    # --disable-tp-comm-overlap-rs / --disable-tp-comm-split-ag turn those pipelines off.
+    assert not comm_overlap.overlaps_reduce_scatter(config, True, _TwoRanks())
+    assert not comm_overlap.overlaps_all_gather(config, True, _TwoRanks())
+    default = core_transformer_config_from_args(
+        _validated(["--tp-comm-overlap", "--sequence-parallel"])
+    )
+    assert comm_overlap.overlaps_reduce_scatter(default, True, _TwoRanks())
+    assert comm_overlap.overlaps_all_gather(default, True, _TwoRanks())
+    assert not comm_overlap.overlaps_all_gather(default, False, _TwoRanks())  # no SP in the layer
     with pytest.raises(ValueError) as err:
         _validated(["--tp-comm-overlap"])
     assert str(err.value) == (

@@ -31,35 +31,42 @@ NOT_IMPLEMENTED = ('ICT-ZEROSHOT-NQ', 'RETRIEVER-EVAL', 'RET-FINETUNE-NQ')
 def get_tasks_args(parser):
     """The "tasks" argument group (--pretrained-checkpoint is a core checkpointing flag)."""
     group = parser.add_argument_group(title='tasks')
-    group.add_argument('--task', type=str, required=True, help='Task name.')
+    group.add_argument(
+        '--task',
+        type=str,
+        required=True,
+        help='Which task to run (e.g. LAMBADA, WIKITEXT103, MNLI, RACE).',
+    )
     group.add_argument(
         '--epochs',
         type=int,
         default=None,
-        help='Number of finetunning epochs. Zero results in evaluation only.',
+        help='Passes over the training data when fine-tuning; 0 only evaluates.',
     )
     group.add_argument(
         '--keep-last',
         action='store_true',
-        help='Keep the last batch (maybe incomplete) in the data loader',
+        help='Also use the final, possibly smaller, batch of each epoch.',
     )
     group.add_argument(
         '--train-data',
         nargs='+',
         default=None,
-        help='Whitespace separated paths or corpora names for training.',
+        help='Training data: one or more paths (or corpus names), separated by spaces.',
     )
     group.add_argument(
-        '--valid-data', nargs='*', default=None, help='path(s) to the validation data.'
+        '--valid-data', nargs='*', default=None, help='Validation data: one or more paths.'
     )
     group.add_argument(
         '--overlapping-eval',
         type=int,
         default=32,
-        help='Sliding window for overlapping evaluation.',
+        help='Stride of the overlapping evaluation windows, in tokens.',
     )
     group.add_argument(
-        '--strict-lambada', action='store_true', help='Use more difficult formulation of lambada.'
+        '--strict-lambada',
+        action='store_true',
+        help='Score LAMBADA the strict way (the whole last word must be predicted).',
     )
     group.add_argument(
         '--random-weights',
@@ -70,55 +77,57 @@ def get_tasks_args(parser):
     )
     # Retriever args (parsed for command-line compatibility; the retrieval tasks are not built).
     group.add_argument(
-        '--qa-data-dev', type=str, default=None, help='Path to the QA dataset dev file.'
+        '--qa-data-dev', type=str, default=None, help='Question-answering dev set file.'
     )
     group.add_argument(
-        '--qa-data-test', type=str, default=None, help='Path to the QA dataset test file.'
+        '--qa-data-test', type=str, default=None, help='Question-answering test set file.'
     )
     group.add_argument(
-        '--faiss-use-gpu', action='store_true', help='Whether create the FaissMIPSIndex on GPU'
+        '--faiss-use-gpu',
+        action='store_true',
+        help='Build the FAISS inner-product index on the GPU.',
     )
     group.add_argument(
         '--faiss-match',
         type=str,
         default='string',
         choices=['regex', 'string'],
-        help='Answer matching logic type',
+        help='How a retrieved passage is judged to contain the answer.',
     )
     group.add_argument(
         '--faiss-topk-retrievals',
         type=int,
         default=100,
-        help='Number of blocks to use as top-k during retrieval',
+        help='Passages retrieved per question (top-k).',
     )
     group.add_argument(
         '--eval-micro-batch-size',
         type=int,
         default=None,
-        help='Eval Batch size per model instance (local batch size).',
+        help='Evaluation micro-batch size per model replica.',
     )
     group.add_argument(
         '--train-with-neg',
         action='store_true',
-        help='Whether to use negative examples during model training',
+        help='Train with negative passages as well.',
     )
     group.add_argument(
         '--train-hard-neg',
         type=int,
         default=0,
-        help='Number of hard negative exmaples to use during training',
+        help='Hard negative passages per question in training.',
     )
     group.add_argument(
         '--val-av-rank-hard-neg',
         type=int,
         default=30,
-        help='Av.rank validation: how many hard negatives to take from each question pool',
+        help='Average-rank validation: hard negatives drawn from each question\'s pool.',
     )
     group.add_argument(
         '--val-av-rank-other-neg',
         type=int,
         default=30,
-        help='Av.rank validation: how many other negatives to take from each question pool',
+        help='Average-rank validation: other negatives drawn from each question\'s pool.',
     )
     return parser
 

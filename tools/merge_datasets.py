@@ -24,17 +24,17 @@ def get_args(argv=None):
         "--input",
         type=str,
         required=True,
-        help="Path to directory containing all document files to merge",
+        help="Directory whose .bin/.idx dataset pairs are merged.",
     )
     group = parser.add_argument_group(title="output data")
     group.add_argument(
-        "--output-prefix", type=str, required=True, help="Path to binary output file without suffix"
+        "--output-prefix", type=str, required=True, help="Output path without the .bin/.idx suffix."
     )
     group = parser.add_argument_group(title="miscellaneous")
     group.add_argument(
         "--multimodal",
         action="store_true",
-        help="Whether the datasets are assumed to be multimodal",
+        help="The inputs are multimodal datasets.",
     )
     args = parser.parse_args(argv)
     if not os.path.isdir(args.input):

@@ -265,7 +265,7 @@ def get_args(argv=None):
         "--json-keys",
         nargs="+",
         default=["text"],
-        help="space separate listed of keys to extract from json",
+        help="JSON fields to tokenize, separated by spaces (one output per field).",
     )
     group.add_argument(
         "--split-sentences",
@@ -284,22 +284,31 @@ def get_args(argv=None):
         type=str,
         required=True,
         choices=list(TOKENIZER_TYPES),
-        help="What type of tokenizer to use.",
-    )
-    group.add_argument("--tokenizer-model", type=str, default=None, help="YTTM tokenizer model.")
-    group.add_argument("--vocab-file", type=str, default=None, help="Path to the vocab file")
-    group.add_argument("--vocab-size", default=786, help="size of vocab for use with NullTokenizer")
-    group.add_argument(
-        "--merge-file", type=str, default=None, help="Path to the BPE merge file (if necessary)."
+        help="Tokenizer to encode with.",
     )
     group.add_argument(
-        "--append-eod", action="store_true", help="Append an <eod> token to the end of a document."
+        "--tokenizer-model",
+        type=str,
+        default=None,
+        help="Tokenizer model file (SentencePiece and similar).",
+    )
+    group.add_argument(
+        "--vocab-file", type=str, default=None, help="Vocabulary file of the tokenizer."
+    )
+    group.add_argument("--vocab-size", default=786, help="Vocabulary size of the NullTokenizer.")
+    group.add_argument(
+        "--merge-file", type=str, default=None, help="BPE merges file (GPT-2 style tokenizers)."
+    )
+    group.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="End every document with the end-of-document token.",
     )
     group.add_argument(
         "--lang",
         type=str,
         default="english",
-        help="Language to use for NLTK-powered sentence splitting.",
+        help="Language of the Punkt sentence splitter.",
     )
     group.add_argument(
         "--vocab-extra-ids",
@@ -310,21 +319,26 @@ def get_args(argv=None):
 
     group = parser.add_argument_group(title="output data")
     group.add_argument(
-        "--output-prefix", type=str, required=True, help="Path to binary output file without suffix"
+        "--output-prefix", type=str, required=True, help="Output path without the .bin/.idx suffix."
     )
 
     group = parser.add_argument_group(title="runtime")
     group.add_argument(
-        "--workers", type=int, required=True, help="Number of worker processes to launch"
+        "--workers", type=int, required=True, help="Tokenizing processes per partition."
     )
-    group.add_argument("--partitions", type=int, default=1, help="Number of file partitions")
     group.add_argument(
-        "--log-interval", type=int, default=1000, help="Interval between progress updates"
+        "--partitions",
+        type=int,
+        default=1,
+        help="Split the input into this many partitions, processed in parallel and merged.",
+    )
+    group.add_argument(
+        "--log-interval", type=int, default=1000, help="Print progress every this many documents."
     )
     group.add_argument(
         "--keep-sequential-samples",
         action="store_true",
-        help="Ensure ordering of samples in .jsonl files is preserved when using partitions>1.",
+        help="With --partitions > 1, keep the documents in their input order.",
     )
     args = parser.parse_args(argv)
     args.keep_empty = False

@@ -70,9 +70,7 @@ def model_provider(pre_process=True, post_process=True) -> GPTModel:
 def add_text_generate_args(parser):
     """Server flags: Megatron's --port, plus where to bind and the request limits."""
     group = parser.add_argument_group(title='text generation')
-    group.add_argument(
-        '--port', type=int, default=5000, help='port for text generation server to run on'
-    )
+    group.add_argument('--port', type=int, default=5000, help='TCP port the server listens on.')
     group.add_argument(
         '--host',
         type=str,

@@ -69,28 +69,37 @@ def build_parser() -> argparse.ArgumentParser:
         '--loader',
         type=str,
         default='megatron',
-        help='Module name to load checkpoint, should be on python path',
+        help='Loader plugin: loader_<name>.py next to convert.py, or an importable module.',
     )
     parser.add_argument(
         '--saver',
         type=str,
         default='megatron',
-        help='Module name to save checkpoint, should be on python path',
+        help='Saver plugin: saver_<name>.py next to convert.py, or an importable module.',
     )
     parser.add_argument(
-        '--load-dir', type=str, required=True, help='Directory to load model checkpoint from'
+        '--load-dir',
+        type=str,
+        required=True,
+        help='Checkpoint (or Hugging Face) directory to read.',
     )
     parser.add_argument(
-        '--save-dir', type=str, required=True, help='Directory to save model checkpoint to'
+        '--save-dir',
+        type=str,
+        required=True,
+        help='Directory the converted checkpoint is written to.',
     )
     parser.add_argument(
-        '--max-queue-size', type=int, default=50, help='Maximum number of messages in the queue'
+        '--max-queue-size',
+        type=int,
+        default=50,
+        help='Most messages the loader may send ahead of the saver.',
     )
     parser.add_argument(
         '--no-checking',
         action='store_false',
         dest='checking',
-        help='Do not perform checking on the name and ordering of weights',
+        help='Skip the check that every message names the weights the saver expects, in order.',
     )
     parser.add_argument(
         '--overwrite',

@@ -27,7 +27,10 @@ from megatron.training.checkpoint import hf_checkpoint_moe as hfc_moe  # noqa: E
 def add_arguments(parser):
     group = parser.add_argument_group(title='Hugging Face loader')
     group.add_argument(
-        '--megatron-path', type=str, default=None, help='Base directory of Megatron repository'
+        '--megatron-path',
+        type=str,
+        default=None,
+        help='Repository root to import megatron from (default: this checkout).',
     )
     group.add_argument(
         '--hf-tokenizer-type',

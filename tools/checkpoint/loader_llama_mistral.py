@@ -48,10 +48,10 @@ def add_arguments(parser):
         '--checkpoint-type',
         type=str,
         required=True,
-        help='Type of checkpoint to convert, options are "meta" or "hf"',
+        help='Checkpoint layout: "hf" (Hugging Face) or "meta" (Meta\'s original files).',
     )
-    group.add_argument('--bf16', action='store_true', help='Whether to load weights in bf16.')
-    group.add_argument('--fp16', action='store_true', help='Whether to load weights in fp16.')
+    group.add_argument('--bf16', action='store_true', help='Convert the weights to bf16.')
+    group.add_argument('--fp16', action='store_true', help='Convert the weights to fp16.')
     group.add_argument(
         '--true-vocab-size',
         type=int,
@@ -64,15 +64,20 @@ def add_arguments(parser):
         default=None,
         help='Path to the vocab file (accepted and ignored, as in Megatron)',
     )
-    group.add_argument('--tokenizer-model', required=True, help='Sentencepiece tokenizer model.')
     group.add_argument(
-        '--megatron-path', type=str, default=None, help='Base directory of Megatron repository'
+        '--tokenizer-model', required=True, help='SentencePiece model file of the tokenizer.'
+    )
+    group.add_argument(
+        '--megatron-path',
+        type=str,
+        default=None,
+        help='Repository root to import megatron from (default: this checkout).',
     )
     group.add_argument(
         '--loader-transformer-impl',
         default='local',
         choices=['local', 'transformer_engine'],
-        help='Which Transformer implementation to use.',
+        help='Transformer implementation named in the checkpoint args (one layout here).',
     )
 
 

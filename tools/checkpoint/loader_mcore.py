@@ -28,17 +28,20 @@ def add_arguments(parser, default_impl=DEFAULT_TRANSFORMER_IMPL):
         '--true-vocab-size',
         type=int,
         default=None,
-        help='original size of vocab, if specified will trim padding from embedding table.',
+        help='Vocabulary size before padding: the embedding rows past it are dropped.',
     )
     group.add_argument(
         '--vocab-file',
         type=str,
         default=None,
-        help='Path to the vocab file. If specified will use this to get vocab '
-        'size and trim padding from the embedding table.',
+        help='Vocabulary file whose size trims the padded embedding rows (instead of '
+        '--true-vocab-size).',
     )
     group.add_argument(
-        '--megatron-path', type=str, default=None, help='Base directory of Megatron repository'
+        '--megatron-path',
+        type=str,
+        default=None,
+        help='Repository root to import megatron from (default: this checkout).',
     )
     group.add_argument(
         '--position-embedding-type',

@@ -27,7 +27,7 @@ def add_arguments(parser):
         '--true-vocab-size',
         type=int,
         default=None,
-        help='original size of vocab, if specified will trim padding from embedding table.',
+        help='Vocabulary size before padding: the embedding rows past it are dropped.',
     )
     group.add_argument(
         '--vocab-file',
@@ -35,9 +35,14 @@ def add_arguments(parser):
         default=None,
         help='Path to the vocab file (accepted and ignored, as in Megatron)',
     )
-    group.add_argument('--tokenizer-model', required=True, help='Sentencepiece tokenizer model.')
     group.add_argument(
-        '--megatron-path', type=str, default=None, help='Base directory of Megatron repository'
+        '--tokenizer-model', required=True, help='SentencePiece model file of the tokenizer.'
+    )
+    group.add_argument(
+        '--megatron-path',
+        type=str,
+        default=None,
+        help='Repository root to import megatron from (default: this checkout).',
     )
 
 

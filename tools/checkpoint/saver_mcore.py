@@ -29,20 +29,20 @@ DEFAULT_TRANSFORMER_IMPL = 'transformer_engine'
 def add_arguments(parser, default_impl=DEFAULT_TRANSFORMER_IMPL, expert_flag=True):
     group = parser.add_argument_group(title='M-Core saver')
     group.add_argument(
-        '--megatron-path', type=str, default=None, help='Base directory of Megatron repository'
+        '--megatron-path',
+        type=str,
+        default=None,
+        help='Repository root to import megatron from (default: this checkout).',
     )
     group.add_argument(
         '--target-tensor-parallel-size',
         type=int,
-        help='Target tensor model parallel size, defaults to the tensor parallel '
-        'size in the input checkpoint if provided by the loader, otherwise 1',
+        help='Tensor parallel size to write (default: the source checkpoint\'s, else 1)',
     )
     group.add_argument(
         '--target-pipeline-parallel-size',
         type=int,
-        help='Target pipeline model parallel size, defaults to the pipeline '
-        'parallel size in the input checkpoint if provided by the loader, '
-        'otherwise 1',
+        help='Pipeline parallel size to write (default: the source checkpoint\'s, else 1)',
     )
     group.add_argument(
         '--target-pipeline-parallel-split-rank',

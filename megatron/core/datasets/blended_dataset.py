@@ -44,7 +44,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         size: Optional[int],
         config: BlendedMegatronDatasetConfig,
     ) -> None:
-        assert len(datasets) == len(weights)
+        assert len(datasets) == len(weights), "BlendedDataset needs one weight per dataset"
         if len(datasets) >= 32767:
             raise ValueError(f"BlendedDataset supports at most 32766 datasets, got {len(datasets)}")
         assert all(type(d) is type(datasets[0]) for d in datasets)

@@ -502,7 +502,7 @@ class MockGPTDataset(GPTDataset):
         index_split: Split,
         config: GPTDatasetConfig,
     ) -> None:
-        assert config.mock
+        assert config.mock, "MockGPTDataset needs a config with mock=True"
         super().__init__(
             dataset,
             config=config,

@@ -66,83 +66,30 @@ class OptimizerParamScheduler:
         wsd_decay_steps: Optional[int] = None,
         lr_wsd_decay_style: Optional[str] = None,
     ) -> None:
-        self.optimizer = optimizer
-
-        self.init_lr = init_lr
-        self.max_lr = float(max_lr)
-        self.min_lr = min_lr
-        if not self.min_lr >= 0.0:
-            raise ValueError(f'min_lr (--min-lr) must be >= 0, got {self.min_lr}')
-        if not self.max_lr >= self.min_lr:
-            raise ValueError(f'lr (--lr) {self.max_lr} must be >= min_lr (--min-lr) {self.min_lr}')
-        if not self.init_lr <= self.max_lr:
-            raise ValueError(
-                f'lr_warmup_init (--lr-warmup-init) {self.init_lr} must be <= lr (--lr) '
-                f'{self.max_lr}'
-            )
-
-        self.lr_warmup_steps = lr_warmup_steps
-        self.num_steps = 0
-        self.lr_decay_steps = lr_decay_steps
-        self.wsd_decay_steps = wsd_decay_steps
-        self.lr_wsd_decay_style = lr_wsd_decay_style
-        if not self.lr_decay_steps > 0:
-            raise ValueError(
-                'lr decay steps (--lr-decay-iters/--lr-decay-samples) must be > 0, got '
-                f'{lr_decay_steps}'
-            )
-        if not self.lr_warmup_steps < self.lr_decay_steps:
-            raise ValueError(
-                f'lr warmup steps ({self.lr_warmup_steps}) must be < lr decay steps '
-                f'({self.lr_decay_steps}) (--lr-warmup-iters/--lr-warmup-fraction vs '
-                '--lr-decay-iters)'
-            )
-
-        self.lr_decay_style = lr_decay_style
-        if lr_decay_style not in _LR_DECAY_STYLES:
-            raise ValueError(
-                f'lr_decay_style (--lr-decay-style) must be one of {_LR_DECAY_STYLES}, got '
-                f'{lr_decay_style!r}'
-            )
+        # Every check runs before any attribute is set, so a bad flag fails with nothing built.
+        _check_lr_range(init_lr, float(max_lr), min_lr)
+        _check_decay(lr_warmup_steps, lr_decay_steps, lr_decay_style)
         if lr_decay_style == 'WSD':
-            if wsd_decay_steps is None or not 0 < wsd_decay_steps <= lr_decay_steps:
-                raise ValueError(
-                    'WSD needs 0 < wsd_decay_steps (--lr-wsd-decay-iters/samples) <= lr decay '
-                    f'steps ({lr_decay_steps}), got {wsd_decay_steps}'
-                )
-            if lr_wsd_decay_style not in _WSD_DECAY_STYLES:
-                raise ValueError(
-                    'lr_wsd_decay_style (--lr-wsd-decay-style) must be one of '
-                    f'{_WSD_DECAY_STYLES}, got {lr_wsd_decay_style!r}'
-                )
-
-        self.start_wd = start_wd
-        self.end_wd = end_wd
-        if not self.start_wd >= 0.0:
-            raise ValueError(f'start_wd (--start-weight-decay) must be >= 0, got {start_wd}')
-        if not self.end_wd >= self.start_wd:
-            raise ValueError(f'end_wd (--end-weight-decay) {end_wd} must be >= start_wd {start_wd}')
-        self.wd_incr_steps = wd_incr_steps
-        self.wd_incr_style = wd_incr_style
-        if wd_incr_style not in _WD_INCR_STYLES:
-            raise ValueError(
-                f'wd_incr_style (--weight-decay-incr-style) must be one of {_WD_INCR_STYLES}, got '
-                f'{wd_incr_style!r}'
-            )
-        if wd_incr_style == 'constant' and start_wd != end_wd:
-            raise ValueError(
-                f'constant weight decay needs start_wd == end_wd, got {start_wd} and {end_wd}'
-            )
-
-        self.override_opt_param_scheduler = override_opt_param_scheduler
-        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
-        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            _check_wsd(wsd_decay_steps, lr_decay_steps, lr_wsd_decay_style)
+        _check_wd(start_wd, end_wd, wd_incr_style)
+        if override_opt_param_scheduler and use_checkpoint_opt_param_scheduler:
             raise ValueError(
                 'both override-opt_param-scheduler and use-checkpoint-opt_param-scheduler are set '
                 '(--override-opt_param-scheduler, --use-checkpoint-opt_param-scheduler)'
             )
 
-        # Set the learning rate and weight decay for step 0.
+        self.optimizer = optimizer
+        self.num_steps = 0
+        self.init_lr, self.max_lr, self.min_lr = init_lr, float(max_lr), min_lr
+        self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
+        self.lr_decay_style = lr_decay_style
+        self.wsd_decay_steps, self.lr_wsd_decay_style = wsd_decay_steps, lr_wsd_decay_style
+        self.start_wd, self.end_wd = start_wd, end_wd
+        self.wd_incr_steps, self.wd_incr_style = wd_incr_steps, wd_incr_style
+        self.override_opt_param_scheduler = override_opt_param_scheduler
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+
+        # Param groups carry step-0 values from construction on, not only after the first step.
         self.step(0)
         logger.info('> learning rate decay style: %s', self.lr_decay_style)
 
@@ -151,96 +98,69 @@ class OptimizerParamScheduler:
         if self.num_steps > self.wd_incr_steps:
             return self.end_wd
         if self.wd_incr_style == 'constant':
+            # A checkpoint may have replaced start/end since the constructor's check.
             assert self.start_wd == self.end_wd
             return self.end_wd
-
-        incr_ratio = float(self.num_steps) / float(self.wd_incr_steps)
-        assert 0.0 <= incr_ratio <= 1.0
-        delta_wd = self.end_wd - self.start_wd
-        if self.wd_incr_style == 'linear':
-            coeff = incr_ratio
-        elif self.wd_incr_style == 'cosine':
-            coeff = 0.5 * (math.cos(math.pi * (1 - incr_ratio)) + 1.0)
-        else:
+        progress = float(self.num_steps) / float(self.wd_incr_steps)
+        assert 0.0 <= progress <= 1.0
+        shape = _WD_RAMPS.get(self.wd_incr_style)
+        if shape is None:
             raise ValueError(f'{self.wd_incr_style} weight decay increment style is not supported.')
-        return self.start_wd + coeff * delta_wd
+        return self.start_wd + shape(progress) * (self.end_wd - self.start_wd)
 
     def get_lr(self, param_group: dict) -> float:
         """Learning rate (before lr_mult) at the current step for `param_group`."""
-        max_lr = param_group.get('max_lr', self.max_lr)
-        min_lr = param_group.get('min_lr', self.min_lr)
-
-        # Linear warmup.
-        if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
-            return self.init_lr + (
-                (max_lr - self.init_lr) * float(self.num_steps) / float(self.lr_warmup_steps)
-            )
-
+        top = param_group.get('max_lr', self.max_lr)
+        bottom = param_group.get('min_lr', self.min_lr)
+        n = self.num_steps
+        in_warmup = 0 < self.lr_warmup_steps and n <= self.lr_warmup_steps
+        if in_warmup:
+            ramp = (top - self.init_lr) * float(n) / float(self.lr_warmup_steps)
+            return self.init_lr + ramp
         if self.lr_decay_style == 'constant':
-            return max_lr
-
-        if self.num_steps > self.lr_decay_steps:
-            return min_lr
-
+            return top
+        if n > self.lr_decay_steps:
+            return bottom
         if self.lr_decay_style == 'inverse-square-root':
-            warmup_steps = max(self.lr_warmup_steps, 1)
-            num_steps = max(self.num_steps, 1)
-            lr = max_lr * warmup_steps**0.5 / (num_steps**0.5)
-            return max(min_lr, lr)
+            # Same value as the warmup end at n == W, then falling as 1/sqrt(n).
+            scaled = top * max(self.lr_warmup_steps, 1) ** 0.5 / (max(n, 1) ** 0.5)
+            return max(bottom, scaled)
+        return bottom + self._decay_coeff() * (top - bottom)
 
-        num_steps_ = self.num_steps - self.lr_warmup_steps
-        decay_steps_ = self.lr_decay_steps - self.lr_warmup_steps
-        decay_ratio = float(num_steps_) / float(decay_steps_)
-        assert 0.0 <= decay_ratio <= 1.0
-        delta_lr = max_lr - min_lr
-
-        if self.lr_decay_style == 'linear':
-            coeff = 1.0 - decay_ratio
-        elif self.lr_decay_style == 'cosine':
-            coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
-        elif self.lr_decay_style == 'WSD':
-            wsd_anneal_start = self.lr_decay_steps - self.wsd_decay_steps
-            if self.num_steps <= wsd_anneal_start:
-                coeff = 1.0
-            else:
-                wsd_decay_ratio = float(self.num_steps - wsd_anneal_start) / float(
-                    self.wsd_decay_steps
-                )
-                if self.lr_wsd_decay_style == 'linear':
-                    coeff = 1.0 - wsd_decay_ratio
-                elif self.lr_wsd_decay_style == 'cosine':
-                    coeff = 0.5 * (math.cos(math.pi * wsd_decay_ratio) + 1.0)
-                elif self.lr_wsd_decay_style == 'exponential':
-                    coeff = (2.0 * math.pow(0.5, wsd_decay_ratio)) - 1.0
-                else:
-                    raise ValueError(f'{self.lr_wsd_decay_style} WSD decay style is not supported.')
-        else:
+    def _decay_coeff(self) -> float:
+        """Fraction of (max_lr - min_lr) left at the current step, past warmup."""
+        done = self.num_steps - self.lr_warmup_steps
+        span = self.lr_decay_steps - self.lr_warmup_steps
+        progress = float(done) / float(span)
+        assert 0.0 <= progress <= 1.0
+        if self.lr_decay_style == 'WSD':
+            return self._wsd_coeff()
+        shape = _LR_DECAYS.get(self.lr_decay_style)
+        if shape is None:
             raise ValueError(f'{self.lr_decay_style} decay style is not supported.')
-        return min_lr + coeff * delta_lr
+        return shape(progress)
+
+    def _wsd_coeff(self) -> float:
+        """WSD: hold max_lr, then anneal over the final `wsd_decay_steps` of the decay span."""
+        stable_until = self.lr_decay_steps - self.wsd_decay_steps
+        if self.num_steps <= stable_until:
+            return 1.0
+        shape = _WSD_ANNEALS.get(self.lr_wsd_decay_style)
+        if shape is None:
+            raise ValueError(f'{self.lr_wsd_decay_style} WSD decay style is not supported.')
+        return shape(float(self.num_steps - stable_until) / float(self.wsd_decay_steps))
 
     def step(self, increment: int) -> None:
         """Advance by `increment` samples and set every group's lr and weight_decay."""
-        self.num_steps += increment
-        new_wd = self.get_wd()
-        for param_group in self.optimizer.param_groups:
-            new_lr = self.get_lr(param_group)
-            param_group['lr'] = new_lr * param_group.get('lr_mult', 1.0)
-            param_group['weight_decay'] = new_wd * param_group.get('wd_mult', 1.0)
+        self.num_steps = self.num_steps + increment
+        wd = self.get_wd()
+        for group in self.optimizer.param_groups:
+            group['lr'] = self.get_lr(group) * group.get('lr_mult', 1.0)
+            group['weight_decay'] = wd * group.get('wd_mult', 1.0)
 
     def state_dict(self) -> dict:
-        """Megatron's checkpoint keys for the scheduler."""
-        return {
-            'max_lr': self.max_lr,
-            'lr_warmup_steps': self.lr_warmup_steps,
-            'num_steps': self.num_steps,
-            'lr_decay_style': self.lr_decay_style,
-            'lr_decay_steps': self.lr_decay_steps,
-            'min_lr': self.min_lr,
-            'start_wd': self.start_wd,
-            'end_wd': self.end_wd,
-            'wd_incr_style': self.wd_incr_style,
-            'wd_incr_steps': self.wd_incr_steps,
-        }
+        """Megatron's checkpoint keys for the scheduler (each key is the attribute's name)."""
+        return {key: getattr(self, key) for key in _STATE_KEYS}
 
     def _check_and_set(self, cls_value, sd_value, name: str):
         """The value to use on load: this object's (override) or the checkpoint's.
@@ -259,64 +179,142 @@ class OptimizerParamScheduler:
         logger.info(' > using checkpoint value %s for %s', sd_value, name)
         return sd_value
 
+    def _reconcile(self, attr: str, stored, label: str) -> None:
+        setattr(self, attr, self._check_and_set(getattr(self, attr), stored, label))
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore from `state_dict()` (old key names accepted) and re-apply lr / wd."""
-        if 'start_lr' in state_dict:
-            max_lr_ = state_dict['start_lr']
-        else:
-            max_lr_ = state_dict['max_lr']
-        self.max_lr = self._check_and_set(self.max_lr, max_lr_, 'learning rate')
+        for attr, label in _LR_RESTORED:
+            self._reconcile(attr, _stored(state_dict, attr), label)
+        self.step(increment=_stored(state_dict, 'num_steps'))
+        # Checkpoints older than the weight-decay schedule lack these keys: keep ours then.
+        if 'start_wd' not in state_dict:
+            return
+        for attr, label in _WD_RESTORED:
+            self._reconcile(attr, state_dict[attr], label)
+        # Re-apply so param groups see the (possibly checkpointed) weight-decay settings.
+        self.step(0)
 
-        self.min_lr = self._check_and_set(
-            self.min_lr, state_dict['min_lr'], 'minimum learning rate'
+
+def _check_lr_range(init_lr, max_lr, min_lr) -> None:
+    if not min_lr >= 0.0:
+        raise ValueError(f'min_lr (--min-lr) must be >= 0, got {min_lr}')
+    if not max_lr >= min_lr:
+        raise ValueError(f'lr (--lr) {max_lr} must be >= min_lr (--min-lr) {min_lr}')
+    if not init_lr <= max_lr:
+        raise ValueError(
+            f'lr_warmup_init (--lr-warmup-init) {init_lr} must be <= lr (--lr) {max_lr}'
         )
 
-        if 'warmup_iter' in state_dict:
-            lr_warmup_steps_ = state_dict['warmup_iter']
-        elif 'warmup_steps' in state_dict:
-            lr_warmup_steps_ = state_dict['warmup_steps']
-        else:
-            lr_warmup_steps_ = state_dict['lr_warmup_steps']
-        self.lr_warmup_steps = self._check_and_set(
-            self.lr_warmup_steps, lr_warmup_steps_, 'warmup iterations'
+
+def _check_decay(lr_warmup_steps, lr_decay_steps, lr_decay_style) -> None:
+    if not lr_decay_steps > 0:
+        raise ValueError(
+            'lr decay steps (--lr-decay-iters/--lr-decay-samples) must be > 0, got '
+            f'{lr_decay_steps}'
+        )
+    if not lr_warmup_steps < lr_decay_steps:
+        raise ValueError(
+            f'lr warmup steps ({lr_warmup_steps}) must be < lr decay steps '
+            f'({lr_decay_steps}) (--lr-warmup-iters/--lr-warmup-fraction vs '
+            '--lr-decay-iters)'
+        )
+    if lr_decay_style not in _LR_DECAY_STYLES:
+        raise ValueError(
+            f'lr_decay_style (--lr-decay-style) must be one of {_LR_DECAY_STYLES}, got '
+            f'{lr_decay_style!r}'
         )
 
-        if 'end_iter' in state_dict:
-            lr_decay_steps_ = state_dict['end_iter']
-        elif 'decay_steps' in state_dict:
-            lr_decay_steps_ = state_dict['decay_steps']
-        else:
-            lr_decay_steps_ = state_dict['lr_decay_steps']
-        self.lr_decay_steps = self._check_and_set(
-            self.lr_decay_steps, lr_decay_steps_, 'total number of iterations'
+
+def _check_wsd(wsd_decay_steps, lr_decay_steps, lr_wsd_decay_style) -> None:
+    if wsd_decay_steps is None or not 0 < wsd_decay_steps <= lr_decay_steps:
+        raise ValueError(
+            'WSD needs 0 < wsd_decay_steps (--lr-wsd-decay-iters/samples) <= lr decay '
+            f'steps ({lr_decay_steps}), got {wsd_decay_steps}'
+        )
+    if lr_wsd_decay_style not in _WSD_DECAY_STYLES:
+        raise ValueError(
+            'lr_wsd_decay_style (--lr-wsd-decay-style) must be one of '
+            f'{_WSD_DECAY_STYLES}, got {lr_wsd_decay_style!r}'
         )
 
-        if 'decay_style' in state_dict:
-            lr_decay_style_ = state_dict['decay_style']
-        else:
-            lr_decay_style_ = state_dict['lr_decay_style']
-        self.lr_decay_style = self._check_and_set(
-            self.lr_decay_style, lr_decay_style_, 'learning rate decay style'
+
+def _check_wd(start_wd, end_wd, wd_incr_style) -> None:
+    if not start_wd >= 0.0:
+        raise ValueError(f'start_wd (--start-weight-decay) must be >= 0, got {start_wd}')
+    if not end_wd >= start_wd:
+        raise ValueError(f'end_wd (--end-weight-decay) {end_wd} must be >= start_wd {start_wd}')
+    if wd_incr_style not in _WD_INCR_STYLES:
+        raise ValueError(
+            f'wd_incr_style (--weight-decay-incr-style) must be one of {_WD_INCR_STYLES}, got '
+            f'{wd_incr_style!r}'
+        )
+    if wd_incr_style == 'constant' and start_wd != end_wd:
+        raise ValueError(
+            f'constant weight decay needs start_wd == end_wd, got {start_wd} and {end_wd}'
         )
 
-        if 'num_iters' in state_dict:
-            num_steps = state_dict['num_iters']
-        else:
-            num_steps = state_dict['num_steps']
-        self.step(increment=num_steps)
 
-        if 'start_wd' in state_dict:
-            self.start_wd = self._check_and_set(
-                self.start_wd, state_dict['start_wd'], 'start weight decay'
-            )
-            self.end_wd = self._check_and_set(self.end_wd, state_dict['end_wd'], 'end weight decay')
-            self.wd_incr_steps = self._check_and_set(
-                self.wd_incr_steps,
-                state_dict['wd_incr_steps'],
-                'total number of weight decay iterations',
-            )
-            self.wd_incr_style = self._check_and_set(
-                self.wd_incr_style, state_dict['wd_incr_style'], 'weight decay incr style'
-            )
-            # Re-apply so param groups see the (possibly checkpointed) weight-decay settings.
-            self.step(0)
+def _half_cosine_down(x: float) -> float:
+    """1 at x = 0 falling to 0 at x = 1 along half a cosine period."""
+    return 0.5 * (math.cos(math.pi * x) + 1.0)
+
+
+# Shape of the weight-decay ramp, from 0 (start_wd) to 1 (end_wd), in the ramp's progress.
+_WD_RAMPS = {
+    'linear': lambda x: x,
+    'cosine': lambda x: 0.5 * (math.cos(math.pi * (1 - x)) + 1.0),
+}
+# Shape of the lr decay, from 1 (max_lr) to 0 (min_lr), in the decay's progress.
+_LR_DECAYS = {'linear': lambda x: 1.0 - x, 'cosine': _half_cosine_down}
+_WSD_ANNEALS = {
+    'linear': lambda x: 1.0 - x,
+    'cosine': _half_cosine_down,
+    'exponential': lambda x: (2.0 * math.pow(0.5, x)) - 1.0,
+}
+
+# Keys written by state_dict(), in Megatron's order.
+_STATE_KEYS = (
+    'max_lr',
+    'lr_warmup_steps',
+    'num_steps',
+    'lr_decay_style',
+    'lr_decay_steps',
+    'min_lr',
+    'start_wd',
+    'end_wd',
+    'wd_incr_style',
+    'wd_incr_steps',
+)
+
+# Names older Megatron checkpoints used for a key, tried before the current one.
+_LEGACY_KEYS = {
+    'max_lr': ('start_lr',),
+    'lr_warmup_steps': ('warmup_iter', 'warmup_steps'),
+    'lr_decay_steps': ('end_iter', 'decay_steps'),
+    'lr_decay_style': ('decay_style',),
+    'num_steps': ('num_iters',),
+}
+
+# (attribute, label in the log / mismatch error), restored in this order on load.
+_LR_RESTORED = (
+    ('max_lr', 'learning rate'),
+    ('min_lr', 'minimum learning rate'),
+    ('lr_warmup_steps', 'warmup iterations'),
+    ('lr_decay_steps', 'total number of iterations'),
+    ('lr_decay_style', 'learning rate decay style'),
+)
+_WD_RESTORED = (
+    ('start_wd', 'start weight decay'),
+    ('end_wd', 'end weight decay'),
+    ('wd_incr_steps', 'total number of weight decay iterations'),
+    ('wd_incr_style', 'weight decay incr style'),
+)
+
+
+def _stored(state_dict: dict, key: str):
+    """`state_dict[key]`, or the value under the first legacy name the checkpoint has."""
+    for old in _LEGACY_KEYS.get(key, ()):
+        if old in state_dict:
+            return state_dict[old]
+    return state_dict[key]

@@ -717,14 +717,10 @@ class RerunStateMachine:
         if not force and self.state == RerunState.NOT_RUNNING_YET:
             return None
         failed = self.failed_validation_call
+        saved = {'mode': self.mode.value, 'state': self.state.name}
+        saved.update((name, getattr(self, name)) for name in _COPIED_AS_IS)
         return {
-            'mode': self.mode.value,
-            'state': self.state.name,
-            'current_iteration': self.current_iteration,
-            'rerun_requested': self.rerun_requested,
-            'checkpoint_requested': self.checkpoint_requested,
-            'restart_again_requested': self.restart_again_requested,
-            'continue_requested': self.continue_requested,
+            **saved,
             'error_injector_checkpoint': self.error_injector.state_dict(),
             'failed_validation_call': None if failed is None else [failed[0], failed[1]],
             'initial_result': self.initial_result,
@@ -747,11 +743,8 @@ class RerunStateMachine:
         )
         self.mode = RerunMode(state_dict['mode'])
         self.state = RerunState[state_dict['state']]
-        self.current_iteration = state_dict['current_iteration']
-        self.rerun_requested = state_dict['rerun_requested']
-        self.checkpoint_requested = state_dict['checkpoint_requested']
-        self.restart_again_requested = state_dict['restart_again_requested']
-        self.continue_requested = state_dict['continue_requested']
+        for name in _COPIED_AS_IS:
+            setattr(self, name, state_dict[name])
         self.error_injector.load_state_dict(state_dict['error_injector_checkpoint'])
         failed = state_dict['failed_validation_call']
         self.failed_validation_call = None if failed is None else (failed[0], int(failed[1]))
@@ -763,6 +756,15 @@ class RerunStateMachine:
         # The resumed job rerun is a step of a job whose first optimizer step exists.
         self.first_iteration_complete = True
 
+
+# Checkpoint keys whose value is the attribute of the same name, unconverted.
+_COPIED_AS_IS = (
+    'current_iteration',
+    'rerun_requested',
+    'checkpoint_requested',
+    'restart_again_requested',
+    'continue_requested',
+)
 
 _GLOBAL_RERUN_STATE_MACHINE: Optional[RerunStateMachine] = None
 

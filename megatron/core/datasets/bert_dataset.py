@@ -66,9 +66,15 @@ class BERTMaskedWordPieceDataset(MaskedWordPieceDataset):
         config: BERTMaskedWordPieceDatasetConfig,
     ) -> None:
         super().__init__(
-            indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config
+            indexed_dataset,
+            dataset_path,
+            indexed_indices,
+            num_samples=num_samples,
+            index_split=index_split,
+            config=config,
         )
-        self.token_lookup = list(self.config.tokenizer.inv_vocab.keys())
+        # Every id of the vocabulary, for the 10 % of masked positions that get a random token.
+        self.token_lookup = list(config.tokenizer.inv_vocab.keys())
         # Leave room for one [CLS] and two [SEP].
         self.sample_index = self._build_sample_index(
             self.config.sequence_length - 3, 2 if self.config.classification_head else 1
@@ -130,19 +136,15 @@ class BERTMaskedWordPieceDataset(MaskedWordPieceDataset):
 
     def _split_segments(self, sample: List[List[int]], numpy_random_state):
         """(segment A tokens, segment B tokens, swapped) with the pivot and swap draws."""
-        pivot = len(sample)
-        is_next_random = False
-        if self.config.classification_head:
-            assert len(sample) > 1, "the sample must contain at least two sentences"
-            pivot = 1
-            if len(sample) >= 3:
-                pivot = numpy_random_state.randint(low=1, high=len(sample))
-            is_next_random = numpy_random_state.random() < 0.5
-        split_a = [token for sentence in sample[:pivot] for token in sentence]
-        split_b = [token for sentence in sample[pivot:] for token in sentence]
-        if is_next_random:
-            split_a, split_b = split_b, split_a
-        return split_a, split_b, is_next_random
+        if not self.config.classification_head:
+            # No sentence-order task: everything is segment A and nothing is drawn.
+            return _concat(sample), [], False
+        assert len(sample) > 1, "the sample must contain at least two sentences"
+        # Two sentences leave one possible cut; the pivot draw happens only with more.
+        pivot = 1 if len(sample) < 3 else numpy_random_state.randint(low=1, high=len(sample))
+        swapped = numpy_random_state.random() < 0.5
+        first, second = _concat(sample[:pivot]), _concat(sample[pivot:])
+        return (second, first, swapped) if swapped else (first, second, swapped)
 
     def _get_token_mask(self, numpy_random_state: numpy.random.RandomState) -> Optional[int]:
         """80 %: [MASK]; 10 %: a uniformly random id of the whole vocabulary; 10 %: None (keep)."""
@@ -151,6 +153,10 @@ class BERTMaskedWordPieceDataset(MaskedWordPieceDataset):
         if numpy_random_state.random() >= 0.5:
             return self.token_lookup[numpy_random_state.randint(0, len(self.token_lookup))]
         return None
+
+
+def _concat(sentences: List[List[int]]) -> List[int]:
+    return [token for sentence in sentences for token in sentence]
 
 
 def _truncate_segments(

@@ -44,7 +44,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         size: Optional[int],
         config: BlendedMegatronDatasetConfig,
     ) -> None:
-        assert len(datasets) == len(weights)
+        assert len(datasets) == len(weights), "BlendedDataset needs one weight per dataset"
         if len(datasets) >= 32767:
             raise ValueError(f"BlendedDataset supports at most 32766 datasets, got {len(datasets)}")
         assert all(type(d) is type(datasets[0]) for d in datasets)
@@ -55,116 +55,107 @@ class BlendedDataset(torch.utils.data.Dataset):
             assert all(w == int(w) for w in weights)
 
         if len(datasets) == 1:
-            log_single_rank(
-                logger, logging.WARNING, "Building a BlendedDataset for a single MegatronDataset"
-            )
-
-        if size is not None:
-            weights = normalize(weights)
+            message = "Building a BlendedDataset for a single MegatronDataset"
+            log_single_rank(logger, logging.WARNING, message)
 
         self.datasets = datasets
-        self.split = self.datasets[0].index_split
-        self.weights = weights
+        self.split = datasets[0].index_split
+        # A sized blend draws in proportion to the weights; an exhaustive one counts samples.
+        self.weights = weights if size is None else normalize(weights)
         self.size = size
         self.config = config
-
-        unique_identifiers = OrderedDict()
-        unique_identifiers["class"] = type(self).__name__
-        unique_identifiers["datasets"] = [dataset.unique_identifiers for dataset in self.datasets]
-        unique_identifiers["split"] = self.split.name
-        unique_identifiers["weights"] = self.weights
-        unique_identifiers["size"] = self.size
-        self.unique_identifiers = unique_identifiers
-        self.unique_description = json.dumps(
-            unique_identifiers, indent=4, default=lambda obj: obj.unique_identifiers
-        )
-        self.unique_description_hash = hashlib.md5(
-            self.unique_description.encode("utf-8")
-        ).hexdigest()
         self.built_anew_on_cache_miss = False
-
-        self.dataset_index, self.dataset_sample_index = self._build_indices()
+        self.unique_identifiers = OrderedDict(
+            (
+                ("class", type(self).__name__),
+                ("datasets", [part.unique_identifiers for part in datasets]),
+                ("split", self.split.name),
+                ("weights", self.weights),
+                ("size", size),
+            )
+        )
+        # The description (and its md5, the cache file prefix) nests each part's identifiers.
+        self.unique_description = json.dumps(
+            self.unique_identifiers, indent=4, default=lambda obj: obj.unique_identifiers
+        )
+        self.unique_description_hash = _md5_hex(self.unique_description)
+        indices = self._build_indices()
+        self.dataset_index, self.dataset_sample_index = indices
 
     def __len__(self) -> int:
         return self.dataset_index.shape[0]
 
     def __getitem__(self, idx: int) -> Dict[str, Union[int, numpy.ndarray]]:
-        dataset_id = self.dataset_index[idx]
-        dataset_sample_id = self.dataset_sample_index[idx]
-        return {"dataset_id": dataset_id, **self.datasets[dataset_id][dataset_sample_id]}
+        source = self.dataset_index[idx]
+        sample = self.datasets[source][self.dataset_sample_index[idx]]
+        return {"dataset_id": source, **sample}
+
+    def _cache_files(self) -> Tuple[str, str, str]:
+        """(description, dataset index, dataset sample index) paths in the cache directory."""
+        stem = os.path.join(
+            self.config.path_to_cache,
+            f"{self.unique_description_hash}-{type(self).__name__}-{self.split.name}",
+        )
+        return (
+            f"{stem}-description.txt",
+            f"{stem}-dataset_index.npy",
+            f"{stem}-dataset_sample_index.npy",
+        )
 
     def _build_indices(self) -> Tuple[numpy.ndarray, numpy.ndarray]:
-        path_to_cache = self.config.path_to_cache
-        if path_to_cache:
-            base = f"{self.unique_description_hash}-{type(self).__name__}-{self.split.name}"
-            path_to_description = os.path.join(path_to_cache, f"{base}-description.txt")
-            path_to_dataset_index = os.path.join(path_to_cache, f"{base}-dataset_index.npy")
-            path_to_dataset_sample_index = os.path.join(
-                path_to_cache, f"{base}-dataset_sample_index.npy"
-            )
-            cache_hit = all(
-                map(
-                    os.path.isfile,
-                    [path_to_description, path_to_dataset_index, path_to_dataset_sample_index],
+        cache_dir = self.config.path_to_cache
+        files = self._cache_files() if cache_dir else None
+        cache_hit = bool(files) and all(os.path.isfile(path) for path in files)
+        writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        # Without a cache every rank computes its own copy; with one, rank 0 writes it first.
+        if cache_dir and (cache_hit or not writer):
+            log_single_rank(logger, logging.INFO, f"Load the {type(self).__name__} indices")
+            if not cache_hit:
+                raise FileNotFoundError(
+                    f"BlendedDataset indices not found in {cache_dir} (rank 0 builds them)"
                 )
-            )
+            _, index_file, sample_index_file = files
+            return load_index(index_file, ndim=1), load_index(sample_index_file, ndim=1)
+
+        log_single_rank(logger, logging.INFO, f"Build and save the {type(self).__name__} indices")
+        self.built_anew_on_cache_miss = True
+        started = time.time()
+        dataset_index, dataset_sample_index = self._compute_indices()
+        if cache_dir:
+            description_file, index_file, sample_index_file = files
+            os.makedirs(cache_dir, exist_ok=True)
+            write_text(description_file, self.unique_description)
+            save_index(index_file, dataset_index)
+            save_index(sample_index_file, dataset_sample_index)
         else:
-            cache_hit = False
-
-        if not path_to_cache or (
-            not cache_hit
-            and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
-        ):
             log_single_rank(
-                logger, logging.INFO, f"Build and save the {type(self).__name__} indices"
+                logger,
+                logging.WARNING,
+                "Unable to save the blending indexes because path_to_cache is None",
             )
-            self.built_anew_on_cache_miss = True
-            t_beg = time.time()
-            from megatron.core.datasets import helpers
-
-            if self.size is not None:
-                dataset_index = numpy.zeros(self.size, dtype=numpy.int16)
-                dataset_sample_index = numpy.zeros(self.size, dtype=numpy.int64)
-                helpers.build_blending_indices(
-                    dataset_index,
-                    dataset_sample_index,
-                    self.weights,
-                    len(self.datasets),
-                    self.size,
-                    _VERBOSE,
-                )
-            else:
-                size = int(sum(self.weights))
-                dataset_index = numpy.zeros(size, dtype=numpy.int16)
-                dataset_sample_index = numpy.zeros(size, dtype=numpy.int64)
-                helpers.build_exhaustive_blending_indices(
-                    dataset_index,
-                    dataset_sample_index,
-                    [int(w) for w in self.weights],
-                    len(self.datasets),
-                )
-
-            if path_to_cache:
-                os.makedirs(path_to_cache, exist_ok=True)
-                write_text(path_to_description, self.unique_description)
-                save_index(path_to_dataset_index, dataset_index)
-                save_index(path_to_dataset_sample_index, dataset_sample_index)
-            else:
-                log_single_rank(
-                    logger,
-                    logging.WARNING,
-                    "Unable to save the blending indexes because path_to_cache is None",
-                )
-            log_single_rank(
-                logger, logging.DEBUG, f"\t> time elapsed: {time.time() - t_beg:4f} seconds"
-            )
-            return dataset_index, dataset_sample_index
-
-        log_single_rank(logger, logging.INFO, f"Load the {type(self).__name__} indices")
-        if not cache_hit:
-            raise FileNotFoundError(
-                f"BlendedDataset indices not found in {path_to_cache} (rank 0 builds them)"
-            )
-        dataset_index = load_index(path_to_dataset_index, ndim=1)
-        dataset_sample_index = load_index(path_to_dataset_sample_index, ndim=1)
+        elapsed = time.time() - started
+        log_single_rank(logger, logging.DEBUG, f"\t> time elapsed: {elapsed:4f} seconds")
         return dataset_index, dataset_sample_index
+
+    def _compute_indices(self) -> Tuple[numpy.ndarray, numpy.ndarray]:
+        """(which dataset, which of its samples) per blended sample, from the C++ helpers.
+
+        int16 dataset ids (hence the 32766 limit) and int64 sample ids, filled in place.
+        """
+        from megatron.core.datasets import helpers
+
+        parts = len(self.datasets)
+        count = self.size if self.size is not None else int(sum(self.weights))
+        which = numpy.zeros(count, dtype=numpy.int16)
+        row = numpy.zeros(count, dtype=numpy.int64)
+        if self.size is None:
+            # Exhaustive: the weights are the part lengths and every sample is used once.
+            lengths = [int(w) for w in self.weights]
+            helpers.build_exhaustive_blending_indices(which, row, lengths, parts)
+        else:
+            helpers.build_blending_indices(which, row, self.weights, parts, count, _VERBOSE)
+        return which, row
+
+
+def _md5_hex(text: str) -> str:
+    return hashlib.md5(text.encode("utf-8")).hexdigest()

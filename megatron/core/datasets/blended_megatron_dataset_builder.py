@@ -135,149 +135,103 @@ class BlendedMegatronDatasetBuilder(object):
     def _build_blended_dataset_splits(self) -> List[Optional[TopLevelDataset]]:
         if self.config.mock:
             return self._build_megatron_dataset_splits(None, self.config.split_matrix, self.sizes)
-
         if self.config.blend:
-            prefixes, weights = self.config.blend
-            if weights is not None:
-                weights = normalize(weights)
-            split = self.config.split_matrix
+            return self._build_from_one_blend()
+        return self._build_from_blend_per_split()
 
-            if len(prefixes) == 1 and weights is None:
-                return self._build_megatron_dataset_splits(prefixes[0], split, self.sizes)
+    def _build_from_one_blend(self) -> List[Optional[TopLevelDataset]]:
+        """One blend for all splits: every prefix is cut by --split, then blended per split."""
+        prefixes, weights = self.config.blend
+        weights = None if weights is None else normalize(weights)
+        ranges = self.config.split_matrix
+        if weights is None and len(prefixes) == 1:
+            # A lone unweighted prefix needs no BlendedDataset on top.
+            return self._build_megatron_dataset_splits(prefixes[0], ranges, self.sizes)
 
-            if weights is None:
-                sizes_per_dataset = [[None for _ in Split] for _ in prefixes]
-            else:
-                sizes_per_dataset = _get_size_per_split_per_dataset(weights, self.sizes)
+        requests = _requests_per_prefix(weights, self.sizes, len(prefixes))
+        parts = self._build_megatron_datasets_parallel(prefixes, ranges, requests)
+        out: List[Optional[TopLevelDataset]] = [None] * len(Split)
+        for i, split_range in enumerate(ranges):
+            if split_range is not None:
+                column = [row[i] for row in requests]
+                out[i] = self._blend(parts[i], weights, column, self.sizes[i])
+        return out
 
-            megatron_datasets = self._build_megatron_datasets_parallel(
-                prefixes, split, sizes_per_dataset
-            )
-
-            blended_datasets = [None] * len(Split)
-            for i in range(len(Split)):
-                if split[i] is None:
-                    continue
-                weights_i = weights
-                if weights_i is not None and self.sizes[i] is not None:
-                    size_per_dataset = list(zip(*sizes_per_dataset))[i]
-                    size_i = sum(size_per_dataset)
-                    if self.config.renormalize_blend_weights:
-                        weights_i = [s / size_i for s in size_per_dataset]
-                elif weights_i is None:
-                    try:
-                        weights_i = [
-                            len(megatron_dataset) for megatron_dataset in megatron_datasets[i]
-                        ]
-                    except TypeError:
-                        weights_i = [0 for _ in prefixes]
-                    if self.sizes[i] is not None:
-                        size_i = min(self.sizes[i], sum(weights_i))
-                    else:
-                        size_i = None
-                else:
-                    raise RuntimeError
-                blended_datasets[i] = self.build_generic_dataset(
-                    BlendedDataset,
-                    self.is_built_on_rank,
-                    True,
-                    megatron_datasets[i],
-                    weights_i,
-                    size_i,
-                    self.config,
-                )
-            return blended_datasets
-
-        blended_datasets = [None] * len(Split)
-        for i in range(len(Split)):
-            split_spoof = [None] * len(Split)
-            split_spoof[i] = (0.0, 1.0)
-            sizes_spoof = [0] * len(Split)
-            sizes_spoof[i] = self.sizes[i]
-
-            blend = self.config.blend_per_split[i]
+    def _build_from_blend_per_split(self) -> List[Optional[TopLevelDataset]]:
+        """A blend per split: each prefix of split i is used whole, as split i only."""
+        out: List[Optional[TopLevelDataset]] = [None] * len(Split)
+        for i, blend in enumerate(self.config.blend_per_split):
             if blend is None:
                 continue
+            # Only split i is built: its range is the whole file, the other splits ask for 0.
+            ranges = [(0.0, 1.0) if j == i else None for j in range(len(Split))]
+            sizes = [self.sizes[i] if j == i else 0 for j in range(len(Split))]
             prefixes, weights = blend
-            if weights is not None:
-                weights = normalize(weights)
-
+            weights = None if weights is None else normalize(weights)
             if len(prefixes) == 1:
-                blended_datasets[i] = self._build_megatron_dataset_splits(
-                    prefixes[0], split_spoof, sizes_spoof
-                )[i]
+                out[i] = self._build_megatron_dataset_splits(prefixes[0], ranges, sizes)[i]
                 continue
+            requests = _requests_per_prefix(weights, sizes, len(prefixes))
+            parts = self._build_megatron_datasets_parallel(prefixes, ranges, requests)[i]
+            column = [row[i] for row in requests]
+            out[i] = self._blend(parts, weights, column, self.sizes[i])
+        return out
 
-            if weights is None:
-                sizes_per_dataset = [[None for _ in Split] for _ in prefixes]
-            else:
-                sizes_per_dataset = _get_size_per_split_per_dataset(weights, sizes_spoof)
+    def _blend(
+        self,
+        parts: List[Optional[MidLevelDataset]],
+        weights: Optional[List[float]],
+        requested_per_part: List[Optional[int]],
+        requested: Optional[int],
+    ) -> Optional[BlendedDataset]:
+        """The BlendedDataset of one split over its mid-level `parts`.
 
-            megatron_datasets = self._build_megatron_datasets_parallel(
-                prefixes, split_spoof, sizes_per_dataset
-            )[i]
-
-            if weights is not None and self.sizes[i] is not None:
-                size_per_dataset = list(zip(*sizes_per_dataset))[i]
-                size = sum(size_per_dataset)
-                if self.config.renormalize_blend_weights:
-                    weights = [s / size for s in size_per_dataset]
-            elif weights is None:
-                try:
-                    weights = [len(megatron_dataset) for megatron_dataset in megatron_datasets]
-                except TypeError:
-                    weights = [0 for _ in prefixes]
-                if self.sizes[i] is not None:
-                    size = min(self.sizes[i], sum(weights))
-                else:
-                    size = None
-            else:
-                raise RuntimeError
-            blended_datasets[i] = self.build_generic_dataset(
-                BlendedDataset,
-                self.is_built_on_rank,
-                True,
-                megatron_datasets,
-                weights,
-                size,
-                self.config,
-            )
-        return blended_datasets
+        Weighted: sized by the sum of what each part was asked for (weights optionally
+        re-derived from those counts). Unweighted: each part weighs its length and the blend
+        takes at most `requested` samples (all of them when `requested` is None).
+        """
+        if weights is None:
+            try:
+                weights = [len(part) for part in parts]
+            except TypeError:  # a part is None on ranks that do not build it
+                weights = [0] * len(parts)
+            size = None if requested is None else min(requested, sum(weights))
+        elif requested is None:
+            raise RuntimeError
+        else:
+            size = sum(requested_per_part)
+            if self.config.renormalize_blend_weights:
+                weights = [count / size for count in requested_per_part]
+        return self.build_generic_dataset(
+            BlendedDataset, self.is_built_on_rank, True, parts, weights, size, self.config
+        )
 
     def _build_megatron_datasets_parallel(
         self, prefixes: List[str], split: List, sizes_per_dataset: List[List[Optional[int]]]
     ) -> List[List[Optional[MegatronDataset]]]:
-        """Build each prefix's split datasets with a thread pool; rank 0 first, then the others."""
+        """Build each prefix's split datasets with a thread pool; rank 0 first, then the others.
 
-        def _threading_helper(megatron_datasets, num_workers):
-            with ThreadPoolExecutor(max_workers=num_workers) as executor:
-                futures = [
-                    executor.submit(
-                        self._build_megatron_dataset_splits,
-                        prefixes[i],
-                        split,
-                        sizes_per_dataset[i],
-                        False,
-                    )
-                    for i in range(len(prefixes))
+        Returns one list per split, holding that split's dataset of every prefix in order.
+        """
+
+        def build_every_prefix():
+            workers = self.config.num_dataset_builder_threads
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                # No per-dataset barrier inside: the ranks meet once, around the whole pool.
+                pending = [
+                    pool.submit(self._build_megatron_dataset_splits, prefix, split, sizes, False)
+                    for prefix, sizes in zip(prefixes, sizes_per_dataset)
                 ]
-                for future in futures:
-                    megatron_datasets_split = future.result()
-                    for j in range(len(megatron_datasets_split)):
-                        megatron_datasets[j].append(megatron_datasets_split[j])
+                per_prefix = [job.result() for job in pending]
+            return [[splits[j] for splits in per_prefix] for j in range(len(Split))]
 
-        megatron_datasets = [[] for _ in range(len(Split))]
-        num_workers = self.config.num_dataset_builder_threads
-        if torch.distributed.is_initialized():
-            rank = torch.distributed.get_rank()
-            if rank == 0:
-                _threading_helper(megatron_datasets, num_workers)
-            torch.distributed.barrier()
-            if rank != 0:
-                _threading_helper(megatron_datasets, num_workers)
-        else:
-            _threading_helper(megatron_datasets, num_workers)
-        return megatron_datasets
+        if not torch.distributed.is_initialized():
+            return build_every_prefix()
+        first = torch.distributed.get_rank() == 0
+        built = build_every_prefix() if first else None
+        # Rank 0 has written the index caches by now; the others only read them.
+        torch.distributed.barrier()
+        return built if first else build_every_prefix()
 
     def _build_megatron_dataset_splits(
         self,
@@ -293,44 +247,31 @@ class BlendedMegatronDatasetBuilder(object):
                 requested from it.
         """
         low_level_dataset = self.cls.build_low_level_dataset(dataset_path, self.config)
-
         num_elements = self.cls.numel_low_level_dataset(low_level_dataset)
-        split_indices = []
-        for i, _ in enumerate(Split):
-            if split[i] is not None:
-                beg = int(round(split[i][0] * float(num_elements)))
-                end = int(round(split[i][1] * float(num_elements)))
-                split_indices.append(numpy.arange(start=beg, stop=end, step=1, dtype=numpy.int32))
-            else:
-                split_indices.append(None)
-
-        for i, split_name in enumerate(Split):
-            if split_indices[i] is not None and len(split_indices[i]) == 0 and sizes[i]:
+        indices = [_document_range(bounds, num_elements) for bounds in split]
+        for split_name, docs, wanted in zip(Split, indices, sizes):
+            if docs is not None and len(docs) == 0 and wanted:
                 raise ValueError(
                     f"--split {self.config.split} leaves the {split_name.name} split of "
-                    f"{dataset_path} with no documents ({num_elements} in total) but {sizes[i]} "
+                    f"{dataset_path} with no documents ({num_elements} in total) but {wanted} "
                     "samples are requested from it"
                 )
-
-        mid_level_datasets = []
-        for i, _split in enumerate(Split):
-            if split[i] is None:
-                mid_level_datasets.append(None)
-            else:
-                mid_level_datasets.append(
-                    self.build_generic_dataset(
-                        self.cls,
-                        self.is_built_on_rank,
-                        synchronize_ranks,
-                        low_level_dataset,
-                        dataset_path,
-                        split_indices[i],
-                        sizes[i],
-                        _split,
-                        self.config,
-                    )
-                )
-        return mid_level_datasets
+        return [
+            None
+            if bounds is None
+            else self.build_generic_dataset(
+                self.cls,
+                self.is_built_on_rank,
+                synchronize_ranks,
+                low_level_dataset,
+                dataset_path,
+                docs,
+                wanted,
+                split_name,
+                self.config,
+            )
+            for split_name, bounds, docs, wanted in zip(Split, split, indices, sizes)
+        ]
 
     @staticmethod
     def build_generic_dataset(
@@ -343,24 +284,46 @@ class BlendedMegatronDatasetBuilder(object):
 
         Returns None where torch.distributed is initialised and is_built_on_rank() is False.
         """
-        if torch.distributed.is_initialized():
-            rank = torch.distributed.get_rank()
-            dataset = None
-            if rank == 0 and is_built_on_rank():
-                try:
-                    dataset = cls(*args)
-                except OSError as err:
-                    raise Exception(
-                        "Failed to write dataset materials to the data cache directory. Please "
-                        "supply a directory to which you have write access via the path_to_cache "
-                        "attribute in BlendedMegatronDatasetConfig (--data-cache-path) and retry."
-                    ) from err
-            if synchronize_ranks:
-                torch.distributed.barrier()
-            if rank != 0 and is_built_on_rank():
-                dataset = cls(*args)
-            return dataset
+        if not torch.distributed.is_initialized():
+            return cls(*args)
+        first = torch.distributed.get_rank() == 0
+        dataset = None
+        if first and is_built_on_rank():
+            dataset = _build_writing_cache(cls, args)
+        if synchronize_ranks:
+            torch.distributed.barrier()
+        if not first and is_built_on_rank():
+            dataset = cls(*args)
+        return dataset
+
+
+def _build_writing_cache(cls, args):
+    """`cls(*args)` on the rank that writes the cache; an unwritable cache is reported as such."""
+    try:
         return cls(*args)
+    except OSError as err:
+        raise Exception(
+            "Failed to write dataset materials to the data cache directory. Please "
+            "supply a directory to which you have write access via the path_to_cache "
+            "attribute in BlendedMegatronDatasetConfig (--data-cache-path) and retry."
+        ) from err
+
+
+def _document_range(bounds: Optional[tuple], num_elements: int) -> Optional[numpy.ndarray]:
+    """Indices of the documents in the [start, end) fraction `bounds` (None: split absent)."""
+    if bounds is None:
+        return None
+    first, stop = (int(round(edge * float(num_elements))) for edge in bounds)
+    return numpy.arange(start=first, stop=stop, step=1, dtype=numpy.int32)
+
+
+def _requests_per_prefix(
+    weights: Optional[List[float]], sizes: List[Optional[int]], num_prefixes: int
+) -> List[List[Optional[int]]]:
+    """Samples asked of each prefix per split; all None (one epoch each) without weights."""
+    if weights is None:
+        return [[None] * len(Split) for _ in range(num_prefixes)]
+    return _get_size_per_split_per_dataset(weights, sizes)
 
 
 def _get_size_per_split_per_dataset(
@@ -369,10 +332,9 @@ def _get_size_per_split_per_dataset(
     """Samples to request per dataset per split: ceil(N * w * 1.005) (core_v0.8.0's 0.5 %
     margin)."""
     assert numpy.isclose(sum(normalized_weights), 1.0)
-    return [
-        [
-            int(math.ceil(target_size * weight * 1.005)) if target_size is not None else None
-            for target_size in target_size_per_split
-        ]
-        for weight in normalized_weights
-    ]
+
+    def with_margin(target: Optional[int], weight: float) -> Optional[int]:
+        # A half-percent surplus so rounding in the blend never runs a component dry.
+        return None if target is None else int(math.ceil(target * weight * 1.005))
+
+    return [[with_margin(n, w) for n in target_size_per_split] for w in normalized_weights]

@@ -103,21 +103,18 @@ class BlendedMegatronDatasetConfig:
                         "split (--split) must be provided when blend (--data-path) is given"
                     )
             else:
-                self.mock = True
-                log_single_rank(
-                    logger,
-                    logging.INFO,
-                    "Let mock = True, as both blend and blend_per_split are None",
-                )
-                self.split = "1,1,1"
-                log_single_rank(
-                    logger,
-                    logging.INFO,
-                    f"Let split = {self.split}, an arbitrarily even split, as mock is True",
-                )
-            split_vector = parse_and_normalize_split(self.split)
-            self.split_matrix = convert_split_vector_to_split_matrix(split_vector)
-            log_single_rank(logger, logging.INFO, f"Let split_matrix = {self.split_matrix}")
+                # No data at all: fall back to mock data with an even three-way split.
+                self.mock, self.split = True, "1,1,1"
+                _announce("Let mock = True, as both blend and blend_per_split are None")
+                _announce(f"Let split = {self.split}, an arbitrarily even split, as mock is True")
+            self.split_matrix = convert_split_vector_to_split_matrix(
+                parse_and_normalize_split(self.split)
+            )
+            _announce(f"Let split_matrix = {self.split_matrix}")
+
+
+def _announce(message: str) -> None:
+    log_single_rank(logger, logging.INFO, message)
 
 
 def parse_and_normalize_split(split: str) -> List[float]:

@@ -98,8 +98,14 @@ class GPTDataset(MegatronDataset):
         index_split: Split,
         config: GPTDatasetConfig,
     ) -> None:
+        # Megatron names the low-level dataset and its indices differently from the base class.
         super().__init__(
-            indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config
+            dataset=indexed_dataset,
+            indices=indexed_indices,
+            dataset_path=dataset_path,
+            num_samples=num_samples,
+            index_split=index_split,
+            config=config,
         )
         # Without per-document resets every sample has the same masks and positions: keep one.
         self.masks_and_position_ids_are_cacheable = not (
@@ -233,62 +239,50 @@ class GPTDataset(MegatronDataset):
     ) -> Tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
         """Build (on rank 0, or every rank without a cache) or load the three indices."""
         paths = self._cache_paths()
-        if paths is not None:
-            cache_hit = all(
-                os.path.isfile(paths[k])
-                for k in ("description", "document_index", "sample_index", "shuffle_index")
-            )
-        else:
-            cache_hit = False
+        kinds = ("document_index", "sample_index", "shuffle_index")
+        cache_hit = paths is not None and all(
+            os.path.isfile(paths[kind]) for kind in ("description",) + kinds
+        )
+        writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        name, split = type(self).__name__, self.index_split.name
 
-        if paths is None or (
-            not cache_hit
-            and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
-        ):
+        # Without a cache every rank builds its own copy; with one, rank 0 writes it first.
+        if paths is not None and (cache_hit or not writer):
+            log_single_rank(logger, logging.INFO, f"Load the {name} {split} indices")
+            if not cache_hit:
+                raise FileNotFoundError(
+                    f"{name} {split} indices not found in "
+                    f"{paths['dir']} (rank 0 builds them; was it built with the same config?)"
+                )
+            ndims = {"document_index": 1, "sample_index": 2, "shuffle_index": 1}
+            indices = tuple(load_index(paths[kind], ndim=ndims[kind]) for kind in kinds)
+        else:
+            log_single_rank(logger, logging.INFO, f"Build and save the {name} {split} indices")
+            self.built_anew_on_cache_miss = True
+            started = time.time()
+            indices = self._build_indices(memo=paths is None)
+            self._save_indices(paths, dict(zip(kinds, indices)))
+            elapsed = time.time() - started
+            log_single_rank(logger, logging.DEBUG, f"\t> time elapsed: {elapsed:4f} seconds")
+        # The sample index holds one boundary row more than there are samples.
+        log_single_rank(
+            logger, logging.INFO, f"> total number of samples: {indices[1].shape[0] - 1}"
+        )
+        return indices
+
+    def _save_indices(self, paths: Optional[dict], arrays: dict) -> None:
+        """Write the description, then each index, to the cache (a warning without one)."""
+        if paths is None:
             log_single_rank(
                 logger,
-                logging.INFO,
-                f"Build and save the {type(self).__name__} {self.index_split.name} indices",
+                logging.WARNING,
+                f"Unable to save the {type(self).__name__} indexes because path_to_cache is None",
             )
-            self.built_anew_on_cache_miss = True
-            t_beg = time.time()
-            document_index, sample_index, shuffle_index = self._build_indices(memo=paths is None)
-            if paths is not None:
-                os.makedirs(paths["dir"], exist_ok=True)
-                write_text(paths["description"], self.unique_description)
-                save_index(paths["document_index"], document_index)
-                save_index(paths["sample_index"], sample_index)
-                save_index(paths["shuffle_index"], shuffle_index)
-            else:
-                log_single_rank(
-                    logger,
-                    logging.WARNING,
-                    f"Unable to save the {type(self).__name__} indexes because path_to_cache is "
-                    "None",
-                )
-            log_single_rank(
-                logger, logging.DEBUG, f"\t> time elapsed: {time.time() - t_beg:4f} seconds"
-            )
-            log_single_rank(
-                logger, logging.INFO, f"> total number of samples: {sample_index.shape[0] - 1}"
-            )
-            return document_index, sample_index, shuffle_index
-
-        log_single_rank(
-            logger, logging.INFO, f"Load the {type(self).__name__} {self.index_split.name} indices"
-        )
-        if not cache_hit:
-            raise FileNotFoundError(
-                f"{type(self).__name__} {self.index_split.name} indices not found in "
-                f"{paths['dir']} (rank 0 builds them; was it built with the same config?)"
-            )
-        document_index = load_index(paths["document_index"], ndim=1)
-        sample_index = load_index(paths["sample_index"], ndim=2)
-        shuffle_index = load_index(paths["shuffle_index"], ndim=1)
-        log_single_rank(
-            logger, logging.INFO, f"> total number of samples: {sample_index.shape[0] - 1}"
-        )
-        return document_index, sample_index, shuffle_index
+            return
+        os.makedirs(paths["dir"], exist_ok=True)
+        write_text(paths["description"], self.unique_description)
+        for kind, array in arrays.items():
+            save_index(paths[kind], array)
 
     def _build_indices(
         self, memo: bool = False
@@ -508,8 +502,15 @@ class MockGPTDataset(GPTDataset):
         index_split: Split,
         config: GPTDatasetConfig,
     ) -> None:
-        assert config.mock
-        super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
+        assert config.mock, "MockGPTDataset needs a config with mock=True"
+        super().__init__(
+            dataset,
+            config=config,
+            dataset_path=dataset_path,
+            indexed_indices=indices,
+            num_samples=num_samples,
+            index_split=index_split,
+        )
 
     @staticmethod
     def numel_low_level_dataset(low_level_dataset: MockGPTLowLevelDataset) -> int:

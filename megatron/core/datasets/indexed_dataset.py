@@ -216,9 +216,9 @@ class IndexedDataset(torch.utils.data.Dataset):
 
     def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True) -> None:
         super().__init__()
-        self.path_prefix = None
-        self.multimodal = None
-        self.mmap = None
+        # Unpickling goes through initialize() as well, so that is where the attributes are set;
+        # until it succeeds they read None.
+        self.path_prefix = self.multimodal = self.mmap = None
         self.initialize(path_prefix, multimodal, mmap)
 
     def initialize(self, path_prefix: str, multimodal: bool, mmap: bool) -> None:

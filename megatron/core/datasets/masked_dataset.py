@@ -40,6 +40,17 @@ _GEOMETRIC_P = 0.2
 
 MaskedSpan = Tuple[List[int], List[int]]
 
+# The masking fields, in the order they enter the dataset description (and so its cache hash).
+_MASKING_FIELDS = (
+    "masking_probability",
+    "short_sequence_probability",
+    "masking_max_ngram",
+    "masking_do_full_word",
+    "masking_do_permutation",
+    "masking_use_longer_ngrams",
+    "masking_use_geometric_distribution",
+)
+
 
 @dataclass
 class MaskedWordPieceDatasetConfig(BlendedMegatronDatasetConfig):
@@ -74,17 +85,9 @@ class MaskedWordPieceDatasetConfig(BlendedMegatronDatasetConfig):
         super().__post_init__()
         if self.tokenizer is None:
             raise ValueError(f"{type(self).__name__}.tokenizer is required (masking needs its ids)")
-        for name in (
-            "masking_probability",
-            "short_sequence_probability",
-            "masking_max_ngram",
-            "masking_do_full_word",
-            "masking_do_permutation",
-            "masking_use_longer_ngrams",
-            "masking_use_geometric_distribution",
-        ):
-            if getattr(self, name) is None:
-                raise ValueError(f"{type(self).__name__}.{name} must be set")
+        unset = [name for name in _MASKING_FIELDS if getattr(self, name) is None]
+        if unset:
+            raise ValueError(f"{type(self).__name__}.{unset[0]} must be set")
         if not 0.0 < self.masking_probability < 1.0:
             raise ValueError(f"--mask-prob must be in (0, 1), got {self.masking_probability}")
         if not 0.0 <= self.short_sequence_probability <= 1.0:
@@ -97,12 +100,10 @@ class MaskedWordPieceDatasetConfig(BlendedMegatronDatasetConfig):
             raise ValueError(
                 "masking_use_geometric_distribution and masking_do_permutation are incompatible"
             )
-        if self.masking_use_geometric_distribution and self.masking_use_longer_ngrams:
-            log_single_rank(
-                logger,
-                logging.WARNING,
-                "The use of a geometric distribution overrides the default distribution",
-            )
+        if self.masking_use_longer_ngrams and self.masking_use_geometric_distribution:
+            # Not an error: the geometric draw simply ignores the N weights.
+            message = "The use of a geometric distribution overrides the default distribution"
+            log_single_rank(logger, logging.WARNING, message)
 
 
 class MaskedWordPieceDataset(MegatronDataset):
@@ -131,8 +132,14 @@ class MaskedWordPieceDataset(MegatronDataset):
         index_split: Split,
         config: MaskedWordPieceDatasetConfig,
     ) -> None:
+        # Megatron's parameter names here differ from the base class's; map them across.
         super().__init__(
-            indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config
+            dataset=indexed_dataset,
+            indices=indexed_indices,
+            dataset_path=dataset_path,
+            num_samples=num_samples,
+            index_split=index_split,
+            config=config,
         )
 
     @staticmethod
@@ -149,15 +156,8 @@ class MaskedWordPieceDataset(MegatronDataset):
 
     @staticmethod
     def _key_config_attributes() -> List[str]:
-        return super(MaskedWordPieceDataset, MaskedWordPieceDataset)._key_config_attributes() + [
-            "masking_probability",
-            "short_sequence_probability",
-            "masking_max_ngram",
-            "masking_do_full_word",
-            "masking_do_permutation",
-            "masking_use_longer_ngrams",
-            "masking_use_geometric_distribution",
-        ]
+        base = super(MaskedWordPieceDataset, MaskedWordPieceDataset)._key_config_attributes()
+        return base + list(_MASKING_FIELDS)
 
     def __len__(self) -> int:
         return self.sample_index.shape[0]
@@ -185,55 +185,37 @@ class MaskedWordPieceDataset(MegatronDataset):
             `[n, 3]` uint32 rows (first sentence, last sentence + 1, target length), shuffled.
         """
         path_to_cache, path_to_description, path_to_sample_index = self._cache_paths()
-        cache_hit = all(map(os.path.isfile, [path_to_description, path_to_sample_index]))
+        cache_hit = os.path.isfile(path_to_description) and os.path.isfile(path_to_sample_index)
         builds_here = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        name, split = type(self).__name__, self.index_split.name
+        index_file = os.path.basename(path_to_sample_index)
+        started = time.time()
 
-        if not cache_hit and builds_here:
-            log_single_rank(
-                logger,
-                logging.INFO,
-                f"Build and save the {type(self).__name__} {self.index_split.name} indices",
-            )
-            self.built_anew_on_cache_miss = True
-            os.makedirs(path_to_cache, exist_ok=True)
-            write_text(path_to_description, self.unique_description)
-            log_single_rank(
-                logger,
-                logging.INFO,
-                f"\tBuild and save the sample index to {os.path.basename(path_to_sample_index)}",
-            )
-            t_beg = time.time()
-            sample_index, num_epochs = self._build_mapping(
-                sequence_length, min_sentences_per_sample
-            )
-            save_index(path_to_sample_index, sample_index)
-            log_single_rank(
-                logger, logging.DEBUG, f"\t> time elapsed: {time.time() - t_beg:4f} seconds"
-            )
-            log_single_rank(
-                logger, logging.INFO, f"> total number of samples: {sample_index.shape[0]}"
-            )
-            log_single_rank(logger, logging.INFO, f"> total number of epochs: {num_epochs}")
+        if cache_hit or not builds_here:
+            _info(f"Load the {name} {split} indices")
+            if not cache_hit:
+                raise FileNotFoundError(
+                    f"{name} {split} sample index not found in "
+                    f"{path_to_cache} (global rank 0 builds it first; is --data-cache-path shared?)"
+                )
+            _info(f"\tLoad the sample index from {index_file}")
+            started = time.time()
+            sample_index = load_index(path_to_sample_index, ndim=2)
+            _debug_elapsed(started)
             return sample_index
 
-        log_single_rank(
-            logger, logging.INFO, f"Load the {type(self).__name__} {self.index_split.name} indices"
-        )
-        if not cache_hit:
-            raise FileNotFoundError(
-                f"{type(self).__name__} {self.index_split.name} sample index not found in "
-                f"{path_to_cache} (global rank 0 builds it first; is --data-cache-path shared?)"
-            )
-        log_single_rank(
-            logger,
-            logging.INFO,
-            f"\tLoad the sample index from {os.path.basename(path_to_sample_index)}",
-        )
-        t_beg = time.time()
-        sample_index = load_index(path_to_sample_index, ndim=2)
-        log_single_rank(
-            logger, logging.DEBUG, f"\t> time elapsed: {time.time() - t_beg:4f} seconds"
-        )
+        _info(f"Build and save the {name} {split} indices")
+        self.built_anew_on_cache_miss = True
+        os.makedirs(path_to_cache, exist_ok=True)
+        # The description goes first: a reader that finds both files knows what they index.
+        write_text(path_to_description, self.unique_description)
+        _info(f"\tBuild and save the sample index to {index_file}")
+        started = time.time()
+        sample_index, num_epochs = self._build_mapping(sequence_length, min_sentences_per_sample)
+        save_index(path_to_sample_index, sample_index)
+        _debug_elapsed(started)
+        _info(f"> total number of samples: {sample_index.shape[0]}")
+        _info(f"> total number of epochs: {num_epochs}")
         return sample_index
 
     def _build_mapping(
@@ -316,18 +298,17 @@ class MaskedWordPieceDataset(MegatronDataset):
         # whole-word candidates [[1, 2, 3], [4, 5]] (without full words: [[1], [2], ...]).
         boundaries = []
         candidates = []
-        for i, token_id in enumerate(token_ids):
+        for position, token_id in enumerate(token_ids):
             if token_id in special:
-                boundaries.append(1)
-            elif not tokenizer.inv_vocab[token_id].startswith("##"):
-                boundaries.append(1)
-                candidates.append([i])
+                boundaries.append(1)  # a boundary, but never masked
+                continue
+            continues_word = tokenizer.inv_vocab[token_id].startswith("##")
+            boundaries.append(0 if continues_word else 1)
+            joins_previous = continues_word and self.config.masking_do_full_word and candidates
+            if joins_previous:
+                candidates[-1].append(position)
             else:
-                boundaries.append(0)
-                if self.config.masking_do_full_word and len(candidates) > 0:
-                    candidates[-1].append(i)
-                else:
-                    candidates.append([i])
+                candidates.append([position])
 
         p = self.config.masking_probability
         n_maskings = min(p * target_sequence_length, max(1, int(round(len(token_ids) * p))))
@@ -340,36 +321,13 @@ class MaskedWordPieceDataset(MegatronDataset):
         # Megatron renormalises the weights per candidate (p = w / w.sum()) before choice(p=p).
         ngram_cdf = _choice_cdf(nprobs / nprobs.sum(keepdims=True))
 
-        # candidate -> its N-grams for N = 1..max (shorter near the end) -> word -> positions
-        candidate_ngrams = [
-            [candidates[idx : idx + n] for n in ngram_nvals] for idx in range(len(candidates))
-        ]
+        candidate_ngrams = _ngrams_per_candidate(candidates, self.config.masking_max_ngram)
         numpy_random_state.shuffle(candidate_ngrams)
-
-        masked_token_ids = list(token_ids)
-        masked_positions_and_labels = []
-        masked_spans = []
-        masked_indices = set()
-        for ngrams in candidate_ngrams:
-            if len(masked_positions_and_labels) >= n_maskings:
-                break
-            ngram_indices = self._draw_fitting_ngram(
-                ngrams,
-                ngram_cdf,
-                ngram_nvals,
-                n_maskings,
-                len(masked_positions_and_labels),
-                numpy_random_state,
-                geometric=self.config.masking_use_geometric_distribution,
+        masked_token_ids, masked_positions_and_labels, masked_spans, masked_indices = (
+            self._mask_ngrams(
+                token_ids, candidate_ngrams, ngram_cdf, ngram_nvals, n_maskings, numpy_random_state
             )
-            if ngram_indices is None or any(idx in masked_indices for idx in ngram_indices):
-                continue
-            for index in ngram_indices:
-                masked_indices.add(index)
-                mask = self._get_token_mask(numpy_random_state)
-                masked_token_ids[index] = token_ids[index] if mask is None else mask
-                masked_positions_and_labels.append((index, token_ids[index]))
-            masked_spans.append((ngram_indices, [token_ids[index] for index in ngram_indices]))
+        )
         assert len(masked_positions_and_labels) <= n_maskings
 
         # Consumes random draws even when nothing follows; kept for Megatron's stream.
@@ -393,6 +351,48 @@ class MaskedWordPieceDataset(MegatronDataset):
         masked_spans = sorted(masked_spans, key=lambda x: x[0][0])
         return masked_token_ids, masked_positions, masked_labels, boundaries, masked_spans
 
+    def _mask_ngrams(
+        self,
+        token_ids: List[int],
+        candidate_ngrams: List[List[List[List[int]]]],
+        ngram_cdf: numpy.ndarray,
+        ngram_nvals: numpy.ndarray,
+        n_maskings: float,
+        numpy_random_state: numpy.random.RandomState,
+    ) -> Tuple[List[int], List[Tuple[int, int]], List[MaskedSpan], set]:
+        """Walk the shuffled candidates, masking N-grams until the budget is spent.
+
+        Returns (masked token ids, (position, original id) pairs in masking order, spans, the set
+        of masked positions).
+        """
+        masked_indices = set()
+        picked = []
+        spans = []
+        out = list(token_ids)
+        for ngrams in candidate_ngrams:
+            if len(picked) >= n_maskings:
+                break
+            # N is drawn for every visited candidate, even one that is then skipped.
+            ngram_indices = self._draw_fitting_ngram(
+                ngrams,
+                ngram_cdf,
+                ngram_nvals,
+                n_maskings,
+                len(picked),
+                numpy_random_state,
+                geometric=self.config.masking_use_geometric_distribution,
+            )
+            if ngram_indices is None or not masked_indices.isdisjoint(ngram_indices):
+                continue
+            originals = [token_ids[position] for position in ngram_indices]
+            for position, original in zip(ngram_indices, originals):
+                masked_indices.add(position)
+                replacement = self._get_token_mask(numpy_random_state)
+                out[position] = original if replacement is None else replacement
+                picked.append((position, original))
+            spans.append((ngram_indices, originals))
+        return out, picked, spans, masked_indices
+
     def _draw_fitting_ngram(
         self,
         ngrams: List[List[List[int]]],
@@ -411,13 +411,7 @@ class MaskedWordPieceDataset(MegatronDataset):
             n = min(numpy_random_state.geometric(_GEOMETRIC_P), self.config.masking_max_ngram)
         else:
             n = _weighted_choice(numpy_random_state, ngram_nvals, ngram_cdf)
-        while True:
-            ngram_indices = sum(ngrams[n - 1], [])
-            n = n - 1
-            if budget >= used + len(ngram_indices):
-                return ngram_indices
-            if n == 0:
-                return None
+        return _fit_ngram(ngrams, n, budget, used)
 
     def _permute_ngrams(
         self,
@@ -436,38 +430,68 @@ class MaskedWordPieceDataset(MegatronDataset):
         on whatever else seeded or used it; we draw from the per-sample state so the sample stays a
         function of (config, idx). Neither pretrain_bert.py nor pretrain_t5.py enables this branch.
         """
-        permuted_indices = set()
+        permuted = set()
         for ngrams in candidate_ngrams:
-            if len(permuted_indices) >= n_swappings:
+            if len(permuted) >= n_swappings:
                 break
-            probs = nprobs[: len(ngrams)] / nprobs[: len(ngrams)].sum(keepdims=True)
-            n = numpy_random_state.choice(ngram_nvals[: len(ngrams)], p=probs)
-            while True:
-                ngram_indices = sum(ngrams[n - 1], [])
-                n = n - 1
-                if n_swappings >= len(permuted_indices) + len(ngram_indices):
-                    break
-                if n == 0:
-                    ngram_indices = None
-                    break
-            if ngram_indices is None or any(
-                idx in masked_indices or idx in permuted_indices for idx in ngram_indices
-            ):
+            allowed = len(ngrams)
+            weights = nprobs[:allowed]
+            n = numpy_random_state.choice(
+                ngram_nvals[:allowed], p=weights / weights.sum(keepdims=True)
+            )
+            ngram_indices = _fit_ngram(ngrams, n, n_swappings, len(permuted))
+            if ngram_indices is None:
                 continue
-            permuted_indices.update(ngram_indices)
-        assert len(permuted_indices) <= n_swappings
+            if masked_indices.isdisjoint(ngram_indices) and permuted.isdisjoint(ngram_indices):
+                permuted.update(ngram_indices)
+        assert len(permuted) <= n_swappings
 
-        permuted_indices = sorted(permuted_indices)
-        permuted_indices_copy = list(permuted_indices)
-        numpy_random_state.shuffle(permuted_indices_copy)
-        masked_token_ids_copy = list(masked_token_ids)
-        for idx, idx_copy in zip(permuted_indices, permuted_indices_copy):
-            masked_token_ids[idx] = masked_token_ids_copy[idx_copy]
-            masked_positions_and_labels.append((idx, masked_token_ids_copy[idx]))
+        # Each permuted position takes the token of a shuffled partner position.
+        targets = sorted(permuted)
+        sources = list(targets)
+        numpy_random_state.shuffle(sources)
+        before = list(masked_token_ids)
+        for target, source in zip(targets, sources):
+            masked_token_ids[target] = before[source]
+            masked_positions_and_labels.append((target, before[target]))
 
     @abstractmethod
     def _get_token_mask(self, numpy_random_state: numpy.random.RandomState) -> Optional[int]:
         """The replacement id for one masked position, or None to keep the original."""
+
+
+def _info(message: str) -> None:
+    log_single_rank(logger, logging.INFO, message)
+
+
+def _debug_elapsed(started: float) -> None:
+    log_single_rank(logger, logging.DEBUG, f"\t> time elapsed: {time.time() - started:4f} seconds")
+
+
+def _ngrams_per_candidate(
+    candidates: List[List[int]], max_ngram: int
+) -> List[List[List[List[int]]]]:
+    """For each candidate word, its N-grams for N = 1..max_ngram (each a list of words).
+
+    Near the end of the sequence the slices run short, so the last N-grams repeat shorter ones;
+    every candidate still lists exactly max_ngram of them.
+    """
+    return [
+        [candidates[start : start + n] for n in range(1, max_ngram + 1)]
+        for start in range(len(candidates))
+    ]
+
+
+def _fit_ngram(ngrams: List[List[List[int]]], n, budget: float, used: int) -> Optional[List[int]]:
+    """Positions of the N-gram of size n, shrinking n until they fit in `budget - used`.
+
+    None when even the 1-gram does not fit.
+    """
+    for size in range(int(n), 0, -1):
+        positions = [position for word in ngrams[size - 1] for position in word]
+        if used + len(positions) <= budget:
+            return positions
+    return None
 
 
 def _choice_cdf(probs: numpy.ndarray) -> numpy.ndarray:

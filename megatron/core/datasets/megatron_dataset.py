@@ -40,11 +40,9 @@ class MegatronDataset(ABC, torch.utils.data.Dataset):
         index_split: Split,
         config: BlendedMegatronDatasetConfig,
     ) -> None:
-        self.dataset = dataset
+        self.dataset, self.indices = dataset, indices
         self.dataset_path = dataset_path
-        self.indices = indices
-        self.num_samples = num_samples
-        self.index_split = index_split
+        self.index_split, self.num_samples = index_split, num_samples
         self.config = config
 
         # Key order is part of the cache name: these four first, then the config's attributes.

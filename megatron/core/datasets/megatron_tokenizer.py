@@ -20,12 +20,13 @@ class MegatronTokenizer(ABC):
     """
 
     def __init__(self, *tokenizer_paths: str, **tokenizer_options: Any):
-        self.unique_identifiers = OrderedDict()
-        self.unique_identifiers["class"] = type(self).__name__
-        self.unique_identifiers["tokenizer_path"] = list(tokenizer_paths)
-        for option in tokenizer_options:
-            self.unique_identifiers[option] = str(tokenizer_options[option])
-        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+        identity = OrderedDict(
+            [("class", type(self).__name__), ("tokenizer_path", list(tokenizer_paths))]
+        )
+        # Options as strings, in the order given: they become part of every dataset cache key.
+        identity.update((option, str(value)) for option, value in tokenizer_options.items())
+        self.unique_identifiers = identity
+        self.unique_description = json.dumps(identity, indent=4)
         super().__init__()
 
     @abstractmethod

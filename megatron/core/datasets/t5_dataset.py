@@ -16,7 +16,6 @@ Sample `idx` (as Megatron's megatron/core/datasets/t5_dataset.py builds it):
    enc_mask [S_enc, S_enc], enc_dec_mask [S_dec, S_enc], dec_mask [S_dec, S_dec] (also causal).
 """
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Union
 
@@ -87,9 +86,15 @@ class T5MaskedWordPieceDataset(MaskedWordPieceDataset):
         config: T5MaskedWordPieceDatasetConfig,
     ) -> None:
         super().__init__(
-            indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config
+            indexed_dataset,
+            dataset_path,
+            indexed_indices,
+            num_samples=num_samples,
+            index_split=index_split,
+            config=config,
         )
-        self.token_lookup = list(self.config.tokenizer.inv_vocab.keys())
+        # Every id of the vocabulary, for the 10 % of masked positions that get a random token.
+        self.token_lookup = list(config.tokenizer.inv_vocab.keys())
         # Megatron reserves two positions (for [BOS] and [EOS]) out of the encoder length.
         self.sample_index = self._build_sample_index(self.config.sequence_length - 2, 1)
 
@@ -126,38 +131,24 @@ class T5MaskedWordPieceDataset(MaskedWordPieceDataset):
                 f"masked tokens) but --decoder-seq-length is {self.config.sequence_length_decoder}"
             )
 
-        encoder_input = numpy.pad(
-            numpy.array(encoder_input, dtype=numpy.int64),
-            (0, length_pads_encoder),
-            constant_values=tokenizer.pad,
-        )
-        decoder_input = numpy.pad(
-            numpy.array(decoder_input, dtype=numpy.int64),
-            (0, length_pads_decoder),
-            constant_values=tokenizer.pad,
-        )
-        decoder_output = numpy.pad(
-            numpy.array(decoder_output, dtype=numpy.int64),
-            (0, length_pads_decoder),
-            constant_values=-1,
-        )
-        loss_mask = numpy.zeros(self.config.sequence_length_decoder, dtype=numpy.int64)
-        loss_mask[:length_toks_decoder] = 1
-
-        mask_encoder = self._make_attention_mask(encoder_input, encoder_input)
-        mask_encoder_decoder = self._make_attention_mask(decoder_input, encoder_input)
-        mask_decoder = self._make_attention_mask(decoder_input, decoder_input)
-        mask_decoder = mask_decoder * self._make_history_mask(decoder_input)
-
+        enc = _right_pad(encoder_input, length_pads_encoder, tokenizer.pad)
+        dec = _right_pad(decoder_input, length_pads_decoder, tokenizer.pad)
+        # -1 marks target positions the loss ignores.
+        targets = _right_pad(decoder_output, length_pads_decoder, -1)
+        loss_mask = (
+            numpy.arange(self.config.sequence_length_decoder) < length_toks_decoder
+        ).astype(numpy.int64)
+        # The decoder sees real tokens only, and of those only the ones not after itself.
+        causal = self._make_attention_mask(dec, dec) * self._make_history_mask(dec)
         return {
-            "text_enc": encoder_input,
-            "text_dec": decoder_input,
-            "labels": decoder_output,
+            "text_enc": enc,
+            "text_dec": dec,
+            "labels": targets,
             "loss_mask": loss_mask,
             "truncated": int(truncated),
-            "enc_mask": mask_encoder,
-            "dec_mask": mask_decoder,
-            "enc_dec_mask": mask_encoder_decoder,
+            "enc_mask": self._make_attention_mask(enc, enc),
+            "dec_mask": causal,
+            "enc_dec_mask": self._make_attention_mask(dec, enc),
         }
 
     def _corrupt_spans(self, tokens: List[int], masked_spans) -> tuple:
@@ -167,28 +158,22 @@ class T5MaskedWordPieceDataset(MaskedWordPieceDataset):
             IndexError: more masked spans than sentinels (`--vocab-extra-ids` too small).
         """
         tokenizer = self.config.tokenizer
-        sentinels = deque(tokenizer.additional_special_tokens_ids)
-        encoder_input = []
-        decoder_input = [tokenizer.bos]
-        decoder_output = []
-        idx_beg = 0
-        for indices, labels in masked_spans:
-            if not sentinels:
-                raise IndexError(
-                    f"T5 sample has more masked spans ({len(masked_spans)}) than sentinel tokens "
-                    f"({len(tokenizer.additional_special_tokens_ids)}); raise --vocab-extra-ids"
-                )
-            sentinel = sentinels.popleft()
-            encoder_input.extend(tokens[idx_beg : indices[0]])
-            encoder_input.append(sentinel)
-            decoder_input.append(sentinel)
-            decoder_input.extend(labels)
-            decoder_output.append(sentinel)
-            decoder_output.extend(labels)
-            idx_beg = indices[-1] + 1
-        encoder_input.extend(tokens[idx_beg:])
-        decoder_output.append(tokenizer.eos)
-        return encoder_input, decoder_input, decoder_output
+        sentinels = list(tokenizer.additional_special_tokens_ids)
+        if len(masked_spans) > len(sentinels):
+            raise IndexError(
+                f"T5 sample has more masked spans ({len(masked_spans)}) than sentinel tokens "
+                f"({len(sentinels)}); raise --vocab-extra-ids"
+            )
+        encoder_input, decoder_input, decoder_output = [], [tokenizer.bos], []
+        kept_from = 0
+        # Each span collapses to its sentinel in the encoder; the decoder spells it out after it.
+        for (positions, originals), sentinel in zip(masked_spans, sentinels):
+            encoder_input += tokens[kept_from : positions[0]] + [sentinel]
+            decoder_input += [sentinel, *originals]
+            decoder_output += [sentinel, *originals]
+            kept_from = positions[-1] + 1
+        encoder_input += tokens[kept_from:]
+        return encoder_input, decoder_input, decoder_output + [tokenizer.eos]
 
     @staticmethod
     def _make_attention_mask(
@@ -208,3 +193,8 @@ class T5MaskedWordPieceDataset(MaskedWordPieceDataset):
     def _get_token_mask(self, numpy_random_state: numpy.random.RandomState) -> int:
         """Always [MASK] and no draw: the masked spans are replaced by sentinels anyway."""
         return self.config.tokenizer.mask
+
+
+def _right_pad(ids: List[int], count: int, fill: int) -> numpy.ndarray:
+    """int64 array of `ids` followed by `count` copies of `fill`."""
+    return numpy.pad(numpy.array(ids, dtype=numpy.int64), (0, count), constant_values=fill)

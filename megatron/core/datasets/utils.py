@@ -131,34 +131,31 @@ def get_blend_from_list(
     """
     if blend is None:
         return None
+    if len(blend) == 0:
+        raise ValueError("--data-path: the blend list is empty")
+    prefixes_only = [entry.strip() for entry in blend]
     if len(blend) % 2 == 1:
-        weight_per_dataset = None
-        raw_prefix_per_dataset = blend
-    else:
-        raw_weight_per_dataset, raw_prefix_per_dataset = zip(
-            *[(blend[i], blend[i + 1]) for i in range(0, len(blend), 2)]
+        return prefixes_only, None
+    # Even length: the even positions are weights if they all parse as numbers.
+    weights = [_as_float(entry) for entry in blend[0::2]]
+    parsed = [w is not None for w in weights]
+    if not any(parsed):
+        return prefixes_only, None
+    if not all(parsed):
+        raise ValueError(
+            f"--data-path: cannot tell weights from prefixes in {blend}; give either only "
+            "prefixes or 'weight prefix' pairs"
         )
-        weight_per_dataset = []
-        for rwpd in raw_weight_per_dataset:
-            try:
-                weight = float(rwpd)
-            except ValueError:
-                weight = None
-            weight_per_dataset.append(weight)
-        if any(w is None for w in weight_per_dataset):
-            if not all(w is None for w in weight_per_dataset):
-                raise ValueError(
-                    f"--data-path: cannot tell weights from prefixes in {blend}; give either only "
-                    "prefixes or 'weight prefix' pairs"
-                )
-            weight_per_dataset = None
-            raw_prefix_per_dataset = blend
-        else:
-            if any(w < 0 for w in weight_per_dataset):
-                raise ValueError(
-                    f"--data-path: blend weights must be >= 0, got {weight_per_dataset}"
-                )
-            if sum(weight_per_dataset) <= 0:
-                raise ValueError(f"--data-path: blend weights sum to 0: {weight_per_dataset}")
-    prefix_per_dataset = [rppd.strip() for rppd in raw_prefix_per_dataset]
-    return list(prefix_per_dataset), weight_per_dataset
+    if min(weights) < 0:
+        raise ValueError(f"--data-path: blend weights must be >= 0, got {weights}")
+    if sum(weights) <= 0:
+        raise ValueError(f"--data-path: blend weights sum to 0: {weights}")
+    return [entry.strip() for entry in blend[1::2]], weights
+
+
+def _as_float(text: str) -> Optional[float]:
+    """`float(text)`, or None when the text is not a number (then it is a prefix)."""
+    try:
+        return float(text)
+    except ValueError:
+        return None

@@ -65,19 +65,19 @@ def make_tp_sharded_tensor_for_checkpoint(
 ) -> ShardedTensor:
     """A tensor split over TP along `tp_axis` (local dims; written by DP 0 of each TP rank)."""
     prepend_axis_num = len(prepend_offsets)
-    if replica_id is None:
-        replica_id = (0, 0, _dp_rank())
+    # (axis in the global tensor, this rank's fragment, fragment count) along the TP split.
+    tp_split = (
+        prepend_axis_num + tp_axis,
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
+    offsets = (*prepend_offsets, tp_split)
     return ShardedTensor.from_rank_offsets(
         key,
         tensor,
-        *prepend_offsets,
-        (
-            tp_axis + prepend_axis_num,
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_world_size(),
-        ),
-        replica_id=replica_id,
+        *offsets,
         prepend_axis_num=prepend_axis_num,
+        replica_id=(0, 0, _dp_rank()) if replica_id is None else replica_id,
         **kwargs,
     )
 

@@ -96,16 +96,19 @@ class T5LMHead(MegatronModule):
     ):
         super().__init__(config=config)
         self.parallel_output = parallel_output
+        tied = share_embeddings_and_output_weights
+        # A tied head on the embedding stage borrows the embedding's weight at forward time, so it
+        # allocates none of its own; the bias is then a real parameter added in place.
         self.output_layer = tensor_parallel.ColumnParallelLinear(
             config.hidden_size,
             vocab_size,
             config=config,
-            init_method=config.init_method,
-            bias=share_embeddings_and_output_weights,
-            skip_bias_add=not share_embeddings_and_output_weights,
-            gather_output=not self.parallel_output,
-            skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
             tp_group=tp_group,
+            gather_output=not parallel_output,
+            init_method=config.init_method,
+            skip_weight_param_allocation=tied and pre_process,
+            bias=tied,
+            skip_bias_add=not tied,
         )
 
     def forward(self, hidden_states: Tensor, word_embeddings_weight: Optional[Tensor]) -> Tensor:
@@ -227,36 +230,36 @@ class T5Model(LanguageModule):
         if not (add_encoder or add_decoder):
             raise ValueError("T5Model: a stage needs add_encoder or add_decoder")
 
-        self.encoder_block_spec = transformer_encoder_layer_spec
-        self.decoder_block_spec = transformer_decoder_layer_spec
-        self.vocab_size = vocab_size
-        self.max_sequence_length = max_sequence_length
-        self.pre_process = pre_process
-        self.post_process = post_process
-        self.add_encoder = add_encoder
-        self.add_decoder = add_decoder
+        self.model_type = ModelType.encoder_and_decoder
+        self.encoder_block_spec, self.decoder_block_spec = (
+            transformer_encoder_layer_spec,
+            transformer_decoder_layer_spec,
+        )
+        self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
+        self.pre_process, self.post_process = pre_process, post_process
+        self.add_encoder, self.add_decoder = add_encoder, add_decoder
         self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
         self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
+        # Set by set_input_tensor on a decoder stage that does not run the encoder itself.
         self.encoder_hidden_state = None
 
-        self.model_type = ModelType.encoder_and_decoder
-
-        if self.pre_process:
+        # Build order fixes the draws from the init RNG: embedding, encoder, decoder, head.
+        if pre_process:
             self.embedding = LanguageModelEmbedding(
                 config=self.config,
-                vocab_size=self.vocab_size,
-                max_sequence_length=self.max_sequence_length,
-                position_embedding_type=self.position_embedding_type,
                 pg_collection=self.pg_collection,
+                vocab_size=vocab_size,
+                position_embedding_type=position_embedding_type,
+                max_sequence_length=max_sequence_length,
             )
-
-        if self.position_embedding_type == 'rope':
+        if position_embedding_type == 'rope':
+            # No parameters: one rotary table serves encoder and decoder alike.
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=self.config.kv_channels,
-                rotary_percent=rotary_percent,
                 rotary_interleaved=self.config.rotary_interleaved,
+                rotary_percent=rotary_percent,
                 seq_len_interpolation_factor=seq_len_interpolation_factor,
             )
 
@@ -298,11 +301,11 @@ class T5Model(LanguageModule):
 
         if self.post_process and self.add_decoder:
             self.lm_head = T5LMHead(
-                config,
-                parallel_output,
-                self.vocab_size,
-                self.pre_process,
-                self.share_embeddings_and_output_weights,
+                config=config,
+                vocab_size=vocab_size,
+                parallel_output=parallel_output,
+                share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                pre_process=pre_process,
                 tp_group=self.pg_collection.tp,
             )
             # Megatron registers the head's linear a second time under this name.
@@ -421,21 +424,22 @@ class T5Model(LanguageModule):
         if not isinstance(input_tensor, list):
             input_tensor = [input_tensor]
 
-        if self.add_encoder and self.add_decoder:
-            assert len(input_tensor) == 1, 'input_tensor should be length 1 (encoder and decoder)'
-            self.encoder.set_input_tensor(input_tensor[0])
-        elif self.add_encoder:
-            assert len(input_tensor) == 1, 'input_tensor should be length 1 for an encoder stage'
-            self.encoder.set_input_tensor(input_tensor[0])
-        elif self.add_decoder:
-            if len(input_tensor) == 2:
-                self.decoder.set_input_tensor(input_tensor[0])
-                self.encoder_hidden_state = input_tensor[1]
-            elif len(input_tensor) == 1:
-                self.decoder.set_input_tensor(None)
-                self.encoder_hidden_state = input_tensor[0]
+        if self.add_encoder:
+            # Whatever else the stage holds, its one input feeds the encoder.
+            if self.add_decoder:
+                message = 'input_tensor should be length 1 (encoder and decoder)'
             else:
-                raise Exception('input_tensor must have either length 1 or 2')
+                message = 'input_tensor should be length 1 for an encoder stage'
+            assert len(input_tensor) == 1, message
+            self.encoder.set_input_tensor(input_tensor[0])
+            return
+        if not self.add_decoder:
+            return
+        if len(input_tensor) not in (1, 2):
+            raise Exception('input_tensor must have either length 1 or 2')
+        # The encoder output always travels last; a first decoder stage gets nothing else.
+        *decoder_input, self.encoder_hidden_state = input_tensor
+        self.decoder.set_input_tensor(decoder_input[0] if decoder_input else None)
 
     def _rotary_pos_emb(self, block, block_input):
         if self.position_embedding_type != 'rope':
@@ -506,13 +510,14 @@ class T5Model(LanguageModule):
         else:
             decoder_input = None  # from set_input_tensor
 
+        # Cross-attention reads the encoder output as its keys and values.
         decoder_hidden_states = self.decoder(
             hidden_states=decoder_input,
-            attention_mask=decoder_attn_mask,
-            context=encoder_hidden_states,
-            context_mask=encoder_decoder_attn_mask,
-            inference_params=inference_params,
             rotary_pos_emb=self._rotary_pos_emb(self.decoder, decoder_input),
+            attention_mask=decoder_attn_mask,
+            inference_params=inference_params,
+            context_mask=encoder_decoder_attn_mask,
+            context=encoder_hidden_states,
         )
 
         if not self.post_process:

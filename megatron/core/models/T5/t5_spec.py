@@ -58,12 +58,27 @@ def _self_attention_spec(mask_type: AttnMaskType) -> ModuleSpec:
     return ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": mask_type},
+        # QKV column parallel (heads split over tp), projection row parallel (all-reduce fwd).
         submodules=SelfAttentionSubmodules(
-            linear_qkv=ColumnParallelLinear,
-            core_attention=DotProductAttention,
-            linear_proj=RowParallelLinear,
             q_layernorm=IdentityOp,
             k_layernorm=IdentityOp,
+            core_attention=DotProductAttention,
+            linear_qkv=ColumnParallelLinear,
+            linear_proj=RowParallelLinear,
+        ),
+    )
+
+
+def _cross_attention_spec() -> ModuleSpec:
+    """Decoder queries over the encoder output; pad positions of the encoder are masked."""
+    return ModuleSpec(
+        module=CrossAttention,
+        params={"attn_mask_type": AttnMaskType.padding},
+        submodules=CrossAttentionSubmodules(
+            core_attention=DotProductAttention,
+            linear_q=ColumnParallelLinear,
+            linear_kv=ColumnParallelLinear,
+            linear_proj=RowParallelLinear,
         ),
     )
 
@@ -97,16 +112,7 @@ def decoder_model_with_local_spec() -> ModuleSpec:
             self_attention=_self_attention_spec(AttnMaskType.causal),
             self_attn_bda=get_bias_dropout_add,
             pre_cross_attn_layernorm=LNImpl,
-            cross_attention=ModuleSpec(
-                module=CrossAttention,
-                params={"attn_mask_type": AttnMaskType.padding},
-                submodules=CrossAttentionSubmodules(
-                    linear_q=ColumnParallelLinear,
-                    linear_kv=ColumnParallelLinear,
-                    core_attention=DotProductAttention,
-                    linear_proj=RowParallelLinear,
-                ),
-            ),
+            cross_attention=_cross_attention_spec(),
             cross_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=LNImpl,
             mlp=_mlp_spec(),

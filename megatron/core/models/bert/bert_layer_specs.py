@@ -26,32 +26,42 @@ logger = logging.getLogger(__name__)
 # Megatron picks apex's FusedLayerNorm when apex imports, else the torch LayerNorm.
 LNImpl = WrappedTorchLayerNorm
 
+# Attention: QKV split by heads over tp (column parallel), output projection row parallel
+# (all-reduce forward); BERT attends over every non-pad token, hence the padding mask type.
+_padding_self_attention = ModuleSpec(
+    module=SelfAttention,
+    params={"attn_mask_type": AttnMaskType.padding},
+    submodules=SelfAttentionSubmodules(
+        q_layernorm=IdentityOp,
+        k_layernorm=IdentityOp,
+        core_attention=DotProductAttention,
+        linear_qkv=ColumnParallelLinear,
+        linear_proj=RowParallelLinear,
+    ),
+)
+
+# MLP: fc1 split along the ffn dim (column parallel), fc2 row parallel (all-reduce forward).
+_tp_mlp = ModuleSpec(
+    module=MLP,
+    submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+)
+
+# Distributed checkpoints store the norms under Transformer Engine's fused-linear names.
+_TE_NORM_KEYS = {
+    'input_layernorm.': 'self_attention.linear_qkv.layer_norm_',
+    'pre_mlp_layernorm.': 'mlp.linear_fc1.layer_norm_',
+}
+
 bert_layer_local_spec = ModuleSpec(
     module=TransformerLayer,
     submodules=TransformerLayerSubmodules(
         input_layernorm=LNImpl,
-        self_attention=ModuleSpec(
-            module=SelfAttention,
-            params={"attn_mask_type": AttnMaskType.padding},
-            submodules=SelfAttentionSubmodules(
-                linear_qkv=ColumnParallelLinear,
-                core_attention=DotProductAttention,
-                linear_proj=RowParallelLinear,
-                q_layernorm=IdentityOp,
-                k_layernorm=IdentityOp,
-            ),
-        ),
-        self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=LNImpl,
-        mlp=ModuleSpec(
-            module=MLP,
-            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-        ),
+        self_attention=_padding_self_attention,
+        mlp=_tp_mlp,
+        self_attn_bda=get_bias_dropout_add,
         mlp_bda=get_bias_dropout_add,
-        sharded_state_dict_keys_map={
-            'input_layernorm.': 'self_attention.linear_qkv.layer_norm_',
-            'pre_mlp_layernorm.': 'mlp.linear_fc1.layer_norm_',
-        },
+        sharded_state_dict_keys_map=_TE_NORM_KEYS,
     ),
 )
 

@@ -29,8 +29,9 @@ class BertLMHead(MegatronModule):
         self.dense = get_linear_layer(
             hidden_size, hidden_size, config.init_method, config.perform_initialization
         )
-        setattr(self.dense.weight, 'sequence_parallel', config.sequence_parallel)
-        setattr(self.dense.bias, 'sequence_parallel', config.sequence_parallel)
+        # Replicated over tp but fed a sequence slice each: gradients need a tp all-reduce.
+        for param in (self.dense.weight, self.dense.bias):
+            param.sequence_parallel = config.sequence_parallel
 
         self.layer_norm = WrappedTorchNorm(
             config=config, hidden_size=hidden_size, eps=config.layernorm_epsilon
@@ -39,7 +40,4 @@ class BertLMHead(MegatronModule):
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         """[s, b, h] -> [s, b, h]."""
-        hidden_states = self.dense(hidden_states)
-        hidden_states = self.gelu(hidden_states)
-        hidden_states = self.layer_norm(hidden_states)
-        return hidden_states
+        return self.layer_norm(self.gelu(self.dense(hidden_states)))

@@ -117,76 +117,80 @@ class BertModel(LanguageModule):
             raise ValueError("return_embeddings=True needs post_process=True (the last stage)")
 
         self.config: TransformerConfig = config
+        # The pipeline schedules pick their send/recv pattern from this.
+        self.model_type = ModelType.encoder_or_decoder
         self.transformer_layer_spec: ModuleSpec = transformer_layer_spec
-        self.vocab_size = vocab_size
-        self.max_sequence_length = max_sequence_length
-        self.pre_process = pre_process
-        self.post_process = post_process
+        self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
+        self.pre_process, self.post_process = pre_process, post_process
+        self.num_tokentypes = num_tokentypes
+        self.position_embedding_type = position_embedding_type
         self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
         self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
-        self.position_embedding_type = position_embedding_type
-        self.add_binary_head = add_binary_head
-        self.return_embeddings = return_embeddings
-        self.num_tokentypes = num_tokentypes
+        self.add_binary_head, self.return_embeddings = add_binary_head, return_embeddings
 
-        # megatron core pipelining currently depends on model type
-        self.model_type = ModelType.encoder_or_decoder
-
-        if self.pre_process:
+        # Build order fixes the draws from the init RNG: embedding, encoder, then the heads.
+        if pre_process:
             self.embedding = LanguageModelEmbedding(
-                config=self.config,
-                vocab_size=self.vocab_size,
-                max_sequence_length=self.max_sequence_length,
-                position_embedding_type=position_embedding_type,
-                num_tokentypes=num_tokentypes,
+                config=config,
                 pg_collection=self.pg_collection,
+                vocab_size=vocab_size,
+                num_tokentypes=num_tokentypes,
+                position_embedding_type=position_embedding_type,
+                max_sequence_length=max_sequence_length,
             )
-
-        if self.position_embedding_type == 'rope':
+        if position_embedding_type == 'rope':
             self.rotary_pos_emb = RotaryEmbedding(
-                kv_channels=self.config.kv_channels,
+                kv_channels=config.kv_channels,
+                rotary_interleaved=config.rotary_interleaved,
                 rotary_percent=rotary_percent,
-                rotary_interleaved=self.config.rotary_interleaved,
                 seq_len_interpolation_factor=seq_len_interpolation_factor,
             )
-
         self.encoder = TransformerBlock(
-            config=self.config,
-            spec=self.transformer_layer_spec,
-            pre_process=self.pre_process,
-            post_process=self.post_process,
+            config=config,
+            spec=transformer_layer_spec,
             pg_collection=self.pg_collection,
+            pre_process=pre_process,
+            post_process=post_process,
         )
-
         self.binary_head = None
-        if self.post_process:
-            self.lm_head = BertLMHead(config.hidden_size, config)
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size,
-                self.vocab_size,
-                config=config,
-                init_method=config.init_method,
-                bias=True,
-                skip_bias_add=False,
-                gather_output=not self.parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
-                tp_group=self.pg_collection.tp,
-            )
-            if self.add_binary_head:
-                self.binary_head = get_linear_layer(
-                    config.hidden_size, 2, config.init_method, config.perform_initialization
-                )
-                self.pooler = Pooler(
-                    config.hidden_size,
-                    config.init_method,
-                    config,
-                    config.sequence_parallel,
-                    tp_group=self.pg_collection.tp,
-                )
-
-        if self.pre_process or self.post_process:
+        if post_process:
+            self._build_heads(config, pre_process and share_embeddings_and_output_weights)
+        if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
+
+    def _build_heads(self, config: TransformerConfig, borrow_output_weight: bool) -> None:
+        """LM head, output layer and (optionally) binary head + pooler of the last stage.
+
+        The output layer is a ColumnParallelLinear [h -> v] split along v with its own bias of
+        v/p per rank (backward all-reduces the input gradient over tp); with tied weights on a
+        stage that also holds the embedding it allocates no weight and borrows the embedding's.
+        """
+        self.lm_head = BertLMHead(config.hidden_size, config)
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size,
+            self.vocab_size,
+            config=config,
+            tp_group=self.pg_collection.tp,
+            gather_output=not self.parallel_output,
+            init_method=config.init_method,
+            skip_weight_param_allocation=borrow_output_weight,
+            bias=True,
+            skip_bias_add=False,
+        )
+        if not self.add_binary_head:
+            return
+        # Next-sentence classifier [h -> 2], then the pooler over the first token.
+        self.binary_head = get_linear_layer(
+            config.hidden_size, 2, config.init_method, config.perform_initialization
+        )
+        self.pooler = Pooler(
+            config.hidden_size,
+            config.init_method,
+            config,
+            config.sequence_parallel,
+            tp_group=self.pg_collection.tp,
+        )
 
     def set_input_tensor(self, input_tensor) -> None:
         """Set the input of this pipeline stage (the previous stage's output [s, b, h]).
@@ -197,6 +201,15 @@ class BertModel(LanguageModule):
             input_tensor = [input_tensor]
         assert len(input_tensor) == 1, 'input_tensor should only be length 1 for bert'
         self.encoder.set_input_tensor(input_tensor[0])
+
+    def _rope_table(self, inference_params, encoder_input) -> Optional[Tensor]:
+        """Rotary frequencies for this pass, or None with learned absolute positions."""
+        if self.position_embedding_type != 'rope':
+            return None
+        length = self.rotary_pos_emb.get_rotary_seq_len(
+            inference_params, self.encoder, encoder_input, self.config
+        )
+        return self.rotary_pos_emb(length)
 
     def forward(
         self,
@@ -223,27 +236,21 @@ class BertModel(LanguageModule):
         """
         extended_attention_mask = bert_extended_attention_mask(attention_mask)
 
-        if self.pre_process:
-            position_ids = bert_position_ids(input_ids)
-            encoder_input = self.embedding(
-                input_ids=input_ids, position_ids=position_ids, tokentype_ids=tokentype_ids
+        # Later stages take their input from set_input_tensor, so they embed nothing.
+        encoder_input = (
+            self.embedding(
+                input_ids=input_ids,
+                tokentype_ids=tokentype_ids,
+                position_ids=bert_position_ids(input_ids),
             )
-        else:
-            # Intermediate or last stage: the input comes from set_input_tensor.
-            encoder_input = None
-
-        rotary_pos_emb = None
-        if self.position_embedding_type == 'rope':
-            rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
-                inference_params, self.encoder, encoder_input, self.config
-            )
-            rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len)
-
+            if self.pre_process
+            else None
+        )
         hidden_states = self.encoder(
             hidden_states=encoder_input,
+            rotary_pos_emb=self._rope_table(inference_params, encoder_input),
             attention_mask=extended_attention_mask,
             inference_params=inference_params,
-            rotary_pos_emb=rotary_pos_emb,
         )
         if not self.post_process:
             return hidden_states

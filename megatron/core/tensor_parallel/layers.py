@@ -74,26 +74,20 @@ def set_tensor_model_parallel_attributes(
 
 def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor):
     """Give `tensor` the "not split" attributes unless it already has them."""
-
-    def maybe_set(attribute, value):
-        if not hasattr(tensor, attribute):
-            setattr(tensor, attribute, value)
-
-    for attribute, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
-        maybe_set(attribute, value)
+    missing = {
+        k: v for k, v in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items() if not hasattr(tensor, k)
+    }
+    for name, default in missing.items():
+        setattr(tensor, name, default)
 
 
 def copy_tensor_model_parallel_attributes(
     destination_tensor: torch.Tensor, source_tensor: torch.Tensor
 ):
     """Copy the split attributes of `source_tensor` onto `destination_tensor`."""
-
-    def maybe_copy(attribute):
-        if hasattr(source_tensor, attribute):
-            setattr(destination_tensor, attribute, getattr(source_tensor, attribute))
-
-    for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
-        maybe_copy(attribute)
+    present = [name for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS if hasattr(source_tensor, name)]
+    for name in present:
+        setattr(destination_tensor, name, getattr(source_tensor, name))
 
 
 def _initialize_affine_weight_gpu(
@@ -141,24 +135,76 @@ def _initialize_affine_weight_cpu(
     set_tensor_model_parallel_attributes(
         tensor=weight, is_parallel=True, dim=partition_dim, stride=stride
     )
-
-    master_weight = torch.empty(output_size, input_size, dtype=torch.float, requires_grad=False)
-    init_method(master_weight)
-    master_weight = master_weight.to(dtype=params_dtype)
-
-    per_partition_per_stride_size = divide(per_partition_size, stride)
-    weight_list = torch.split(master_weight, per_partition_per_stride_size, dim=partition_dim)
+    # Drawn in fp32 whatever the parameter dtype, so every layout starts from the same numbers.
+    full = torch.empty(output_size, input_size, dtype=torch.float, requires_grad=False)
+    init_method(full)
+    full = full.to(dtype=params_dtype)
     if rank is None:
         rank = parallel_state.get_tensor_model_parallel_rank()
         world_size = parallel_state.get_tensor_model_parallel_world_size()
-    my_weight_list = weight_list[rank::world_size]
-
+    blocks = full.split(divide(per_partition_size, stride), dim=partition_dim)
+    mine = torch.cat(blocks[rank::world_size], dim=partition_dim)  # every world_size-th block
     with torch.no_grad():
-        # torch.cat(out=...) would resize a parameter in place; copy instead.
-        weight.data.copy_(torch.cat(my_weight_list, dim=partition_dim))
-    if return_master_weight:
-        return master_weight
-    return None
+        # Copied in: torch.cat(out=...) could resize the parameter.
+        weight.data.copy_(mine)
+    return full if return_master_weight else None
+
+
+def _zero_bias(config: ModelParallelConfig, size: int) -> Parameter:
+    """A bias Parameter [size] on the init device, zero when the config initialises weights."""
+    device = None if config.use_cpu_initialization else get_current_device()
+    bias = Parameter(torch.empty(size, device=device, dtype=config.params_dtype))
+    if config.perform_initialization:
+        with torch.no_grad():
+            bias.zero_()
+    return bias
+
+
+#: `_partitioned_weight`'s master when no CPU master weight was drawn.
+NO_MASTER = object()
+
+
+def _partitioned_weight(
+    config: ModelParallelConfig,
+    full_shape: tuple,
+    partition_dim: int,
+    init_method: Callable,
+    rank: int,
+    world_size: int,
+    stride: int = 1,
+    expert_parallel: bool = False,
+    keep_master: bool = False,
+):
+    """This rank's Parameter of a [out, in] weight split along `partition_dim`.
+
+    With config.use_cpu_initialization the full weight is drawn on CPU and sliced
+    (`_initialize_affine_weight_cpu`, the same values at every TP size); otherwise the slice is
+    drawn on the device under the model-parallel (or expert-parallel) RNG stream. Without
+    config.perform_initialization the slice is left uninitialised, only marked as split.
+
+    Returns:
+        (weight, master): master is the full CPU weight when drawn on CPU with keep_master,
+        None when drawn on CPU without it, and NO_MASTER otherwise (no master exists).
+    """
+    shape = list(full_shape)
+    shape[partition_dim] = divide(shape[partition_dim], world_size)
+    device = None if config.use_cpu_initialization else get_current_device()
+    weight = Parameter(torch.empty(*shape, device=device, dtype=config.params_dtype))
+    if not config.perform_initialization:
+        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+        return weight, NO_MASTER
+    if not config.use_cpu_initialization:
+        _initialize_affine_weight_gpu(
+            weight, init_method, partition_dim=partition_dim, stride=stride,
+            expert_parallel=expert_parallel,
+        )  # fmt: skip
+        return weight, NO_MASTER
+    master = _initialize_affine_weight_cpu(
+        weight, full_shape[0], full_shape[1], shape[partition_dim], partition_dim, init_method,
+        stride=stride, return_master_weight=keep_master, params_dtype=config.params_dtype,
+        rank=rank, world_size=world_size,
+    )  # fmt: skip
+    return weight, master
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -211,39 +257,17 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.deterministic_mode = config.deterministic_mode
 
-        if config.use_cpu_initialization:
-            self.weight = Parameter(
-                torch.empty(
-                    self.num_embeddings_per_partition, self.embedding_dim, dtype=config.params_dtype
-                )
-            )
-            if config.perform_initialization:
-                _initialize_affine_weight_cpu(
-                    self.weight,
-                    self.num_embeddings,
-                    self.embedding_dim,
-                    self.num_embeddings_per_partition,
-                    0,
-                    init_method,
-                    params_dtype=config.params_dtype,
-                    rank=self.tp_group.rank(),
-                    world_size=self.tensor_model_parallel_size,
-                )
-            else:
-                set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
-        else:
-            self.weight = Parameter(
-                torch.empty(
-                    self.num_embeddings_per_partition,
-                    self.embedding_dim,
-                    device=get_current_device(),
-                    dtype=config.params_dtype,
-                )
-            )
-            if config.perform_initialization:
-                _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=1)
-            else:
-                set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        self.weight, _ = _partitioned_weight(
+            config,
+            (self.num_embeddings, self.embedding_dim),
+            0,
+            init_method,
+            rank=self.tp_group.rank(),
+            world_size=self.tensor_model_parallel_size,
+        )
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
 
     def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
         """Distributed checkpoint: the weight split over TP along the vocabulary (dim 0).
@@ -264,19 +288,18 @@ class VocabParallelEmbedding(torch.nn.Module):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """[b, s] token ids -> [b, s, h] embeddings ([s/tp, b, h] with
         reduce_scatter_embeddings)."""
-        if self.tensor_model_parallel_size > 1:
-            # Ids outside this rank's rows look up row 0 and are zeroed afterwards.
-            input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
-            masked_input = input_.clone() - self.vocab_start_index
-            masked_input[input_mask] = 0
-        else:
-            masked_input = input_
-        if self.deterministic_mode:
-            output_parallel = self.weight[masked_input]
-        else:
-            output_parallel = F.embedding(masked_input, self.weight)  # [b, s, h]
-        if self.tensor_model_parallel_size > 1:
-            output_parallel[input_mask, :] = 0.0
+        split = self.tensor_model_parallel_size > 1
+        local_ids, foreign = input_, None
+        if split:
+            # Ids owned by another rank look up local row 0; their rows are zeroed below, so
+            # the reduction over tp adds only the owner's row.
+            foreign = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            local_ids = (input_ - self.vocab_start_index).masked_fill(foreign, 0)
+        # Plain indexing in deterministic mode (its backward accumulates in a fixed order).
+        lookup = self.weight.__getitem__ if self.deterministic_mode else self._embed
+        output_parallel = lookup(local_ids)  # [b, s, h]
+        if split:
+            output_parallel[foreign, :] = 0.0
 
         if self.reduce_scatter_embeddings:
             output_parallel = output_parallel.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
@@ -337,12 +360,11 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         tp_group,
     ):
         ctx.save_for_backward(input, weight)
-        ctx.use_bias = bias is not None
+        # What backward needs besides the saved tensors.
+        ctx.use_bias, ctx.tp_group = bias is not None, tp_group
+        ctx.allreduce_dgrad, ctx.sequence_parallel = allreduce_dgrad, sequence_parallel
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
-        ctx.allreduce_dgrad = allreduce_dgrad
-        ctx.sequence_parallel = sequence_parallel
         ctx.grad_output_buffer = grad_output_buffer
-        ctx.tp_group = tp_group
 
         if sequence_parallel:
             total_input = _gather_along_first_dim(input, tp_group)  # [s/tp, b, h] -> [s, b, h]
@@ -358,14 +380,11 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
-        tp_group = ctx.tp_group
-        use_bias = ctx.use_bias
-        grad_output_buffer = ctx.grad_output_buffer
-
-        wgrad_compute = True
-        if grad_output_buffer is not None:
-            grad_output_buffer.append(grad_output)
-            wgrad_compute = False
+        tp_group, use_bias = ctx.tp_group, ctx.use_bias
+        # A deferred embedding weight gradient: grad Y is kept for the caller's own GEMM.
+        wgrad_compute = ctx.grad_output_buffer is None
+        if not wgrad_compute:
+            ctx.grad_output_buffer.append(grad_output)
 
         gather_handle = None
         if ctx.sequence_parallel and wgrad_compute:
@@ -579,15 +598,15 @@ class ColumnParallelLinear(torch.nn.Module):
         tp_group=None,
     ):
         super().__init__()
-        self.input_size = input_size
-        self.output_size = output_size
-        self.gather_output = gather_output
-        self.skip_bias_add = skip_bias_add
-        self.is_expert = is_expert
-        self.expert_parallel = config.expert_model_parallel_size > 1
-        self.embedding_activation_buffer = embedding_activation_buffer
-        self.grad_output_buffer = grad_output_buffer
-        self.config = config
+        self.config, self.input_size, self.output_size = config, input_size, output_size
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        # Expert layers: their weights are split over the expert group, not all-reduced.
+        self.is_expert, self.expert_parallel = is_expert, config.expert_model_parallel_size > 1
+        # Deferred embedding weight gradient (defer_embedding_wgrad_compute) buffers.
+        self.embedding_activation_buffer, self.grad_output_buffer = (
+            embedding_activation_buffer,
+            grad_output_buffer,
+        )
         self.disable_grad_reduce = disable_grad_reduce
 
         # Fall back to the global tensor model parallel group when none is given.
@@ -603,64 +622,27 @@ class ColumnParallelLinear(torch.nn.Module):
         self.output_size_per_partition = divide(output_size, world_size)
 
         if not skip_weight_param_allocation:
-            if config.use_cpu_initialization:
-                self.weight = Parameter(
-                    torch.empty(
-                        self.output_size_per_partition, self.input_size, dtype=config.params_dtype
-                    )
-                )
-                if config.perform_initialization:
-                    self.master_weight = _initialize_affine_weight_cpu(
-                        self.weight,
-                        self.output_size,
-                        self.input_size,
-                        self.output_size_per_partition,
-                        0,
-                        init_method,
-                        stride=stride,
-                        return_master_weight=keep_master_weight_for_test,
-                        params_dtype=config.params_dtype,
-                        rank=rank,
-                        world_size=world_size,
-                    )
-                else:
-                    set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
-            else:
-                self.weight = Parameter(
-                    torch.empty(
-                        self.output_size_per_partition,
-                        self.input_size,
-                        device=get_current_device(),
-                        dtype=config.params_dtype,
-                    )
-                )
-                if config.perform_initialization:
-                    _initialize_affine_weight_gpu(
-                        self.weight,
-                        init_method,
-                        partition_dim=0,
-                        stride=stride,
-                        expert_parallel=(self.is_expert and self.expert_parallel),
-                    )
-                else:
-                    set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+            self.weight, master = _partitioned_weight(
+                config,
+                (self.output_size, self.input_size),
+                0,
+                init_method,
+                rank=rank,
+                world_size=world_size,
+                stride=stride,
+                expert_parallel=self.is_expert and self.expert_parallel,
+                keep_master=keep_master_weight_for_test,
+            )
+            if master is not NO_MASTER:
+                self.master_weight = master
             setattr(self.weight, 'allreduce', not (self.is_expert and self.expert_parallel))
         else:
             self.weight = None
 
         if bias:
-            device = None if config.use_cpu_initialization else get_current_device()
-            self.bias = Parameter(
-                torch.empty(
-                    self.output_size_per_partition, device=device, dtype=config.params_dtype
-                )
-            )
+            self.bias = _zero_bias(config, self.output_size_per_partition)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
-            if config.perform_initialization:
-                # Always initialize bias to zero.
-                with torch.no_grad():
-                    self.bias.zero_()
-            setattr(self.bias, 'allreduce', not (self.is_expert and self.expert_parallel))
+            self.bias.allreduce = not (self.is_expert and self.expert_parallel)
         else:
             self.register_parameter('bias', None)
 
@@ -713,15 +695,12 @@ class ColumnParallelLinear(torch.nn.Module):
                     'CPU Offloading cannot be enabled while using non-TE modules'
                 )
 
-        bias = self.bias if not self.skip_bias_add else None
-
-        if (
-            self.allreduce_dgrad
-            or self.sequence_parallel
-            or self.explicit_expert_comm
-            or self.disable_grad_reduce
-        ):
-            # The linear function handles the input's communication itself.
+        bias = None if self.skip_bias_add else self.bias
+        # The linear function itself all-reduces grad X (allreduce_dgrad) or gathers the
+        # sequence; expert layers communicate on their own; otherwise the copy to the tp region
+        # gives the backward all-reduce.
+        linear_communicates = self.allreduce_dgrad or self.sequence_parallel
+        if linear_communicates or self.explicit_expert_comm or self.disable_grad_reduce:
             input_parallel = input_
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
@@ -838,15 +817,11 @@ class RowParallelLinear(torch.nn.Module):
         tp_group=None,
     ):
         super().__init__()
-        self.input_size = input_size
-        self.output_size = output_size
-        self.input_is_parallel = input_is_parallel
-        self.skip_bias_add = skip_bias_add
-        self.config = config
-        self.is_expert = is_expert
-        self.expert_parallel = config.expert_model_parallel_size > 1
-        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self.config, self.input_size, self.output_size = config, input_size, output_size
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.is_expert, self.expert_parallel = is_expert, config.expert_model_parallel_size > 1
         self.sequence_parallel = config.sequence_parallel
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         if self.sequence_parallel and not self.input_is_parallel:
             raise ValueError('To enable `sequence_parallel`, `input_is_parallel` must be `True`')
 
@@ -862,60 +837,27 @@ class RowParallelLinear(torch.nn.Module):
             )
         self.input_size_per_partition = divide(input_size, world_size)
 
-        if config.use_cpu_initialization:
-            self.weight = Parameter(
-                torch.empty(
-                    self.output_size, self.input_size_per_partition, dtype=config.params_dtype
-                )
-            )
-            if config.perform_initialization:
-                self.master_weight = _initialize_affine_weight_cpu(
-                    self.weight,
-                    self.output_size,
-                    self.input_size,
-                    self.input_size_per_partition,
-                    1,
-                    init_method,
-                    stride=stride,
-                    return_master_weight=keep_master_weight_for_test,
-                    params_dtype=config.params_dtype,
-                    rank=rank,
-                    world_size=world_size,
-                )
-            else:
-                set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
-        else:
-            self.weight = Parameter(
-                torch.empty(
-                    self.output_size,
-                    self.input_size_per_partition,
-                    device=get_current_device(),
-                    dtype=config.params_dtype,
-                )
-            )
-            if config.perform_initialization:
-                _initialize_affine_weight_gpu(
-                    self.weight,
-                    init_method,
-                    partition_dim=1,
-                    stride=stride,
-                    expert_parallel=(self.is_expert and self.expert_parallel),
-                )
-            else:
-                set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        self.weight, master = _partitioned_weight(
+            config,
+            (self.output_size, self.input_size),
+            1,
+            init_method,
+            rank=rank,
+            world_size=world_size,
+            stride=stride,
+            expert_parallel=self.is_expert and self.expert_parallel,
+            keep_master=keep_master_weight_for_test,
+        )
+        if master is not NO_MASTER:
+            self.master_weight = master
         setattr(self.weight, 'allreduce', not (self.is_expert and self.expert_parallel))
 
         if bias:
-            device = None if config.use_cpu_initialization else get_current_device()
-            self.bias = Parameter(
-                torch.empty(self.output_size, device=device, dtype=config.params_dtype)
-            )
-            if config.perform_initialization:
-                # Always initialize bias to zero.
-                with torch.no_grad():
-                    self.bias.zero_()
-            setattr(self.bias, 'allreduce', not (self.is_expert and self.expert_parallel))
-            setattr(self.bias, 'sequence_parallel', self.sequence_parallel)
+            # Replicated over tp; under SP each rank's gradient covers its own tokens only, so
+            # finalize_model_grads reduces it over tp (the `sequence_parallel` mark).
+            self.bias = _zero_bias(config, self.output_size)
+            self.bias.allreduce = not (self.is_expert and self.expert_parallel)
+            self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter('bias', None)
 
@@ -979,13 +921,9 @@ class RowParallelLinear(torch.nn.Module):
             )
         else:
             output_ = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
-        if not self.skip_bias_add:
-            output = (output_ + self.bias) if self.bias is not None else output_
-            output_bias = None
-        else:
-            output = output_
-            output_bias = self.bias
-        return output, output_bias
+        if self.skip_bias_add:
+            return output_, self.bias  # the caller adds it (fused with what follows)
+        return (output_ if self.bias is None else output_ + self.bias), None
 
     def set_extra_state(self, state: Any):
         """Extra state is ignored (the key exists for Transformer Engine state-dict

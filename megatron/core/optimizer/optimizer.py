@@ -38,16 +38,14 @@ _FLOAT16_DTYPES = (torch.float16, torch.bfloat16)
 
 def _zero_grad_group_helper(group: List[torch.Tensor], set_to_none: bool):
     """Zero (or drop) the `.grad` of every tensor in `group`."""
-    for param in group:
-        if param.grad is not None:
-            if set_to_none:
-                param.grad = None
-            else:
-                if param.grad.grad_fn is not None:
-                    param.grad.detach_()
-                else:
-                    param.grad.requires_grad_(False)
-                param.grad.zero_()
+    for param in (p for p in group if p.grad is not None):
+        if set_to_none:
+            param.grad = None
+            continue
+        grad = param.grad
+        # A grad produced by a graph is cut from it before being reused as a zero buffer.
+        grad.detach_() if grad.grad_fn is not None else grad.requires_grad_(False)
+        grad.zero_()
 
 
 @contextmanager
@@ -87,11 +85,7 @@ class MegatronOptimizer(ABC):
 
     def get_parameters(self) -> List[torch.nn.Parameter]:
         """Every parameter the inner optimizer updates (main params for mixed precision)."""
-        params = []
-        for param_group in self.optimizer.param_groups:
-            for param in param_group['params']:
-                params.append(param)
-        return params
+        return [param for group in self.optimizer.param_groups for param in group['params']]
 
     def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
         """Gradients entering the global norm: no TP duplicates, no tied-embedding copies."""
@@ -220,21 +214,16 @@ class MegatronOptimizer(ABC):
             group['step'] = group.get('step', 0) + 1
 
     # Promote state and param_groups so the scheduler and checkpointing can use them directly.
-    def _get_state(self):
-        return self.optimizer.state
-
-    def _set_state(self, value):
-        self.optimizer.state = value
-
-    state = property(_get_state, _set_state)
-
-    def _get_param_groups(self):
-        return self.optimizer.param_groups
-
-    def _set_param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    param_groups = property(_get_param_groups, _set_param_groups)
+    # The inner optimizer's state and groups, read and assigned through the wrapper (the
+    # scheduler sets learning rates on `param_groups`, checkpointing reads `state`).
+    state = property(
+        lambda self: self.optimizer.state,
+        lambda self, value: setattr(self.optimizer, 'state', value),
+    )
+    param_groups = property(
+        lambda self: self.optimizer.param_groups,
+        lambda self, value: setattr(self.optimizer, 'param_groups', value),
+    )
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):
@@ -345,80 +334,74 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         init_state_fn: Callable,
     ):
         super().__init__(optimizer, config, grad_scaler, init_state_fn)
-        self.float16_groups = []
-        self.fp32_from_float16_groups = []
-        self.fp32_from_fp32_groups = []
+        # Per param group: the float16 model params, their fp32 main copies (which the inner
+        # optimizer now updates in their place), and the params that were fp32 already.
+        self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups = [], [], []
+        for group in self.optimizer.param_groups:
+            halves, mains, fp32s = self._take_main_copies(group['params'])
+            self.float16_groups.append(halves)
+            self.fp32_from_float16_groups.append(mains)
+            self.fp32_from_fp32_groups.append(fp32s)
 
-        for param_group in self.optimizer.param_groups:
-            float16_params_this_group = []
-            fp32_params_this_group = []
-            fp32_from_float16_params_this_group = []
-            for i, param in enumerate(param_group['params']):
-                if not param.requires_grad:
-                    continue
-                if param.dtype in _FLOAT16_DTYPES:
-                    float16_params_this_group.append(param)
-                    main_param = param.detach().clone().float()
-                    tensor_parallel.copy_tensor_model_parallel_attributes(main_param, param)
-                    if hasattr(param, 'shared'):
-                        main_param.shared = param.shared
-                    for attr in ('use_muon', 'muon_qkv_layout'):  # Muon's parameter tags
-                        if hasattr(param, attr):
-                            setattr(main_param, attr, getattr(param, attr))
-                    param_group['params'][i] = main_param
-                    fp32_from_float16_params_this_group.append(main_param)
-                    if param in self.optimizer.state:
-                        self.optimizer.state[main_param] = self.optimizer.state.pop(param)
-                elif param.dtype == torch.float32:
-                    fp32_params_this_group.append(param)
-                    param_group['params'][i] = param
-                else:
-                    raise TypeError(
-                        'Wrapped parameters must be one of torch.float32, torch.float16 or '
-                        f'torch.bfloat16. Received {param.dtype}'
-                    )
-            self.float16_groups.append(float16_params_this_group)
-            self.fp32_from_float16_groups.append(fp32_from_float16_params_this_group)
-            self.fp32_from_fp32_groups.append(fp32_params_this_group)
+    def _take_main_copies(self, params: list):
+        """Put an fp32 main copy in place of every float16 param of `params` (moving any
+        optimizer state to it); returns (float16 params, main copies, fp32 params)."""
+        halves, mains, fp32s = [], [], []
+        for index, param in enumerate(params):
+            if not param.requires_grad:
+                continue
+            if param.dtype == torch.float32:
+                fp32s.append(param)
+                continue
+            if param.dtype not in _FLOAT16_DTYPES:
+                raise TypeError(
+                    'Wrapped parameters must be one of torch.float32, torch.float16 or '
+                    f'torch.bfloat16. Received {param.dtype}'
+                )
+            main = param.detach().clone().float()
+            tensor_parallel.copy_tensor_model_parallel_attributes(main, param)
+            # Marks other code reads off the parameter the optimizer updates: tied embeddings
+            # (`shared`) and Muon's tags.
+            for attr in ('shared', 'use_muon', 'muon_qkv_layout'):
+                if hasattr(param, attr):
+                    setattr(main, attr, getattr(param, attr))
+            params[index] = main
+            if param in self.optimizer.state:
+                self.optimizer.state[main] = self.optimizer.state.pop(param)
+            halves.append(param)
+            mains.append(main)
+        return halves, mains, fp32s
 
     def zero_grad(self, set_to_none: bool = True):
         """Drop model grads and main grads (DDP's main_grad buffer is zeroed by the model)."""
-        for group in self.float16_groups:
-            _zero_grad_group_helper(group, set_to_none)
-        for group in self.fp32_from_float16_groups:
-            _zero_grad_group_helper(group, set_to_none)
-        for group in self.fp32_from_fp32_groups:
+        every_group = (
+            self.float16_groups + self.fp32_from_float16_groups + self.fp32_from_fp32_groups
+        )
+        for group in every_group:
             _zero_grad_group_helper(group, set_to_none)
 
     def _collect_main_grad_data_for_unscaling(self) -> List[torch.Tensor]:
-        main_grads = []
-        for main_group in self.fp32_from_float16_groups:
-            for main_param in main_group:
-                if main_param.grad is not None:
-                    main_grads.append(main_param.grad.data)
-        for main_group in self.fp32_from_fp32_groups:
-            for main_param in main_group:
-                if main_param.grad is not None:
-                    main_grads.append(main_param.grad.data)
-        return main_grads
+        updated = self.fp32_from_float16_groups + self.fp32_from_fp32_groups
+        return [p.grad.data for group in updated for p in group if p.grad is not None]
 
     def _get_model_and_main_params_data_float16(self):
-        model_data, main_data = [], []
-        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for model_param, main_param in zip(model_group, main_group):
-                model_data.append(model_param.data)
-                main_data.append(main_param.data)
-        return model_data, main_data
+        pairs = [
+            (model.data, main.data)
+            for halves, mains in zip(self.float16_groups, self.fp32_from_float16_groups)
+            for model, main in zip(halves, mains)
+        ]
+        return [model for model, _ in pairs], [main for _, main in pairs]
 
     def _copy_model_grads_to_main_grads(self):
-        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for model_param, main_param in zip(model_group, main_group):
-                if hasattr(model_param, 'main_grad'):
-                    main_param.grad = model_param.main_grad.float()
-                elif model_param.grad is not None:
-                    main_param.grad = model_param.grad.float()
-                # Drop the float16 grad right away to save memory.
-                model_param.grad = None
+        for halves, mains in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model, main in zip(halves, mains):
+                # DDP's fp32 main_grad buffer when there is one, else autograd's grad.
+                source = getattr(model, 'main_grad', None)
+                if source is None:
+                    source = model.grad
+                if source is not None:
+                    main.grad = source.float()
+                model.grad = None  # the float16 grad is not needed any more: free it now
         for model_group in self.fp32_from_fp32_groups:
             for model_param in model_group:
                 if hasattr(model_param, 'main_grad'):
@@ -435,12 +418,11 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
             main.copy_(model)
 
     def state_dict(self) -> Dict:
-        state_dict = {}
-        state_dict['optimizer'] = self.optimizer.state_dict()
+        saved = {'optimizer': self.optimizer.state_dict()}
         if self.grad_scaler:
-            state_dict['grad_scaler'] = self.grad_scaler.state_dict()
-        state_dict['fp32_from_fp16_params'] = self.fp32_from_float16_groups
-        return state_dict
+            saved['grad_scaler'] = self.grad_scaler.state_dict()
+        saved['fp32_from_fp16_params'] = self.fp32_from_float16_groups
+        return saved
 
     def load_state_dict(self, state_dict: Dict):
         optimizer_key = 'optimizer'
@@ -449,10 +431,9 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
             logger.info('***WARNING*** loading optimizer from an old checkpoint ...')
         self.optimizer.load_state_dict(state_dict[optimizer_key])
 
-        if 'grad_scaler' not in state_dict:
-            if self.config.fp16:
-                logger.info('***WARNING*** found an old checkpoint, will not load grad scaler ...')
-        else:
+        if 'grad_scaler' not in state_dict and self.config.fp16:
+            logger.info('***WARNING*** found an old checkpoint, will not load grad scaler ...')
+        elif 'grad_scaler' in state_dict:
             if self.grad_scaler:
                 self.grad_scaler.load_state_dict(state_dict['grad_scaler'])
             else:
@@ -543,10 +524,7 @@ class ChainedOptimizer(MegatronOptimizer):
 
     @property
     def param_groups(self) -> List[dict]:
-        param_groups = []
-        for optimizer in self.chained_optimizers:
-            param_groups += optimizer.param_groups
-        return param_groups
+        return [group for optimizer in self.chained_optimizers for group in optimizer.param_groups]
 
     @property
     def state(self):

@@ -44,7 +44,10 @@ def _zero_grad_group_helper(group: List[torch.Tensor], set_to_none: bool):
             continue
         grad = param.grad
         # A grad produced by a graph is cut from it before being reused as a zero buffer.
-        grad.detach_() if grad.grad_fn is not None else grad.requires_grad_(False)
+        if grad.grad_fn is not None:
+            grad.detach_()
+        else:
+            grad.requires_grad_(False)
         grad.zero_()
 
 

@@ -63,15 +63,14 @@ def get_forward_backward_func() -> Callable:
         forward_backward_pipelining_with_interleaving when a virtual pipeline size is set;
         forward_backward_pipelining_without_interleaving (1F1B) otherwise.
     """
-    pipeline_model_parallel_size = parallel_state.get_pipeline_model_parallel_world_size()
-    if pipeline_model_parallel_size > 1:
-        if parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
-            forward_backward_func = forward_backward_pipelining_with_interleaving
-        else:
-            forward_backward_func = forward_backward_pipelining_without_interleaving
-    else:
-        forward_backward_func = forward_backward_no_pipelining
-    return forward_backward_func
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return forward_backward_no_pipelining
+    interleaved = parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None
+    return (
+        forward_backward_pipelining_with_interleaving
+        if interleaved
+        else forward_backward_pipelining_without_interleaving
+    )
 
 
 def forward_backward_no_pipelining(
@@ -114,60 +113,41 @@ def forward_backward_no_pipelining(
     validate_pipeline_config(config, num_microbatches)
     start_timer(config, 'forward-backward')
 
-    no_sync_func = config.no_sync_func
-    if no_sync_func is None:
-        no_sync_func = contextlib.nullcontext
-
     model_type = get_model_type(model)
-
-    forward_data_store = []
-    input_tensor, output_tensor_grad = None, None
+    losses = []  # what forward_step collects: one loss-reduction dict per micro-batch
     total_num_tokens = torch.zeros([], dtype=torch.int, device=get_current_device())
-    with no_sync_func():
-        for i in range(num_microbatches - 1):
-            output_tensor, num_tokens = forward_step(
-                forward_step_func,
-                data_iterator,
-                model,
-                num_microbatches,
-                input_tensor,
-                forward_data_store,
-                config,
-                collect_non_loss_data,
-                is_first_microbatch=check_first_val_step(first_val_step, forward_only, i == 0),
-                current_microbatch=i,
-                pp_group=pp_group,
-            )
-            total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
-            if not forward_only:
-                backward_step(
-                    input_tensor, output_tensor, output_tensor_grad, model_type, config, pp_group
-                )
 
-    # Run computation for last microbatch out of context handler (want to synchronize gradients).
-    output_tensor, num_tokens = forward_step(
-        forward_step_func,
-        data_iterator,
-        model,
-        num_microbatches,
-        input_tensor,
-        forward_data_store,
-        config,
-        collect_non_loss_data,
-        is_first_microbatch=check_first_val_step(
-            first_val_step, forward_only, num_microbatches == 1
-        ),
-        current_microbatch=num_microbatches - 1,
-        pp_group=pp_group,
-    )
-    total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
+    def run(index: int) -> None:
+        """Forward (and, when training, backward) micro-batch `index`; no stage neighbours, so
+        there is no input tensor and the output's gradient is the loss's own."""
+        nonlocal total_num_tokens
+        output_tensor, num_tokens = forward_step(
+            forward_step_func,
+            data_iterator,
+            model,
+            num_microbatches,
+            None,
+            losses,
+            config,
+            collect_non_loss_data,
+            is_first_microbatch=check_first_val_step(first_val_step, forward_only, index == 0),
+            current_microbatch=index,
+            pp_group=pp_group,
+        )
+        total_num_tokens += torch.as_tensor(num_tokens).to(total_num_tokens.device)
+        if not forward_only:
+            backward_step(None, output_tensor, None, model_type, config, pp_group)
 
-    if not forward_only:
-        backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config, pp_group)
+    # Gradients accumulate locally over all but the last micro-batch (no data-parallel
+    # reduction inside no_sync); the last one's backward lets DDP reduce them.
+    with (config.no_sync_func or contextlib.nullcontext)():
+        for index in range(num_microbatches - 1):
+            run(index)
+    run(num_microbatches - 1)
 
     finalize_model_grads_if_training(config, [model], forward_only, total_num_tokens)
     stop_timer(config, 'forward-backward')
-    return forward_data_store
+    return losses
 
 
 def get_tensor_shapes(
@@ -186,26 +166,18 @@ def get_tensor_shapes(
     the encoder's [s, b, h]; stages after it send the decoder's [s_dec, b, h] and pass the
     encoder's output [s, b, h] along. s is divided by CP and, under sequence parallelism, by TP.
     """
-    tensor_shapes = []
-    cp_size = parallel_state.get_context_parallel_world_size()
-    seq_length = seq_length // cp_size
-    if model_type == ModelType.encoder_and_decoder:
-        decoder_seq_length = decoder_seq_length // cp_size
+    # The sequence each stage holds: split by CP, and by TP under sequence parallelism.
+    divisor = parallel_state.get_context_parallel_world_size()
     if config.sequence_parallel:
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        seq_length = seq_length // tp_size
-        if model_type == ModelType.encoder_and_decoder:
-            decoder_seq_length = decoder_seq_length // tp_size
+        divisor *= parallel_state.get_tensor_model_parallel_world_size()
 
-    if model_type == ModelType.encoder_and_decoder:
-        if is_stage_before_split(rank, pp_group):
-            tensor_shapes.append((seq_length, micro_batch_size, config.hidden_size))
-        else:
-            tensor_shapes.append((decoder_seq_length, micro_batch_size, config.hidden_size))
-            tensor_shapes.append((seq_length, micro_batch_size, config.hidden_size))
-    else:
-        tensor_shapes.append((seq_length, micro_batch_size, config.hidden_size))
-    return tensor_shapes
+    def shape(length: int) -> tuple:
+        return (length // divisor, micro_batch_size, config.hidden_size)  # [s, b, h]
+
+    if model_type != ModelType.encoder_and_decoder or is_stage_before_split(rank, pp_group):
+        return [shape(seq_length)]
+    # A decoder stage passes its own activations and the encoder's output.
+    return [shape(decoder_seq_length), shape(seq_length)]
 
 
 def recv_forward(tensor_shapes, config, pp_group=None):

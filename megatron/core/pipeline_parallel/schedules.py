@@ -180,80 +180,72 @@ def get_tensor_shapes(
     return [shape(decoder_seq_length), shape(seq_length)]
 
 
+def _listed(tensors) -> list:
+    return tensors if isinstance(tensors, list) else [tensors]
+
+
+def _over_shapes(exchange, tensor_shapes, tensors=None) -> list:
+    """exchange(tensor, shape) for each stage tensor in order (tensor None for a receive);
+    a None shape (the tensor this stage does not pass) gives None and no communication."""
+    tensors = [None] * len(tensor_shapes) if tensors is None else _listed(tensors)
+    return [
+        None if shape is None else exchange(tensor, shape)
+        for tensor, shape in zip(tensors, tensor_shapes)
+    ]
+
+
 def recv_forward(tensor_shapes, config, pp_group=None):
     """Receive one tensor per shape from the previous stage (None for a None shape)."""
-    input_tensors = []
-    for tensor_shape in tensor_shapes:
-        if tensor_shape is None:
-            input_tensors.append(None)
-        else:
-            input_tensors.append(p2p_communication.recv_forward(tensor_shape, config, pp_group))
-    return input_tensors
+    return _over_shapes(
+        lambda _, shape: p2p_communication.recv_forward(shape, config, pp_group), tensor_shapes
+    )
 
 
 def recv_backward(tensor_shapes, config, pp_group=None):
     """Receive one output gradient per shape from the next stage."""
-    output_tensor_grads = []
-    for tensor_shape in tensor_shapes:
-        if tensor_shape is None:
-            output_tensor_grads.append(None)
-        else:
-            output_tensor_grads.append(
-                p2p_communication.recv_backward(tensor_shape, config, pp_group)
-            )
-    return output_tensor_grads
+    return _over_shapes(
+        lambda _, shape: p2p_communication.recv_backward(shape, config, pp_group), tensor_shapes
+    )
 
 
 def send_forward(output_tensors, tensor_shapes, config, pp_group=None):
     """Send each output tensor to the next stage."""
-    if not isinstance(output_tensors, list):
-        output_tensors = [output_tensors]
-    for output_tensor, tensor_shape in zip(output_tensors, tensor_shapes):
-        if tensor_shape is None:
-            continue
-        p2p_communication.send_forward(output_tensor, config, pp_group)
+    _over_shapes(
+        lambda tensor, _: p2p_communication.send_forward(tensor, config, pp_group),
+        tensor_shapes,
+        output_tensors,
+    )
 
 
 def send_backward(input_tensor_grads, tensor_shapes, config, pp_group=None):
     """Send each input gradient to the previous stage."""
-    if not isinstance(input_tensor_grads, list):
-        input_tensor_grads = [input_tensor_grads]
-    for input_tensor_grad, tensor_shape in zip(input_tensor_grads, tensor_shapes):
-        if tensor_shape is None:
-            continue
-        p2p_communication.send_backward(input_tensor_grad, config, pp_group)
+    _over_shapes(
+        lambda grad, _: p2p_communication.send_backward(grad, config, pp_group),
+        tensor_shapes,
+        input_tensor_grads,
+    )
 
 
 def send_forward_recv_backward(output_tensors, tensor_shapes, config, pp_group=None):
     """Send outputs downstream and receive their gradients, tensor by tensor."""
-    if not isinstance(output_tensors, list):
-        output_tensors = [output_tensors]
-    output_tensor_grads = []
-    for output_tensor, tensor_shape in zip(output_tensors, tensor_shapes):
-        if tensor_shape is None:
-            output_tensor_grads.append(None)
-            continue
-        output_tensor_grad = p2p_communication.send_forward_recv_backward(
-            output_tensor, tensor_shape, config, pp_group
-        )
-        output_tensor_grads.append(output_tensor_grad)
-    return output_tensor_grads
+    return _over_shapes(
+        lambda tensor, shape: p2p_communication.send_forward_recv_backward(
+            tensor, shape, config, pp_group
+        ),
+        tensor_shapes,
+        output_tensors,
+    )
 
 
 def send_backward_recv_forward(input_tensor_grads, tensor_shapes, config, pp_group=None):
     """Send input gradients upstream and receive the next inputs, tensor by tensor."""
-    if not isinstance(input_tensor_grads, list):
-        input_tensor_grads = [input_tensor_grads]
-    input_tensors = []
-    for input_tensor_grad, tensor_shape in zip(input_tensor_grads, tensor_shapes):
-        if tensor_shape is None:
-            input_tensors.append(None)
-            continue
-        input_tensor = p2p_communication.send_backward_recv_forward(
-            input_tensor_grad, tensor_shape, config, pp_group
-        )
-        input_tensors.append(input_tensor)
-    return input_tensors
+    return _over_shapes(
+        lambda grad, shape: p2p_communication.send_backward_recv_forward(
+            grad, shape, config, pp_group
+        ),
+        tensor_shapes,
+        input_tensor_grads,
+    )
 
 
 def get_num_warmup_microbatches_without_interleaving(

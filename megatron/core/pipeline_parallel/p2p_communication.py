@@ -326,23 +326,39 @@ def _communicate(
     return tensor_recv_prev, tensor_recv_next, reqs
 
 
+def _exchange(
+    timer: str,
+    config: 'ModelParallelConfig',
+    pp_group,
+    tensor_shape: Optional[Shape] = None,
+    send_next: Optional[torch.Tensor] = None,
+    send_prev: Optional[torch.Tensor] = None,
+    recv_prev: bool = False,
+    recv_next: bool = False,
+    wait: bool = True,
+):
+    """One timed `_communicate` with the neighbours: what goes to / comes from the next and the
+    previous stage. Returns (tensor from prev, tensor from next, work handles)."""
+    with _timed(config, timer):
+        return _communicate(
+            tensor_send_next=send_next,
+            tensor_send_prev=send_prev,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+            tensor_shape=tensor_shape,
+            wait_on_reqs=wait,
+            config=config,
+            pp_group=pp_group,
+        )
+
+
 def recv_forward(
     tensor_shape: Shape, config: 'ModelParallelConfig', pp_group=None
 ) -> Optional[torch.Tensor]:
     """Receive the input activation [s, b, h] from the previous stage (None on the first stage)."""
     if _is_first_stage(pp_group):
         return None
-    with _timed(config, 'forward-recv'):
-        input_tensor, _, _ = _communicate(
-            tensor_send_next=None,
-            tensor_send_prev=None,
-            recv_prev=True,
-            recv_next=False,
-            tensor_shape=tensor_shape,
-            config=config,
-            pp_group=pp_group,
-        )
-    return input_tensor
+    return _exchange('forward-recv', config, pp_group, tensor_shape, recv_prev=True)[0]
 
 
 def recv_backward(
@@ -351,51 +367,21 @@ def recv_backward(
     """Receive the gradient of this stage's output from the next stage (None on the last stage)."""
     if _is_last_stage(pp_group):
         return None
-    with _timed(config, 'backward-recv'):
-        _, output_tensor_grad, _ = _communicate(
-            tensor_send_next=None,
-            tensor_send_prev=None,
-            recv_prev=False,
-            recv_next=True,
-            tensor_shape=tensor_shape,
-            config=config,
-            pp_group=pp_group,
-        )
-    return output_tensor_grad
+    return _exchange('backward-recv', config, pp_group, tensor_shape, recv_next=True)[1]
 
 
 def send_forward(output_tensor: torch.Tensor, config: 'ModelParallelConfig', pp_group=None) -> None:
     """Send this stage's output activation to the next stage (no-op on the last stage)."""
-    if _is_last_stage(pp_group):
-        return
-    with _timed(config, 'forward-send'):
-        _communicate(
-            tensor_send_next=output_tensor,
-            tensor_send_prev=None,
-            recv_prev=False,
-            recv_next=False,
-            tensor_shape=None,
-            config=config,
-            pp_group=pp_group,
-        )
+    if not _is_last_stage(pp_group):
+        _exchange('forward-send', config, pp_group, send_next=output_tensor)
 
 
 def send_backward(
     input_tensor_grad: torch.Tensor, config: 'ModelParallelConfig', pp_group=None
 ) -> None:
     """Send the gradient of this stage's input to the previous stage (no-op on the first stage)."""
-    if _is_first_stage(pp_group):
-        return
-    with _timed(config, 'backward-send'):
-        _communicate(
-            tensor_send_next=None,
-            tensor_send_prev=input_tensor_grad,
-            recv_prev=False,
-            recv_next=False,
-            tensor_shape=None,
-            config=config,
-            pp_group=pp_group,
-        )
+    if not _is_first_stage(pp_group):
+        _exchange('backward-send', config, pp_group, send_prev=input_tensor_grad)
 
 
 def send_forward_recv_backward(
@@ -404,17 +390,10 @@ def send_forward_recv_backward(
     """Send the output to the next stage and receive its gradient back (None on the last stage)."""
     if _is_last_stage(pp_group):
         return None
-    with _timed(config, 'forward-send-backward-recv'):
-        _, output_tensor_grad, _ = _communicate(
-            tensor_send_next=output_tensor,
-            tensor_send_prev=None,
-            recv_prev=False,
-            recv_next=True,
-            tensor_shape=tensor_shape,
-            config=config,
-            pp_group=pp_group,
-        )
-    return output_tensor_grad
+    timer = 'forward-send-backward-recv'
+    return _exchange(
+        timer, config, pp_group, tensor_shape, send_next=output_tensor, recv_next=True
+    )[1]
 
 
 def send_backward_recv_forward(
@@ -429,17 +408,10 @@ def send_backward_recv_forward(
     """
     if _is_first_stage(pp_group):
         return None
-    with _timed(config, 'backward-send-forward-recv'):
-        input_tensor, _, _ = _communicate(
-            tensor_send_next=None,
-            tensor_send_prev=input_tensor_grad,
-            recv_prev=True,
-            recv_next=False,
-            tensor_shape=tensor_shape,
-            config=config,
-            pp_group=pp_group,
-        )
-    return input_tensor
+    timer = 'backward-send-forward-recv'
+    return _exchange(
+        timer, config, pp_group, tensor_shape, send_prev=input_tensor_grad, recv_prev=True
+    )[0]
 
 
 def send_forward_recv_forward(
@@ -456,20 +428,11 @@ def send_forward_recv_forward(
         The received input tensor (None if recv_prev is False); with overlap_p2p_comm, the tuple
         (input_tensor, work handles) without waiting.
     """
-    with _timed(config, 'forward-send-forward-recv'):
-        input_tensor, _, wait_handles = _communicate(
-            tensor_send_next=output_tensor,
-            tensor_send_prev=None,
-            recv_prev=recv_prev,
-            recv_next=False,
-            tensor_shape=tensor_shape,
-            wait_on_reqs=(not overlap_p2p_comm),
-            config=config,
-            pp_group=pp_group,
-        )
-    if overlap_p2p_comm:
-        return input_tensor, wait_handles
-    return input_tensor
+    received, _, handles = _exchange(
+        'forward-send-forward-recv', config, pp_group, tensor_shape,
+        send_next=output_tensor, recv_prev=recv_prev, wait=not overlap_p2p_comm,
+    )  # fmt: skip
+    return (received, handles) if overlap_p2p_comm else received
 
 
 def send_backward_recv_backward(
@@ -486,20 +449,11 @@ def send_backward_recv_backward(
         The received output gradient (None if recv_next is False); with overlap_p2p_comm, the tuple
         (output_tensor_grad, work handles) without waiting.
     """
-    with _timed(config, 'backward-send-backward-recv'):
-        _, output_tensor_grad, wait_handles = _communicate(
-            tensor_send_next=None,
-            tensor_send_prev=input_tensor_grad,
-            recv_prev=False,
-            recv_next=recv_next,
-            tensor_shape=tensor_shape,
-            wait_on_reqs=(not overlap_p2p_comm),
-            config=config,
-            pp_group=pp_group,
-        )
-    if overlap_p2p_comm:
-        return output_tensor_grad, wait_handles
-    return output_tensor_grad
+    _, received, handles = _exchange(
+        'backward-send-backward-recv', config, pp_group, tensor_shape,
+        send_prev=input_tensor_grad, recv_next=recv_next, wait=not overlap_p2p_comm,
+    )  # fmt: skip
+    return (received, handles) if overlap_p2p_comm else received
 
 
 def send_forward_backward_recv_forward_backward(
@@ -516,14 +470,9 @@ def send_forward_backward_recv_forward_backward(
     Returns:
         (input_tensor, output_tensor_grad); None where not received.
     """
-    with _timed(config, 'forward-backward-send-forward-backward-recv'):
-        input_tensor, output_tensor_grad, _ = _communicate(
-            tensor_send_next=output_tensor,
-            tensor_send_prev=input_tensor_grad,
-            recv_prev=recv_prev,
-            recv_next=recv_next,
-            tensor_shape=tensor_shape,
-            config=config,
-            pp_group=pp_group,
-        )
-    return input_tensor, output_tensor_grad
+    from_prev, from_next, _ = _exchange(
+        'forward-backward-send-forward-backward-recv', config, pp_group, tensor_shape,
+        send_next=output_tensor, send_prev=input_tensor_grad,
+        recv_prev=recv_prev, recv_next=recv_next,
+    )  # fmt: skip
+    return from_prev, from_next

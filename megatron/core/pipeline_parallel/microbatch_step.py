@@ -137,21 +137,19 @@ def custom_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]):
     """
     assert output.numel() == 1, "output should be pseudo-'freed' in schedule, to optimize memory"
     assert isinstance(output, torch.Tensor), "output == '%s'." % type(output).__name__
-    assert isinstance(grad_output, (torch.Tensor, type(None))), (
+    assert grad_output is None or isinstance(grad_output, torch.Tensor), (
         "grad_output == '%s'." % type(grad_output).__name__
     )
-
-    # Handle scalar output (the loss on the last stage).
     if grad_output is None:
-        assert output.numel() == 1, "implicit grad requires scalar output."
+        # The last stage's loss: d loss / d loss = 1.
         grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
-
-    Variable._execution_engine.run_backward(
-        tensors=(output,),
-        grad_tensors=(grad_output,),
-        keep_graph=False,
-        create_graph=False,
-        inputs=tuple(),
+    engine = Variable._execution_engine
+    engine.run_backward(
+        (output,),  # tensors
+        (grad_output,),  # grad_tensors
+        False,  # keep_graph
+        False,  # create_graph
+        (),  # inputs: every leaf
         allow_unreachable=True,
         accumulate_grad=True,
     )
@@ -159,13 +157,11 @@ def custom_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]):
 
 def set_current_microbatch(model, microbatch_id: int) -> None:
     """Tell the model's decoder which micro-batch runs (used by some layers for logging/FP8)."""
-    decoder_exists = True
-    decoder = None
     try:
         decoder = get_attr_wrapped_model(model, "decoder")
-    except RuntimeError:
-        decoder_exists = False
-    if decoder_exists and decoder is not None:
+    except RuntimeError:  # a model without a decoder (e.g. a vision encoder)
+        return
+    if decoder is not None:
         decoder.current_microbatch = microbatch_id
 
 
@@ -220,56 +216,41 @@ def forward_step(
         (output_tensor, num_tokens): output_tensor is a list unless input_tensor was a single
         tensor; num_tokens is an int tensor (0 unless loss_func reported a token count).
     """
-    if config.timers is not None:
-        config.timers('forward-compute', log_level=2).start()
-
+    timers = config.timers
+    if timers is not None:
+        timers('forward-compute', log_level=2).start()
     if is_first_microbatch and hasattr(model, 'set_is_first_microbatch'):
         model.set_is_first_microbatch()
     if current_microbatch is not None:
         set_current_microbatch(model, current_microbatch)
 
-    unwrap_output_tensor = False
-    if not isinstance(input_tensor, list):
-        input_tensor = [input_tensor]
-        unwrap_output_tensor = True
+    # Stages pass lists of tensors (an encoder-decoder stage passes two); a bare tensor in means
+    # a bare tensor out.
+    single = not isinstance(input_tensor, list)
+    inputs = [input_tensor] if single else input_tensor
+    get_attr_wrapped_model(model, "set_input_tensor")(inputs)
 
-    set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
-    set_input_tensor(input_tensor)
-
-    if config.enable_autocast:
-        context_manager = torch.autocast(get_current_device().type, dtype=config.autocast_dtype)
-    else:
-        context_manager = contextlib.nullcontext()
-    with context_manager:
-        if checkpoint_activations_microbatch is None:
-            output_tensor, loss_func = forward_step_func(data_iterator, model)
-        else:
-            output_tensor, loss_func = forward_step_func(
-                data_iterator, model, checkpoint_activations_microbatch
-            )
+    autocast = (
+        torch.autocast(get_current_device().type, dtype=config.autocast_dtype)
+        if config.enable_autocast
+        else contextlib.nullcontext()
+    )
+    step_args = (
+        () if checkpoint_activations_microbatch is None else (checkpoint_activations_microbatch,)
+    )
+    with autocast:
+        output_tensor, loss_func = forward_step_func(data_iterator, model, *step_args)
 
     num_tokens = torch.tensor(0, dtype=torch.int)
-    if _is_last_stage(pp_group):
-        if not collect_non_loss_data:
-            outputs = loss_func(output_tensor)
-            if len(outputs) == 3:
-                output_tensor, num_tokens, loss_reduced = outputs
-                if not _calculate_per_token_loss(config):
-                    # A micro-batch without loss tokens has a zero sum: it contributes 0, not 0/0.
-                    output_tensor = output_tensor / torch.clamp(torch.as_tensor(num_tokens), min=1)
-                    output_tensor = output_tensor / num_microbatches
-            else:
-                # preserve legacy loss averaging behavior (ie, over the number of microbatches)
-                assert len(outputs) == 2, "loss_func must return (loss, dict) or (loss, n, dict)"
-                output_tensor, loss_reduced = outputs
-                output_tensor = output_tensor / num_microbatches
-            forward_data_store.append(loss_reduced)
-        else:
-            data = loss_func(output_tensor, non_loss_data=True)
-            forward_data_store.append(data)
-
-    if config.timers is not None:
-        config.timers('forward-compute').stop()
+    if _is_last_stage(pp_group) and collect_non_loss_data:
+        forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+    elif _is_last_stage(pp_group):
+        output_tensor, num_tokens, loss_reduced = _reduce_loss(
+            loss_func(output_tensor), config, num_microbatches
+        )
+        forward_data_store.append(loss_reduced)
+    if timers is not None:
+        timers('forward-compute').stop()
 
     if getattr(config, 'num_moe_experts', None) is not None or getattr(
         config, 'mtp_num_layers', None
@@ -281,11 +262,27 @@ def forward_step(
     # hidden state downstream as well.
     model_type = get_model_type(model)
     if is_stage_after_split(pp_group=pp_group) and model_type == ModelType.encoder_and_decoder:
-        return [output_tensor, input_tensor[-1]], num_tokens
+        return [output_tensor, inputs[-1]], num_tokens
+    return (output_tensor if single else [output_tensor]), num_tokens
 
-    if unwrap_output_tensor:
-        return output_tensor, num_tokens
-    return [output_tensor], num_tokens
+
+def _reduce_loss(outputs, config, num_microbatches: int):
+    """(loss to back-propagate, token count, reduced dict) from what loss_func returned.
+
+    (loss, n, dict): a summed loss over n tokens, divided by n (at least 1: a micro-batch with no
+    loss token adds 0, not 0/0) and by the micro-batch count, unless losses are normalised per
+    token over the whole batch. (loss, dict), Megatron's older form: a mean, divided by the
+    micro-batch count.
+    """
+    if len(outputs) == 3:
+        loss, num_tokens, reduced = outputs
+        if not _calculate_per_token_loss(config):
+            loss = loss / torch.clamp(torch.as_tensor(num_tokens), min=1)
+            loss = loss / num_microbatches
+        return loss, num_tokens, reduced
+    assert len(outputs) == 2, "loss_func must return (loss, dict) or (loss, n, dict)"
+    loss, reduced = outputs
+    return loss / num_microbatches, torch.tensor(0, dtype=torch.int), reduced
 
 
 def backward_step(

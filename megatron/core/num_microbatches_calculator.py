@@ -236,14 +236,14 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         self.update(0, False)
 
     def update(self, consumed_samples: int, consistency_check: bool) -> None:
-        if consumed_samples > self.ramup_samples:
-            self.current_global_batch_size = self.global_batch_size
-        else:
-            steps = int(consumed_samples / self.rampup_samples_per_increment)
-            self.current_global_batch_size = (
-                self.start_global_batch_size + steps * self.batch_size_increment
-            )
-            assert self.current_global_batch_size <= self.global_batch_size
+        ramping = consumed_samples <= self.ramup_samples
+        increments = int(consumed_samples / self.rampup_samples_per_increment) if ramping else 0
+        self.current_global_batch_size = (
+            self.start_global_batch_size + increments * self.batch_size_increment
+            if ramping
+            else self.global_batch_size
+        )
+        assert self.current_global_batch_size <= self.global_batch_size
         if consistency_check and (
             self.current_global_batch_size % self.micro_batch_times_data_parallel_size != 0
         ):

@@ -736,12 +736,9 @@ def set_virtual_pipeline_model_parallel_world_size(world_size: Optional[int]) ->
 
 def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
     """True on pipeline stage 0 (and, unless ignore_virtual, on model chunk 0)."""
-    if not ignore_virtual:
-        if (
-            get_virtual_pipeline_model_parallel_world_size() is not None
-            and get_virtual_pipeline_model_parallel_rank() != 0
-        ):
-            return False
+    interleaved = get_virtual_pipeline_model_parallel_world_size() is not None
+    if interleaved and not ignore_virtual and get_virtual_pipeline_model_parallel_rank() != 0:
+        return False  # a later model chunk of stage 0
     return get_pipeline_model_parallel_rank() == 0
 
 

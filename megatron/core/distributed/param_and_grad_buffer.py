@@ -94,13 +94,11 @@ class Bucket:
         gradient_scaling_factor: float,
     ):
         self.ddp_config = ddp_config
-        # Keep the order of the params (a list) as well as a set for membership tests.
-        self.params_list = params
-        self.params = set(params)
-        self.params_with_grad = set()
-        self.param_data = param_data
-        self.grad_data = grad_data
-        self.offset = offset
+        # The bucket's params in buffer order, and as a set for "is this one mine" checks;
+        # params_with_grad fills up as their gradients become ready.
+        self.params_list, self.params, self.params_with_grad = params, set(params), set()
+        # Views into the model-wide buffers; `offset` is where the bucket starts in them.
+        self.param_data, self.grad_data, self.offset = param_data, grad_data, offset
         self.numel_unpadded = numel_unpadded
         self.data_parallel_group = data_parallel_group
         self.data_parallel_world_size = data_parallel_world_size
@@ -450,14 +448,11 @@ class ParamAndGradBuffer:
         """A view of `shape` into the parameter or gradient buffer starting at `start_index`."""
         end_index = start_index + shape.numel()
         assert end_index <= self.numel, "Requested tensor is out of buffer range"
-        if buffer_type == BufferType.PARAM:
-            assert self.param_data is not None
-            buffer_tensor = self.param_data[start_index:end_index]
-        elif buffer_type == BufferType.GRAD:
-            buffer_tensor = self.grad_data[start_index:end_index]
-        else:
+        storage = {BufferType.PARAM: self.param_data, BufferType.GRAD: self.grad_data}
+        if buffer_type not in storage:
             raise ValueError(f"Illegal buffer type {buffer_type}")
-        return buffer_tensor.view(shape)
+        assert storage[buffer_type] is not None, "this buffer holds no parameter copy"
+        return storage[buffer_type][start_index:end_index].view(shape)
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient in the buffer by `scaling_factor`."""

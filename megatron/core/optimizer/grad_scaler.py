@@ -104,17 +104,20 @@ class DynamicGradScaler(MegatronGradScaler):
         self._hysteresis_tracker = self.hysteresis
 
     def update(self, found_inf: bool):
-        if found_inf:
-            self._growth_tracker = 0
-            self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:
-                self._scale = torch.max(self._scale * self.backoff_factor, self.min_scale)
-        else:
+        if not found_inf:
+            # growth_interval clean steps in a row: grow, and refill the hysteresis budget.
             self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
-                self._growth_tracker = 0
-                self._hysteresis_tracker = self.hysteresis
-                self._scale = self._scale * self.growth_factor
+            if self._growth_tracker < self.growth_interval:
+                return
+            self._growth_tracker, self._hysteresis_tracker = 0, self.hysteresis
+            self._scale = self._scale * self.growth_factor
+            return
+        # An overflow restarts the clean-step count; the scale backs off only once `hysteresis`
+        # overflows have used up the budget, never below min_scale.
+        self._growth_tracker = 0
+        self._hysteresis_tracker -= 1
+        if self._hysteresis_tracker <= 0:
+            self._scale = torch.max(self._scale * self.backoff_factor, self.min_scale)
 
     def state_dict(self) -> Dict:
         return {

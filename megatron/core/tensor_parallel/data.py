@@ -4,6 +4,7 @@ Only tp rank 0 reads data; the other tp ranks receive the same tensors. Two broa
 tp group: the shapes (a small int64 tensor), then all tensors flattened into one buffer.
 """
 
+import math
 from typing import Dict, List
 
 import torch
@@ -48,23 +49,13 @@ def _build_key_size_numel_dictionaries(
     torch.distributed.broadcast(sizes_tensor, src_rank, group=group)
     sizes_cpu = sizes_tensor.cpu()
 
-    key_size, key_numel = {}, {}
-    total_numel = 0
-    offset = 0
-    for key in keys:
-        i = 0
-        size = []
-        numel = 1
-        while sizes_cpu[offset + i] > 0:
-            this_size = int(sizes_cpu[offset + i])
-            size.append(this_size)
-            numel *= this_size
-            i += 1
-        key_size[key] = size
-        key_numel[key] = numel
-        total_numel += numel
-        offset += max_dim
-    return key_size, key_numel, total_numel
+    # Each key owns max_dim slots; its shape is the slots before the first 0.
+    slots = sizes_cpu.view(len(keys), max_dim).tolist()
+    key_size = {}
+    for key, row in zip(keys, slots):
+        key_size[key] = row[: row.index(0)] if 0 in row else row
+    key_numel = {key: math.prod(size) for key, size in key_size.items()}
+    return key_size, key_numel, sum(key_numel.values())
 
 
 def broadcast_data(
@@ -100,11 +91,6 @@ def broadcast_data(
 
     torch.distributed.broadcast(flatten_data, src_rank, group=group)
 
-    output = {}
-    offset = 0
-    for key in keys:
-        size = key_size[key]
-        numel = key_numel[key]
-        output[key] = flatten_data.narrow(0, offset, numel).view(size)
-        offset += numel
-    return output
+    # Cut the flat buffer back into the keys' tensors (views, in key order).
+    pieces = flatten_data.split([key_numel[key] for key in keys])
+    return {key: piece.view(key_size[key]) for key, piece in zip(keys, pieces)}

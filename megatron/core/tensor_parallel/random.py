@@ -50,15 +50,11 @@ def _set_cuda_rng_state(new_state: torch.Tensor, device: int = -1) -> None:
     if not _device_rng_is_cuda():
         torch.set_rng_state(new_state)
         return
-    if device == -1:
-        device = torch.device('cuda')
-    elif isinstance(device, str):
-        device = torch.device(device)
-    elif isinstance(device, int):
-        device = torch.device('cuda', device)
-    idx = device.index
-    if idx is None:
-        idx = torch.cuda.current_device()
+    if isinstance(device, int):
+        idx = torch.cuda.current_device() if device == -1 else device
+    else:
+        idx = torch.device(device).index  # a device or its name, e.g. 'cuda:1'
+        idx = torch.cuda.current_device() if idx is None else idx
     default_generator = torch.cuda.default_generators[idx]
     default_generator.set_state(new_state)
 
@@ -223,12 +219,13 @@ class CheckpointFunction(torch.autograd.Function):
     def forward(ctx, run_function, distribute_saved_activations, *args):
         ctx.run_function = run_function
         ctx.distribute_saved_activations = distribute_saved_activations
-
-        ctx.fwd_cpu_rng_state = torch.get_rng_state()
-        ctx.fwd_cuda_rng_state = _get_cuda_rng_state()
-        ctx.fwd_cuda_rng_state_tracker = get_cuda_rng_tracker().get_states()
-
-        with torch.no_grad():
+        # Every RNG the recomputation must replay: CPU, device and the tracker's streams.
+        ctx.fwd_cpu_rng_state, ctx.fwd_cuda_rng_state, ctx.fwd_cuda_rng_state_tracker = (
+            torch.get_rng_state(),
+            _get_cuda_rng_state(),
+            get_cuda_rng_tracker().get_states(),
+        )
+        with torch.no_grad():  # no activations kept: backward recomputes them
             outputs = run_function(*args)
 
         # Divide the saved first input among the tp ranks: it is gathered back in backward.

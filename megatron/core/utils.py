@@ -147,9 +147,10 @@ def make_viewless_tensor(inp: torch.Tensor, requires_grad: bool, keep_graph: boo
 def assert_viewless_tensor(tensor: Any, extra_msg: str = None):
     """Internal invariant check: `tensor` must not be a view."""
     if isinstance(tensor, list):
-        [assert_viewless_tensor(t) for t in tensor]
+        for item in tensor:
+            assert_viewless_tensor(item, extra_msg)
         return tensor
-    if not isinstance(tensor, torch.Tensor):
+    if not isinstance(tensor, torch.Tensor):  # nothing to check
         return tensor
     assert tensor._base is None, (
         "Ensure tensor._base is None before setting tensor.data or storing tensor to memory "

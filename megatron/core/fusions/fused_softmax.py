@@ -39,11 +39,12 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
         if self.input_in_fp16 and self.input_in_bf16:
             raise ValueError("FusedScaleMaskSoftmax: input_in_fp16 and input_in_bf16 are both True")
         self.input_in_float16 = self.input_in_fp16 or self.input_in_bf16
-        self.attn_mask_type = attn_mask_type
-        self.scaled_masked_softmax_fusion = scaled_masked_softmax_fusion
-        self.mask_func = mask_func
-        self.softmax_in_fp32 = softmax_in_fp32
-        self.scale = scale
+        # The fused CUDA kernel's switch is kept for the API: the softmax here is torch's.
+        self.attn_mask_type, self.scaled_masked_softmax_fusion = (
+            attn_mask_type,
+            scaled_masked_softmax_fusion,
+        )
+        self.mask_func, self.softmax_in_fp32, self.scale = mask_func, softmax_in_fp32, scale
         if not (self.scale is None or softmax_in_fp32 or not self.input_in_float16):
             raise ValueError(
                 "FusedScaleMaskSoftmax: a scale with 16-bit input needs softmax_in_fp32=True"
@@ -55,23 +56,21 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
         return self.forward_torch_softmax(input, mask)
 
     def forward_torch_softmax(self, input, mask):
-        if self.input_in_float16 and self.softmax_in_fp32:
+        upcast = self.input_in_float16 and self.softmax_in_fp32
+        if upcast:
             input = input.float()
-
         if self.scale is not None:
             input = input * self.scale
-
-        sq, sk = input.size(2), input.size(3)
+        sq, sk = input.shape[2:4]  # [b, np, sq, sk]
         if self.attn_mask_type == AttnMaskType.causal and mask is None and sq > 1:
             # sq == 1 is one query (a decode step against a KV cache): it sees every key. Other
             # shapes need the caller's mask (see causal_mask_for_queries), as in Megatron.
             assert sq == sk, "causal mask is only for self attention"
             mask = get_default_causal_mask(sq, sk)
 
-        mask_output = self.mask_func(input, mask) if mask is not None else input
-        probs = torch.nn.Softmax(dim=-1)(mask_output)
-
-        if self.input_in_float16 and self.softmax_in_fp32:
+        scores = input if mask is None else self.mask_func(input, mask)
+        probs = torch.nn.Softmax(dim=-1)(scores)
+        if upcast:  # back to the input's half precision
             probs = probs.half() if self.input_in_fp16 else probs.bfloat16()
         return probs
 

@@ -39,12 +39,8 @@ def split_tensor_along_last_dim(
     Returns:
         The list of chunks.
     """
-    last_dim = tensor.dim() - 1
-    last_dim_size = divide(tensor.size()[last_dim], num_partitions)
-    tensor_list = torch.split(tensor, last_dim_size, dim=last_dim)
-    if contiguous_split_chunks:
-        return tuple(chunk.contiguous() for chunk in tensor_list)
-    return tensor_list
+    chunks = tensor.split(divide(tensor.size(-1), num_partitions), dim=tensor.dim() - 1)
+    return tuple(c.contiguous() for c in chunks) if contiguous_split_chunks else chunks
 
 
 def split_tensor_into_1d_equal_chunks(
@@ -96,9 +92,8 @@ class VocabUtility:
         per_partition_vocab_size: int, rank: int, world_size: int
     ) -> Sequence[int]:
         """[first, last) of `rank` when every partition holds per_partition_vocab_size entries."""
-        index_f = rank * per_partition_vocab_size
-        index_l = index_f + per_partition_vocab_size
-        return index_f, index_l
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
 
     @staticmethod
     def vocab_range_from_global_vocab_size(

@@ -102,6 +102,9 @@ def core_transformer_config_from_args(args, config_class=None):
         put('init_method', torch.nn.init.xavier_uniform_)
         put('scaled_init_method', torch.nn.init.xavier_uniform_)
     put('num_query_groups', args.num_query_groups if args.group_query_attention else None)
+    # validate_args turns --standalone-embedding-stage into a first stage of 0 layers.
+    put('first_pipeline_num_layers', args.decoder_first_pipeline_num_layers)
+    put('last_pipeline_num_layers', args.decoder_last_pipeline_num_layers)
     return config_class(**kw_args)
 
 

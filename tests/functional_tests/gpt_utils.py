@@ -277,8 +277,17 @@ def _reference_model_provider(pre_process=True, post_process=True):
     model = importlib.import_module(_SCRIPT['name']).model_provider(pre_process, post_process)
     pp, pp_rank = args.pipeline_model_parallel_size, mpu.get_pipeline_model_parallel_rank()
     vp = args.virtual_pipeline_model_parallel_size
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     if vp is None:
-        offset = pp_rank * (args.num_layers // pp)
+        # Written out here rather than read from the model, so a wrong split in the model shows.
+        counts = [args.num_layers // pp] * pp
+        if first is not None or last is not None:
+            fixed = [n for n in (first, last) if n is not None]
+            share = (args.num_layers - sum(fixed)) // (pp - len(fixed))
+            counts = [share] * pp
+            counts[0] = share if first is None else first
+            counts[-1] = share if last is None else last
+        offset = sum(counts[:pp_rank])
     else:
         # Interleaved: chunk v of stage p holds layers [v * L/vp + p * L/vp/pp, ...).
         vp_rank = mpu.get_virtual_pipeline_model_parallel_rank()

@@ -23,10 +23,15 @@ LAYOUTS = {
     'tp2_pp2_dp2': (8, 2, 2, 2),
     'dp2_grad_accum': (2, 1, 1, 2),
     'tp2_sp_comm_overlap': (2, 2, 1, 4),
+    'pp2_standalone_embedding': (2, 1, 2, 4),
 }
 #: Flags a layout adds: --tp-comm-overlap pipelines the sequence-parallel collectives with the
 #: GEMMs of every linear layer (tensor_parallel/comm_overlap.py).
-LAYOUT_FLAGS = {'tp2_sp_comm_overlap': ['--sequence-parallel', '--tp-comm-overlap']}
+#: --standalone-embedding-stage leaves stage 0 with the embedding only (both layers on stage 1).
+LAYOUT_FLAGS = {
+    'tp2_sp_comm_overlap': ['--sequence-parallel', '--tp-comm-overlap'],
+    'pp2_standalone_embedding': ['--standalone-embedding-stage'],
+}
 
 
 def _run(layout, data_prefix, cache):
@@ -82,7 +87,15 @@ def test_reference_run_learns(reference):
 
 
 @pytest.mark.parametrize(
-    'layout', ['tp2_pp1', 'tp1_pp2', 'tp2_pp2_dp2', 'dp2_grad_accum', 'tp2_sp_comm_overlap']
+    'layout',
+    [
+        'tp2_pp1',
+        'tp1_pp2',
+        'tp2_pp2_dp2',
+        'dp2_grad_accum',
+        'tp2_sp_comm_overlap',
+        'pp2_standalone_embedding',
+    ],
 )
 def test_layout_matches_reference(layout, reference, small_vocab_data_prefix, tmp_path_factory):
     result = _run(layout, small_vocab_data_prefix, str(tmp_path_factory.mktemp('cache')))

@@ -14,6 +14,7 @@ from torch.autograd.variable import Variable
 
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
+from megatron.core.transformer.pipeline_layer_split import uneven_split_requested
 from megatron.core.utils import get_attr_wrapped_model, get_current_device, get_model_type
 
 
@@ -61,6 +62,11 @@ def validate_pipeline_config(config, num_microbatches: int, num_model_chunks: in
                 f"encoder num_layers ({num_layers}) is not divisible by the "
                 f"{split_rank} encoder pipeline stages (pipeline_model_parallel_split_rank)"
             )
+    elif uneven_split_requested(
+        getattr(config, 'first_pipeline_num_layers', None),
+        getattr(config, 'last_pipeline_num_layers', None),
+    ):
+        pass  # TransformerConfig checked the uneven split when it was built.
     elif num_layers is not None:
         stages = pp_size * (vp_size or 1)
         if num_layers % stages != 0:

@@ -21,6 +21,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_ro
 from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.replica_consistency import check_replicated_parameters
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide, get_current_device
@@ -417,7 +418,37 @@ class SelfAttention(Attention):
             query = self.q_layernorm(query)
         if self.k_layernorm is not None:
             key = self.k_layernorm(key)
+        if self.config.test_mode:
+            self.run_realtime_tests()
         return query, key, value
+
+    def run_realtime_tests(self):
+        """`test_mode`: the query/key layernorm parameters must be bit-identical on every tensor-
+        and data-parallel (with context-parallel) rank; raises ReplicaMismatchError otherwise.
+
+        One all-gather per group in each forward (see replica_consistency.py); nothing to check
+        without qk-layernorm.
+        """
+        norms = [(n, m) for n, m in (('q', self.q_layernorm), ('k', self.k_layernorm)) if m]
+        if not norms:
+            return
+        params = [
+            (f'{label}_layernorm.{name}', param)
+            for label, module in norms
+            for name, param in module.named_parameters()
+        ]
+        check_replicated_parameters(
+            params,
+            {'tensor-parallel': self.pg_collection.tp, 'data-parallel': self._replica_group()},
+            where=f'layer {self.layer_number} self_attention.',
+        )
+
+    def _replica_group(self):
+        """The data-parallel group with context parallelism (resolved on first use only, so a
+        model built without test_mode needs no data-parallel group)."""
+        if self.pg_collection.dp_cp is None:
+            self.pg_collection = resolve_process_groups(self.pg_collection, ("dp_cp",))
+        return self.pg_collection.dp_cp
 
 
 class CrossAttention(Attention):

@@ -14,6 +14,10 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_config_checks import moe_layer_pattern
+from megatron.core.transformer.pipeline_layer_split import (
+    pipeline_stage_layer_counts,
+    uneven_split_requested,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -24,6 +28,11 @@ from megatron.core.utils import make_viewless_tensor
 def get_num_layers_to_build(config: TransformerConfig) -> int:
     """Layers held by this pipeline stage (per model chunk with virtual pipeline)."""
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    first, last = config.first_pipeline_num_layers, config.last_pipeline_num_layers
+    if uneven_split_requested(first, last):
+        # The config refuses virtual stages with an uneven split.
+        counts = pipeline_stage_layer_counts(config.num_layers, pp_size, first, last)
+        return counts[parallel_state.get_pipeline_model_parallel_rank()]
     if config.num_layers % pp_size != 0:
         raise ValueError(
             f"num_layers ({config.num_layers}) must be a multiple of the pipeline model parallel "

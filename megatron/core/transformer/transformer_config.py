@@ -14,6 +14,11 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.moe.moe_config_checks import check_moe_config
 from megatron.core.transformer.mtp_config_checks import check_mtp_config
+from megatron.core.transformer.pipeline_layer_split import (
+    check_pipeline_layer_split,
+    pipeline_stage_layer_counts,
+    uneven_split_requested,
+)
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
@@ -26,6 +31,14 @@ class TransformerConfig(ModelParallelConfig):
     ####################
     num_layers: int = 0
     """Number of transformer layers in the whole model (all pipeline stages)."""
+
+    first_pipeline_num_layers: Optional[int] = None
+    """Layers on the first pipeline stage when it differs from the even share (0: a stage that
+    holds only the input embedding, r0.8's --standalone-embedding-stage); the other stages share
+    the rest evenly. None keeps the even split."""
+
+    last_pipeline_num_layers: Optional[int] = None
+    """Layers on the last pipeline stage when it differs from the even share; None keeps it."""
 
     hidden_size: int = 0
     """Transformer hidden size."""
@@ -391,6 +404,9 @@ class TransformerConfig(ModelParallelConfig):
 
     def _check_pipeline_layout(self) -> None:
         """Layers against the pipeline and virtual-pipeline stages."""
+        if uneven_split_requested(self.first_pipeline_num_layers, self.last_pipeline_num_layers):
+            self._check_uneven_pipeline_layout()
+            return
         # With an encoder-decoder split rank each stack is spread over its own stages (T5Model
         # checks both shares).
         if (
@@ -411,6 +427,27 @@ class TransformerConfig(ModelParallelConfig):
                     "virtual_pipeline_model_parallel_size"
                     f" ({self.virtual_pipeline_model_parallel_size})."
                 )
+
+    def _check_uneven_pipeline_layout(self) -> None:
+        """First/last stage layer counts: a plain decoder pipeline without virtual stages."""
+        if self.virtual_pipeline_model_parallel_size is not None:
+            raise ValueError(
+                "first_pipeline_num_layers / last_pipeline_num_layers are not supported with "
+                "virtual (interleaved) pipeline stages "
+                f"(virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size})"
+            )
+        if self.pipeline_model_parallel_split_rank is not None:
+            raise ValueError(
+                "first_pipeline_num_layers / last_pipeline_num_layers are not supported for "
+                "encoder-decoder models (pipeline_model_parallel_split_rank="
+                f"{self.pipeline_model_parallel_split_rank})"
+            )
+        check_pipeline_layer_split(
+            self.num_layers,
+            self.pipeline_model_parallel_size,
+            self.first_pipeline_num_layers,
+            self.last_pipeline_num_layers,
+        )
 
     def _check_normalization_and_dropout(self) -> None:
         """Normalization, dropout probabilities and the softmax precision."""
@@ -478,7 +515,14 @@ class TransformerConfig(ModelParallelConfig):
                         "recompute_granularity 'full' needs recompute_num_layers (layers per "
                         "checkpointed group or checkpointed layers per stage), got None."
                     )
-                layers_per_stage = self.num_layers // self.pipeline_model_parallel_size
+                layers_per_stage = max(
+                    pipeline_stage_layer_counts(
+                        self.num_layers,
+                        self.pipeline_model_parallel_size,
+                        self.first_pipeline_num_layers,
+                        self.last_pipeline_num_layers,
+                    )
+                )
                 if not 1 <= self.recompute_num_layers <= layers_per_stage:
                     raise ValueError(
                         f"recompute_num_layers ({self.recompute_num_layers}) must be between 1 and "

@@ -14,6 +14,10 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.pipeline_layer_split import (
+    pipeline_stage_layer_offset,
+    uneven_split_requested,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_viewless_tensor
@@ -31,6 +35,9 @@ def get_transformer_layer_offset(config: TransformerConfig) -> int:
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if pp_size <= 1:
         return 0
+    first, last = config.first_pipeline_num_layers, config.last_pipeline_num_layers
+    if uneven_split_requested(first, last):
+        return pipeline_stage_layer_offset(config.num_layers, pp_size, pipeline_rank, first, last)
     split_rank = parallel_state.get_pipeline_model_parallel_split_rank()
     if split_rank is not None:
         # Encoder-decoder: config.num_layers is the depth of the stack this layer belongs to,

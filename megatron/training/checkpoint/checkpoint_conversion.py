@@ -37,6 +37,7 @@ from megatron.core.models.gpt.hf_weight_mapping import (
     merge_tensor_parallel_state_dicts,
     split_state_dict_for_tensor_parallel,
 )
+from megatron.core.transformer.pipeline_layer_split import pipeline_stage_layer_offset
 from megatron.training.checkpoint.checkpoint_layout import (
     check_single_layout,
     commit_staged_checkpoint,
@@ -97,15 +98,35 @@ _EXTRA_STATE_MODULES = (
 # layer numbering and vocabulary
 
 
-def layer_offset(num_layers: int, pp: int, pp_rank: int, vp: Optional[int], vp_rank: int) -> int:
+def layer_offset(
+    num_layers: int, pp: int, pp_rank: int, vp: Optional[int], vp_rank: int, source_args=None
+) -> int:
     """Global index of the first layer of chunk `vp_rank` on pipeline stage `pp_rank`.
 
-    Without a virtual pipeline stage p holds layers [p*L/pp, (p+1)*L/pp); interleaved, chunk v of
+    Without a virtual pipeline stage p holds layers [p*L/pp, (p+1)*L/pp), unless the checkpoint's
+    args (`source_args`) fix the first or last stage's count (--standalone-embedding-stage, whose
+    stage 0 holds no layer, or --decoder-first/last-pipeline-num-layers); interleaved, chunk v of
     stage p holds L/(pp*vp) layers starting at v*L/vp + p*L/(pp*vp).
     """
+    first, last = stage_layer_overrides(source_args)
+    if (vp is None or vp == 1) and (first is not None or last is not None):
+        return pipeline_stage_layer_offset(num_layers, pp, pp_rank, first, last)
     if vp is None or vp == 1:
         return pp_rank * (num_layers // pp)
     return vp_rank * (num_layers // vp) + pp_rank * (num_layers // (pp * vp))
+
+
+def stage_layer_overrides(source_args):
+    """(first, last) stage layer counts recorded in a checkpoint's args (None: the even share).
+
+    Megatron r0.8 checkpoints record only `standalone_embedding_stage`, which means first = 0.
+    """
+    if source_args is None:
+        return None, None
+    first = getattr(source_args, 'decoder_first_pipeline_num_layers', None)
+    if first is None and getattr(source_args, 'standalone_embedding_stage', False):
+        first = 0
+    return first, getattr(source_args, 'decoder_last_pipeline_num_layers', None)
 
 
 def padded_vocab_size(true_vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -345,7 +366,9 @@ class CheckpointReader:
             offset = (
                 None
                 if self.model_type == 'T5'
-                else layer_offset(self.args.num_layers, self.pp, pp_rank, self.vp, vp_rank)
+                else layer_offset(
+                    self.args.num_layers, self.pp, pp_rank, self.vp, vp_rank, self.args
+                )
             )
             chunks.append((offset, merged))
         others = [{k: v for k, v in f.items() if not k.startswith('model')} for f in files]
@@ -420,6 +443,10 @@ def args_for_target(
     args.pipeline_model_parallel_split_rank = split_rank
     args.virtual_pipeline_model_parallel_size = None
     args.num_layers_per_virtual_pipeline_stage = None
+    # The target layout splits the layers evenly (the savers write num_layers / pp per stage).
+    args.standalone_embedding_stage = False
+    args.decoder_first_pipeline_num_layers = None
+    args.decoder_last_pipeline_num_layers = None
     args.world_size = tp * pp
     args.data_parallel_size = 1
     args.padded_vocab_size = padded_vocab

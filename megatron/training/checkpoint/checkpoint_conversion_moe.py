@@ -320,8 +320,9 @@ class MoECheckpointReader(cc.CheckpointReader):
             ]
             keys = ['model'] if 'model' in files[0] else [f'model{i}' for i in range(self.vp or 1)]
             if chunks is None:
+                num_layers = self.args.num_layers
                 chunks = [
-                    (cc.layer_offset(self.args.num_layers, self.pp, pp_rank, self.vp, v), {})
+                    (cc.layer_offset(num_layers, self.pp, pp_rank, self.vp, v, self.args), {})
                     for v in range(len(keys))
                 ]
                 others = [{k: v for k, v in f.items() if not k.startswith('model')} for f in files]

@@ -206,6 +206,18 @@ def _add_distributed_args(parser):
         help='Layers of each virtual pipeline chunk (interleaved schedule).',
     )
     group.add_argument(
+        '--decoder-first-pipeline-num-layers',
+        type=int,
+        default=None,
+        help='Layers on the first pipeline stage (the other stages share the rest evenly).',
+    )
+    group.add_argument(
+        '--decoder-last-pipeline-num-layers',
+        type=int,
+        default=None,
+        help='Layers on the last pipeline stage (the other stages share the rest evenly).',
+    )
+    group.add_argument(
         '--no-overlap-p2p-communication',
         action='store_false',
         dest='overlap_p2p_comm',
@@ -298,7 +310,7 @@ def _add_distributed_args(parser):
         '--standalone-embedding-stage',
         action='store_true',
         default=False,
-        help='Give the input embedding a pipeline stage of its own.',
+        help='Give the input embedding a pipeline stage of its own, with no transformer layer.',
     )
     group.add_argument(
         '--use-distributed-optimizer',

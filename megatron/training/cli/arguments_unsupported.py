@@ -78,11 +78,6 @@ UNSUPPORTED_FLAGS = {
     '--adlr-autoresume': 'ADLR autoresume (a cluster-internal service) is not available',
     '--adlr-autoresume-interval': 'ADLR autoresume (a cluster-internal service) is not available',
     '--s3-cache-path': 'S3 dataset loading is not implemented',
-    '--standalone-embedding-stage': 'a pipeline stage holding only the input embedding exists in '
-    'Megatron core_r0.8.0\'s legacy models only (its core TransformerBlock leaves it as a TODO '
-    'and splits the layers over every stage), which this package does not include',
-    '--test-mode': 'Megatron\'s real-time tests run alongside training (its CI checks) are not '
-    'included',
     '--output-bert-embeddings': 'the Retro BERT embedders are not included',
     '--bert-embedder-type': 'the Retro BERT embedders are not included',
 }

@@ -75,6 +75,11 @@ def validate_fsdp_args(args):
             f'{args.expert_model_parallel_size}): experts would need their own '
             'expert-data-parallel mesh'
         )
+    if args.test_mode:
+        raise ValueError(
+            f'--test-mode is not supported with {flag}: it compares replicated parameters across '
+            'the data-parallel ranks, which FSDP2 shards'
+        )
     if args.use_distributed_optimizer:
         raise ValueError(
             f'{flag} is not supported with --use-distributed-optimizer: FSDP2 already shards the '

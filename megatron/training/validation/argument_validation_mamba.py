@@ -64,6 +64,15 @@ def validate_mamba_args(args):
     )
     check_mamba_dims(sizes, args.hidden_size, args.tensor_model_parallel_size)
     pp = args.pipeline_model_parallel_size
+    if (
+        args.decoder_first_pipeline_num_layers is not None
+        or args.decoder_last_pipeline_num_layers is not None
+    ):
+        raise ValueError(
+            "--standalone-embedding-stage / --decoder-first-pipeline-num-layers / "
+            "--decoder-last-pipeline-num-layers are not supported for hybrid Mamba models (their "
+            "layer pattern is split evenly over the stages)"
+        )
     if args.num_layers % pp != 0:
         raise ValueError(
             f"--num-layers ({args.num_layers}) of a hybrid Mamba model must be divisible by "

@@ -101,6 +101,8 @@ def _check_parallel_divisibility(args):
             f'--num-query-groups ({args.num_query_groups}) is not divisible by '
             f'--tensor-model-parallel-size ({args.tensor_model_parallel_size})'
         )
+    if validate_pipeline_layer_split(args):
+        return
     if (
         args.num_layers % args.pipeline_model_parallel_size != 0
         and args.pipeline_model_parallel_split_rank is None
@@ -109,6 +111,69 @@ def _check_parallel_divisibility(args):
             f'--num-layers ({args.num_layers}) is not divisible by --pipeline-model-parallel-size '
             f'({args.pipeline_model_parallel_size})'
         )
+
+
+def validate_pipeline_layer_split(args):
+    """`--standalone-embedding-stage` and the first/last stage layer counts.
+
+    r0.8's standalone embedding stage is stage 0 holding the input embedding and no transformer
+    layer: it becomes `--decoder-first-pipeline-num-layers 0`, and
+    `transformer_pipeline_model_parallel_size` (the stages holding layers) is derived as r0.8
+    derives it. Returns whether the split is uneven (the even-split rule then does not apply).
+    """
+    pp = args.pipeline_model_parallel_size
+    if args.standalone_embedding_stage:
+        if pp < 2:
+            raise ValueError(
+                '--standalone-embedding-stage needs --pipeline-model-parallel-size > 1 (got '
+                f'{pp}): stage 0 holds the embedding and the other stages the layers'
+            )
+        if args.decoder_first_pipeline_num_layers not in (None, 0):
+            raise ValueError(
+                '--standalone-embedding-stage puts no layer on the first stage; it contradicts '
+                f'--decoder-first-pipeline-num-layers {args.decoder_first_pipeline_num_layers}'
+            )
+        args.decoder_first_pipeline_num_layers = 0
+    standalone = args.standalone_embedding_stage
+    args.transformer_pipeline_model_parallel_size = pp - 1 if standalone else pp
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        return False
+    flag = (
+        '--standalone-embedding-stage'
+        if args.standalone_embedding_stage
+        else '--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers'
+    )
+    if args.virtual_pipeline_model_parallel_size is not None:
+        raise ValueError(
+            f'{flag} is not supported with the interleaved schedule '
+            '(--num-layers-per-virtual-pipeline-stage '
+            f'{args.num_layers_per_virtual_pipeline_stage})'
+        )
+    if args.pipeline_model_parallel_split_rank is not None:
+        raise ValueError(
+            f'{flag} is not supported for encoder-decoder models '
+            f'(--pipeline-model-parallel-split-rank {args.pipeline_model_parallel_split_rank})'
+        )
+    if args.use_legacy_models:
+        raise ValueError(
+            f'{flag} is supported with the core models only (drop --use-legacy-models)'
+        )
+    fixed = [value for value in (first, last) if value is not None]
+    if any(value < 0 for value in fixed):
+        raise ValueError(f'{flag} must be >= 0 (got first={first}, last={last})')
+    if pp <= len(fixed):
+        raise ValueError(
+            f'{flag} needs --pipeline-model-parallel-size > {len(fixed)} (got {pp}): at least one '
+            'stage must share the remaining layers'
+        )
+    rest, others = args.num_layers - sum(fixed), pp - len(fixed)
+    if rest < 0 or rest % others != 0:
+        raise ValueError(
+            f'--num-layers ({args.num_layers}) minus the layers fixed by {flag} ({sum(fixed)}) '
+            f'must split evenly over the other {others} pipeline stages'
+        )
+    return True
 
 
 def validate_sequence_lengths(args):

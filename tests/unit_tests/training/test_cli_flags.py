@@ -55,6 +55,9 @@ OUR_EXTRA_FLAGS = {
     '--moe-shared-expert-gate',
     '--moe-layer-freq',
     '--cp-comm-type',  # context parallel attention communication (core_r0.10)
+    # Uneven pipeline stages (core_r0.10; --standalone-embedding-stage is first = 0).
+    '--decoder-first-pipeline-num-layers',
+    '--decoder-last-pipeline-num-layers',
     '--hierarchical-context-parallel-sizes',  # a2a+p2p context parallelism (core_r0.10)
     '--use-pytorch-profiler',
     # Dynamic-batching inference engine (megatron/core/inference, docs/inference_engine.md).

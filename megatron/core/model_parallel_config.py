@@ -153,6 +153,11 @@ class ModelParallelConfig:
     tp_comm_atomic_rs: bool = False
     """Atomic GEMM reduce-scatter overlap (deprecated upstream)."""
 
+    tp_comm_overlap_ub_cfgs: Optional[dict] = None
+    """Per-GEMM overlap methods in Transformer Engine's userbuffers form ({'qkv_fprop':
+    {'method': 'ring_exchange'}, ...}, Megatron's --tp-comm-overlap-cfg YAML): a listed GEMM turns
+    its layer's pipeline on over the switches above (`tensor_parallel/comm_overlap_cfg.py`)."""
+
     cross_entropy_loss_fusion: bool = False
     """Use the fused vocab-parallel cross entropy; here the same math as the unfused one."""
 

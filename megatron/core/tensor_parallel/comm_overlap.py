@@ -30,6 +30,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.tensor_parallel.comm_overlap_cfg import layer_overlap
+
 
 def _ring(group):
     """(rank in group, size, global rank of the next rank, global rank of the previous)."""
@@ -176,6 +178,7 @@ class AllGatherMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, config, group):
+        # `config`: the layer's switches (comm_overlap_cfg.LayerOverlap or ModelParallelConfig).
         ctx.save_for_backward(input, weight)
         ctx.use_bias = bias is not None
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -243,23 +246,26 @@ class MatmulReduceScatter(torch.autograd.Function):
         return grad_input, grad_weight, None, None
 
 
-def overlaps_all_gather(config, sequence_parallel: bool, group) -> bool:
-    """Whether a column-parallel layer pipelines its input all-gather with its GEMM."""
+def overlaps_all_gather(
+    config, sequence_parallel: bool, group, buffer_name: Optional[str] = None
+) -> bool:
+    """Whether a column-parallel layer pipelines its input all-gather with its GEMM
+    (`buffer_name`: its entry in `config.tp_comm_overlap_ub_cfgs`, see comm_overlap_cfg.py)."""
     return bool(
         config.tp_comm_overlap
-        and config.tp_comm_overlap_ag
-        and config.tp_comm_split_ag
+        and layer_overlap(config, buffer_name).tp_comm_overlap_ag
         and sequence_parallel
         and group.size() > 1
     )
 
 
-def overlaps_reduce_scatter(config, sequence_parallel: bool, group) -> bool:
+def overlaps_reduce_scatter(
+    config, sequence_parallel: bool, group, buffer_name: Optional[str] = None
+) -> bool:
     """Whether a row-parallel layer pipelines its output reduce-scatter with its GEMM."""
     return bool(
         config.tp_comm_overlap
-        and config.tp_comm_overlap_rs
-        and config.tp_comm_split_rs
+        and layer_overlap(config, buffer_name).tp_comm_overlap_rs
         and sequence_parallel
         and group.size() > 1
     )

@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel.comm_overlap import (
     overlaps_all_gather,
     overlaps_reduce_scatter,
 )
+from megatron.core.tensor_parallel.comm_overlap_cfg import layer_overlap
 from megatron.core.tensor_parallel.function_apply import apply_function
 from megatron.core.tensor_parallel.mappings import (
     _gather_along_first_dim,
@@ -572,7 +573,8 @@ class ColumnParallelLinear(torch.nn.Module):
         embedding_activation_buffer / grad_output_buffer: deferred output-layer wgrad
             (defer_embedding_wgrad_compute): inputs and output gradients are stored there.
         is_expert: an MoE expert layer (expert RNG stream, no tp communication when tp/ep > 1).
-        tp_comm_buffer_name: Transformer Engine userbuffer name; accepted, unused.
+        tp_comm_buffer_name: the layer's name in Transformer Engine's userbuffers configuration
+            (`qkv`, `proj`, `fc1`, `fc2`), which may choose its --tp-comm-overlap pipelines.
         disable_grad_reduce: skip the all-reduce of grad X (the caller reduces it).
         tp_group: tensor parallel group (default: the global one).
     """
@@ -608,6 +610,7 @@ class ColumnParallelLinear(torch.nn.Module):
             grad_output_buffer,
         )
         self.disable_grad_reduce = disable_grad_reduce
+        self.tp_comm_buffer_name = tp_comm_buffer_name
 
         # Fall back to the global tensor model parallel group when none is given.
         self.tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
@@ -723,7 +726,7 @@ class ColumnParallelLinear(torch.nn.Module):
                 weight,
                 bias,
                 self.gradient_accumulation_fusion,
-                self.config,
+                layer_overlap(self.config, self.tp_comm_buffer_name),
                 self.tp_group,
             )
         else:
@@ -751,7 +754,7 @@ class ColumnParallelLinear(torch.nn.Module):
         """--tp-comm-overlap applies: a sequence-parallel input gathered by this layer (not a
         deferred embedding weight gradient, which keeps the plain path)."""
         return not self.config.defer_embedding_wgrad_compute and overlaps_all_gather(
-            self.config, self.sequence_parallel, self.tp_group
+            self.config, self.sequence_parallel, self.tp_group, self.tp_comm_buffer_name
         )
 
     def set_extra_state(self, state: Any):
@@ -796,7 +799,8 @@ class RowParallelLinear(torch.nn.Module):
         stride: interleaving of the split, see _initialize_affine_weight_cpu.
         keep_master_weight_for_test: keep the CPU master weight in `self.master_weight`.
         is_expert: an MoE expert layer (no tp communication when tp/ep > 1).
-        tp_comm_buffer_name: Transformer Engine userbuffer name; accepted, unused.
+        tp_comm_buffer_name: the layer's name in Transformer Engine's userbuffers configuration
+            (`qkv`, `proj`, `fc1`, `fc2`), which may choose its --tp-comm-overlap pipelines.
         tp_group: tensor parallel group (default: the global one).
     """
 
@@ -819,6 +823,7 @@ class RowParallelLinear(torch.nn.Module):
         super().__init__()
         self.config, self.input_size, self.output_size = config, input_size, output_size
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.tp_comm_buffer_name = tp_comm_buffer_name
         self.is_expert, self.expert_parallel = is_expert, config.expert_model_parallel_size > 1
         self.sequence_parallel = config.sequence_parallel
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
@@ -890,7 +895,9 @@ class RowParallelLinear(torch.nn.Module):
         overlap = (
             self.weight.requires_grad
             and not self.explicit_expert_comm
-            and overlaps_reduce_scatter(self.config, self.sequence_parallel, self.tp_group)
+            and overlaps_reduce_scatter(
+                self.config, self.sequence_parallel, self.tp_group, self.tp_comm_buffer_name
+            )
         )
         if overlap:
             # --tp-comm-overlap: the GEMM and the sequence reduce-scatter in one pipeline.

@@ -12,10 +12,6 @@ supported group that are unsupported (fp8, ...) are defined with their group in
 `arguments.py` and listed in the same table.
 """
 
-_TE_COMM_CFG = (
-    'it tunes Transformer Engine userbuffers (buffer counts, SM shares, kernel methods); '
-    '--tp-comm-overlap here pipelines point-to-point sends with the GEMMs and has none of them'
-)
 _FP8 = 'fp8 training needs Transformer Engine, which this package does not use'
 _VISION = 'the Swin and MiT vision backbones are not included (the ViT is)'
 _VISION_FINETUNE = 'Megatron reads it only in tasks/vision finetuning, which is not included'
@@ -28,7 +24,6 @@ _ONE_LOGGER = 'one_logger (an NVIDIA-internal E2E metrics tool) is not available
 #: the layer spec) only ever sees its default.
 UNSUPPORTED_FLAGS = {
     # Transformer Engine userbuffers tuning (--tp-comm-overlap itself is supported).
-    '--tp-comm-overlap-cfg': _TE_COMM_CFG,
     # Transformer Engine fp8.
     '--fp8-format': _FP8,
     '--fp8-margin': _FP8,
@@ -124,7 +119,7 @@ def add_tp_comm_overlap_args(parser):
         '--tp-comm-overlap-cfg',
         type=str,
         default=None,
-        help='YAML file tuning Transformer Engine userbuffers for --tp-comm-overlap (refused).',
+        help='YAML file choosing the --tp-comm-overlap method per GEMM (TE ub_cfgs form).',
     )
     group.add_argument(
         '--disable-tp-comm-overlap-ag',

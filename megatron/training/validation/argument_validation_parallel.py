@@ -140,5 +140,30 @@ def validate_sequence_parallel(args):
             'sequence parallelism is enabled (add --sequence-parallel, with '
             f'--tensor-model-parallel-size > 1; got {args.tensor_model_parallel_size})'
         )
+    load_tp_comm_overlap_cfg(args)
     if args.sequence_parallel:
         args.async_tensor_model_parallel_allreduce = False
+
+
+def load_tp_comm_overlap_cfg(args):
+    """Read --tp-comm-overlap-cfg (YAML, Transformer Engine's ub_cfgs) into
+    `args.tp_comm_overlap_ub_cfgs`, checked before any work starts."""
+    path = args.tp_comm_overlap_cfg
+    args.tp_comm_overlap_ub_cfgs = None
+    if path is None:
+        return
+    if not args.tp_comm_overlap:
+        raise ValueError(f'--tp-comm-overlap-cfg {path} needs --tp-comm-overlap')
+    import yaml
+
+    from megatron.core.tensor_parallel.comm_overlap_cfg import check_ub_cfgs
+
+    try:
+        with open(path) as stream:
+            ub_cfgs = yaml.safe_load(stream)
+    except OSError as error:
+        raise ValueError(f'--tp-comm-overlap-cfg: cannot read {path}: {error.strerror}') from None
+    except yaml.YAMLError as error:
+        raise ValueError(f'--tp-comm-overlap-cfg: {path} is not valid YAML: {error}') from None
+    check_ub_cfgs(ub_cfgs or {}, source=f'--tp-comm-overlap-cfg {path}')
+    args.tp_comm_overlap_ub_cfgs = dict(ub_cfgs or {})

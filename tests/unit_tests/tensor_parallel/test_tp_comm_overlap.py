@@ -25,7 +25,7 @@ def _randn(seed, *shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _run(layer_cls, overlap, flags, fusion, weight=None):
+def _run(layer_cls, overlap, flags, fusion, weight=None, buffer_name=None):
     """(output, input grad, weight grad, bias grad) of one layer (its weight `weight` if given),
     and its weight."""
     tp = ps.get_tensor_model_parallel_world_size()
@@ -39,7 +39,13 @@ def _run(layer_cls, overlap, flags, fusion, weight=None):
     rank = ps.get_tensor_model_parallel_rank()
     if layer_cls is ColumnParallelLinear:
         layer = ColumnParallelLinear(
-            H, O, config=config, init_method=init_method_normal(0.2), bias=True, gather_output=False
+            H,
+            O,
+            config=config,
+            init_method=init_method_normal(0.2),
+            bias=True,
+            gather_output=False,
+            tp_comm_buffer_name=buffer_name,
         )
         x = _randn(1, S, B, H).chunk(tp, dim=0)[rank]  # [s/tp, b, h]
         g = _randn(2 + rank, S, B, O // tp)
@@ -52,6 +58,7 @@ def _run(layer_cls, overlap, flags, fusion, weight=None):
             bias=True,
             input_is_parallel=True,
             skip_bias_add=False,
+            tp_comm_buffer_name=buffer_name,
         )
         x = _randn(3 + rank, S, B, O // tp)  # [s, b, o/tp]
         g = _randn(4, S, B, H).chunk(tp, dim=0)[rank]
@@ -61,6 +68,7 @@ def _run(layer_cls, overlap, flags, fusion, weight=None):
             layer.weight.copy_(weight)
     if fusion:
         layer.weight.main_grad = torch.zeros_like(layer.weight)
+    _run.last_layer = layer
     x = x.clone().requires_grad_(True)
     out, _ = layer(x)
     out.backward(g)
@@ -173,3 +181,86 @@ def test_flags_reach_the_layer_config_and_need_sequence_parallel():
         "sequence parallelism is enabled (add --sequence-parallel, with "
         "--tensor-model-parallel-size > 1; got 2)"
     )
+
+
+#: Global pipelines off; the userbuffers configuration turns them on for fc1 and fc2 only.
+UB_CFGS = {
+    'fc1_fprop': {'method': 'ring_exchange', 'num_sm': 2, 'cga_size': 2},
+    'fc1_dgrad': {'method': 'pipeline', 'num_splits': 4},
+    'fc1_wgrad': {'method': 'bulk'},
+    'fc2_fprop': {'method': 'pipeline', 'atomic_gemm': 0},
+}
+CFG_FLAGS = {
+    'tp_comm_overlap_ag': False,
+    'tp_comm_overlap_rs': False,
+    'tp_comm_bulk_wgrad': False,
+    'tp_comm_overlap_ub_cfgs': UB_CFGS,
+}
+
+
+def _cfg_cases():
+    from megatron.core.tensor_parallel.comm_overlap_cfg import layer_overlap
+
+    results = []
+    for layer_cls, listed, unlisted in (
+        (ColumnParallelLinear, 'fc1', 'qkv'),
+        (RowParallelLinear, 'fc2', 'proj'),
+    ):
+        plain, weight = _run(layer_cls, False, CFG_FLAGS, False, buffer_name=listed)
+        overlapped, _ = _run(layer_cls, True, CFG_FLAGS, False, weight=weight, buffer_name=listed)
+        for a, b in zip(overlapped, plain):
+            torch.testing.assert_close(a, b, **TOL)
+        config = _run.last_layer.config
+        group = ps.get_tensor_model_parallel_group()
+        check = (
+            comm_overlap.overlaps_all_gather
+            if layer_cls is ColumnParallelLinear
+            else comm_overlap.overlaps_reduce_scatter
+        )
+        results.append((check(config, True, group, listed), check(config, True, group, unlisted)))
+    fc1 = layer_overlap(config, 'fc1')
+    results.append((fc1.tp_comm_overlap_rs_dgrad, fc1.tp_comm_bulk_wgrad))
+    return results
+
+
+def test_userbuffers_cfg_turns_on_the_listed_layers_only():
+    for rank_results in run_distributed(_cfg_cases, 2, tp=2):
+        assert rank_results == [(True, False), (True, False), (True, True)]
+
+
+@pytest.mark.parametrize(
+    "ub_cfgs, message",
+    [
+        ({"qkv_fprop": {"method": "bulk"}}, "qkv_fprop method 'bulk' is not one of"),
+        ({"fc2_wgrad": {"method": "bulk"}}, "unknown GEMM 'fc2_wgrad'"),
+        ({"attn_fprop": {}}, "unknown GEMM 'attn_fprop'"),
+        (
+            {"fc1_fprop": {"method": "pipeline", "num_cores": 3}},
+            r"unknown settings \['num_cores'\]",
+        ),
+        ({"fc1_fprop": "pipeline"}, "fc1_fprop must be a mapping of settings"),
+    ],
+)
+def test_tp_comm_overlap_cfg_is_checked_before_work(tmp_path, ub_cfgs, message):
+    import yaml
+
+    path = tmp_path / "ub.yaml"
+    path.write_text(yaml.safe_dump(ub_cfgs))
+    with pytest.raises(ValueError, match=message):
+        _validated(["--tp-comm-overlap", "--sequence-parallel", "--tp-comm-overlap-cfg", str(path)])
+
+
+def test_tp_comm_overlap_cfg_reaches_the_config(tmp_path):
+    import yaml
+
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    path = tmp_path / "ub.yaml"
+    path.write_text(yaml.safe_dump(UB_CFGS))
+    flags = ["--tp-comm-overlap", "--sequence-parallel", "--tp-comm-overlap-cfg", str(path)]
+    config = core_transformer_config_from_args(_validated(flags))
+    assert config.tp_comm_overlap_ub_cfgs == UB_CFGS
+    with pytest.raises(ValueError, match="needs --tp-comm-overlap"):
+        _validated(["--sequence-parallel", "--tp-comm-overlap-cfg", str(path)])
+    with pytest.raises(ValueError, match="cannot read"):
+        _validated(flags[:-1] + [str(tmp_path / "missing.yaml")])

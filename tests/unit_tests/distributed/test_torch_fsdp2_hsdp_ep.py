@@ -31,11 +31,15 @@ def _check_parity(ref_losses, ref_norms, losses, norms):
     assert norms == pytest.approx(ref_norms, rel=2e-5)
 
 
-def _hsdp(instances):
-    """DP4 as `instances` replicas of 4 / instances shards: parity with DDP and the layout."""
+def _hsdp(instances, sequence_parallel):
+    """DP as `instances` replicas of DP / instances shards: parity with DDP and the layout."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(num_distributed_optimizer_instances=instances)
-    fsdp, parity = _ddp_then_fsdp({}, {'num_microbatches': 2, 'per_token': False})
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, num_distributed_optimizer_instances=instances
+    )
+    build = {'sequence_parallel': True} if sequence_parallel else {}
+    fsdp, parity = _ddp_then_fsdp(build, {'num_microbatches': 2})
     shard_group = parallel_state.get_data_parallel_group(
         with_context_parallel=True, partial_data_parallel=True
     )
@@ -50,15 +54,21 @@ def _hsdp(instances):
         layout_ok &= torch.equal(param.to_local(), expected)
         local += param.to_local().numel()
         total += param.numel()
-    return {'parity': parity, 'layout_ok': layout_ok, 'local': local, 'total': total}
+    return {
+        'parity': parity,
+        'layout_ok': layout_ok,
+        'fraction': local / total,
+        'shards': len(shard_ranks),
+    }
 
 
-def test_hsdp_2x2_matches_ddp_and_holds_half():
-    for out in run_distributed(_hsdp, 4, args=(2,)):
+@pytest.mark.parametrize('tp, shards', [(1, 2), (2, 1)], ids=['dp4-as-2x2', 'tp2-sp-dp2-as-2x1'])
+def test_hsdp_matches_ddp_and_holds_one_over_shards(tp, shards):
+    for out in run_distributed(_hsdp, 4, tp=tp, args=(2, tp > 1)):
         _check_parity(*out['parity'])
-        assert out['layout_ok']
-        # Each rank keeps 1/2 of the parameters (one of two shards), within dim-0 padding.
-        assert out['total'] / 2 * 0.98 <= out['local'] <= out['total'] / 2 * 1.02, out
+        assert out['layout_ok'] and out['shards'] == shards
+        # Each rank keeps 1/shards of the parameters (of its TP piece), within dim-0 padding.
+        assert out['fraction'] == pytest.approx(1 / shards, rel=0.02), out
 
 
 def _moe(per_token):

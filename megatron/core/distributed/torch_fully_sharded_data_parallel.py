@@ -128,9 +128,12 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     """Wraps a model chunk in FSDP2 (`torch.distributed.fsdp.fully_shard`), Megatron's name.
 
     Weights: every parameter becomes a DTensor sharded on dim 0 over the data-parallel (x
-    context-parallel) group; tensor-parallel parameters are this rank's TP piece, sharded again.
-    Collectives: all-gather per unit before forward and before backward; reduce-scatter of the
-    gradients per unit at the end of its backward (once per step: `no_sync()` for the other
+    context-parallel) group (HSDP: over the shard group, replicated across the replicate
+    group; experts: over the expert-data-parallel group); tensor-parallel parameters are this
+    rank's TP piece, sharded again.
+    Collectives: all-gather per unit (over its shard group) before forward and before backward;
+    reduce-scatter of the gradients per unit at the end of its backward, then under HSDP an
+    all-reduce over the replicate group (once per step: `no_sync()` for the other
     micro-batches). With `calculate_per_token_loss`, `finalize_model_grads` divides the summed
     gradients by the global token count through `scale_gradients`.
 

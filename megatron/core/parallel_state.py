@@ -214,6 +214,12 @@ def initialize_model_parallel(
         get_position_embedding_ranks=get_position_embedding_ranks,
         hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
     )
+    dp_cp_size = len(groups["dp-cp"][0])
+    if num_distributed_optimizer_instances < 1 or dp_cp_size % num_distributed_optimizer_instances:
+        raise ParallelLayoutError(
+            f"num_distributed_optimizer_instances ({num_distributed_optimizer_instances}) must "
+            f"divide the data x context parallel size ({dp_cp_size})"
+        )
     if model_parallel_is_initialized():
         raise ModelParallelInitError(
             "initialize_model_parallel called twice; call destroy_model_parallel() in between"
@@ -284,15 +290,9 @@ def _build_partial_data_parallel_groups(
 ) -> None:
     """Intra (contiguous, size dp*cp / instances) and inter (strided, size instances) groups."""
     global _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP, _INTER_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP
-    size = len(dp_cp_groups[0])
-    if instances < 1 or size % instances != 0:
-        raise ParallelLayoutError(
-            f"num_distributed_optimizer_instances ({instances}) must divide the data x context "
-            f"parallel size ({size})"
-        )
     if instances == 1:
         return
-    shard = size // instances
+    shard = len(dp_cp_groups[0]) // instances
     intra = [ranks[i * shard : (i + 1) * shard] for ranks in dp_cp_groups for i in range(instances)]
     inter = [ranks[j::shard] for ranks in dp_cp_groups for j in range(shard)]
     _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP, _, _ = _build(intra, timeout)

@@ -174,3 +174,17 @@ def test_theoretical_memory_accounts_for_each_strategy():
     # HSDP: each of the 2 replicas shards over DP / 2 ranks.
     hsdp = compute_weight_and_optimizer_memory(args)
     assert hsdp / memory['no_shard'] == pytest.approx(16 / (dp / 2) / 18)
+
+
+def test_theoretical_memory_of_fsdp2_experts():
+    from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
+
+    moe = ['--num-experts', '4', '--expert-model-parallel-size', '2']
+    memory = {}
+    for name, extra in (('ddp', []), ('fsdp2', ['--use-torch-fsdp2'])):
+        args = _validate(moe + extra)
+        args.padded_vocab_size = 1024
+        memory[name] = compute_weight_and_optimizer_memory(args)
+    # DP4 x EP2: dense state over 4 ranks, expert state over the 2 expert-data-parallel ranks,
+    # so FSDP2 holds between 16 / 4 and 16 / 2 bytes for each of DDP's 18.
+    assert 16 / 4 / 18 < memory['fsdp2'] / memory['ddp'] < 16 / 2 / 18

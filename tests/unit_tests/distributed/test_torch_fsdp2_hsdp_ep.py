@@ -73,6 +73,8 @@ def test_hsdp_matches_ddp_and_holds_one_over_shards(tp, shards):
 
 def _moe(per_token):
     build_kwargs = {'num_experts': 4}
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        build_kwargs['sequence_parallel'] = True  # MoE with TP needs it
     train_kwargs = {'num_microbatches': 2}
     if per_token:
         build_kwargs['calculate_per_token_loss'] = True
@@ -83,17 +85,17 @@ def _moe(per_token):
     for name, param in fsdp.named_parameters():
         group = fsdp.expert_mesh if '.experts.' in name else fsdp.mesh
         meshes_ok &= param.device_mesh is group
-    return {
-        'parity': parity,
-        'meshes_ok': meshes_ok,
-        'expert_dp': expert_dp.size(),
-    }
+    return {'parity': parity, 'meshes_ok': meshes_ok, 'expert_dp': expert_dp.size()}
 
 
-@pytest.mark.parametrize('world', [2, 4], ids=['dp2-ep2', 'dp4-ep2'])
-def test_moe_expert_parallel_matches_ddp(world):
-    for out in run_distributed(_moe, world, ep=2, args=(world == 4,)):
+@pytest.mark.parametrize(
+    'world, tp, expert_dp',
+    [(2, 1, 1), (4, 1, 2), (4, 2, 1)],
+    ids=['dp2-ep2', 'dp4-ep2', 'tp2-sp-dp2-ep2'],
+)
+def test_moe_expert_parallel_matches_ddp(world, tp, expert_dp):
+    for out in run_distributed(_moe, world, tp=tp, ep=2, args=(world == 4 and tp == 1,)):
         _check_parity(*out['parity'])
         # Experts on their expert-data-parallel mesh, the rest on the whole data-parallel mesh.
         assert out['meshes_ok']
-        assert out['expert_dp'] == world // 2
+        assert out['expert_dp'] == expert_dp

@@ -9,7 +9,10 @@
 #
 # Usage (from the repository root):   bash examples/fsdp/train_gpt_fsdp2.sh
 # Environment: WORK_DIR (default ./fsdp_work), TRAIN_ITERS (default 50), NPROC (default 4),
-#              TP (tensor parallel size, default 1), BF16 (1: --bf16, default 0 = fp32).
+#              TP (tensor parallel size, default 1), BF16 (1: --bf16, default 0 = fp32),
+#              HSDP (replicas for --num-distributed-optimizer-instances, default 1: plain FSDP;
+#              2 on 4 processes = 2 replicas x 2 shards), EP (expert-parallel size: with EP > 1
+#              every MLP is an MoE of 4 experts, sharded over the expert-data-parallel ranks).
 
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,6 +23,8 @@ TRAIN_ITERS=${TRAIN_ITERS:-50}
 NPROC=${NPROC:-4}
 TP=${TP:-1}
 BF16=${BF16:-0}
+HSDP=${HSDP:-1}
+EP=${EP:-1}
 MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
@@ -41,8 +46,12 @@ fi
 
 PRECISION=()
 if [ "$BF16" = 1 ]; then PRECISION=(--bf16); fi
+SHARDING=(--num-distributed-optimizer-instances "$HSDP")
+if [ "$EP" -gt 1 ]; then
+    SHARDING+=(--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size "$EP")
+fi
 
-echo "==> training with --use-torch-fsdp2 on $NPROC processes (TP $TP, data parallel $((NPROC / TP)))"
+echo "==> training with --use-torch-fsdp2 on $NPROC processes (TP $TP, data parallel $((NPROC / TP)), HSDP replicas $HSDP, EP $EP)"
 "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" --master-port "$MASTER_PORT" pretrain_gpt.py \
     --num-layers 4 --hidden-size 128 --ffn-hidden-size 256 --num-attention-heads 4 \
     --seq-length 64 --max-position-embeddings 64 \
@@ -50,6 +59,7 @@ echo "==> training with --use-torch-fsdp2 on $NPROC processes (TP $TP, data para
     --attention-dropout 0.0 --hidden-dropout 0.0 \
     --tensor-model-parallel-size "$TP" \
     --use-torch-fsdp2 \
+    "${SHARDING[@]}" \
     "${PRECISION[@]}" \
     --micro-batch-size 2 --global-batch-size 16 --train-iters "$TRAIN_ITERS" \
     --lr 2.0e-3 --min-lr 2.0e-4 --lr-decay-style cosine --lr-warmup-iters 5 \

@@ -93,6 +93,10 @@ _HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
 # Data parallel group including context parallel ranks (and its gloo copy).
 _DATA_PARALLEL_GROUP_WITH_CP = None
 _DATA_PARALLEL_GROUP_WITH_CP_GLOO = None
+# Partial data parallel (HSDP): the data x context parallel ranks split into instances of
+# contiguous ranks (intra: the shard group) and the strided groups across instances (inter).
+_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None
+_INTER_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None
 
 # Tensor + context parallel group; tensor + data + context parallel group.
 _TENSOR_AND_CONTEXT_PARALLEL_GROUP = None
@@ -157,6 +161,7 @@ def initialize_model_parallel(
     get_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
     get_position_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
     hierarchical_context_parallel_sizes: Optional[List[int]] = None,
+    num_distributed_optimizer_instances: int = 1,
 ) -> None:
     """Create the model and data parallel groups of Megatron's layout.
 
@@ -181,6 +186,9 @@ def initialize_model_parallel(
         hierarchical_context_parallel_sizes: sizes of the levels of hierarchical context
             parallelism inside each CP group (product = context_parallel_size; level 0 contiguous,
             level 1 strided), for cp_comm_type 'a2a+p2p'.
+        num_distributed_optimizer_instances: N > 1 splits every data x context parallel group
+            into N instances of contiguous ranks (the partial data parallel groups, FSDP2's
+            shard groups under HSDP) and the N-rank groups across them (the replicate groups).
 
     Raises:
         ModelParallelInitError: torch.distributed is not initialized, or groups already exist.
@@ -206,6 +214,12 @@ def initialize_model_parallel(
         get_position_embedding_ranks=get_position_embedding_ranks,
         hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
     )
+    dp_cp_size = len(groups["dp-cp"][0])
+    if num_distributed_optimizer_instances < 1 or dp_cp_size % num_distributed_optimizer_instances:
+        raise ParallelLayoutError(
+            f"num_distributed_optimizer_instances ({num_distributed_optimizer_instances}) must "
+            f"divide the data x context parallel size ({dp_cp_size})"
+        )
     if model_parallel_is_initialized():
         raise ModelParallelInitError(
             "initialize_model_parallel called twice; call destroy_model_parallel() in between"
@@ -220,6 +234,9 @@ def initialize_model_parallel(
         virtual_pipeline_model_parallel_size, pipeline_model_parallel_split_rank
     )
     _build_data_and_context_parallel_groups(groups, timeout, hierarchical_context_parallel_sizes)
+    _build_partial_data_parallel_groups(
+        groups["dp-cp"], timeout, num_distributed_optimizer_instances
+    )
     _build_model_and_tensor_parallel_groups(groups, timeout)
     _build_pipeline_and_embedding_groups(groups, timeout, rank)
     _build_tensor_data_context_groups(groups, timeout)
@@ -266,6 +283,20 @@ def _build_data_and_context_parallel_groups(
             _build(groups[f"hcp-{level}"], timeout)[0]
             for level in range(len(hierarchical_context_parallel_sizes))
         ]
+
+
+def _build_partial_data_parallel_groups(
+    dp_cp_groups: List[List[int]], timeout: timedelta, instances: int
+) -> None:
+    """Intra (contiguous, size dp*cp / instances) and inter (strided, size instances) groups."""
+    global _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP, _INTER_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP
+    if instances == 1:
+        return
+    shard = len(dp_cp_groups[0]) // instances
+    intra = [ranks[i * shard : (i + 1) * shard] for ranks in dp_cp_groups for i in range(instances)]
+    inter = [ranks[j::shard] for ranks in dp_cp_groups for j in range(shard)]
+    _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP, _, _ = _build(intra, timeout)
+    _INTER_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP, _, _ = _build(inter, timeout)
 
 
 def _build_model_and_tensor_parallel_groups(groups: dict, timeout: timedelta) -> None:
@@ -383,8 +414,22 @@ def get_pipeline_model_parallel_group(check_initialized: bool = True):
     )
 
 
-def get_data_parallel_group(with_context_parallel: bool = False, check_initialized: bool = True):
-    """The data parallel group of the caller (optionally including the context parallel ranks)."""
+def get_data_parallel_group(
+    with_context_parallel: bool = False,
+    check_initialized: bool = True,
+    partial_data_parallel: bool = False,
+):
+    """The data parallel group of the caller (optionally including the context parallel ranks).
+
+    With `partial_data_parallel` (needs `with_context_parallel`): the caller's instance of
+    contiguous data x context parallel ranks when num_distributed_optimizer_instances > 1, else
+    the whole data x context parallel group.
+    """
+    if partial_data_parallel:
+        if not with_context_parallel:
+            raise ValueError("partial_data_parallel needs with_context_parallel=True")
+        if _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP is not None:
+            return _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP
     if with_context_parallel:
         return _checked(
             _DATA_PARALLEL_GROUP_WITH_CP,
@@ -392,6 +437,14 @@ def get_data_parallel_group(with_context_parallel: bool = False, check_initializ
             check_initialized,
         )
     return _checked(_DATA_PARALLEL_GROUP, "data parallel group", check_initialized)
+
+
+def get_inter_partial_data_parallel_group(check_initialized: bool = True):
+    """The group of the caller's rank and its counterparts in the other distributed-optimizer
+    instances (one rank per instance); None with a single instance."""
+    if check_initialized and _DATA_PARALLEL_GROUP_WITH_CP is None:
+        raise _not_initialized("inter partial data parallel group")
+    return _INTER_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP
 
 
 def get_data_parallel_group_gloo(

@@ -211,6 +211,7 @@ def _initialize_distributed(get_embedding_ranks=None, get_position_embedding_ran
             get_embedding_ranks=get_embedding_ranks,
             get_position_embedding_ranks=get_position_embedding_ranks,
             hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
+            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         )
         if args.rank == 0:
             print(

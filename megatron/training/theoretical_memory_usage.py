@@ -92,7 +92,9 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
         # weight + fp32 grad + two moments (bf16 default), or bf16 weight + bf16 grad + fp32 main
         # weight + moments (--torch-fsdp2-reduce-in-bf16): 16 bytes over data parallelism. The
         # gathered unit (one layer's weights and grads, transient) is not counted.
-        num_bytes_per_parameter = 16 / args.data_parallel_size
+        # With HSDP (--num-distributed-optimizer-instances N) each replica shards over DP / N.
+        instances = getattr(args, 'num_distributed_optimizer_instances', 1)
+        num_bytes_per_parameter = 16 / (args.data_parallel_size / instances)
     return num_parameters_on_most_loaded_model_shard * num_bytes_per_parameter
 
 

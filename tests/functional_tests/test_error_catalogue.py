@@ -110,7 +110,9 @@ ELSEWHERE = {
         case: 'tests/unit_tests/training/test_fsdp_arguments.py'
         for case in (
             'fsdp2-pipeline',
-            'fsdp2-experts',
+            'fsdp2-moe-extended-tp',
+            'fsdp2-hsdp-needs-fsdp2',
+            'fsdp2-hsdp-divides',
             'fsdp2-distributed-optimizer',
             'fsdp2-fp16',
             'fsdp2-legacy-checkpoint',

@@ -11,6 +11,8 @@ tiny SwiGLU GPT, mock data):
   `--ckpt-fully-parallel-load`) follows the reference too;
 - uneven shards (3 rows over 4 ranks: one rank holds none) and the SwiGLU fc1 factory, written
   from DTensors, read back as full tensors and into other DTensor shards;
+- HSDP (2 replicas x 2 shards) resumes the FSDP2 checkpoint and saves at iteration 4, which
+  plain DDP at TP2 x DP2 resumes (both follow the reference);
 - a model with a parameter the checkpoint lacks (`--untie-embeddings-and-output-weights` on a
   tied model's checkpoint: the output layer) fails to load under the lenient
   `--dist-ckpt-strictness log_all` (which would drop the key), naming the missing key.
@@ -25,6 +27,7 @@ TRAIN_ITERS, STOP_AT, SECOND_STOP = 6, 3, 4
 MODEL = ['--num-layers', '2', '--swiglu', '--ffn-hidden-size', '48']
 FSDP2 = ['--use-torch-fsdp2']
 DISTOPT = ['--use-distributed-optimizer']
+HSDP = ['--num-distributed-optimizer-instances', '2']
 
 
 def _jobs_catching(jobs, failing):
@@ -51,6 +54,7 @@ def _check_follows(reference, resumed, start, what):
 def test_fsdp2_resume_matrix(tmp_path):
     common = MODEL + ['--train-iters', str(TRAIN_ITERS)]
     fsdp_ckpt, distopt_ckpt = str(tmp_path / 'fsdp2'), str(tmp_path / 'distopt')
+    hsdp_ckpt = str(tmp_path / 'hsdp')
     resume = ['--use-dist-ckpt', '--load', fsdp_ckpt, '--ckpt-step', str(STOP_AT)]
     jobs = [
         common
@@ -75,6 +79,18 @@ def test_fsdp2_resume_matrix(tmp_path):
         + FSDP2
         + resume
         + ['--untie-embeddings-and-output-weights', '--dist-ckpt-strictness', 'log_all'],
+        # HSDP (2 replicas x 2 shards) resumes the FSDP2 checkpoint and saves its own (the first
+        # replica writes), which plain DDP at TP2 x DP2 resumes.
+        common
+        + _layout(1, 1)
+        + FSDP2
+        + HSDP
+        + resume
+        + ['--save', hsdp_ckpt]
+        + ['--save-interval', str(SECOND_STOP)],
+        common
+        + _layout(2, 1)
+        + ['--use-dist-ckpt', '--load', hsdp_ckpt, '--ckpt-step', str(SECOND_STOP)],
     ]
     failing = {5}
     outs = run_distributed(_jobs_catching, world_size=4, args=(jobs, failing), timeout=900)
@@ -82,12 +98,14 @@ def test_fsdp2_resume_matrix(tmp_path):
     for i in sorted(failing):
         for rank_out in outs:
             rank_out[i] = {}
-    reference, same, dp4, distopt, back_to_fsdp2, *_ = _merged(outs)
+    reference, same, dp4, distopt, back_to_fsdp2, _, hsdp, hsdp_to_ddp = _merged(outs)
     assert sorted(reference) == list(range(1, TRAIN_ITERS + 1))
     assert same == {it: reference[it] for it in range(STOP_AT + 1, TRAIN_ITERS + 1)}
     _check_follows(reference, dp4, STOP_AT, 'FSDP2 TP2 DP2 -> FSDP2 TP1 DP4')
     _check_follows(reference, distopt, STOP_AT, 'FSDP2 -> distributed optimizer')
     _check_follows(reference, back_to_fsdp2, SECOND_STOP, 'distributed optimizer -> FSDP2')
+    _check_follows(reference, hsdp, STOP_AT, 'FSDP2 TP2 DP2 -> HSDP 2x2')
+    _check_follows(reference, hsdp_to_ddp, SECOND_STOP, 'HSDP 2x2 -> DDP TP2 DP2')
     for per_rank in errors:
         for message in per_rank:
             assert message.startswith('ValueError: '), message

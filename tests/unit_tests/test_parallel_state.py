@@ -401,3 +401,40 @@ def _init_with_bad_sizes():
 def test_initialize_rejects_non_dividing_sizes():
     messages = run_distributed(_init_with_bad_sizes, 2)
     assert all(m is not None and "world_size (2)" in m and "(3)" in m for m in messages)
+
+
+def _partial_data_parallel_groups():
+    ps.destroy_model_parallel()
+    refused = None
+    try:
+        ps.initialize_model_parallel(num_distributed_optimizer_instances=3)
+    except ValueError as exc:
+        refused = str(exc)
+    refused = (refused, ps.model_parallel_is_initialized())
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    ranks = torch.distributed.get_process_group_ranks
+    intra = ranks(
+        ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+    )
+    inter = ranks(ps.get_inter_partial_data_parallel_group())
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel()
+    single = (
+        ps.get_inter_partial_data_parallel_group(),
+        ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+        is ps.get_data_parallel_group(with_context_parallel=True),
+    )
+    return refused, intra, inter, single
+
+
+def test_partial_data_parallel_groups_split_dp_into_instances():
+    outs = run_distributed(_partial_data_parallel_groups, 4)
+    for rank, (refused, intra, inter, single) in enumerate(outs):
+        message, initialized = refused
+        # Refused before any group is made (nothing to destroy).
+        assert "num_distributed_optimizer_instances (3)" in message and "(4)" in message
+        assert not initialized
+        # Instances of consecutive data-parallel ranks; the replicas of a rank across them.
+        assert intra == ([0, 1] if rank < 2 else [2, 3])
+        assert inter == [rank % 2, rank % 2 + 2]
+        assert single == (None, True)

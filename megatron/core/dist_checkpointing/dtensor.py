@@ -2,7 +2,8 @@
 
 A model wrapped in FSDP2 (`fully_shard`) holds every parameter as a DTensor sharded on dim 0
 over the data-parallel mesh (`torch.chunk` sizes: ceil(rows / DP) rows per rank, the last ranks
-possibly fewer or none); Adam's moments and any fp32 main copy built on those parameters are
+possibly fewer or none; under HSDP over the shard dimension of a (replicate, shard) mesh, each
+replica holding the same rows); Adam's moments and any fp32 main copy built on those parameters are
 DTensors with the same placement. The model's `sharded_state_dict` describes each parameter with
 the same key, global shape and tensor-parallel offset as without FSDP, but its data is that
 DTensor (the full tensor-parallel piece, of which this rank holds a few rows).
@@ -37,21 +38,34 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 
 
-def dim0_shard_range(tensor: DTensor) -> Tuple[torch.Tensor, slice]:
-    """(flat view of the local shard, its range in the flattened full tensor).
+def _shard_mesh_dim(tensor: DTensor) -> int:
+    """The mesh dimension `tensor` is sharded over (on dim 0); every other one must replicate.
 
-    Only the layout FSDP2 produces is accepted: one mesh dimension, `Shard(0)`.
+    Only the layouts FSDP2 produces are accepted: `Shard(0)` over one data-parallel mesh
+    dimension, or HSDP's `(Replicate(), Shard(0))`.
     """
     placements = tuple(tensor.placements)
-    if len(placements) != 1 or not placements[0].is_shard() or placements[0].dim != 0:
+    shard_dims = [d for d, p in enumerate(placements) if p.is_shard()]
+    if (
+        len(shard_dims) != 1
+        or placements[shard_dims[0]].dim != 0
+        or not all(p.is_replicate() for d, p in enumerate(placements) if d != shard_dims[0])
+    ):
         raise CheckpointingException(
             f'a DTensor with placements {placements} has no torch_dist layout (only the '
-            'FSDP2 Shard(0) layout over one data-parallel mesh dimension)'
+            'FSDP2 Shard(0) layout over one data-parallel mesh dimension, replicated over any '
+            'other)'
         )
+    return shard_dims[0]
+
+
+def dim0_shard_range(tensor: DTensor) -> Tuple[torch.Tensor, slice]:
+    """(flat view of the local shard, its range in the flattened full tensor)."""
+    shard_dim = _shard_mesh_dim(tensor)
     local = tensor.to_local()
     rows = tensor.shape[0] if tensor.dim() > 0 else 1
-    world = tensor.device_mesh.size(0)
-    rank = tensor.device_mesh.get_local_rank(0)
+    world = tensor.device_mesh.size(shard_dim)
+    rank = tensor.device_mesh.get_local_rank(shard_dim)
     rows_per_rank = math.ceil(rows / world)
     first_row = min(rank * rows_per_rank, rows)
     local_rows = local.shape[0] if local.dim() > 0 else 1
@@ -72,11 +86,23 @@ def is_empty_shard(tensor: Any) -> bool:
     return isinstance(tensor, DTensor) and tensor.to_local().numel() == 0
 
 
-def _shard_replica_id(key: str, replica_id) -> Any:
-    """The entry's replica id with the data-parallel component 0: every DP rank writes its own
-    rows (tensor-parallel replicas keep their ids)."""
+def _replica_index(tensor: DTensor) -> int:
+    """This rank's index among the ranks holding the same rows (0 on the first HSDP replica,
+    always 0 without replication)."""
+    mesh, shard_dim = tensor.device_mesh, _shard_mesh_dim(tensor)
+    index = 0
+    for dim in range(mesh.ndim):
+        if dim != shard_dim:
+            index = index * mesh.size(dim) + mesh.get_local_rank(dim)
+    return index
+
+
+def _shard_replica_id(key: str, replica_id, replica_index: int = 0) -> Any:
+    """The entry's replica id with the data-parallel component set to the index of this rank's
+    copy of its rows: every shard rank of the first replica writes its own rows (tensor-parallel
+    replicas keep their ids)."""
     if isinstance(replica_id, tuple) and len(replica_id) == 3:
-        return (replica_id[0], replica_id[1], 0)
+        return (replica_id[0], replica_id[1], replica_index)
     raise CheckpointingException(
         f'{key}: expected replica_id (PP, TP, DP) for an FSDP2-sharded tensor, got {replica_id}'
     )
@@ -94,7 +120,7 @@ def _as_shard_factory(entry) -> Any:
     """`entry` (a ShardedTensor or factory holding a DTensor) as a factory of its local rows."""
     dtensor = entry.data
     flat, flat_range = dim0_shard_range(dtensor)
-    replica_id = _shard_replica_id(entry.key, entry.replica_id)
+    replica_id = _shard_replica_id(entry.key, entry.replica_id, _replica_index(dtensor))
 
     if isinstance(entry, ShardedTensorFactory):
         inner_build, inner_merge = entry.build_fn, entry.merge_fn

@@ -17,12 +17,23 @@ group of that tensor-parallel rank (the FSDP mesh is the data x context parallel
 tensor-parallel collectives of the layers are unchanged. Gradient accumulation over micro-batches
 reduces once, on the last micro-batch: `no_sync()` turns FSDP2's gradient synchronisation off,
 so earlier micro-batches accumulate unsharded gradients locally.
+
+HSDP (replicate x shard): given a replicate group and a shard group that tile the data-parallel
+group (R instances of S contiguous ranks), the dense units get a 2-D mesh (R, S): parameters are
+`(Replicate(), Shard(0))`, so a rank holds 1/S of each; gradients are reduce-scattered over the
+shard group and then all-reduced over the replicate group.
+
+Expert parallelism: each MoE layer's experts (parameters with `allreduce=False`) are a unit of
+their own on a 1-D mesh over the expert-data-parallel group (the ranks holding the same experts),
+wrapped before the layer that contains them; everything else is sharded over the full
+data-parallel group. Their reduce-scatter sums over the expert-data-parallel group and divides
+by the full data-parallel size, as DDP scales expert gradients.
 """
 
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -93,6 +104,19 @@ def _unit_modules(module: torch.nn.Module, tied: bool) -> List[torch.nn.Module]:
     return units
 
 
+def _expert_modules(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """Each MoE layer's experts whose parameters are expert-parallel (`allreduce=False`)."""
+    from ..transformer.moe.moe_layer import BaseMoELayer
+
+    experts = []
+    for sub in module.modules():
+        if isinstance(sub, BaseMoELayer) and sub.experts is not None:
+            params = list(sub.experts.parameters())
+            if params and not any(getattr(p, 'allreduce', True) for p in params):
+                experts.append(sub.experts)
+    return experts
+
+
 def _inner_model(module: torch.nn.Module) -> torch.nn.Module:
     """The language model under any Float16Module-style `.module` wrappers."""
     while hasattr(module, 'module') and isinstance(module.module, torch.nn.Module):
@@ -104,9 +128,12 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     """Wraps a model chunk in FSDP2 (`torch.distributed.fsdp.fully_shard`), Megatron's name.
 
     Weights: every parameter becomes a DTensor sharded on dim 0 over the data-parallel (x
-    context-parallel) group; tensor-parallel parameters are this rank's TP piece, sharded again.
-    Collectives: all-gather per unit before forward and before backward; reduce-scatter of the
-    gradients per unit at the end of its backward (once per step: `no_sync()` for the other
+    context-parallel) group (HSDP: over the shard group, replicated across the replicate
+    group; experts: over the expert-data-parallel group); tensor-parallel parameters are this
+    rank's TP piece, sharded again.
+    Collectives: all-gather per unit (over its shard group) before forward and before backward;
+    reduce-scatter of the gradients per unit at the end of its backward, then under HSDP an
+    all-reduce over the replicate group (once per step: `no_sync()` for the other
     micro-batches). With `calculate_per_token_loss`, `finalize_model_grads` divides the summed
     gradients by the global token count through `scale_gradients`.
 
@@ -117,8 +144,14 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             through `fsdp_config.reduce_dtype` by the caller).
         module: the model chunk (a GPTModel, possibly inside a Float16Module).
         fsdp_config: TorchFullyShardedDataParallelConfig.
-        data_parallel_group: group to shard over; None means parallel_state's data-parallel
-            group with context parallelism.
+        data_parallel_group: the whole data-parallel (x context-parallel) group; None means
+            parallel_state's.
+        hsdp_groups: (replicate group, shard group) for HSDP, or None: then, when
+            `data_parallel_group` is None too, parallel_state's partial data-parallel groups
+            (--num-distributed-optimizer-instances > 1), else plain FSDP over the whole group.
+        expert_data_parallel_group: the group sharing this rank's experts; None means
+            parallel_state's data-modulo-expert-parallel group (with context parallel). Only
+            used when the model has expert-parallel parameters.
     """
 
     #: The schedules must call `no_sync()` on all but the last micro-batch (see training.py).
@@ -131,28 +164,40 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         module: torch.nn.Module,
         fsdp_config: Optional[TorchFullyShardedDataParallelConfig] = None,
         data_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
+        hsdp_groups: Optional[Tuple[torch.distributed.ProcessGroup, ...]] = None,
+        expert_data_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
     ):
         super().__init__()
         self.config = config
         self.ddp_config = ddp_config
         self.fsdp_config = fsdp_config or TorchFullyShardedDataParallelConfig()
+        if hsdp_groups is None and data_parallel_group is None:
+            replicate = parallel_state.get_inter_partial_data_parallel_group()
+            if replicate is not None:
+                shard = parallel_state.get_data_parallel_group(
+                    with_context_parallel=True, partial_data_parallel=True
+                )
+                hsdp_groups = (replicate, shard)
         self.data_parallel_group = parallel_state.get_data_parallel_group_if_none(
             data_parallel_group, with_context_parallel=True
         )
-        # DTensor caches sharding decisions keyed by meshes that compare equal when they cover
-        # the same ranks, and those carry their process groups: after parallel_state rebuilt
-        # its groups in the same process (tests, in-process restart) a cached plan would name
-        # a destroyed group. Naming the dimension after the group keeps meshes distinct.
-        self.mesh = DeviceMesh.from_group(
-            self.data_parallel_group,
-            get_current_device_type(),
-            mesh_dim_names=(f'dp_shard_{self.data_parallel_group.group_name}',),
-        )
-        register_mesh_groups(self.mesh, [self.data_parallel_group])
+        device_type = get_current_device_type()
+        self.mesh = _data_parallel_mesh(self.data_parallel_group, hsdp_groups, device_type)
         self.per_token_loss = bool(getattr(config, 'calculate_per_token_loss', False))
 
         tied = bool(getattr(_inner_model(module), 'share_embeddings_and_output_weights', False))
         saved_attributes = self._save_param_attributes(module)
+        self.expert_units = _expert_modules(module)
+        self.expert_data_parallel_group = None
+        self.expert_mesh = None
+        if self.expert_units:
+            self.expert_data_parallel_group = (
+                expert_data_parallel_group
+                or parallel_state.get_data_modulo_expert_parallel_group(with_context_parallel=True)
+            )
+            self.expert_mesh = _data_parallel_mesh(
+                self.expert_data_parallel_group, None, device_type
+            )
         self.units = _unit_modules(module, tied)
         inner_policy = MixedPrecisionPolicy(
             param_dtype=self.fsdp_config.param_dtype, reduce_dtype=self.fsdp_config.reduce_dtype
@@ -162,24 +207,32 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             reduce_dtype=self.fsdp_config.reduce_dtype,
             output_dtype=self.fsdp_config.output_dtype,
         )
+        shard = dict(reshard_after_forward=self.fsdp_config.reshard_after_forward)
+        # Experts first: a unit nested in a layer must be wrapped before the layer takes the rest.
+        dp_size = torch.distributed.get_world_size(group=self.data_parallel_group)
+        for experts in self.expert_units:
+            fully_shard(experts, mesh=self.expert_mesh, mp_policy=inner_policy, **shard)
+            # Sum over the expert-data-parallel ranks, divide by the whole DP size (DDP's
+            # scaling); a plain SUM keeps FSDP2 off NCCL's premul-sum, which gloo lacks.
+            experts.set_gradient_divide_factor(float(dp_size))
+            if self.expert_data_parallel_group.size() > 1:
+                # (With one rank FSDP2 skips the collective and divides once already; forcing
+                # SUM would divide a second time.)
+                experts.set_force_sum_reduction_for_comms(True)
         for unit in self.units:
-            fully_shard(
-                unit,
-                mesh=self.mesh,
-                reshard_after_forward=self.fsdp_config.reshard_after_forward,
-                mp_policy=inner_policy,
-            )
-        fully_shard(
-            module,
-            mesh=self.mesh,
-            reshard_after_forward=self.fsdp_config.reshard_after_forward,
-            mp_policy=root_policy,
-        )
+            fully_shard(unit, mesh=self.mesh, mp_policy=inner_policy, **shard)
+        fully_shard(module, mesh=self.mesh, mp_policy=root_policy, **shard)
         self.module = module
         self._restore_param_attributes(module, saved_attributes)
         self.fsdp_modules: List[FSDPModule] = [
             m for m in module.modules() if isinstance(m, FSDPModule)
         ]
+        if self.mesh.ndim > 1:
+            # HSDP's all-reduce over the replicas: SUM and one division by the DP size instead of
+            # AVG per collective (gloo has no AVG).
+            for fsdp_module in self.fsdp_modules:
+                if fsdp_module not in self.expert_units:
+                    fsdp_module.set_force_sum_reduction_for_comms(True)
         if getattr(config, 'recompute_granularity', None) is not None:
             # A recomputed unit runs its forward again inside backward, which confuses FSDP2's
             # implicit backward prefetch order: name the unit before each one explicitly.
@@ -250,16 +303,20 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     def broadcast_params(self):
         """Make all data-parallel replicas equal: each rank's shard from the same full tensor is
         already consistent when every rank initialised the same full weight (same seed); with
-        --data-parallel-random-init the first rank's full weights are broadcast and re-sharded."""
-        if torch.distributed.get_world_size(group=self.data_parallel_group) == 1:
-            return
-        src = torch.distributed.get_global_rank(self.data_parallel_group, 0)
+        --data-parallel-random-init the first rank's full weights are broadcast and re-sharded
+        (experts over their expert-data-parallel group, the rest over the whole group)."""
+        expert_params = {id(p) for unit in self.expert_units for p in unit.parameters()}
         with torch.no_grad():
             for param in self.module.parameters():
+                group = self.data_parallel_group
+                if id(param) in expert_params:
+                    group = self.expert_data_parallel_group
+                if torch.distributed.get_world_size(group=group) == 1:
+                    continue
                 full = param.full_tensor()
-                torch.distributed.broadcast(full, src=src, group=self.data_parallel_group)
-                local = param.to_local()
-                local.copy_(_local_chunk(full, param))
+                src = torch.distributed.get_global_rank(group, 0)
+                torch.distributed.broadcast(full, src=src, group=group)
+                param.to_local().copy_(_local_chunk(full, param))
 
     def state_dict(self, prefix: str = '', keep_vars: bool = False):
         """The module's state dict: parameters as DTensors (sharded, no communication)."""
@@ -295,6 +352,61 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     def sharded_state_dict(self, *args, **kwargs):
         """The wrapped model's distributed-checkpoint view (see dist_checkpointing)."""
         return self.module.sharded_state_dict(*args, **kwargs)
+
+
+def _data_parallel_mesh(
+    group: torch.distributed.ProcessGroup,
+    hsdp_groups: Optional[Tuple[torch.distributed.ProcessGroup, ...]],
+    device_type: str,
+) -> DeviceMesh:
+    """The FSDP2 mesh over `group`: 1-D, or (replicate, shard) for HSDP.
+
+    For HSDP the shard groups must be consecutive blocks of `group`'s ranks and the replicate
+    groups the ranks at the same position in each block (so the mesh is `group`'s ranks viewed
+    as [R, S]); anything else is refused, as the mesh would not describe the groups.
+    """
+    # DTensor caches sharding decisions keyed by meshes that compare equal when they cover the
+    # same ranks, and those carry their process groups: after parallel_state rebuilt its
+    # groups in the same process (tests, in-process restart) a cached plan would name a
+    # destroyed group. Naming the dimensions after the groups keeps meshes distinct.
+    if hsdp_groups is None or hsdp_groups[0].size() == 1:
+        shard_group = group if hsdp_groups is None else hsdp_groups[1]
+        mesh = DeviceMesh.from_group(
+            shard_group, device_type, mesh_dim_names=(f'dp_shard_{shard_group.group_name}',)
+        )
+        register_mesh_groups(mesh, [shard_group])
+        return mesh
+    replicate_group, shard_group = hsdp_groups
+    ranks = torch.distributed.get_process_group_ranks(group)
+    replicas, shards = replicate_group.size(), shard_group.size()
+    if replicas * shards != len(ranks):
+        raise ValueError(
+            f'HSDP groups of {replicas} replicas x {shard_group.size()} shards do not tile the '
+            f'{len(ranks)} data-parallel ranks'
+        )
+    layout = torch.tensor(ranks, dtype=torch.int).view(replicas, shards)  # [R, S]
+    rank = torch.distributed.get_rank()
+    row, column = (layout == rank).nonzero()[0].tolist()
+    if torch.distributed.get_process_group_ranks(shard_group) != layout[row].tolist() or (
+        torch.distributed.get_process_group_ranks(replicate_group) != layout[:, column].tolist()
+    ):
+        raise ValueError(
+            f'HSDP shard group {torch.distributed.get_process_group_ranks(shard_group)} and '
+            f'replicate group {torch.distributed.get_process_group_ranks(replicate_group)} of '
+            f'rank {rank} are not a row and a column of the data-parallel ranks {ranks} '
+            f'viewed as [{replicas}, {shards}]'
+        )
+    mesh = DeviceMesh.from_group(
+        [replicate_group, shard_group],
+        device_type,
+        mesh=layout,
+        mesh_dim_names=(
+            f'dp_replicate_{replicate_group.group_name}',
+            f'dp_shard_{shard_group.group_name}',
+        ),
+    )
+    register_mesh_groups(mesh, [replicate_group, shard_group])
+    return mesh
 
 
 def _local_chunk(full: torch.Tensor, like: DTensor) -> torch.Tensor:

@@ -34,6 +34,16 @@ def add_fsdp_args(parser):
         'reduce-scattered in fp32.',
     )
     group.add_argument(
+        '--num-distributed-optimizer-instances',
+        type=int,
+        default=1,
+        help='With --use-torch-fsdp2 (or a --use-megatron-fsdp optim_grads* strategy): HSDP. '
+        'The data x context parallel ranks form this many replicas of consecutive ranks; each '
+        'replica shards the parameters, gradients and optimizer state over its own ranks, and '
+        'the replicas all-reduce the gradient shards. Must divide the data x context parallel '
+        'size.',
+    )
+    group.add_argument(
         '--use-megatron-fsdp',
         action='store_true',
         help='Megatron-FSDP: shard the training state over data-parallel ranks at the level '

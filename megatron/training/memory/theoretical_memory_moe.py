@@ -78,7 +78,12 @@ def compute_moe_weight_and_optimizer_memory(args, verbose=False):
             f"{(dense_on_shard + experts_on_shard) / 10**9:.4f}"
         )
         print(f"Number of expert parameters per rank in billions: {experts_on_shard / 10**9:.4f}")
-    if args.use_distributed_optimizer:
+    if getattr(args, 'use_torch_fsdp2', False):
+        # FSDP2: 16 bytes per parameter sharded over the (HSDP: partial) data-parallel group,
+        # experts over their expert-data-parallel group (HSDP does not replicate them).
+        instances = getattr(args, 'num_distributed_optimizer_instances', 1)
+        dense_bytes, expert_bytes = 16 / (dp / instances), 16 / max(1, dp // ep)
+    elif args.use_distributed_optimizer:
         dense_bytes, expert_bytes = 6 + 12 / dp, 6 + 12 / max(1, dp // ep)
     else:
         dense_bytes = expert_bytes = 18

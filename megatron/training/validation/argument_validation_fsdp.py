@@ -47,12 +47,35 @@ def _dist_checkpoint_format(args) -> bool:
     return fmt in ('torch_dist', 'fsdp_dtensor') or bool(getattr(args, 'use_dist_ckpt', False))
 
 
+def _validate_hsdp(args, flag):
+    """--num-distributed-optimizer-instances N: HSDP, N replicas of DP*CP / N shard ranks."""
+    instances = getattr(args, 'num_distributed_optimizer_instances', 1)
+    if instances == 1:
+        return
+    if instances < 1:
+        raise ValueError(f'--num-distributed-optimizer-instances must be >= 1, got {instances}')
+    if not getattr(args, 'use_torch_fsdp2', False):
+        raise ValueError(
+            f'--num-distributed-optimizer-instances {instances} requires --use-torch-fsdp2 (HSDP) '
+            'or --use-megatron-fsdp with optim_grads / optim_grads_params: the partial '
+            'distributed optimizer is not implemented'
+        )
+    dp_cp = args.data_parallel_size * args.context_parallel_size
+    if dp_cp % instances != 0:
+        raise ValueError(
+            f'{flag} --num-distributed-optimizer-instances {instances} must divide the data x '
+            f'context parallel size {dp_cp} (data-parallel {args.data_parallel_size} x '
+            f'context-parallel {args.context_parallel_size})'
+        )
+
+
 def validate_fsdp_args(args):
     """Check the FSDP flags against the others (ValueError, one line); translate
     --use-megatron-fsdp into the engine of its strategy."""
     flag = '--use-torch-fsdp2'
     if getattr(args, 'use_megatron_fsdp', False):
         flag = _translate_megatron_fsdp(args)
+    _validate_hsdp(args, flag)
     if not getattr(args, 'use_torch_fsdp2', False):
         if not getattr(args, 'use_megatron_fsdp', False):
             _needs_fsdp2(args)
@@ -69,11 +92,13 @@ def validate_fsdp_args(args):
             f'{args.pipeline_model_parallel_size}): FSDP2 units would re-gather per micro-batch '
             'and the tied-embedding copy across stages is not sharded'
         )
-    if getattr(args, 'expert_model_parallel_size', 1) > 1:
+    if getattr(args, 'expert_model_parallel_size', 1) > 1 and getattr(
+        args, 'moe_extended_tp', False
+    ):
         raise ValueError(
-            f'{flag} is not supported with expert parallelism (--expert-model-parallel-size '
-            f'{args.expert_model_parallel_size}): experts would need their own '
-            'expert-data-parallel mesh'
+            f'{flag} is not supported with --moe-extended-tp (--expert-model-parallel-size '
+            f'{args.expert_model_parallel_size}): not tested; experts are sharded over the '
+            'expert-data-parallel group only with plain expert parallelism'
         )
     if args.test_mode:
         raise ValueError(

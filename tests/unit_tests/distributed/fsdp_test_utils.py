@@ -18,14 +18,30 @@ from tests.unit_tests.models.gpt_test_utils import VOCAB, build_gpt, llama_like_
 SEQ, MBS = 16, 2
 
 
-def build(arch='llama', tied=False, **config_overrides):
-    """A tiny GPT for the current parallel state, same init on every call (fixed seed)."""
+def build(arch='llama', tied=False, num_experts=None, **config_overrides):
+    """A tiny GPT for the current parallel state, same init on every call (fixed seed).
+
+    With `num_experts`, every layer's MLP is an MoE layer of that many SequentialMLP experts
+    (top-2, no load balancing), split over parallel_state's expert-parallel size.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
+    model_overrides = {}
+    if num_experts is not None:
+        config_overrides.update(
+            num_moe_experts=num_experts,
+            moe_router_topk=2,
+            moe_router_load_balancing_type='none',
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        )
+        model_overrides['transformer_layer_spec'] = get_gpt_layer_local_spec(num_experts)
     kwargs = llama_like_kwargs(finalize_model_grads_func=finalize_model_grads, **config_overrides)
-    return build_gpt(kwargs, arch='llama', share_embeddings_and_output_weights=tied)
+    return build_gpt(
+        kwargs, arch='llama', share_embeddings_and_output_weights=tied, **model_overrides
+    )
 
 
 def wrap_ddp(model, config, use_distributed_optimizer=False):

@@ -127,6 +127,7 @@ OUR_EXTRA_FLAGS = {
     '--torch-fsdp2-no-reshard-after-forward',
     '--use-megatron-fsdp',
     '--data-parallel-sharding-strategy',
+    '--num-distributed-optimizer-instances',  # core_v0.10; here HSDP with FSDP2
 }
 
 # Flags of this package only (no Megatron version has them).

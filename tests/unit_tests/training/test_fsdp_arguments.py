@@ -24,9 +24,13 @@ def _validate(extra=(), world_size=4):
 
 REFUSED = {
     'pipeline': (['--pipeline-model-parallel-size', '2'], 'pipeline parallelism'),
-    'experts': (
-        ['--num-experts', '4', '--expert-model-parallel-size', '2'],
-        'expert parallelism (--expert-model-parallel-size 2)',
+    'experts-extended-tp': (
+        ['--num-experts', '4', '--expert-model-parallel-size', '2', '--moe-extended-tp'],
+        '--moe-extended-tp (--expert-model-parallel-size 2)',
+    ),
+    'hsdp-not-dividing': (
+        ['--num-distributed-optimizer-instances', '3'],
+        '--num-distributed-optimizer-instances 3 must divide the data x context parallel size 4',
     ),
     'distributed-optimizer': (['--use-distributed-optimizer'], '--use-distributed-optimizer'),
     'fp16': (['--fp16'], '--fp16'),
@@ -46,6 +50,36 @@ def test_refused_combinations_are_one_line_errors(name):
         _validate(['--use-torch-fsdp2'] + extra)
     message = str(err.value)
     assert '\n' not in message and text in message, message
+
+
+@pytest.mark.parametrize(
+    'extra',
+    [
+        [],
+        ['--use-distributed-optimizer'],
+        ['--use-megatron-fsdp', '--data-parallel-sharding-strategy', 'optim'],
+    ],
+    ids=['ddp', 'distributed-optimizer', 'megatron-fsdp-optim'],
+)
+def test_hsdp_needs_an_fsdp2_engine(extra):
+    with pytest.raises(ValueError) as err:
+        _validate(['--num-distributed-optimizer-instances', '2'] + extra)
+    message = str(err.value)
+    assert '\n' not in message and 'requires --use-torch-fsdp2 (HSDP)' in message, message
+
+
+def test_hsdp_is_accepted_with_fsdp2_engines():
+    args = _validate(['--use-torch-fsdp2', '--num-distributed-optimizer-instances', '2'])
+    assert args.num_distributed_optimizer_instances == 2
+    args = _validate(['--use-megatron-fsdp', '--num-distributed-optimizer-instances', '4'])
+    assert args.use_torch_fsdp2
+
+
+def test_expert_parallelism_is_accepted():
+    args = _validate(
+        ['--use-torch-fsdp2', '--num-experts', '4', '--expert-model-parallel-size', '2']
+    )
+    assert args.use_torch_fsdp2 and args.expert_model_parallel_size == 2
 
 
 @pytest.mark.parametrize(
@@ -135,3 +169,22 @@ def test_theoretical_memory_accounts_for_each_strategy():
     assert memory['optim'] / memory['no_shard'] == pytest.approx((6 + 12 / dp) / 18)
     assert memory['optim_grads'] / memory['no_shard'] == pytest.approx(16 / dp / 18)
     assert memory['optim_grads_params'] == memory['optim_grads']
+    args = _validate(['--use-torch-fsdp2', '--num-distributed-optimizer-instances', '2'])
+    args.padded_vocab_size = 1024
+    # HSDP: each of the 2 replicas shards over DP / 2 ranks.
+    hsdp = compute_weight_and_optimizer_memory(args)
+    assert hsdp / memory['no_shard'] == pytest.approx(16 / (dp / 2) / 18)
+
+
+def test_theoretical_memory_of_fsdp2_experts():
+    from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
+
+    moe = ['--num-experts', '4', '--expert-model-parallel-size', '2']
+    memory = {}
+    for name, extra in (('ddp', []), ('fsdp2', ['--use-torch-fsdp2'])):
+        args = _validate(moe + extra)
+        args.padded_vocab_size = 1024
+        memory[name] = compute_weight_and_optimizer_memory(args)
+    # DP4 x EP2: dense state over 4 ranks, expert state over the 2 expert-data-parallel ranks,
+    # so FSDP2 holds between 16 / 4 and 16 / 2 bytes for each of DDP's 18.
+    assert 16 / 4 / 18 < memory['fsdp2'] / memory['ddp'] < 16 / 2 / 18

@@ -18,8 +18,8 @@ from megatron.core.inference.model_inference_wrappers.inference_wrapper_config i
 from megatron.core.inference.text_generation_controllers.simple_text_generation_controller import (
     SimpleTextGenerationController,
 )
-from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.global_vars import get_tokenizer
+from megatron.training.gpt_builder import gpt_config_from_args
 
 
 def get_inference_wrapper_config(args) -> InferenceWrapperConfig:
@@ -58,7 +58,7 @@ def get_dynamic_inference_context(args, max_requests=None) -> DynamicInferenceCo
             f"{args.inference_dynamic_batching_buffer_size_gb}"
         )
     return DynamicInferenceContext(
-        core_transformer_config_from_args(args),
+        gpt_config_from_args(args),  # an MLATransformerConfig for MLA: a latent cache
         max_sequence_length=max_seq,
         buffer_size_gb=args.inference_dynamic_batching_buffer_size_gb,
         block_size_tokens=args.inference_dynamic_batching_block_size,

@@ -275,8 +275,8 @@ def test_use_checkpoint_args_restores_the_architecture(converted):
 
 def test_tp2_ep2_checkpoint_gives_hf_logits(converted):
     arch, dirs, (expected, expected_mtp) = converted
-    # MTP refuses --sequence-parallel; MoE under TP needs it only for training.
-    extra = [] if arch == 'deepseek_v3' else ['--sequence-parallel']
+    # MoE under TP needs --sequence-parallel for training; the MTP head runs under it too.
+    extra = ['--sequence-parallel']
     also = _our_mtp_logits if arch == 'deepseek_v3' else None
     outs = run_distributed(
         cu.logits_from_checkpoint,

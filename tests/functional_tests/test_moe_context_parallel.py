@@ -128,3 +128,21 @@ def test_moe_under_context_parallelism_matches_serial(small_vocab_data_prefix, t
         ):
             expected = pytest.approx(_logged(reference, field), **tolerance)
             assert _logged(result, field) == expected, (name, field)
+
+
+def test_seq_aux_loss_under_context_parallelism(small_vocab_data_prefix, tmp_path_factory):
+    """seq_aux_loss (DeepSeek-V3's per-sequence loss) at CP2 x TP2 with sequence parallelism:
+    each rank holds a quarter of every sequence, the per-sequence counts are summed over the
+    tp x cp group, and the losses and the logged `seq_load_balancing_loss` equal the serial
+    run's."""
+    cache = str(tmp_path_factory.mktemp('moe_cp_seq_aux_cache'))
+    seq_aux = ['--moe-router-load-balancing-type', 'seq_aux_loss']
+    reference = _run(1, 1, 1, 1, seq_aux, small_vocab_data_prefix, cache)
+    result = _run(4, 2, 2, 1, seq_aux + ['--sequence-parallel'], small_vocab_data_prefix, cache)
+    assert _losses(result) == pytest.approx(_losses(reference), rel=RTOL)
+    balance = _logged(reference, 'seq_load_balancing_loss')
+    assert all(value > 1.0 for value in balance), balance  # 1.0 is perfect balance
+    assert _logged(result, 'seq_load_balancing_loss') == pytest.approx(balance, rel=2e-6)
+    assert _logged(result, 'grad norm') == pytest.approx(
+        _logged(reference, 'grad norm'), abs=1.5e-3
+    )

@@ -15,8 +15,6 @@ def check_mtp_config(config) -> None:
             f"({config.pipeline_model_parallel_size}) > 1 is not supported (the MTP layers need "
             "the embedding on the last stage)"
         )
-    if config.sequence_parallel:
-        raise ValueError("multi-token prediction with sequence_parallel is not supported")
     if config.context_parallel_size > 1:
         raise ValueError(
             f"multi-token prediction with context_parallel_size ({config.context_parallel_size}) "

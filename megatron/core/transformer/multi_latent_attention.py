@@ -17,9 +17,9 @@ parallelism). The shared rotary key `kr` enters every rank's heads, so its gradi
 all-reduced over TP in backward (reduce-scattered under sequence parallelism, where it is first
 all-gathered along the sequence).
 
-KV cache: the static cache stores the normalised latent c [rkv] and the rotated kr [dr] per
-token instead of the expanded keys and values [n (dn + dr + dv)]; every step re-expands the
-cached latent with W_kv_up.
+KV cache: the static cache, and the paged cache of the dynamic engine, store the normalised
+latent c [rkv] and the rotated kr [dr] per token instead of the expanded keys and values
+[n (dn + dr + dv)]; every step re-expands the cached latent with W_kv_up.
 """
 
 import math
@@ -315,6 +315,29 @@ class MLASelfAttention(MegatronModule):
         k_pos_memory[start:end, b0:b1] = k_pos
         return latent_memory[:end, b0:b1], k_pos_memory[:end, b0:b1]
 
+    def _rotate(self, query: Tensor, k_pos: Tensor, freqs: Tensor, mscale: float):
+        """RoPE on the rotary part of the query [s, b, np, dn + dr] and on k_pos [s, b, 1, dr]."""
+        q_nope, q_pos = torch.split(
+            query, [self.config.qk_head_dim, self.config.qk_pos_emb_head_dim], dim=-1
+        )
+        query = torch.cat((q_nope, rotate_deinterleaved(q_pos, freqs, mscale)), dim=-1)
+        return query, rotate_deinterleaved(k_pos, freqs, mscale)
+
+    def _forward_paged(self, hidden_states: Tensor, context):
+        """A dynamic-engine step: the requests' new tokens packed as [T, 1, h], each at its own
+        position; the latent cache is paged by the context (`latent_attention`)."""
+        if self.config.sequence_parallel:
+            raise NotImplementedError("KV-cache inference with sequence parallelism")
+        query = self._query(hidden_states)  # [T, 1, np, dn + dr]
+        latent, k_pos = self._latent(hidden_states)  # [T, 1, rkv], [T, 1, 1, dr]
+        freqs, mscale = self.rotary_pos_emb(context.max_sequence_length)  # [S, 1, 1, dr]
+        freqs = freqs.index_select(0, context.step_position_ids[0])  # [T, 1, 1, dr]
+        query, k_pos = self._rotate(query, k_pos, freqs, mscale)
+        out = context.latent_attention(
+            self.layer_number, query, latent, k_pos, self._expand, self.core_attention.softmax_scale
+        )  # [T, 1, np * dv]
+        return self.linear_proj(out)
+
     def forward(
         self,
         hidden_states: Tensor,
@@ -332,18 +355,12 @@ class MLASelfAttention(MegatronModule):
         if packed_seq_params is not None:
             raise NotImplementedError("multi-latent attention does not support packed sequences")
         if inference_params is not None and inference_params.is_dynamic_batching():
-            raise NotImplementedError(
-                "multi-latent attention runs with the static KV cache only (not the dynamic engine)"
-            )
+            return self._forward_paged(hidden_states, inference_params)
         query = self._query(hidden_states)  # [s, b, np, dn + dr]
         latent, k_pos = self._latent(hidden_states)
         offset = optional_offset(inference_params)
         freqs, mscale = self.rotary_pos_emb(query.size(0), offset=offset)  # [s, 1, 1, dr]
-        q_nope, q_pos = torch.split(
-            query, [self.config.qk_head_dim, self.config.qk_pos_emb_head_dim], dim=-1
-        )
-        query = torch.cat((q_nope, rotate_deinterleaved(q_pos, freqs, mscale)), dim=-1)
-        k_pos = rotate_deinterleaved(k_pos, freqs, mscale)
+        query, k_pos = self._rotate(query, k_pos, freqs, mscale)
         if inference_params is not None:
             if self.config.sequence_parallel:
                 raise NotImplementedError("KV-cache inference with sequence parallelism")

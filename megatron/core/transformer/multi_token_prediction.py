@@ -14,9 +14,14 @@ pass through the main hidden state (`MoEAuxLossAutoScaler`, whose gradient scale
 to loss scale / micro-batches, as for the main loss). Layer_k uses the main rotary angles: a
 uniform position shift leaves RoPE attention unchanged.
 
-Tensor parallelism: eh_proj is a ColumnParallelLinear that gathers its output (split along h
-over TP, backward: the input gradient is all-reduced); the inner layer is split as every layer.
-Pipeline parallelism, sequence and context parallelism are refused (mtp_config_checks.py).
+Tensor parallelism: eh_proj is a ColumnParallelLinear (split along h over TP, backward: the
+input gradient is all-reduced) whose output is all-gathered over TP (backward: split); the inner
+layer is split as every layer.
+Under sequence parallelism the embedding and h_{k-1} arrive as [s/tp, b, h] slices: eh_proj
+all-gathers its input along s (backward: reduce-scatter), and its gathered [s, b, h] output is
+split back to this rank's slice (backward: all-gather) for the inner layer, whose MoE router then
+balances over the same tp slices as the decoder's; the norms carry `sequence_parallel`, so their
+gradients are summed over tp. Pipeline and context parallelism are refused (mtp_config_checks.py).
 """
 
 from typing import Callable, Dict, List, Optional
@@ -74,7 +79,7 @@ class MultiTokenPredictionLayer(MegatronModule):
             config=config,
             init_method=config.init_method,
             bias=False,
-            gather_output=True,
+            gather_output=False,  # gathered in forward: ColumnParallelLinear refuses it with SP
             skip_bias_add=False,
             tp_group=self.pg_collection.tp,
         )
@@ -87,9 +92,15 @@ class MultiTokenPredictionLayer(MegatronModule):
         self.final_layernorm = WrappedTorchNorm(config=config, hidden_size=h, eps=eps)
 
     def forward(self, embedded: Tensor, hidden: Tensor, attention_mask, rotary_pos_emb) -> Tensor:
-        """embedded (of the rolled ids) and hidden (h_{k-1}) [s, b, h] -> h_k [s, b, h]."""
+        """embedded (of the rolled ids) and hidden (h_{k-1}) [s, b, h] -> h_k [s, b, h]
+        ([s/tp, b, h] each under sequence parallelism)."""
         x = torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1)  # [s, b, 2h]
-        x, _ = self.eh_proj(x)  # [s, b, h]
+        x, _ = self.eh_proj(x)  # [s, b, h/tp] (all-gathered along s with SP)
+        # [s, b, h/tp] -> [s, b, h]; backward: this rank's slice of the gradient.
+        x = tensor_parallel.gather_from_tensor_model_parallel_region(x, group=self.pg_collection.tp)
+        if self.eh_proj.sequence_parallel:
+            # [s, b, h] -> [s/tp, b, h]; backward: all-gather along s.
+            x = tensor_parallel.scatter_to_sequence_parallel_region(x, group=self.pg_collection.tp)
         x, _ = self.transformer_layer(
             x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
         )

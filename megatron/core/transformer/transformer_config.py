@@ -207,7 +207,9 @@ class TransformerConfig(ModelParallelConfig):
     # mixture of experts (see megatron/core/transformer/moe and docs/moe.md)
     ####################
     moe_router_load_balancing_type: str = "aux_loss"
-    """Load balancing: "aux_loss" (Switch loss), "sinkhorn" (balanced assignment) or "none"."""
+    """Load balancing: "aux_loss" (Switch loss over the micro-batch), "seq_aux_loss" (the same
+    loss per sequence, averaged: DeepSeek-V3's sequence-wise loss), "sinkhorn" (balanced
+    assignment) or "none"."""
 
     moe_router_topk: int = 2
     """Experts each token is routed to (k)."""

@@ -27,7 +27,7 @@ def _add_moe_args(parser):
         '--moe-router-load-balancing-type',
         type=str,
         default='aux_loss',
-        choices=['aux_loss', 'sinkhorn', 'none'],
+        choices=['aux_loss', 'seq_aux_loss', 'sinkhorn', 'none'],
         help='How the router keeps the experts evenly loaded.',
     )
     group.add_argument(

@@ -1,5 +1,6 @@
-"""MoE metrics in the training log: `load_balancing_loss` / `z_loss` in the log line and
-TensorBoard, per-layer values with --moe-per-layer-logging, per-expert token fractions.
+"""MoE metrics in the training log: `load_balancing_loss` (or `seq_load_balancing_loss`) /
+`z_loss` in the log line and TensorBoard, per-layer values with --moe-per-layer-logging,
+per-expert token fractions.
 
 Called by `training_log` on every rank every iteration (the reductions are collectives).
 """
@@ -15,8 +16,9 @@ def _expected_entries(args):
     names = []
     if args.moe_z_loss_coeff is not None:
         names.append('z_loss')
-    if args.moe_router_load_balancing_type == 'aux_loss' and args.moe_aux_loss_coeff:
-        names.append('load_balancing_loss')
+    balance_names = {'aux_loss': 'load_balancing_loss', 'seq_aux_loss': 'seq_load_balancing_loss'}
+    if args.moe_router_load_balancing_type in balance_names and args.moe_aux_loss_coeff:
+        names.append(balance_names[args.moe_router_load_balancing_type])
     entries = {name: (args.num_layers,) for name in names}
     entries[EXPERT_LOAD] = (args.num_layers, args.num_experts)
     return entries

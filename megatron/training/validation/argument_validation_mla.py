@@ -38,8 +38,8 @@ def validate_mla_args(args):
 
 
 def validate_mtp_args(args):
-    """--mtp-num-layers: positive, last-stage-only layouts (PP = 1), no sequence / context
-    parallelism, rope or no position embedding."""
+    """--mtp-num-layers: positive, last-stage-only layouts (PP = 1), no context parallelism,
+    rope or no position embedding (sequence parallelism is supported)."""
     depth = getattr(args, 'mtp_num_layers', None)
     if depth is None:
         return
@@ -50,8 +50,6 @@ def validate_mtp_args(args):
             f'--mtp-num-layers with --pipeline-model-parallel-size '
             f'({args.pipeline_model_parallel_size}) > 1 is not supported'
         )
-    if args.sequence_parallel:
-        raise ValueError('--mtp-num-layers with --sequence-parallel is not supported')
     if args.context_parallel_size > 1:
         raise ValueError(
             f'--mtp-num-layers with --context-parallel-size ({args.context_parallel_size}) > 1 '

@@ -19,7 +19,9 @@ MAX_POSITIONS = 64
 def build_hf_model(arch, seed=0, max_positions=MAX_POSITIONS):
     """A random tiny GPT2LMHeadModel ("gpt2"), LlamaForCausalLM with GQA ("llama"),
     Qwen3ForCausalLM with GQA and per-head q/k RMSNorm, head size 16 != hidden / heads ("qwen3")
-    or MixtralForCausalLM with GQA, 4 experts, top-2 ("mixtral"), eval mode.
+    MixtralForCausalLM with GQA, 4 experts, top-2 ("mixtral") or DeepseekV3ForCausalLM
+    ("deepseek_v3": multi-latent attention with q-LoRA and YaRN, a dense then an MoE layer with
+    sigmoid group-limited routing, expert bias and a shared expert), eval mode.
 
     Weights are drawn with a larger spread than HF's init so that greedy choices are decided by
     clear margins (ties between candidates would make token-for-token comparisons fragile).
@@ -65,6 +67,8 @@ def build_hf_model(arch, seed=0, max_positions=MAX_POSITIONS):
             eos_token_id=VOCAB_SIZE - 1,
         )
         model = MixtralForCausalLM(config)
+    elif arch == "deepseek_v3":
+        model = _deepseek_v3(max_positions)
     elif arch == "qwen3":
         config = Qwen3Config(
             vocab_size=VOCAB_SIZE,
@@ -106,7 +110,55 @@ def build_hf_model(arch, seed=0, max_positions=MAX_POSITIONS):
                 p.copy_(1.0 + 0.1 * noise)
             else:
                 p.copy_(0.2 * noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the expert bias (a buffer in HF)
+                buffer.copy_(0.2 * torch.rand(buffer.shape, generator=g))
     return model.eval()
+
+
+def _deepseek_v3(max_positions):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        max_position_embeddings=max_positions,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=16,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        rope_interleave=True,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=VOCAB_SIZE - 1,
+        eos_token_id=VOCAB_SIZE - 1,
+    )
+    config._attn_implementation = "eager"
+    return DeepseekV3ForCausalLM(config)
 
 
 def server_flags(ckpt):

@@ -1,5 +1,6 @@
 """megatron.core.inference engines on checkpoints converted from random tiny Hugging Face GPT-2 and
-Llama models (tools/checkpoint/convert.py), at TP1, TP2 and PP2, and Qwen3 at TP2:
+Llama models (tools/checkpoint/convert.py), at TP1, TP2 and PP2, and Qwen3 and DeepSeek-V3 (MLA +
+MoE, latent KV cache) at TP2:
 
 - the static engine (MCoreEngine, r0.8 API) gives exactly the tokens and log probs of Megatron's
   generate() (same forwards), cut at num_tokens_to_generate and before the end-of-document id;
@@ -29,8 +30,8 @@ def _run_engines(ckpt, extra):
     from megatron.core.inference.sampling_params import SamplingParams
     from megatron.inference.inference_engine import get_inference_engine
     from megatron.inference.text_generation import generate_and_post_process
-    from megatron.training.arguments import core_transformer_config_from_args
     from megatron.training.global_vars import get_args
+    from megatron.training.gpt_builder import gpt_config_from_args
 
     model = _setup_model(ckpt, extra)
     args = get_args()
@@ -53,7 +54,7 @@ def _run_engines(ckpt, extra):
 
     # Dynamic engine, small blocks; request i arrives at step 2 * i.
     context = DynamicInferenceContext(
-        core_transformer_config_from_args(args),
+        gpt_config_from_args(args),  # MLA: the latent pools
         max_sequence_length=args.max_position_embeddings,
         block_size_tokens=4,
         num_blocks=32,
@@ -104,6 +105,9 @@ _CASES = [(a, lay) for a in ("gpt2", "llama") for lay in ((1, 1), (2, 1), (1, 2)
 # Qwen3 (q/k RMSNorm per head, head size != hidden / heads) at TP2: the server's model provider
 # must build the q/k norms from the checkpoint's --qk-layernorm.
 _CASES.append(("qwen3", (2, 1)))
+# DeepSeek-V3 (multi-latent attention, MoE) at TP2: both engines cache the compressed latent,
+# the dynamic one in its paged pools.
+_CASES.append(("deepseek_v3", (2, 1)))
 
 
 @pytest.mark.parametrize(

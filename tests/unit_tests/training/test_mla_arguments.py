@@ -43,7 +43,7 @@ def _args(extra):
             'excludes --group-query-attention',
         ),
         (['--mtp-num-layers', '1', '--pipeline-model-parallel-size', '2'], r'> 1 is not supported'),
-        (['--mtp-num-layers', '1', '--sequence-parallel'], '--sequence-parallel'),
+        (['--mtp-num-layers', '1', '--context-parallel-size', '2'], r'\(2\) > 1 is not supported'),
         (
             ['--mtp-num-layers', '1', '--position-embedding-type', 'learned_absolute'],
             'rope or none, got learned_absolute',

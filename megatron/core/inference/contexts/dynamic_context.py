@@ -3,9 +3,12 @@ step.
 
 Memory: per self-attention layer of this pipeline stage, a key pool and a value pool of
 [num_blocks, B, ng/tp, hn] (B = block_size_tokens tokens per block, ng query groups, hn head
-size), allocated on the layer's first step. Keys are stored after RoPE. A request owns
-ceil(tokens cached / B) blocks, taken from `KVBlockAllocator` as it grows and given back when it
-finishes or is preempted.
+size), allocated on the layer's first step. Keys are stored after RoPE. Multi-latent attention
+layers (an MLATransformerConfig) instead keep a latent pool [num_blocks * B, rkv] and a rotary
+key pool [num_blocks * B, dr] (the normalised latent and the rotated shared rotary key, whole on
+every tensor-parallel rank), re-expanded per step by the layer (`latent_attention`). A request
+owns ceil(tokens cached / B) blocks, taken from `KVBlockAllocator` as it grows and given back
+when it finishes or is preempted.
 
 Step layout (`build_step`): the scheduled requests' new tokens are packed into one sequence
 [1, T] (decode tokens and prompt chunks alike), with their own positions. The model runs with this
@@ -93,12 +96,15 @@ class DynamicInferenceContext:
         self.head_dim = model_config.kv_channels
         self.num_local_layers = math.ceil(model_config.num_layers / pp)
         dtype = model_config.params_dtype
+        if getattr(model_config, "multi_latent_attention", False):
+            # Per token and layer: the latent and the rotary key, not divided by tp.
+            values_per_token = model_config.kv_lora_rank + model_config.qk_pos_emb_head_dim
+        else:
+            values_per_token = 2 * self.num_query_groups_per_partition * self.head_dim
         self.block_size_bytes = (
-            2
-            * self.num_local_layers
+            self.num_local_layers
             * block_size_tokens
-            * self.num_query_groups_per_partition
-            * self.head_dim
+            * values_per_token
             * torch.empty((), dtype=dtype).element_size()
         )
         if num_blocks is None:
@@ -267,6 +273,50 @@ class DynamicInferenceContext:
         write_to_paged_cache(key, value, key_pool, value_pool, self.slot_mapping)
         return paged_attention(
             query, key_pool, value_pool, self.attention_requests, all_slots=self.attention_slots
+        )
+
+    def latent_attention(
+        self, layer_number, query, latent, k_pos, expand, softmax_scale
+    ) -> torch.Tensor:
+        """Multi-latent self attention of the packed step for layer `layer_number`: this step's
+        latents and rotary keys go to their slots, every scheduled request's cached ones are
+        gathered once and expanded to keys / values by `expand` (the layer's up projection), then
+        each request attends over its own.
+
+        Args:
+            query: [T, 1, np, dn + dr] (rotated).
+            latent: [T, 1, rkv] (normalised); k_pos: [T, 1, 1, dr] (rotated).
+            expand: (latent [N, 1, rkv], k_pos [N, 1, 1, dr]) -> (keys [N, 1, np, dn + dr],
+                values [N, 1, np, dv]).
+            softmax_scale: the layer's logit scale.
+
+        Returns:
+            context [T, 1, np * dv].
+        """
+        rkv, dr = latent.size(-1), k_pos.size(-1)
+        if layer_number not in self.memory:
+            pool = (self.num_blocks * self.block_size_tokens,)
+            self.memory[layer_number] = (
+                latent.new_empty(pool + (rkv,)),
+                k_pos.new_empty(pool + (dr,)),
+            )
+        latent_pool, k_pos_pool = self.memory[layer_number]  # [slots, rkv], [slots, dr]
+        latent_pool.index_copy_(0, self.slot_mapping, latent.reshape(-1, rkv))
+        k_pos_pool.index_copy_(0, self.slot_mapping, k_pos.reshape(-1, dr))
+        slots = self.attention_slots
+        cached_latent = latent_pool.index_select(0, slots).unsqueeze(1)  # [N, 1, rkv]
+        cached_k_pos = k_pos_pool.index_select(0, slots)[:, None, None, :]  # [N, 1, 1, dr]
+        keys, values = expand(cached_latent, cached_k_pos)  # [N, 1, np, dn + dr], [N, 1, np, dv]
+        # The expanded rows are already in request order: pools of one-token blocks, read in
+        # sequence (the gather in paged_attention is then a plain copy).
+        order = torch.arange(slots.numel(), device=slots.device)
+        return paged_attention(
+            query,
+            keys.view(-1, 1, keys.size(-2), keys.size(-1)),
+            values.view(-1, 1, values.size(-2), values.size(-1)),
+            self.attention_requests,
+            softmax_scale=softmax_scale,
+            all_slots=order,
         )
 
     def select_logit_positions(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -55,17 +55,18 @@ def paged_attention(
 
     Args:
         query: [T, 1, np, hn] (rotated).
-        key_pool, value_pool: [num_blocks, B, ng, hn], this step's keys already written.
+        key_pool, value_pool: [num_blocks, B, ng, hn] and [num_blocks, B, ng, hv] (hv = hn
+            except for multi-latent attention), this step's keys already written.
         requests: per request (q_start, q_end, kv_len, slots [kv_len] int64 from `kv_slots`).
         softmax_scale: default 1 / sqrt(hn).
         all_slots: the requests' slots concatenated (default: concatenated here; a step passes
             it once for all its layers).
 
     Returns:
-        context [T, 1, np * hn].
+        context [T, 1, np * hv].
     """
     num_tokens, _, np_, hn = query.shape
-    ng = key_pool.size(-2)
+    ng, hv = key_pool.size(-2), value_pool.size(-1)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
     # Every request's keys / values in one gather each (a copy, so exact); request r's are the
     # rows [offset_r, offset_r + kv_len_r).
@@ -74,11 +75,11 @@ def paged_attention(
     # shape and strides its own transposed copy would have, without a transpose per request.
     queries = query[:, 0].transpose(0, 1).unsqueeze(0)  # [1, np, T, hn]
     keys = key_pool.view(-1, ng, hn).index_select(0, slots)  # [sum of kv_len, ng, hn]
-    values = value_pool.view(-1, ng, hn).index_select(0, slots)
+    values = value_pool.view(-1, ng, hv).index_select(0, slots)
     keys = keys.transpose(0, 1).unsqueeze(0)  # [1, ng, sum of kv_len, hn]
     values = values.transpose(0, 1).unsqueeze(0)
-    out = query.new_empty(num_tokens, np_, hn)
-    out_heads = out.transpose(0, 1)  # [np, T, hn], a view: the slices below write into `out`
+    out = query.new_empty(num_tokens, np_, hv)
+    out_heads = out.transpose(0, 1)  # [np, T, hv], a view: the slices below write into `out`
     offset = 0
     for q_start, q_end, kv_len, _ in requests:
         q_len = q_end - q_start
@@ -97,5 +98,5 @@ def paged_attention(
             enable_gqa=np_ != ng,  # each key head serves np / ng query heads
         )
         offset += kv_len
-        out_heads[:, q_start:q_end] = ctx[0]  # [np, q, hn]
-    return out.view(num_tokens, 1, np_ * hn)
+        out_heads[:, q_start:q_end] = ctx[0]  # [np, q, hv]
+    return out.view(num_tokens, 1, np_ * hv)

@@ -6,7 +6,7 @@ the ones its later versions or this implementation need.
 """
 
 _DISPATCHERS = ("allgather", "alltoall")
-_LOAD_BALANCING = ("aux_loss", "sinkhorn", "none")
+_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 _DROP_POLICIES = ("probs", "position")
 _SCORE_FUNCTIONS = ("softmax", "sigmoid")
 _ROUTER_DTYPES = (None, "fp32", "fp64")
@@ -72,7 +72,7 @@ def check_moe_config(config) -> None:
             raise ValueError(f"moe_expert_capacity_factor must be positive, got {factor}")
         if config.moe_token_dispatcher_type != "alltoall":
             raise ValueError("moe_expert_capacity_factor only works with alltoall token dispatcher")
-        if config.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        if config.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
             raise ValueError(
                 "moe_expert_capacity_factor only works with aux_loss or none load balancing"
             )

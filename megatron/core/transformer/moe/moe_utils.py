@@ -3,7 +3,8 @@
 Notation: T tokens routed by this rank (rows of the router logits), E experts, k top-k,
 h hidden size, cap the expert capacity.
 
-- Losses: the Switch load-balancing loss (`switch_load_balancing_loss_func`), the z-loss
+- Losses: the Switch load-balancing loss (`switch_load_balancing_loss_func`), its per-sequence
+  form (`sequence_load_balancing_loss_func`, DeepSeek-V3's sequence-wise loss), the z-loss
   (`z_loss_func`) and `MoEAuxLossAutoScaler`, which attaches a loss to an activation so that its
   gradient flows in the activation's backward (the loss is never added to the LM loss).
 - Routing: `topk_softmax_with_capacity` (top-k, softmax or sigmoid scores, optional expert bias,
@@ -61,6 +62,50 @@ def switch_load_balancing_loss_func(
     return torch.sum(aggregated_probs_per_expert * tokens_per_expert) * (
         num_experts * moe_aux_loss_coeff / (num_tokens * num_tokens * topk)
     )
+
+
+def sequence_load_balancing_loss_func(
+    scores: torch.Tensor,
+    batch_size: int,
+    topk: int,
+    moe_aux_loss_coeff: float,
+    sequence_partition_group: Optional[torch.distributed.ProcessGroup] = None,
+) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss, averaged over the sequences.
+
+    For every sequence of S tokens: f_e = E / (k S) x (tokens whose top-k of `scores` holds e),
+    P_e = mean_t scores_te, loss = coeff x sum_e f_e P_e; the result is the mean over the b
+    sequences. The counts come from the top-k of the unbiased scores (DeepSeek-V3's indicator):
+    an expert bias or a group limit changes which experts the tokens are sent to, not f.
+
+    The rows are this rank's slice of b sequences, in [s, b] order. Under sequence or context
+    parallelism the per-sequence counts are summed over `sequence_partition_group` (all-reduce,
+    no gradient) and S = s x group size, while sum_t scores_te stays local: each rank returns a
+    partial and the partials add up to the loss of the whole sequences.
+
+    Args:
+        scores: [s * b, E] routing scores of every expert, normalised per token (fp32).
+        batch_size: b, the sequences the rows belong to.
+        topk: k.
+        moe_aux_loss_coeff: coeff.
+        sequence_partition_group: group whose ranks split the sequences (None: no split).
+    """
+    num_experts = scores.shape[1]
+    scores = scores.view(-1, batch_size, num_experts)  # [s, b, E]
+    with torch.no_grad():
+        top = torch.topk(scores, k=topk, dim=-1).indices  # [s, b, k]
+        choices = top.transpose(0, 1).reshape(batch_size, -1)  # [b, s * k]
+        counts = scores.new_zeros(batch_size, num_experts).scatter_add_(
+            1, choices, scores.new_ones(choices.shape)
+        )  # [b, E]
+        num_sub_sequence = 1
+        if sequence_partition_group is not None and sequence_partition_group.size() > 1:
+            num_sub_sequence = sequence_partition_group.size()
+            torch.distributed.all_reduce(counts, group=sequence_partition_group)
+    seq_len = scores.shape[0] * num_sub_sequence
+    fraction = counts * (num_experts / (topk * seq_len))  # [b, E]
+    mean_scores = scores.sum(dim=0) / seq_len  # [b, E], this rank's partial
+    return torch.sum(fraction * mean_scores) * (moe_aux_loss_coeff / batch_size)
 
 
 def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
@@ -405,7 +450,8 @@ EXPERT_LOAD = "tokens_per_expert"
 def _tracker_order(name: str):
     """Deterministic order on every rank; z_loss before load_balancing_loss, as Megatron logs
     them (z_loss is computed first)."""
-    return ({"z_loss": 0, "load_balancing_loss": 1}.get(name, 2), name)
+    order = {"z_loss": 0, "load_balancing_loss": 1, "seq_load_balancing_loss": 2}
+    return (order.get(name, 3), name)
 
 
 def get_moe_layer_wise_logging_tracker() -> Dict[str, dict]:
@@ -500,11 +546,11 @@ def track_moe_metrics(
 ) -> Dict[str, float]:
     """Reduce the tracker, write it to TensorBoard, add it to the log line, clear it.
 
-    For each loss (`load_balancing_loss`, `z_loss`): values x loss_scale (1/num_microbatches),
-    the mean over all layers goes to TensorBoard under its name and into `total_loss_dict`; with
-    `per_layer_logging` also `moe/{name}_layer_{i}`. The expert loads go to TensorBoard as
-    `moe/tokens_per_expert_fraction/layer_{i}/expert_{e}` (each expert's share of the layer's
-    routed tokens) and `moe/max_expert_fraction/layer_{i}`.
+    For each loss (`load_balancing_loss`, `seq_load_balancing_loss`, `z_loss`): values x
+    loss_scale (1/num_microbatches), the mean over all layers goes to TensorBoard under its name
+    and into `total_loss_dict`; with `per_layer_logging` also `moe/{name}_layer_{i}`. The expert
+    loads go to TensorBoard as `moe/tokens_per_expert_fraction/layer_{i}/expert_{e}` (each
+    expert's share of the layer's routed tokens) and `moe/max_expert_fraction/layer_{i}`.
 
     Collectives: every rank must call this each iteration with the same `expected_entries`
     ({name: values shape}); an entry a rank did not record (a pipeline stage without MoE layers,
@@ -559,11 +605,16 @@ def _write_expert_load(writer, counts: torch.Tensor, iteration: int):
         writer.add_scalar(f"moe/max_expert_fraction/layer_{layer}", max(fractions), iteration)
 
 
+#: Tracker name of each load-balancing type that adds a loss.
+_BALANCE_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+
+
 def expert_metric_names(config) -> List[str]:
     """Names of the tracker entries a model with this config records, in tracker order."""
     names = []
     if config.moe_z_loss_coeff is not None:
         names.append("z_loss")
-    if config.moe_router_load_balancing_type == "aux_loss":
-        names.append("load_balancing_loss")
+    name = _BALANCE_LOSS_NAMES.get(config.moe_router_load_balancing_type)
+    if name is not None:
+        names.append(name)
     return names

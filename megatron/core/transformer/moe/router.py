@@ -18,6 +18,7 @@ from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
     is_recomputing,
     save_to_aux_losses_tracker,
+    sequence_load_balancing_loss_func,
     sinkhorn,
     switch_load_balancing_loss_func,
     topk_softmax_with_capacity,
@@ -80,8 +81,8 @@ class Router(ABC, MegatronModule):
 
 
 class TopKRouter(Router):
-    """Top-k router with load balancing (aux_loss, sinkhorn, none), z-loss, input jitter,
-    capacity, sigmoid scores and an aux-loss-free expert bias.
+    """Top-k router with load balancing (aux_loss, seq_aux_loss, sinkhorn, none), z-loss, input
+    jitter, capacity, sigmoid scores and an aux-loss-free expert bias.
 
     Losses are attached to activations with `MoEAuxLossAutoScaler`: the load-balancing loss to
     the returned probs, the z-loss to the logits, so their gradients reach the gate through the
@@ -174,6 +175,29 @@ class TopKRouter(Router):
             )
         return MoEAuxLossAutoScaler.apply(activation, aux_loss)
 
+    def apply_seq_load_balancing_loss(
+        self, scores: torch.Tensor, batch_size: int, activation
+    ) -> torch.Tensor:
+        """Attach the sequence-wise loss of `scores` [s * b, E] to `activation` and record it
+        as `seq_load_balancing_loss`, with the same coefficient and tp rule as the Switch loss
+        (`apply_load_balancing_loss`)."""
+        moe_aux_loss_coeff = self.config.moe_aux_loss_coeff
+        if self._routes_gathered_logits:
+            moe_aux_loss_coeff /= self.pg_collection.tp.size()
+        group = self._sequence_partition_group()
+        seq_aux_loss = sequence_load_balancing_loss_func(
+            scores, batch_size, self.topk, moe_aux_loss_coeff, group
+        )
+        if moe_aux_loss_coeff != 0:
+            save_to_aux_losses_tracker(
+                "seq_load_balancing_loss",
+                seq_aux_loss / moe_aux_loss_coeff,
+                self.layer_number,
+                self.config.num_layers,
+                reduce_group=group,
+            )
+        return MoEAuxLossAutoScaler.apply(activation, seq_aux_loss)
+
     def apply_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         """Attach coeff / (tp x cp) x mean_t lse_t^2 to the local logits (training only).
 
@@ -250,21 +274,32 @@ class TopKRouter(Router):
             scores = self._sinkhorn_activation(logits).gather(1, indices)
         return scores, indices, torch.bincount(indices.view(-1), minlength=self.num_experts)
 
-    def aux_loss_load_balancing(self, logits: torch.Tensor):
-        """Top-k routing plus, in training, the Switch loss on the full fp32 routing scores."""
+    def _balance_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """[T, E] fp32 scores of every expert that the balance losses average: the softmax,
+        or the sigmoid normalised per token to sum to one."""
+        if self.config.moe_router_score_function == "sigmoid":
+            scores = torch.sigmoid(logits.float())
+            return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
+
+    def aux_loss_load_balancing(self, logits: torch.Tensor, batch_size: int = 1):
+        """Top-k routing plus, in training, the Switch loss on the full fp32 routing scores;
+        with seq_aux_loss the per-sequence loss of `batch_size` sequences instead."""
         probs, indices, tokens_per_expert = self._topk(logits)
         if self.training:
-            if self.config.moe_router_score_function == "sigmoid":
-                scores = torch.sigmoid(logits.float())
-                scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+            scores = self._balance_scores(logits)
+            if self.routing_type == "seq_aux_loss":
+                probs = self.apply_seq_load_balancing_loss(scores, batch_size, activation=probs)
             else:
-                scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            probs = self.apply_load_balancing_loss(scores, tokens_per_expert, activation=probs)
+                probs = self.apply_load_balancing_loss(scores, tokens_per_expert, activation=probs)
         return probs, indices, tokens_per_expert
 
-    def routing(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def routing(
+        self, logits: torch.Tensor, batch_size: int = 1
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """[T, E] logits -> (probs, indices), [T', k] each (T' = T x tp with gathered logits),
-        or [E, capacity] each with pad-to-capacity."""
+        or [E, capacity] each with pad-to-capacity. The rows are [s, b] flattened, b =
+        `batch_size` (the sequences seq_aux_loss balances)."""
         logits = logits.view(-1, self.num_experts)
         logits = self.apply_z_loss(logits)
         if self._routes_gathered_logits:
@@ -274,8 +309,8 @@ class TopKRouter(Router):
             )
         if self.routing_type == "sinkhorn":
             scores, indices, tokens_per_expert = self.sinkhorn_load_balancing(logits)
-        elif self.routing_type == "aux_loss":
-            scores, indices, tokens_per_expert = self.aux_loss_load_balancing(logits)
+        elif self.routing_type in ("aux_loss", "seq_aux_loss"):
+            scores, indices, tokens_per_expert = self.aux_loss_load_balancing(logits, batch_size)
         elif self.routing_type == "none":
             scores, indices, tokens_per_expert = self._topk(logits)
         else:
@@ -298,10 +333,11 @@ class TopKRouter(Router):
 
     def forward(self, input: torch.Tensor):
         """[s, b, h] -> (probs, indices) of every routed token, see `routing`."""
+        batch_size = input.shape[1] if input.dim() == 3 else 1
         input = self.apply_input_jitter(input)
         logits = self.gating(input)
         logits = logits.view(-1, self.num_experts)  # [s * b, E]
-        return self.routing(logits)
+        return self.routing(logits, batch_size)
 
 
 def update_expert_bias(routers, group: torch.distributed.ProcessGroup):

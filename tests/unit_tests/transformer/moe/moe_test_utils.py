@@ -140,3 +140,20 @@ def reference_aux_loss(scores, idx, coeff, topk=2):
     num_tokens, num_experts = scores.shape
     counts = torch.bincount(idx.reshape(-1), minlength=num_experts).float()
     return (scores.sum(0) * counts).sum() * num_experts * coeff / (num_tokens**2 * topk)
+
+
+def reference_seq_aux_loss(scores, coeff, batch, topk=2):
+    """DeepSeek-V3's sequence-wise balance loss written out per sequence: scores [s * b, E]
+    (rows in [s, b] order, normalised per token); for each sequence f_e = E / (k S) x (tokens
+    whose top-k holds e), P_e = mean_t p_te; coeff * sum_e f_e P_e, averaged over the b."""
+    num_experts = scores.shape[1]
+    per_sequence = scores.view(-1, batch, num_experts)  # [s, b, E]
+    total = 0.0
+    for b in range(batch):
+        p = per_sequence[:, b]  # [S, E]
+        length = p.shape[0]
+        chosen = torch.topk(p.detach(), topk, dim=-1).indices  # [S, k]
+        hits = torch.stack([(chosen == e).any(dim=-1).sum() for e in range(num_experts)])
+        f = hits.to(p.dtype) * num_experts / (topk * length)
+        total = total + coeff * (f * p.mean(dim=0)).sum()
+    return total / batch

@@ -6,6 +6,8 @@ sequences of the rank's tensor x expert group (the tokens its experts see) with 
 weights, and each rank compares its output, its input gradient, its experts' weight-gradient
 shards and (summed over the group) the router gradient. Tolerance 1e-5 (float32 summation order).
 
+The sequence-level auxiliary loss (seq_aux_loss) at tp2 x ep2 with both dispatchers.
+
 Also: the allgather and alltoall dispatchers give bit-identical results at tp = 1 (k = 2);
 grouped experts equal sequential ones; a rank whose experts receive no token works and gets
 zero (not missing) expert gradients; capacity drops the same pairs with and without padding at
@@ -28,6 +30,7 @@ from tests.unit_tests.transformer.moe.moe_test_utils import (
     moe_config,
     reference_aux_loss,
     reference_moe,
+    reference_seq_aux_loss,
 )
 
 WORLD = 4
@@ -53,6 +56,7 @@ def _layer_body(
     capacity=None,
     pad=False,
     recompute=False,
+    balancing="aux_loss",
 ):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -65,7 +69,7 @@ def _layer_body(
     config = moe_config(
         moe_token_dispatcher_type=dispatcher,
         moe_grouped_gemm=grouped,
-        moe_router_load_balancing_type="aux_loss" if aux_coeff else "none",
+        moe_router_load_balancing_type=balancing if aux_coeff else "none",
         moe_aux_loss_coeff=aux_coeff,
         moe_extended_tp=extended_tp,
         moe_expert_capacity_factor=capacity,
@@ -106,7 +110,9 @@ def _layer_body(
             keep = kept != torch.iinfo(torch.long).max
         out_i, scores, idx = reference_moe(xi, ref_w, keep=keep)
         total = total + (out_i * _output_grad(i).view(-1, H)).sum()
-        if aux_coeff:
+        if aux_coeff and balancing == "seq_aux_loss":
+            total = total + reference_seq_aux_loss(scores, aux_coeff, BATCH)
+        elif aux_coeff:
             total = total + reference_aux_loss(scores, idx, aux_coeff)
         if i == rank // tp:
             ref_out, ref_x = out_i, xi
@@ -160,6 +166,22 @@ LAYOUTS = {
     "tp2_ep2": (2, 2),
     "tp2": (2, 1),
 }
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_seq_aux_loss_at_tp2_ep2(dispatcher):
+    """The sequence-level loss with each tp rank holding half of the positions of the BATCH
+    sequences (sequence parallel): the alltoall dispatcher routes the gathered logits,
+    allgather its own half (the counts summed over tp)."""
+    results = run_distributed(
+        _layer_body,
+        WORLD,
+        tp=2,
+        ep=2,
+        args=(dispatcher,),
+        kwargs=dict(aux_coeff=1e-1, balancing="seq_aux_loss"),
+    )
+    _check(results)
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])

@@ -17,6 +17,8 @@ from typing import List, Sequence, Tuple
 import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
+from megatron.legacy.data.autoaugment import ImageNetPolicy
+
 #: ImageNet statistics in [0, 1] units (Megatron's legacy classification / DINO transforms).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -235,10 +237,9 @@ def classification_transform(
     image_size: Tuple[int, int], train: bool, num_channels: int = 3, augment: bool = True
 ) -> Compose:
     """Megatron's classification pipeline: train = RandomResizedCrop, horizontal flip, colour
-    jitter (0.4, 0.4, 0.4, 0.1), to array, normalise; validation = resize, centre crop, to array,
-    normalise. `augment=False` keeps only the validation geometry (for data where flips or heavy
-    crops change the label, such as digits). Megatron's AutoAugment ImageNet policy is not
-    applied (see docs/vision.md)."""
+    jitter (0.4, 0.4, 0.4, 0.1), AutoAugment's ImageNet policy, to array, normalise; validation
+    = resize, centre crop, to array, normalise. `augment=False` keeps only the validation
+    geometry (for data where flips or heavy crops change the label, such as digits)."""
     h, w = image_size
     if h != w:
         raise ValueError(f"the vision transforms take square images, got --img-h {h} --img-w {w}")
@@ -249,6 +250,7 @@ def classification_transform(
             RandomResizedCrop(h),
             RandomHorizontalFlip(),
             ColorJitter(0.4, 0.4, 0.4, 0.1),
+            ImageNetPolicy(),
         ]
     else:
         head = [Resize(h), CenterCrop(h)]

@@ -221,7 +221,10 @@ def _pretrain(
 
     # Model, optimizer, and learning rate.
     timers('model-and-optimizer-setup', log_level=0).start(barrier=True)
-    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
+    scale_lr_cond, lr_mult = head_lr_scaling(args)
+    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(
+        model_provider, model_type, scale_lr_cond=scale_lr_cond, lr_mult=lr_mult
+    )
     timers('model-and-optimizer-setup').stop()
     print_datetime('after model, optimizer, and learning rate scheduler are built')
     write_args_to_tensorboard()
@@ -568,6 +571,20 @@ def get_optimizer_param_scheduler(optimizer):
         wsd_decay_steps=wsd_decay_steps,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
     )
+
+
+def is_head_parameter(name: str, param) -> bool:
+    """A parameter of a vision model's head (`head.` in its name: the classifier of
+    VitClassificationModel, the DINO projection head)."""
+    return 'head' in name.split('.')
+
+
+def head_lr_scaling(args):
+    """(scale_lr_cond, lr_mult) for the optimizer: --head-lr-mult multiplies the head's learning
+    rate, as Megatron's vision finetuning does (`tasks/vision/finetune_utils.py`)."""
+    if getattr(args, 'head_lr_mult', 1.0) == 1.0:
+        return None, 1.0
+    return is_head_parameter, args.head_lr_mult
 
 
 def setup_model_and_optimizer(

@@ -14,7 +14,6 @@ supported group that are unsupported (fp8, ...) are defined with their group in
 
 _FP8 = 'fp8 training needs Transformer Engine, which this package does not use'
 _VISION = 'the Swin and MiT vision backbones are not included (the ViT is)'
-_VISION_FINETUNE = 'Megatron reads it only in tasks/vision finetuning, which is not included'
 _BIENCODER = 'ICT / biencoder (REALM-style retriever) models are not included'
 _RETRO = 'Retro models are not included'
 _ONE_LOGGER = 'one_logger (an NVIDIA-internal E2E metrics tool) is not available'
@@ -31,9 +30,7 @@ UNSUPPORTED_FLAGS = {
     '--fp8-amax-history-len': _FP8,
     '--fp8-amax-compute-algo': _FP8,
     '--no-fp8-wgrad': _FP8,
-    # Vision: the Swin / MiT backbones and the finetuning head multiplier (Megatron reads it in
-    # tasks/vision only).
-    '--head-lr-mult': _VISION_FINETUNE,
+    # Vision: the Swin / MiT backbones.
     '--swin-backbone-type': _VISION,
     # ICT / biencoder retriever.
     '--ict-head-size': _BIENCODER,

@@ -30,8 +30,20 @@ def apply_vision_defaults(args, defaults) -> None:
 def validate_vision_args(args, defaults) -> None:
     """The image geometry, the backbone and the parallel layouts the vision models can run."""
     if not _is_vision_run(args, defaults):
+        if args.head_lr_mult != 1.0:
+            raise ValueError(
+                f"--head-lr-mult {args.head_lr_mult} scales the learning rate of a vision "
+                "model's head: run pretrain_vision_classify.py or pretrain_vision_dino.py"
+            )
         return
     args.vision_pretraining = True
+    if not 0.0 <= args.head_lr_mult < float('inf'):
+        raise ValueError(f"--head-lr-mult must be >= 0 and finite, got {args.head_lr_mult}")
+    if args.head_lr_mult != 1.0 and args.vision_pretraining_type == 'inpaint':
+        raise ValueError(
+            f"--head-lr-mult {args.head_lr_mult}: the inpainting model has no head (its decoder "
+            "is trained at --lr)"
+        )
     if args.vision_backbone_type != 'vit':
         raise ValueError(
             f"--vision-backbone-type {args.vision_backbone_type}: the Swin and MiT backbones are "

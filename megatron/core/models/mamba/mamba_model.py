@@ -209,7 +209,8 @@ class MambaModel(LanguageModule):
             attention_mask: bool [b, 1, s, s] for the attention layers (True = masked), or None.
             decoder_input: [s, b, H] precomputed embedding output.
             labels: [b, s] targets; when given the per-token loss is returned.
-            inference_params (InferenceParams): KV and conv / SSM state caches.
+            inference_params (InferenceParams or DynamicInferenceContext): KV and conv / SSM
+                state caches (static batch, or the dynamic engine's packed step).
             packed_seq_params: packed documents over the batch-major stream; Mamba layers get
                 their document ids (attention layers need the matching mask).
             seq_idx: [b, s] document ids for the Mamba layers (instead of packed_seq_params).
@@ -235,7 +236,10 @@ class MambaModel(LanguageModule):
         )
         if not self.post_process:
             return hidden_states
-        if (
+        if inference_params is not None and inference_params.is_dynamic_batching():
+            # The dynamic engine's packed requests: logits only where it samples or scores.
+            hidden_states = inference_params.select_logit_positions(hidden_states)
+        elif (
             inference_params is not None
             and labels is None
             and getattr(inference_params, 'materialize_only_last_token_logits', False)

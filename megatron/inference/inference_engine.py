@@ -20,6 +20,7 @@ from megatron.core.inference.text_generation_controllers.simple_text_generation_
 )
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.global_vars import get_tokenizer
+from megatron.training.validation.argument_validation_mamba import is_mamba_run
 
 
 def get_inference_wrapper_config(args) -> InferenceWrapperConfig:
@@ -29,6 +30,26 @@ def get_inference_wrapper_config(args) -> InferenceWrapperConfig:
         fp32_residual_connection=args.fp32_residual_connection,
         params_dtype=args.params_dtype,
         padded_vocab_size=args.padded_vocab_size,
+    )
+
+
+def _kv_layers_per_stage(args):
+    """The most attention layers on one pipeline stage of a hybrid Mamba model (None: every
+    layer has a KV cache)."""
+    if not is_mamba_run(args):
+        return None
+    from megatron.core.ssm.mamba_block import select_stage_layers
+    from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols, check_hybrid_allocation
+
+    pattern = check_hybrid_allocation(
+        args.num_layers,
+        args.hybrid_attention_ratio,
+        args.hybrid_mlp_ratio,
+        args.hybrid_override_pattern,
+    )
+    pp = args.pipeline_model_parallel_size
+    return max(
+        select_stage_layers(pattern, pp, rank)[0].count(Symbols.ATTENTION) for rank in range(pp)
     )
 
 
@@ -59,6 +80,7 @@ def get_dynamic_inference_context(args, max_requests=None) -> DynamicInferenceCo
         )
     return DynamicInferenceContext(
         core_transformer_config_from_args(args),
+        num_kv_layers=_kv_layers_per_stage(args),
         max_sequence_length=max_seq,
         buffer_size_gb=args.inference_dynamic_batching_buffer_size_gb,
         block_size_tokens=args.inference_dynamic_batching_block_size,

@@ -245,3 +245,22 @@ def test_beam_swap_reorders_recurrent_states_batch_first():
             assert torch.equal(new, old[[2, 0, 0]])
     for old, new in zip(before[2], after[2]):
         assert torch.equal(new, old[:, [2, 0, 0]])
+
+
+def test_kv_blocks_are_sized_by_the_attention_layers_only():
+    """The server's paged KV cache of a hybrid counts the attention layers of the fullest stage
+    (a Mamba layer holds no KV block), the same on every rank."""
+    from types import SimpleNamespace
+
+    from megatron.inference.inference_engine import _kv_layers_per_stage
+
+    def args(pattern, pp):
+        return SimpleNamespace(
+            is_hybrid_model=True, spec=None, num_layers=len(pattern), hybrid_attention_ratio=0.0,
+            hybrid_mlp_ratio=0.0, hybrid_override_pattern=pattern, pipeline_model_parallel_size=pp,
+        )  # fmt: skip
+
+    assert _kv_layers_per_stage(args('M*-M**', 2)) == 2  # stages M*- and M**
+    assert _kv_layers_per_stage(args('M*-M**', 1)) == 3
+    assert _kv_layers_per_stage(args('MM', 1)) == 0
+    assert _kv_layers_per_stage(SimpleNamespace(is_hybrid_model=False, spec=None)) is None

@@ -70,6 +70,9 @@ class DynamicInferenceContext:
         max_tokens (int, optional): most tokens in one packed step (default 16384).
         num_blocks (int, optional): the number of blocks, instead of buffer_size_gb.
         pg_collection (ProcessGroupCollection, optional): tp / pp groups (default: global).
+        num_kv_layers (int, optional): self-attention layers per pipeline stage that hold a KV
+            cache, the same on every rank (default: ceil(num_layers / pp); a hybrid Mamba model
+            has fewer: its most on any stage, at least 1). Sizes the blocks.
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class DynamicInferenceContext:
         max_tokens: Optional[int] = None,
         num_blocks: Optional[int] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        num_kv_layers: Optional[int] = None,
     ):
         pgs = resolve_process_groups(pg_collection, ("tp", "pp"))
         tp, pp = pgs.tp.size(), pgs.pp.size()
@@ -94,7 +98,9 @@ class DynamicInferenceContext:
         self.block_size_tokens = block_size_tokens
         self.num_query_groups_per_partition = model_config.num_query_groups // tp
         self.head_dim = model_config.kv_channels
-        self.num_local_layers = math.ceil(model_config.num_layers / pp)
+        if num_kv_layers is None:
+            num_kv_layers = math.ceil(model_config.num_layers / pp)
+        self.num_local_layers = max(1, num_kv_layers)
         dtype = model_config.params_dtype
         self.block_size_bytes = (
             2

@@ -10,6 +10,7 @@ from functools import partial
 from megatron.core.enums import ModelType
 from megatron.core.models.mamba import MambaModel
 from megatron.core.models.mamba.mamba_model import seq_idx_from_eod
+from megatron.training.datasets.sft_batch import get_sft_batch
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.mamba_builder import mamba_model_from_args
 from megatron.training.run_control.errors import run_main
@@ -35,15 +36,30 @@ def forward_step(data_iterator, model: MambaModel):
     """Forward one micro-batch; returns (per-token losses or hidden states, loss function).
 
     With --reset-attention-mask the Mamba layers get the document ids, so their conv and scan
-    restart at every document (attention layers get the per-document mask)."""
+    restart at every document (attention layers get the per-document mask). With --sft the
+    micro-batch is packed conversations: the model gets their boundaries (packed_seq_params),
+    from which every stage's Mamba layers take their segment ids and attention layers their
+    per-segment masks; the loss mask covers answer tokens only."""
     timers = get_timers()
+    args = get_args()
     timers('batch-generator', log_level=2).start()
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    packed_seq_params = seq_idx = None
+    if args.sft:
+        tokens, labels, loss_mask, position_ids, packed_seq_params = get_sft_batch(data_iterator)
+        attention_mask = None
+    else:
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+        if args.reset_attention_mask and tokens is not None:
+            seq_idx = seq_idx_from_eod(tokens, get_tokenizer().eod)
     timers('batch-generator').stop()
-    seq_idx = None
-    if get_args().reset_attention_mask and tokens is not None:
-        seq_idx = seq_idx_from_eod(tokens, get_tokenizer().eod)
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, seq_idx=seq_idx)
+    output_tensor = model(
+        tokens,
+        position_ids,
+        attention_mask,
+        labels=labels,
+        seq_idx=seq_idx,
+        packed_seq_params=packed_seq_params,
+    )
     return output_tensor, partial(loss_func, loss_mask)
 
 

@@ -1,12 +1,13 @@
-"""A hybrid Mamba checkpoint served as users serve it: a random tiny HF Mamba2ForCausalLM (GPT-2
-vocabulary) saved with save_pretrained, converted by tools/checkpoint/convert.py --model-type
-mamba, and started with --load, --use-checkpoint-args and the tokenizer files only (the model
-kind, layer pattern and mixer sizes come from the checkpoint's args):
+"""Mamba checkpoints served as users serve them: random tiny HF models (GPT-2 vocabulary) saved
+with save_pretrained, converted by tools/checkpoint/convert.py --model-type mamba, and started
+with --load, --use-checkpoint-args and the tokenizer files only (the model kind, layer pattern
+and mixer sizes come from the checkpoint's args); PUT /api greedy answers of concurrent clients
+(their requests share engine steps) equal transformers' generate:
 
-- tools/run_text_generation_server.py at TP1: PUT /api greedy answers of concurrent clients
-  (their requests share engine steps) equal transformers' generate;
-- tools/run_mamba_text_generation_server.py (core_r0.8.0's name) under torchrun at TP2 (heads
-  and groups split per rank): the same answers.
+- a pure Mamba2ForCausalLM by tools/run_text_generation_server.py at TP1;
+- a hybrid NemotronHForCausalLM (Mamba, attention, MLP layers: KV cache and Mamba states side by
+  side) by tools/run_mamba_text_generation_server.py (core_r0.8.0's name) under torchrun at TP2
+  (heads and groups split per rank).
 
 Servers bind 127.0.0.1 and are stopped by the test with bounded waits.
 """
@@ -25,42 +26,72 @@ pytest.importorskip("flask_restful")
 
 PROMPTS = ["the whale", "Call me Ishmael. Some years ago", "a"]
 NEW = 8
+#: (HF model kind, TP): a pure Mamba2 at TP1, a hybrid NemotronH (Mamba, attention, MLP) at TP2.
+CASES = [("mamba2", 1), ("nemotron_h", 2)]
+SCRIPTS = {1: "run_text_generation_server.py", 2: "run_mamba_text_generation_server.py"}
 
 
-@pytest.fixture(scope="module")
-def mamba_checkpoints(tmp_path_factory):
-    """(HF model, {tp: converted checkpoint dir})."""
-    from tests.functional_tests import convert_utils as cu
-
-    root = tmp_path_factory.mktemp("mamba_server")
-    torch.manual_seed(0)
-    cfg = transformers.Mamba2Config(
-        vocab_size=hc.VOCAB_SIZE, hidden_size=32, num_heads=4, head_dim=16, state_size=8,
-        n_groups=2, expand=2, num_hidden_layers=2, conv_kernel=4, chunk_size=8, use_bias=False,
-        use_conv_bias=True, layer_norm_epsilon=1e-5, residual_in_fp32=False,
-        tie_word_embeddings=True, eos_token_id=hc.VOCAB_SIZE - 1,
-    )  # fmt: skip
-    hf = transformers.Mamba2ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(1)
+def _randomize(hf, seed):
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("A_log"):
                 p.copy_(torch.log(torch.rand(p.shape, generator=g) * 7 + 1))
             elif name.endswith("dt_bias"):
                 p.copy_(torch.randn(p.shape, generator=g) - 2.0)
-            elif not name.endswith("norm.weight") and not name.endswith("norm_f.weight"):
+            elif name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    hf.eval()
-    hf.save_pretrained(root / "hf", safe_serialization=True)
-    ckpts = {}
-    for tp in (1, 2):
-        ckpts[tp] = str(root / f"ckpt_tp{tp}")
-        cu.convert(
-            "--loader", "hf", "--saver", "mcore", "--load-dir", str(root / "hf"),
-            "--save-dir", ckpts[tp], "--target-tensor-parallel-size", str(tp),
-            "--hf-tokenizer-type", "GPT2BPETokenizer", model_type="mamba",
+
+
+def _hf_model(kind):
+    torch.manual_seed(0)
+    if kind == "mamba2":
+        cfg = transformers.Mamba2Config(
+            vocab_size=hc.VOCAB_SIZE, hidden_size=32, num_heads=4, head_dim=16, state_size=8,
+            n_groups=2, expand=2, num_hidden_layers=2, conv_kernel=4, chunk_size=8,
+            use_bias=False, use_conv_bias=True, layer_norm_epsilon=1e-5, residual_in_fp32=False,
+            tie_word_embeddings=True, eos_token_id=hc.VOCAB_SIZE - 1,
         )  # fmt: skip
-    return hf, ckpts
+        hf = transformers.Mamba2ForCausalLM(cfg)
+    else:
+        cfg = transformers.NemotronHConfig(
+            vocab_size=hc.VOCAB_SIZE, hidden_size=32,
+            layers_block_type=["mamba", "attention", "mlp", "mamba"], mamba_num_heads=4,
+            mamba_head_dim=16, ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+            mlp_hidden_act="relu2", use_bias=False, use_conv_bias=True, attention_bias=False,
+            mlp_bias=False, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+            attn_implementation="eager", eos_token_id=hc.VOCAB_SIZE - 1,
+        )  # fmt: skip
+        hf = transformers.NemotronHForCausalLM(cfg)
+    _randomize(hf, 1)
+    return hf.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{(kind, tp): (HF model, converted checkpoint dir)}."""
+    from tests.functional_tests import convert_utils as cu
+
+    root = tmp_path_factory.mktemp("mamba_server")
+    out = {}
+    for kind, tp in CASES:
+        hf = _hf_model(kind)
+        hf_dir, ckpt = root / f"hf_{kind}", str(root / f"ckpt_{kind}_tp{tp}")
+        hf.save_pretrained(hf_dir, safe_serialization=True)
+        cu.convert(
+            "--loader", "hf", "--saver", "mcore", "--load-dir", str(hf_dir), "--save-dir", ckpt,
+            "--target-tensor-parallel-size", str(tp), "--hf-tokenizer-type", "GPT2BPETokenizer",
+            model_type="mamba",
+        )  # fmt: skip
+        # Megatron never clamps dt; NemotronH's prefill clamps at time_step_min.
+        for module in hf.modules():
+            if hasattr(module, "time_step_limit"):
+                module.time_step_limit = (0.0, float("inf"))
+        out[(kind, tp)] = (hf, ckpt)
+    return out
 
 
 def _expected(hf):
@@ -75,12 +106,11 @@ def _expected(hf):
     return out
 
 
-@pytest.mark.parametrize(
-    "tp,script", [(1, "run_text_generation_server.py"), (2, "run_mamba_text_generation_server.py")]
-)
-def test_served_greedy_equals_transformers_generate(mamba_checkpoints, tp, script, tmp_path):
-    hf, ckpts = mamba_checkpoints
-    server = Server(ckpts[tp], tp, str(tmp_path / "server.log"), script=script)
+@pytest.mark.parametrize("kind,tp", CASES)
+def test_served_greedy_equals_transformers_generate(checkpoints, kind, tp, tmp_path):
+    hf, ckpt = checkpoints[(kind, tp)]
+    script = SCRIPTS[tp]
+    server = Server(ckpt, tp, str(tmp_path / "server.log"), script=script)
     try:
         # Concurrent clients: their requests share engine steps (state slots side by side).
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:

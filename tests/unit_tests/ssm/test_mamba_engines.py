@@ -4,13 +4,16 @@
   of the dynamic engine (paged KV cache + one conv / SSM state per request slot; requests arriving
   at different steps, prompt chunks, preemption and recompute) equal greedy decoding by full
   recomputation without any cache, token for token, on a tiny random hybrid (pattern M*-M, RoPE);
-- the same at TP2 (heads and groups split, states per rank);
+- the same at TP2 (heads and groups split, states per rank) and at PP2 (stages M* and -M,
+  hidden states sent between them), against the unsplit model;
 - a pure-Mamba model mapped from a random HF Mamba2ForCausalLM gives HF generate's greedy
   tokens through the dynamic engine.
 
 Float64 models with sharpened weights (clear greedy margins): the scan itself runs in fp32, so
 cached and recomputed logits differ at fp32 rounding only.
 """
+
+import zlib
 
 import pytest
 import torch
@@ -23,8 +26,32 @@ MAX_SEQ = 48
 NEW = 10
 
 
-def _hybrid(seed=0):
-    """(model, config, controller) of a tiny random float64 hybrid M*-M for this TP."""
+def _named_weights(model, layer_offset):
+    """Weights drawn from each parameter's global name only (the same at any pipeline split)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            parts = name.split('.')
+            if 'layers' in parts:
+                i = parts.index('layers') + 1
+                parts[i] = str(int(parts[i]) + layer_offset)
+            g = torch.Generator().manual_seed(zlib.crc32('.'.join(parts).encode()))
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            if name.endswith('A_log'):
+                p.copy_(torch.log(torch.rand(p.shape, generator=g, dtype=torch.float64) * 7 + 1))
+            elif name.endswith('dt_bias'):
+                p.copy_(noise - 2.0)
+            elif name.endswith('weight') and 'norm' in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith('.D'):
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_(noise * (0.5 if p.dim() > 1 else 0.1))
+
+
+def _hybrid(seed=0, pp_stage=None):
+    """(model, config, controller) of a tiny random float64 hybrid M*-M for this TP; with
+    pp_stage (pre_process, post_process, layer offset) this pipeline stage of it, with weights
+    from the parameter names."""
     from megatron.core import parallel_state
     from megatron.core.models.mamba import MambaModel
     from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
@@ -38,11 +65,16 @@ def _hybrid(seed=0):
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, params_dtype=torch.float64, tensor_model_parallel_size=tp,
     )  # fmt: skip
+    pre, post, offset = pp_stage or (True, True, None)
     model = MambaModel(
         config, mamba_stack_spec, vocab_size=VOCAB, max_sequence_length=MAX_SEQ,
         hybrid_override_pattern='M*-M', position_embedding_type='rope', parallel_output=False,
+        pre_process=pre, post_process=post,
     )  # fmt: skip
-    return _wrap(model.to(torch.float64), config, sharpen=True)
+    model = model.to(torch.float64)
+    if offset is not None:
+        _named_weights(model, offset)
+    return _wrap(model, config, sharpen=offset is None)
 
 
 def _wrap(model, config, sharpen):
@@ -166,6 +198,31 @@ def test_engines_greedy_equals_no_cache_recompute(tp):
     assert out['preempted'] > 0
     # A model that is not constant: the requests generate different tokens.
     assert len({tuple(t) for t in out['reference']}) > 1
+
+
+def _pp_rank():
+    """The engines on a PP2 split (stage 0: M*, stage 1: -M) against the unsplit model's
+    no-cache greedy tokens (computed on rank 0 of the same group with the same named weights)."""
+    from megatron.core import parallel_state
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    prompts = _prompts([1, 6, 11])
+    if pp == 1:
+        model, _, _ = _hybrid(pp_stage=(True, True, 0))
+        return [_no_cache_greedy(model, p, NEW) for p in prompts]
+    _, config, controller = _hybrid(pp_stage=(rank == 0, rank == pp - 1, rank * 4 // pp))
+    static = _static_tokens(controller, prompts)
+    dynamic, _ = _run(_dynamic(controller, config, max_tokens=8, chunked=True), prompts, [0, 1, 1])
+    return dict(static=static, dynamic=dynamic)
+
+
+def test_engines_pp2_equal_unsplit_no_cache_greedy():
+    (reference,) = run_distributed(_pp_rank, world_size=1)
+    assert len({tuple(t) for t in reference}) > 1
+    for out in run_distributed(_pp_rank, world_size=2, pp=2):
+        assert out['static'] == reference
+        assert out['dynamic'] == reference
 
 
 def _hf_mamba2_rank():

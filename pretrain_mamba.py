@@ -5,17 +5,14 @@ are GPT's (pretrain_gpt.py). Run with torchrun, e.g. `bash examples/mamba/quicks
 design note: docs/mamba.md.
 """
 
-import copy
-import importlib
 from functools import partial
 
 from megatron.core.enums import ModelType
 from megatron.core.models.mamba import MambaModel
-from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as default_stack_spec
 from megatron.core.models.mamba.mamba_model import seq_idx_from_eod
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.datasets.sft_batch import get_sft_batch
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
+from megatron.training.mamba_builder import mamba_model_from_args
 from megatron.training.run_control.errors import run_main
 from megatron.training.training import pretrain
 from megatron.training.utils import print_rank_0
@@ -27,34 +24,7 @@ def model_provider(pre_process=True, post_process=True) -> MambaModel:
     megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec)."""
     args = get_args()
     print_rank_0('building Mamba model ...')
-    config = core_transformer_config_from_args(args)
-    if args.spec is not None:
-        module_name, attribute = args.spec
-        stack_spec = getattr(importlib.import_module(module_name), attribute)
-    else:
-        stack_spec = default_stack_spec
-    if args.reset_attention_mask:
-        # Attention layers must apply the per-document mask, not only causality.
-        stack_spec = copy.deepcopy(stack_spec)
-        attention = stack_spec.submodules.attention_layer.submodules.self_attention
-        attention.params = {**attention.params, 'attn_mask_type': AttnMaskType.arbitrary}
-    model = MambaModel(
-        config=config,
-        mamba_stack_spec=stack_spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        hybrid_attention_ratio=args.hybrid_attention_ratio,
-        hybrid_mlp_ratio=args.hybrid_mlp_ratio,
-        hybrid_override_pattern=args.hybrid_override_pattern,
-        post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-    )
+    model = mamba_model_from_args(args, pre_process, post_process, parallel_output=True)
     for name, param in model.named_parameters():
         print_rank_0(f' - {name}: {param.numel()}')
     for index, layer in enumerate(model.decoder.layers):
@@ -66,15 +36,30 @@ def forward_step(data_iterator, model: MambaModel):
     """Forward one micro-batch; returns (per-token losses or hidden states, loss function).
 
     With --reset-attention-mask the Mamba layers get the document ids, so their conv and scan
-    restart at every document (attention layers get the per-document mask)."""
+    restart at every document (attention layers get the per-document mask). With --sft the
+    micro-batch is packed conversations: the model gets their boundaries (packed_seq_params),
+    from which every stage's Mamba layers take their segment ids and attention layers their
+    per-segment masks; the loss mask covers answer tokens only."""
     timers = get_timers()
+    args = get_args()
     timers('batch-generator', log_level=2).start()
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    packed_seq_params = seq_idx = None
+    if args.sft:
+        tokens, labels, loss_mask, position_ids, packed_seq_params = get_sft_batch(data_iterator)
+        attention_mask = None
+    else:
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+        if args.reset_attention_mask and tokens is not None:
+            seq_idx = seq_idx_from_eod(tokens, get_tokenizer().eod)
     timers('batch-generator').stop()
-    seq_idx = None
-    if get_args().reset_attention_mask and tokens is not None:
-        seq_idx = seq_idx_from_eod(tokens, get_tokenizer().eod)
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, seq_idx=seq_idx)
+    output_tensor = model(
+        tokens,
+        position_ids,
+        attention_mask,
+        labels=labels,
+        seq_idx=seq_idx,
+        packed_seq_params=packed_seq_params,
+    )
     return output_tensor, partial(loss_func, loss_mask)
 
 

@@ -1,5 +1,6 @@
-"""Serve a GPT checkpoint over HTTP: Megatron's `PUT /api`, OpenAI-style `/v1/completions` and
-`/v1/chat/completions`, `/v1/models` and `/health`, on the dynamic-batching inference engine.
+"""Serve a GPT or hybrid Mamba checkpoint over HTTP: Megatron's `PUT /api`, OpenAI-style
+`/v1/completions` and `/v1/chat/completions`, `/v1/models` and `/health`, on the dynamic-batching
+inference engine.
 
 Start it with the model-parallel flags of the checkpoint, e.g. (see examples/inference/):
 
@@ -7,6 +8,12 @@ Start it with the model-parallel flags of the checkpoint, e.g. (see examples/inf
         --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \\
         --max-position-embeddings 1024 --micro-batch-size 1 --tokenizer-type GPT2BPETokenizer \\
         --vocab-file data/gpt2/gpt2-vocab.json --merge-file data/gpt2/gpt2-merges.txt
+
+A hybrid Mamba checkpoint (written by pretrain_mamba.py or convert.py --model-type mamba) is
+recognised from its args with --use-checkpoint-args (or pass --is-hybrid-model and its Mamba
+flags): the engine keeps the attention layers' KV cache and, per request, each Mamba layer's conv
+and SSM state. tools/run_mamba_text_generation_server.py (Megatron core_r0.8.0's name) is this
+script with --is-hybrid-model set.
 
 Global rank 0 serves on --host:--port and drives the engine; every other rank follows its
 broadcasts (megatron/inference/worker_loop.py). Concurrent requests are batched: at most
@@ -21,9 +28,12 @@ import sys
 
 sys.path.append(os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from typing import Union
+
 import torch
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.mamba import MambaModel
 from megatron.core.utils import get_current_device
 from megatron.inference.inference_engine import get_dynamic_inference_engine
 from megatron.inference.serving import Serving
@@ -42,19 +52,25 @@ from megatron.training.gpt_builder import (
     gpt_model_kwargs,
 )
 from megatron.training.initialize import initialize_megatron
+from megatron.training.mamba_builder import mamba_model_from_args
 from megatron.training.run_control.errors import run_main
 from megatron.training.training import get_model
 from megatron.training.utils import print_rank_0
+from megatron.training.validation.argument_validation_mamba import is_mamba_run
 from megatron.training.validation.context_parallel_checks import refuse_context_parallel
 
 
-def model_provider(pre_process=True, post_process=True) -> GPTModel:
-    """The GPT model of this stage, with full-vocabulary logits on every TP rank
-    (parallel_output=False) so that each rank can sample. Built as pretrain_gpt.py builds it
-    (megatron/training/gpt_builder.py): Megatron's server builds its layer spec without q/k
-    layernorm, which would serve a Qwen3 checkpoint without its q/k norms; here --qk-layernorm,
-    MLA, the dense / MoE layer mix and the rope flags are honoured."""
+def model_provider(pre_process=True, post_process=True) -> Union[GPTModel, MambaModel]:
+    """The GPT (or hybrid Mamba) model of this stage, with full-vocabulary logits on every TP
+    rank (parallel_output=False) so that each rank can sample. Built as pretrain_gpt.py /
+    pretrain_mamba.py build it (megatron/training/gpt_builder.py, mamba_builder.py): Megatron's
+    server builds its layer spec without q/k layernorm, which would serve a Qwen3 checkpoint
+    without its q/k norms; here --qk-layernorm, MLA, the dense / MoE layer mix and the rope
+    flags are honoured."""
     args = get_args()
+    if is_mamba_run(args):
+        print_rank_0('building Mamba model ...')
+        return mamba_model_from_args(args, pre_process, post_process, parallel_output=False)
     print_rank_0('building GPT model ...')
     config = gpt_config_from_args(args)
     return GPTModel(
@@ -198,10 +214,11 @@ ARGS_DEFAULTS = {
 }
 
 
-def main(args_list=None):
+def main(args_list=None, args_defaults=None):
+    """Start the server (`args_defaults` add script defaults to ARGS_DEFAULTS)."""
     initialize_megatron(
         extra_args_provider=add_text_generate_args,
-        args_defaults=ARGS_DEFAULTS,
+        args_defaults={**ARGS_DEFAULTS, **(args_defaults or {})},
         args_list=args_list,
     )
     args = get_args()

@@ -6,7 +6,22 @@ Each self-attention layer stores its keys and values in
 head size) allocated on the layer's first forward. A forward writes its new keys and values at
 sequences [sequence_len_offset, sequence_len_offset + sq) and batch rows [batch_size_offset,
 batch_size_offset + b), then attends over [0, sequence_len_offset + sq) of those rows.
+
+Recurrent layers (Mamba mixers) store a `RecurrentState` under their layer number instead: per
+batch row, the conv inputs [max_batch_size, conv_dim, K] and the SSM state
+[max_batch_size, nh, P, N], batch first.
 """
+
+from typing import NamedTuple
+
+import torch
+
+
+class RecurrentState(NamedTuple):
+    """The batch-first state of one recurrent layer (see the module docstring)."""
+
+    conv_state: torch.Tensor
+    ssm_state: torch.Tensor
 
 
 class InferenceParams:
@@ -47,7 +62,14 @@ class InferenceParams:
         if len(self.key_value_memory_dict) == 0:
             raise ValueError("should not swap when dict in empty")
 
-        for layer_number, (keys, values) in list(self.key_value_memory_dict.items()):
+        for layer_number, entry in list(self.key_value_memory_dict.items()):
+            if isinstance(entry, RecurrentState):
+                assert len(batch_idx) == entry.conv_state.shape[0]
+                self.key_value_memory_dict[layer_number] = RecurrentState(
+                    entry.conv_state[batch_idx], entry.ssm_state[batch_idx]
+                )
+                continue
+            keys, values = entry
             # Caches are [s, b, ng, hn]: the batch is dimension 1.
             assert len(batch_idx) == keys.shape[1]  # make sure batch size is same
             self.key_value_memory_dict[layer_number] = (keys[:, batch_idx], values[:, batch_idx])

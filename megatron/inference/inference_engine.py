@@ -20,6 +20,7 @@ from megatron.core.inference.text_generation_controllers.simple_text_generation_
 )
 from megatron.training.global_vars import get_tokenizer
 from megatron.training.gpt_builder import gpt_config_from_args
+from megatron.training.validation.argument_validation_mamba import is_mamba_run
 
 
 def get_inference_wrapper_config(args) -> InferenceWrapperConfig:
@@ -29,6 +30,34 @@ def get_inference_wrapper_config(args) -> InferenceWrapperConfig:
         fp32_residual_connection=args.fp32_residual_connection,
         params_dtype=args.params_dtype,
         padded_vocab_size=args.padded_vocab_size,
+    )
+
+
+def _kv_layers_per_stage(args):
+    """The most attention layers on one pipeline stage: of a hybrid Mamba model, or of an
+    uneven split (--standalone-embedding-stage, --decoder-first/last-pipeline-num-layers); None
+    for the even split (num_layers / pp on every stage)."""
+    if not is_mamba_run(args):
+        first = getattr(args, 'decoder_first_pipeline_num_layers', None)
+        last = getattr(args, 'decoder_last_pipeline_num_layers', None)
+        if first is None and last is None:
+            return None
+        from megatron.core.transformer.pipeline_layer_split import pipeline_stage_layer_counts
+
+        pp = args.pipeline_model_parallel_size
+        return max(pipeline_stage_layer_counts(args.num_layers, pp, first, last))
+    from megatron.core.ssm.mamba_block import select_stage_layers
+    from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols, check_hybrid_allocation
+
+    pattern = check_hybrid_allocation(
+        args.num_layers,
+        args.hybrid_attention_ratio,
+        args.hybrid_mlp_ratio,
+        args.hybrid_override_pattern,
+    )
+    pp = args.pipeline_model_parallel_size
+    return max(
+        select_stage_layers(pattern, pp, rank)[0].count(Symbols.ATTENTION) for rank in range(pp)
     )
 
 
@@ -59,6 +88,7 @@ def get_dynamic_inference_context(args, max_requests=None) -> DynamicInferenceCo
         )
     return DynamicInferenceContext(
         gpt_config_from_args(args),  # an MLATransformerConfig for MLA: a latent cache
+        num_kv_layers=_kv_layers_per_stage(args),
         max_sequence_length=max_seq,
         buffer_size_gb=args.inference_dynamic_batching_buffer_size_gb,
         block_size_tokens=args.inference_dynamic_batching_block_size,

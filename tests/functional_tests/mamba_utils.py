@@ -79,8 +79,9 @@ def set_mamba_reference_weights(model, layer_offset):
             param.copy_(full.to(param.dtype))
 
 
-def run_mamba_pretrain(extra_args, reference_weights=True, base_args=None):
-    """pretrain() with pretrain_mamba.py's providers on this rank; returns its result dict."""
+def run_mamba_pretrain(extra_args, reference_weights=True, base_args=None, adjust_model=None):
+    """pretrain() with pretrain_mamba.py's providers on this rank; returns its result dict.
+    `adjust_model` (a module-level function of the model) runs after the reference weights."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     import pretrain_mamba
@@ -96,6 +97,8 @@ def run_mamba_pretrain(extra_args, reference_weights=True, base_args=None):
             pp = args.pipeline_model_parallel_size
             offset = mpu.get_pipeline_model_parallel_rank() * (args.num_layers // pp)
             set_mamba_reference_weights(model, offset)
+        if adjust_model is not None:
+            adjust_model(model)
         return model
 
     destroy_global_vars()

@@ -27,10 +27,14 @@ def _free_port():
 class Server:
     """A server process, its base URL and its log."""
 
-    def __init__(self, ckpt, tp, log_path, extra=(), flags=None):
+    def __init__(
+        self, ckpt, tp, log_path, extra=(), flags=None, script="run_text_generation_server.py"
+    ):
         """`flags` replace the default start flags (`hc.server_flags(ckpt)`: the checkpoint's
-        own args and the GPT-2 tokenizer files); `extra` are added."""
+        own args and the GPT-2 tokenizer files); `extra` are added; `script` is the server
+        script under tools/."""
         self.log_path = log_path
+        self.script = str(REPO / "tools" / script)
         self.flags = list(flags) if flags is not None else hc.server_flags(ckpt)
         # A port found free may be taken (by another process's ephemeral socket) before the
         # server binds it; the server then refuses in one line and is started on another port.
@@ -61,7 +65,7 @@ class Server:
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(_free_port()),
             )
-            cmd = [sys.executable, str(REPO / "tools" / "run_text_generation_server.py")]
+            cmd = [sys.executable, self.script]
         else:
             cmd = [
                 sys.executable,
@@ -73,7 +77,7 @@ class Server:
                 "127.0.0.1",
                 "--master-port",
                 str(_free_port()),
-                str(REPO / "tools" / "run_text_generation_server.py"),
+                self.script,
             ]
         self.log = open(self.log_path, "w")  # noqa: SIM115 (open as long as the server runs)
         self.proc = subprocess.Popen(

@@ -76,7 +76,7 @@ def args_list_from_hf(hf_config, tokenizer_type: str, seq_length=None, **files):
         '--mamba-state-dim', c['mamba_state_dim'], '--mamba-head-dim', c['mamba_head_dim'],
         '--mamba-num-groups', c['mamba_num_groups'], '--mamba-num-heads', c['mamba_num_heads'],
         '--normalization', 'RMSNorm', '--norm-epsilon', c['layernorm_epsilon'],
-        '--disable-bias-linear', '--position-embedding-type', 'none',
+        '--disable-bias-linear', '--no-bias-gelu-fusion', '--position-embedding-type', 'none',
         '--max-position-embeddings', max_pos, '--seq-length', seq_length or min(max_pos, 4096),
         '--hidden-dropout', 0.0, '--attention-dropout', 0.0, '--is-hybrid-model',
         '--tokenizer-type', tokenizer_type, '--micro-batch-size', 1, '--mock-data',

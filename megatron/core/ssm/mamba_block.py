@@ -175,7 +175,14 @@ class MambaStack(MegatronModule):
         self.input_tensor = input_tensor
 
     def _run_layer(
-        self, layer, hidden_states, attention_mask, inference_params, rotary_pos_emb, seq_idx
+        self,
+        layer,
+        hidden_states,
+        attention_mask,
+        inference_params,
+        rotary_pos_emb,
+        seq_idx,
+        packed_seq_params=None,
     ):
         if layer_is_mamba(layer):
             return layer(
@@ -190,10 +197,13 @@ class MambaStack(MegatronModule):
             attention_mask=attention_mask,
             inference_params=inference_params,
             rotary_pos_emb=rotary_pos_emb,
+            packed_seq_params=packed_seq_params,
         )
         return hidden_states
 
-    def _checkpointed_forward(self, hidden_states, attention_mask, rotary_pos_emb, seq_idx):
+    def _checkpointed_forward(
+        self, hidden_states, attention_mask, rotary_pos_emb, seq_idx, packed_seq_params=None
+    ):
         """Full recompute: only the inputs of checkpointed layer groups are kept."""
 
         def group(start: int, end: int):
@@ -206,6 +216,7 @@ class MambaStack(MegatronModule):
                         None,
                         rotary_pos_emb,
                         seq_idx,
+                        packed_seq_params,
                     )
                 return hidden_states
 
@@ -246,6 +257,7 @@ class MambaStack(MegatronModule):
         inference_params=None,
         rotary_pos_emb: Optional[Tensor] = None,
         seq_idx: Optional[Tensor] = None,
+        packed_seq_params=None,
     ) -> Tensor:
         """hidden_states [s, b, H] (ignored after the first stage) -> [s, b, H].
 
@@ -254,6 +266,8 @@ class MambaStack(MegatronModule):
             inference_params (InferenceParams): KV and conv / SSM state caches.
             rotary_pos_emb: RoPE angles for the attention layers.
             seq_idx: [b, s] document ids of packed documents (Mamba layers).
+            packed_seq_params (PackedSeqParams): packed sequences for the attention layers
+                (the Mamba layers read the same boundaries from seq_idx).
         """
         # Later pipeline stages read the previous stage's output (set_input_tensor).
         hidden_states = hidden_states if self.pre_process else self.input_tensor
@@ -268,7 +282,7 @@ class MambaStack(MegatronModule):
         with rng_context:
             if full_recompute:
                 hidden_states = self._checkpointed_forward(
-                    hidden_states, attention_mask, rotary_pos_emb, seq_idx
+                    hidden_states, attention_mask, rotary_pos_emb, seq_idx, packed_seq_params
                 )
             else:
                 for layer in self.layers:
@@ -279,6 +293,7 @@ class MambaStack(MegatronModule):
                         inference_params,
                         rotary_pos_emb,
                         seq_idx,
+                        packed_seq_params,
                     )
         if self.final_norm is not None:
             hidden_states = self.final_norm(hidden_states)

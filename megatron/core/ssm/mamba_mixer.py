@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron.core.inference_params import RecurrentState
 from megatron.core.process_groups_config import ProcessGroupCollection, resolve_process_groups
 from megatron.core.ssm.causal_conv1d import (
     causal_conv1d,
@@ -296,14 +297,19 @@ class MambaMixer(MegatronModule):
 
         Args:
             inference_params (InferenceParams): conv / SSM state cache; tokens after the first
-                call (sequence_len_offset > 0) are decoded one position at a time.
+                call (sequence_len_offset > 0) are decoded one position at a time. The dynamic
+                engine's DynamicInferenceContext (one packed row of many requests' tokens)
+                keeps one state per request slot instead (`_dynamic_step`).
             seq_idx: [b, s] document ids of packed sequences (the conv and scan do not cross
                 document boundaries); None: one document per row.
         """
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, P_in_l]
         zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, P_in_l]
-        cache = self._cache(inference_params, zxbcdt.shape[0])
-        if cache is not None and inference_params.sequence_len_offset > 0:
+        dynamic = inference_params is not None and inference_params.is_dynamic_batching()
+        cache = None if dynamic else self._cache(inference_params, zxbcdt.shape[0])
+        if dynamic:
+            y = self._dynamic_step(zxbcdt, inference_params)
+        elif cache is not None and inference_params.sequence_len_offset > 0:
             y = self._decode(zxbcdt, *cache)
         else:
             y = self._full_sequence(zxbcdt, seq_idx, cache)
@@ -329,6 +335,57 @@ class MambaMixer(MegatronModule):
         y = y + self._d_skip(x)
         y = y.reshape(b, s, self.d_inner_l)  # [b, s, d_inner_l]
         return self.norm(y, z).to(zxbcdt.dtype)
+
+    def _continue_sequence(self, zxbcdt: Tensor, conv_state: Tensor, ssm_state: Tensor) -> Tensor:
+        """Several positions after a cached state (a prompt chunk, or a whole prompt from zero
+        states): [b, n, P_in_l] -> [b, n, d_inner_l] by the chunked scan from ssm_state; both
+        states [b, ...] are advanced in place."""
+        b, n = zxbcdt.shape[:2]
+        z, xbc, dt = self._split_projection(zxbcdt)
+        # The last K - 1 cached inputs precede the chunk: its first outputs see them.
+        xbc_t = torch.cat([conv_state[..., 1:].to(xbc.dtype), xbc.transpose(1, 2)], dim=-1)
+        conv = causal_conv1d(xbc_t, self.conv1d.weight, self.conv1d.bias)[..., self.d_conv - 1 :]
+        conv_state.copy_(xbc_t[..., -self.d_conv :])
+        xbc = F.silu(conv).transpose(1, 2)  # [b, n, conv_dim_l]
+        x, B, C, dt, A = self._scan_inputs(xbc, dt)
+        y, final_state = ssd_chunked_scan(
+            x, dt, A, B, C, chunk_size=self.chunk_size, initial_state=ssm_state
+        )  # [b, n, nh_l, P]
+        ssm_state.copy_(final_state)
+        y = (y + self._d_skip(x)).reshape(b, n, self.d_inner_l)
+        return self.norm(y, z).to(zxbcdt.dtype)
+
+    def _dynamic_step(self, zxbcdt: Tensor, context) -> Tensor:
+        """A packed step of the dynamic engine: zxbcdt [1, T, P_in_l] of many requests ->
+        [1, T, d_inner_l]. Requests continuing with one token are stepped together from their
+        slots' states (gathered, stepped, scattered back); each other chunk is scanned from its
+        request's state (zeros for a chunk starting at position 0)."""
+        conv_pool, ssm_pool = context.mamba_states(
+            self.layer_number,
+            (self.conv_dim_l, self.d_conv),
+            self.conv1d.weight.dtype,
+            (self.nheads_l, self.headdim, self.d_state),
+            zxbcdt.device,
+        )
+        out = zxbcdt.new_empty(1, zxbcdt.shape[1], self.d_inner_l)
+        positions, slots = context.mamba_decode_rows
+        if positions.numel() > 0:
+            conv_state = conv_pool.index_select(0, slots)  # [n, conv_dim_l, K]
+            ssm_state = ssm_pool.index_select(0, slots)  # [n, nh_l, P, N]
+            rows = zxbcdt[0].index_select(0, positions)[:, None]  # [n, 1, P_in_l]
+            y = self._decode(rows, conv_state, ssm_state)  # [n, 1, d_inner_l]
+            conv_pool.index_copy_(0, slots, conv_state)
+            ssm_pool.index_copy_(0, slots, ssm_state)
+            out[0].index_copy_(0, positions, y[:, 0])
+        for q_start, q_end, slot, fresh in context.mamba_chunk_rows:
+            conv_state, ssm_state = conv_pool[slot : slot + 1], ssm_pool[slot : slot + 1]
+            if fresh:
+                conv_state.zero_()
+                ssm_state.zero_()
+            out[:, q_start:q_end] = self._continue_sequence(
+                zxbcdt[:, q_start:q_end], conv_state, ssm_state
+            )
+        return out
 
     def _decode(self, zxbcdt: Tensor, conv_state: Tensor, ssm_state: Tensor) -> Tensor:
         """Positions after the cached ones, one at a time: [b, s, P_in_l] -> [b, s, d_inner_l]."""
@@ -363,7 +420,7 @@ class MambaMixer(MegatronModule):
         states = memory.get(self.layer_number)
         if states is None or states[0].shape[0] != rows:
             device = self.conv1d.weight.device
-            states = (
+            states = RecurrentState(
                 torch.zeros(
                     rows,
                     self.conv_dim_l,

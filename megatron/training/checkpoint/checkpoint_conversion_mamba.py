@@ -153,6 +153,9 @@ def stage_state_dicts(full: StateDict, num_layers: int, pp: int) -> List[Tuple[S
     out = []
     for p, stage in enumerate(stages):
         stage.update(_extra_state_names(stage))
+        if p == pp - 1:
+            # The last stage's output layer lists one even when it borrows the tied embedding.
+            stage['output_layer._extra_state'] = None
         out.append((stage, p == pp - 1))
     return out
 

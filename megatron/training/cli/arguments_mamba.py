@@ -6,6 +6,21 @@ and 8 groups; these flags set them. They reach `TransformerConfig` through its s
 fields (mamba_state_dim, mamba_head_dim, mamba_num_groups, mamba_num_heads).
 """
 
+#: Args that define a hybrid Mamba model, taken from its checkpoint by --use-checkpoint-args
+#: (a served or converted checkpoint builds the trained layer pattern and mixer sizes).
+MAMBA_CHECKPOINT_ARGS = (
+    'is_hybrid_model',
+    'hybrid_attention_ratio',
+    'hybrid_mlp_ratio',
+    'hybrid_override_pattern',
+    'mamba_state_dim',
+    'mamba_head_dim',
+    'mamba_num_groups',
+    'mamba_num_heads',
+    'squared_relu',
+    'bias_gelu_fusion',
+)
+
 
 def add_mamba_args(parser):
     """Add the Mamba mixer flags (argument group 'mamba')."""

@@ -88,8 +88,6 @@ def validate_mamba_args(args):
             f"--context-parallel-size ({args.context_parallel_size}) > 1 is not supported for "
             "Mamba layers (their scan would run on non-contiguous sequence chunks)"
         )
-    if getattr(args, 'sft', False):
-        raise ValueError("--sft (packed conversations) is not supported for hybrid Mamba models")
     if args.reset_attention_mask:
         if pp > 2:
             raise ValueError(

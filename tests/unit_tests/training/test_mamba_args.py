@@ -61,7 +61,6 @@ def test_valid_runs_pass():
         (MAMBA, {'pipeline_model_parallel_size': 3}, r'--num-layers \(4\) .* divisible by'),
         (MAMBA, {'virtual_pipeline_model_parallel_size': 2}, 'virtual/interleaved'),
         (MAMBA, {'context_parallel_size': 2}, r'--context-parallel-size \(2\) > 1'),
-        (MAMBA + ['--sft'], {}, '--sft'),
         (
             MAMBA
             + [

@@ -8,7 +8,10 @@ layers (an MLATransformerConfig) instead keep a latent pool [num_blocks * B, rkv
 key pool [num_blocks * B, dr] (the normalised latent and the rotated shared rotary key, whole on
 every tensor-parallel rank), re-expanded per step by the layer (`latent_attention`). A request
 owns ceil(tokens cached / B) blocks, taken from `KVBlockAllocator` as it grows and given back
-when it finishes or is preempted.
+when it finishes or is preempted. Recurrent layers (the Mamba mixers of a hybrid model) keep a
+fixed-size state per request instead: a request also holds one of `max_requests` state slots
+(`request_slot`) from its first step until it finishes or is preempted (a preempted request is
+recomputed from position 0, so its state restarts from zero).
 
 Step layout (`build_step`): the scheduled requests' new tokens are packed into one sequence
 [1, T] (decode tokens and prompt chunks alike), with their own positions. The model runs with this
@@ -70,6 +73,9 @@ class DynamicInferenceContext:
         max_tokens (int, optional): most tokens in one packed step (default 16384).
         num_blocks (int, optional): the number of blocks, instead of buffer_size_gb.
         pg_collection (ProcessGroupCollection, optional): tp / pp groups (default: global).
+        num_kv_layers (int, optional): self-attention layers per pipeline stage that hold a KV
+            cache, the same on every rank (default: ceil(num_layers / pp); a hybrid Mamba model
+            has fewer: its most on any stage, at least 1). Sizes the blocks.
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class DynamicInferenceContext:
         max_tokens: Optional[int] = None,
         num_blocks: Optional[int] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        num_kv_layers: Optional[int] = None,
     ):
         pgs = resolve_process_groups(pg_collection, ("tp", "pp"))
         tp, pp = pgs.tp.size(), pgs.pp.size()
@@ -94,7 +101,9 @@ class DynamicInferenceContext:
         self.block_size_tokens = block_size_tokens
         self.num_query_groups_per_partition = model_config.num_query_groups // tp
         self.head_dim = model_config.kv_channels
-        self.num_local_layers = math.ceil(model_config.num_layers / pp)
+        if num_kv_layers is None:
+            num_kv_layers = math.ceil(model_config.num_layers / pp)
+        self.num_local_layers = max(1, num_kv_layers)
         dtype = model_config.params_dtype
         if getattr(model_config, "multi_latent_attention", False):
             # Per token and layer: the latent and the rotary key, not divided by tp.
@@ -132,6 +141,10 @@ class DynamicInferenceContext:
                 f"({self.max_requests}): every active request decodes one token per step"
             )
         self.memory: Dict[int, tuple] = {}
+        # Recurrent (Mamba) layers: one state row per running request, not paged.
+        self.mamba_memory: Dict[int, tuple] = {}
+        self.request_slot: Dict[str, int] = {}
+        self._free_slots: List[int] = list(range(self.max_requests - 1, -1, -1))
         self.request_blocks: Dict[str, List[int]] = {}
         self.request_kv_length: Dict[str, int] = {}
         # Static-cache fields the model may read.
@@ -160,9 +173,14 @@ class DynamicInferenceContext:
         """Give `request_id` room for `kv_length` tokens; False (nothing taken) if the pool is
         short."""
         need = self.blocks_needed(request_id, kv_length)
+        new_request = request_id not in self.request_slot
+        if new_request and not self._free_slots:
+            return False
         blocks = self.block_allocator.allocate_memory_blocks(need)
         if blocks is None:
             return False
+        if new_request:
+            self.request_slot[request_id] = self._free_slots.pop()
         self.request_blocks.setdefault(request_id, []).extend(blocks)
         self.request_kv_length.setdefault(request_id, 0)
         return True
@@ -171,6 +189,9 @@ class DynamicInferenceContext:
         """Free every block of `request_id` (finished, cancelled or preempted)."""
         blocks = self.request_blocks.pop(request_id, [])
         self.request_kv_length.pop(request_id, None)
+        slot = self.request_slot.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
         self.block_allocator.release_memory_blocks(blocks)
 
     def kv_length(self, request_id: str) -> int:
@@ -201,6 +222,8 @@ class DynamicInferenceContext:
         self.attention_slots = None
         self.logit_positions = None
         self.logit_slices: Dict[str, tuple] = {}
+        self.mamba_decode_rows = None
+        self.mamba_chunk_rows: List[tuple] = []
 
     def build_step(self, chunks: List[StepChunk]) -> None:
         """Pack `chunks` (each request's blocks already grown to hold them) into this step's
@@ -247,6 +270,27 @@ class DynamicInferenceContext:
         ]
         if not self.attention_requests:
             self.attention_slots = None
+        self._build_recurrent_rows(chunks, spans, device)
+
+    def _build_recurrent_rows(self, chunks, spans, device):
+        """The step's rows for recurrent layers: continuing requests with one new token are
+        stepped together (`mamba_decode_rows` = (packed positions [n], state slots [n])); every
+        other chunk (a prompt, a prompt chunk, a first token) is scanned on its own from its
+        request's state (`mamba_chunk_rows`: (q_start, q_end, slot, fresh)), fresh = it starts
+        at position 0, so the state starts from zero."""
+        positions, slots, self.mamba_chunk_rows = [], [], []
+        for chunk, (q_start, q_end, _) in zip(chunks, spans):
+            slot = self.request_slot[chunk.request_id]
+            fresh = chunk.start_position == 0
+            if q_end - q_start == 1 and not fresh:
+                positions.append(q_start)
+                slots.append(slot)
+            else:
+                self.mamba_chunk_rows.append((q_start, q_end, slot, fresh))
+        self.mamba_decode_rows = (
+            torch.tensor(positions, dtype=torch.long, device=device),
+            torch.tensor(slots, dtype=torch.long, device=device),
+        )
 
     # ------------------------------------------------------------------ model hooks
     def attention(self, layer_number, query, key, value, rotary_pos_emb, config) -> torch.Tensor:
@@ -318,6 +362,18 @@ class DynamicInferenceContext:
             softmax_scale=softmax_scale,
             all_slots=order,
         )
+
+    def mamba_states(self, layer_number, conv_shape, conv_dtype, ssm_shape, device):
+        """(conv states [max_requests, *conv_shape], SSM states [max_requests, *ssm_shape] fp32)
+        of recurrent layer `layer_number`, one row per request slot (`request_slot`); allocated
+        (zeros) on the layer's first step. Their memory is not part of buffer_size_gb."""
+        if layer_number not in self.mamba_memory:
+            rows = self.max_requests
+            self.mamba_memory[layer_number] = (
+                torch.zeros((rows,) + tuple(conv_shape), dtype=conv_dtype, device=device),
+                torch.zeros((rows,) + tuple(ssm_shape), dtype=torch.float32, device=device),
+            )
+        return self.mamba_memory[layer_number]
 
     def select_logit_positions(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[T, 1, h] -> [N, 1, h]: the positions whose logits the engine needs."""

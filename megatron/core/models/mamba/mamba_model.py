@@ -14,6 +14,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.models.gpt.gpt_model import _restart_per_segment as restart_rotary_per_segment
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -181,14 +182,28 @@ class MambaModel(LanguageModule):
             position_ids = steps.unsqueeze(0)  # [1, s]
         return self.embedding(input_ids=input_ids, position_ids=position_ids)
 
-    def _rotary_angles(self, inference_params, decoder_input):
-        """RoPE angles [s, 1, 1, d] for the attention layers of the stack, or None."""
+    def _rotary_angles(self, inference_params, decoder_input, packed_seq_params):
+        """RoPE angles [s, 1, 1, d] for the attention layers of the stack ([s, b, 1, d]
+        restarting at every segment of packed sequences), or None."""
         if self.position_embedding_type != 'rope':
             return None
         length = self.rotary_pos_emb.get_rotary_seq_len(
             inference_params, self.decoder, decoder_input, self.config
         )
-        return self.rotary_pos_emb(length)
+        angles = self.rotary_pos_emb(length)
+        if packed_seq_params is not None:
+            angles = restart_rotary_per_segment(angles, packed_seq_params)
+        return angles
+
+    def _stage_shape(self, input_ids, decoder_input):
+        """(b, s) of this micro-batch on any pipeline stage (the full s under SP)."""
+        if input_ids is not None:
+            return tuple(input_ids.shape)
+        block_input = decoder_input if self.pre_process else self.decoder.input_tensor
+        s, b = block_input.shape[:2]  # [s, b, H], [s/tp, b, H] under SP
+        if self.config.sequence_parallel:
+            s *= self.config.tensor_model_parallel_size
+        return b, s
 
     def forward(
         self,
@@ -209,9 +224,11 @@ class MambaModel(LanguageModule):
             attention_mask: bool [b, 1, s, s] for the attention layers (True = masked), or None.
             decoder_input: [s, b, H] precomputed embedding output.
             labels: [b, s] targets; when given the per-token loss is returned.
-            inference_params (InferenceParams): KV and conv / SSM state caches.
-            packed_seq_params: packed documents over the batch-major stream; Mamba layers get
-                their document ids (attention layers need the matching mask).
+            inference_params (InferenceParams or DynamicInferenceContext): KV and conv / SSM
+                state caches (static batch, or the dynamic engine's packed step).
+            packed_seq_params: packed sequences over the batch-major stream (--sft): Mamba
+                layers get their segment ids (conv and scan restart per segment), attention
+                layers attend within each segment, RoPE positions restart per segment.
             seq_idx: [b, s] document ids for the Mamba layers (instead of packed_seq_params).
 
         Returns:
@@ -222,20 +239,27 @@ class MambaModel(LanguageModule):
             decoder_input = self._embed(input_ids, position_ids, inference_params)
         # Otherwise: a precomputed embedding, or None on later stages (set_input_tensor).
 
-        if seq_idx is None and packed_seq_params is not None and input_ids is not None:
-            seq_idx = seq_idx_from_packed(packed_seq_params, *input_ids.shape)
+        if seq_idx is None and packed_seq_params is not None:
+            # Every stage's Mamba layers restart at the segment starts.
+            seq_idx = seq_idx_from_packed(
+                packed_seq_params, *self._stage_shape(input_ids, decoder_input)
+            )
 
-        rotary_pos_emb = self._rotary_angles(inference_params, decoder_input)
+        rotary_pos_emb = self._rotary_angles(inference_params, decoder_input, packed_seq_params)
         hidden_states = self.decoder(
             hidden_states=decoder_input,
             seq_idx=seq_idx,
             rotary_pos_emb=rotary_pos_emb,
             attention_mask=attention_mask,
             inference_params=inference_params,
+            packed_seq_params=packed_seq_params,
         )
         if not self.post_process:
             return hidden_states
-        if (
+        if inference_params is not None and inference_params.is_dynamic_batching():
+            # The dynamic engine's packed requests: logits only where it samples or scores.
+            hidden_states = inference_params.select_logit_positions(hidden_states)
+        elif (
             inference_params is not None
             and labels is None
             and getattr(inference_params, 'materialize_only_last_token_logits', False)

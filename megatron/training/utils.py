@@ -211,13 +211,16 @@ def get_ltor_masks_and_position_ids(
 def get_batch_on_this_tp_rank(data_iterator):
     """The next micro-batch, read on TP rank 0 and broadcast to the other TP ranks.
 
-    First stages need tokens and position ids, last stages labels and loss mask; both need the
-    attention mask (when the dataloader makes one). Returns a dict of tensors on the current device.
+    First stages need tokens and position ids, last stages labels and loss mask (and tokens and
+    position ids too with multi-token prediction); both need the attention mask (when the
+    dataloader makes one). Returns a dict of tensors on the current device.
     """
     args = get_args()
     device = get_current_device()
     tp_group = mpu.get_tensor_model_parallel_group()
     src = mpu.get_tensor_model_parallel_src_rank()
+    # Multi-token prediction embeds the rolled ids on the last stage.
+    mtp_on_last_stage = bool(getattr(args, 'mtp_num_layers', None))
 
     def _broadcast(item):
         if item is not None:
@@ -254,6 +257,9 @@ def get_batch_on_this_tp_rank(data_iterator):
             _broadcast(batch['labels'])
             _broadcast(batch['loss_mask'])
             _broadcast(batch['attention_mask'])
+            if mtp_on_last_stage:
+                _broadcast(batch['tokens'])
+                _broadcast(batch['position_ids'])
     else:
         mbs, seq = args.micro_batch_size, args.seq_length
         tokens = torch.empty((mbs, seq), dtype=torch.int64, device=device)
@@ -277,11 +283,15 @@ def get_batch_on_this_tp_rank(data_iterator):
             _broadcast(attention_mask)
             _broadcast(position_ids)
         elif mpu.is_pipeline_last_stage():
-            tokens = None
-            position_ids = None
+            if not mtp_on_last_stage:
+                tokens = None
+                position_ids = None
             _broadcast(labels)
             _broadcast(loss_mask)
             _broadcast(attention_mask)
+            if mtp_on_last_stage:
+                _broadcast(tokens)
+                _broadcast(position_ids)
         batch = {
             'tokens': tokens,
             'labels': labels,

@@ -195,7 +195,8 @@ def set_reference_weights(model_chunk, num_layers, layer_offset, qkv_std=0.02):
     with torch.no_grad():
         for name, param in model_chunk.named_parameters():
             parts = name.split('.')
-            if 'layers' in parts:
+            # Decoder layers are numbered per stage; the MTP layers (`mtp.layers.k`) are not.
+            if 'layers' in parts and parts[parts.index('layers') - 1] != 'mtp':
                 i = parts.index('layers') + 1
                 parts[i] = str(int(parts[i]) + layer_offset)
             if 'local_experts' in parts:

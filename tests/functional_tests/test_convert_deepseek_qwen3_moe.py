@@ -293,19 +293,32 @@ def test_tp2_ep2_checkpoint_gives_hf_logits(converted):
         torch.testing.assert_close(mtp_logits[..., :VOCAB], expected_mtp, atol=2e-5, rtol=1e-4)
 
 
-def test_mtp_model_at_pipeline_parallel_target_is_refused(converted, tmp_path, capsys):
+def test_mtp_model_round_trips_through_a_pipeline_parallel_layout(converted, tmp_path):
+    """TP2 x EP2 -> PP3 -> HF: the MTP module and a copy of the word table go to the last stage
+    (where training embeds the rolled ids), and the export equals the original bit for bit."""
     arch, dirs, _ = converted
     if arch != 'deepseek_v3':
         pytest.skip('the Qwen3-MoE model has no MTP module')
-    import convert  # tools/checkpoint is on sys.path (the fixture's conversions)
-
-    rc = convert.main(
-        ['--model-type', 'GPT', '--loader', 'mcore', '--saver', 'mcore']
-        + ['--load-dir', dirs['tp2ep2'], '--save-dir', str(tmp_path / 'pp3')]
-        + ['--target-pipeline-parallel-size', '3']
+    pp3, export = str(tmp_path / 'pp3'), str(tmp_path / 'export')
+    _convert(
+        *('--loader', 'mcore', '--saver', 'mcore', '--load-dir', dirs['tp2ep2']),
+        *('--save-dir', pp3, '--target-pipeline-parallel-size', '3'),
     )
-    assert rc == 2 and not (tmp_path / 'pp3').exists()
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        'error: --target-pipeline-parallel-size 3: the model has multi-token prediction '
-        '(--mtp-num-layers 1), which runs on one pipeline stage only'
+    last = torch.load(
+        os.path.join(pp3, 'iter_0000001', 'mp_rank_00_002', 'model_optim_rng.pt'),
+        weights_only=False,
+    )['model']
+    first = torch.load(
+        os.path.join(pp3, 'iter_0000001', 'mp_rank_00_000', 'model_optim_rng.pt'),
+        weights_only=False,
+    )['model']
+    assert 'mtp.layers.0.eh_proj.weight' in last and 'mtp.layers.0.eh_proj.weight' not in first
+    assert torch.equal(
+        last['embedding.word_embeddings.weight'], first['embedding.word_embeddings.weight']
     )
+    _convert(*('--loader', 'mcore', '--saver', 'hf', '--load-dir', pp3, '--save-dir', export))
+    original = safetensors_torch.load_file(os.path.join(dirs['hf'], 'model.safetensors'))
+    exported = safetensors_torch.load_file(os.path.join(export, 'model.safetensors'))
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name

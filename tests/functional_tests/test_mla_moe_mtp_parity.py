@@ -1,7 +1,10 @@
 """A tiny DeepSeek-V3-style model (multi-latent attention, a dense then an MoE layer with sigmoid
 routing, expert bias, group-limited top-k, a shared expert and the sequence-level auxiliary loss,
 one multi-token-prediction layer) trained through pretrain_gpt.py: TP2 with sequence parallelism,
-and TP2 x EP2 (DP2) with the alltoall dispatcher, reproduce the serial run.
+TP2 x EP2 (DP2) with the alltoall dispatcher, and PP2 (the MTP layer on the last stage with its
+own copy of the word embedding, kept equal to the first stage's), reproduce the serial run. A
+dense model with tied embeddings does the same at PP2 (the last stage's MTP embedding is the
+output layer's copy of the table).
 
 Every layout starts from the same weights (`set_reference_weights`: values by global name, the
 TP slice taken); global batches of 8 sequences in micro-batches of 2; dropout off. Compared per
@@ -39,27 +42,31 @@ MODEL_ARGS = [
     *('--eval-iters', '1', '--eod-mask-loss'),
 ]
 
-#: name: (world size, tp, ep, extra flags)
+#: name: (world size, tp, ep, pp, extra flags)
 LAYOUTS = {
-    'tp2_sp': (2, 2, 1, ['--sequence-parallel']),
+    'tp2_sp': (2, 2, 1, 1, ['--sequence-parallel']),
     'tp2_sp_ep2_alltoall': (
         4,
         2,
         2,
+        1,
         ['--sequence-parallel', '--moe-token-dispatcher-type', 'alltoall'],
     ),
+    'pp2': (2, 1, 1, 2, []),
 }
 
 
-def _run(world, tp, ep, extra, data_prefix, cache):
-    flags = MODEL_ARGS + SMALL_VOCAB_ARGS + list(extra)
+def _run(world, tp, ep, extra, data_prefix, cache, pp=1, model_args=MODEL_ARGS):
+    flags = model_args + SMALL_VOCAB_ARGS + list(extra)
     flags += ['--tensor-model-parallel-size', str(tp), '--expert-model-parallel-size', str(ep)]
+    flags += ['--pipeline-model-parallel-size', str(pp)]
     flags += ['--data-path', data_prefix, '--data-cache-path', cache]
     results = run_distributed(
         run_pretrain,
         world_size=world,
         tp=tp,
         ep=ep,
+        pp=pp,
         args=(flags,),
         kwargs={'reference_weights': True, 'capture_stdout': True},
         timeout=600,
@@ -81,8 +88,8 @@ def test_tp2_and_tp2_ep2_match_serial(small_vocab_data_prefix, tmp_path_factory)
     cache = str(tmp_path_factory.mktemp('mla_moe_mtp_cache'))
     reference = _run(1, 1, 1, [], small_vocab_data_prefix, cache)
     assert _losses(reference)[-1] < _losses(reference)[0]
-    for name, (world, tp, ep, extra) in LAYOUTS.items():
-        result = _run(world, tp, ep, extra, small_vocab_data_prefix, cache)
+    for name, (world, tp, ep, pp, extra) in LAYOUTS.items():
+        result = _run(world, tp, ep, extra, small_vocab_data_prefix, cache, pp=pp)
         assert _losses(result) == pytest.approx(_losses(reference), rel=RTOL), name
         for field, tolerance in (
             ('mtp_1 loss', dict(rel=2e-6)),
@@ -91,3 +98,44 @@ def test_tp2_and_tp2_ep2_match_serial(small_vocab_data_prefix, tmp_path_factory)
         ):
             expected = pytest.approx(_logged(reference, field), **tolerance)
             assert _logged(result, field) == expected, (name, field)
+    # PP2's torch_dist checkpoint (the last stage's untied table copy a non-main replica)
+    # resumes at TP2 with the serial losses.
+    ckpt = str(tmp_path_factory.mktemp('mla_moe_mtp_ckpt'))
+    save = ['--save', ckpt, '--load', ckpt, '--save-interval', '2', '--ckpt-format', 'torch_dist']
+    _run(2, 1, 1, save + ['--exit-interval', '2'], small_vocab_data_prefix, cache, pp=2)
+    resumed = _run(2, 2, 1, save + ['--sequence-parallel'], small_vocab_data_prefix, cache)
+    assert sorted(resumed['train_losses']) == [3, 4]
+    for it in (3, 4):
+        expected = reference['train_losses'][it]['lm loss']
+        assert resumed['train_losses'][it]['lm loss'] == pytest.approx(expected, rel=RTOL)
+
+
+TIED_DENSE_ARGS = [
+    *('--num-layers', '2', '--position-embedding-type', 'rope', '--mtp-num-layers', '1'),
+    *('--micro-batch-size', '2', '--global-batch-size', '8', '--train-iters', str(ITERS)),
+    *('--eval-iters', '1', '--eod-mask-loss'),
+]
+
+
+def test_tied_embeddings_pp2_match_serial_and_resume_at_pp1(
+    small_vocab_data_prefix, tmp_path_factory
+):
+    cache = str(tmp_path_factory.mktemp('mtp_tied_cache'))
+    runs = [
+        _run(world, 1, 1, [], small_vocab_data_prefix, cache, pp=world, model_args=TIED_DENSE_ARGS)
+        for world in (1, 2)
+    ]
+    # A torch_dist checkpoint of the PP2 run (the last stage's table copy stored as a replica)
+    # resumes at PP1 with the serial run's losses.
+    ckpt = str(tmp_path_factory.mktemp('mtp_tied_ckpt'))
+    save = ['--save', ckpt, '--load', ckpt, '--save-interval', '2', '--ckpt-format', 'torch_dist']
+    prefix, args = small_vocab_data_prefix, TIED_DENSE_ARGS
+    _run(2, 1, 1, save + ['--exit-interval', '2'], prefix, cache, pp=2, model_args=args)
+    resumed = _run(1, 1, 1, save, prefix, cache, pp=1, model_args=args)
+    assert sorted(resumed['train_losses']) == [3, 4]  # it resumed (a fresh run repeats 1-4)
+    for it in (3, 4):
+        expected = runs[0]['train_losses'][it]['lm loss']
+        assert resumed['train_losses'][it]['lm loss'] == pytest.approx(expected, rel=RTOL)
+    assert _losses(runs[1]) == pytest.approx(_losses(runs[0]), rel=RTOL)
+    assert _logged(runs[1], 'mtp_1 loss') == pytest.approx(_logged(runs[0], 'mtp_1 loss'), rel=2e-6)
+    assert _logged(runs[1], 'grad norm') == pytest.approx(_logged(runs[0], 'grad norm'), abs=1.5e-3)

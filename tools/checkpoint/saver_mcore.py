@@ -140,11 +140,6 @@ def check_arguments(args, md):
             f'--target-pipeline-parallel-split-rank is for --model-type T5 (encoder-decoder '
             f'models), not {md.model_type}'
         )
-    elif pp > 1 and getattr(margs, 'mtp_num_layers', None):
-        raise ValueError(
-            f'--target-pipeline-parallel-size {pp}: the model has multi-token prediction '
-            f'(--mtp-num-layers {margs.mtp_num_layers}), which runs on one pipeline stage only'
-        )
     elif md.num_layers % pp:
         raise ValueError(
             f'--target-pipeline-parallel-size {pp} does not divide the number of '
@@ -255,6 +250,10 @@ def _last_stage_tail(queue, md, args, padded, word, pp):
     elif pp > 1:
         # Tied embeddings: the last stage keeps its own copy of the word embeddings.
         stage['output_layer.weight'] = word
+    if pp > 1 and getattr(md.checkpoint_args, 'mtp_num_layers', None):
+        # Multi-token prediction embeds the rolled ids on the last stage with a copy of the
+        # table (the same tensor as the output layer's when tied).
+        stage['embedding.word_embeddings.weight'] = word
     _bert_heads(queue, md, args, padded, stage)
     return stage
 

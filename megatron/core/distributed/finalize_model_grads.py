@@ -62,7 +62,9 @@ def _allreduce_word_embedding_grads(model: List[torch.nn.Module], config, pgs=No
             model_module = model[0]
 
         model_module = get_attr_wrapped_model(model_module, 'pre_process', return_model_obj=True)
-        if getattr(model_module, 'share_embeddings_and_output_weights', False):
+        ties = getattr(model_module, 'ties_word_embedding_across_stages', None)
+        tied = ties() if ties is not None else False
+        if tied or getattr(model_module, 'share_embeddings_and_output_weights', False):
             weight = model_module.shared_embedding_or_output_weight()
             grad = _grad_for_reduction(weight)
             torch.distributed.all_reduce(grad, group=pgs.embd)

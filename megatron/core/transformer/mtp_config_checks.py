@@ -9,11 +9,12 @@ def check_mtp_config(config) -> None:
         return
     if not isinstance(depth, int) or depth < 1:
         raise ValueError(f"mtp_num_layers must be a positive integer, got {depth!r}")
-    if config.pipeline_model_parallel_size > 1:
+    if config.virtual_pipeline_model_parallel_size is not None:
+        # The last stage builds its own copy of the word embedding for the MTP layers; the
+        # interleaved schedule's chunks are not wired for it.
         raise ValueError(
-            f"multi-token prediction with pipeline_model_parallel_size "
-            f"({config.pipeline_model_parallel_size}) > 1 is not supported (the MTP layers need "
-            "the embedding on the last stage)"
+            "multi-token prediction with virtual_pipeline_model_parallel_size "
+            f"({config.virtual_pipeline_model_parallel_size}) is not supported"
         )
     if config.context_parallel_size > 1:
         raise ValueError(

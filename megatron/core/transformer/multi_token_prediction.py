@@ -123,6 +123,17 @@ class MultiTokenPredictionBlock(MegatronModule):
             for k in range(config.mtp_num_layers)
         )
 
+    def sharded_state_dict(self, prefix: str = '', sharded_offsets: tuple = (), metadata=None):
+        """Distributed checkpoint: each depth's own split (eh_proj over TP along its output, the
+        inner layer as a decoder layer); the layer list itself holds no state. Without this the
+        ModuleList would be saved as replicated tensors, which no other TP size can load."""
+        sharded = {}
+        for depth, layer in enumerate(self.layers):
+            sharded.update(
+                layer.sharded_state_dict(f'{prefix}layers.{depth}.', sharded_offsets, metadata)
+            )
+        return sharded
+
     def losses(
         self,
         hidden: Tensor,

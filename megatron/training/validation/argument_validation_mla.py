@@ -38,17 +38,19 @@ def validate_mla_args(args):
 
 
 def validate_mtp_args(args):
-    """--mtp-num-layers: positive, last-stage-only layouts (PP = 1), no context parallelism,
-    rope or no position embedding (sequence parallelism is supported)."""
+    """--mtp-num-layers: positive, no interleaved schedule (the MTP layers run on the last
+    pipeline stage), no context parallelism, rope or no position embedding (sequence and
+    pipeline parallelism are supported)."""
     depth = getattr(args, 'mtp_num_layers', None)
     if depth is None:
         return
     if depth < 1:
         raise ValueError(f'--mtp-num-layers must be positive, got {depth}')
-    if args.pipeline_model_parallel_size > 1:
+    if getattr(args, 'num_layers_per_virtual_pipeline_stage', None) is not None:
         raise ValueError(
-            f'--mtp-num-layers with --pipeline-model-parallel-size '
-            f'({args.pipeline_model_parallel_size}) > 1 is not supported'
+            '--mtp-num-layers is not supported with the interleaved schedule '
+            '(--num-layers-per-virtual-pipeline-stage '
+            f'{args.num_layers_per_virtual_pipeline_stage})'
         )
     if args.context_parallel_size > 1:
         raise ValueError(

@@ -197,7 +197,15 @@ def test_mtp_equals_hf_mtp_layer(tp):
 @pytest.mark.parametrize(
     'change,message',
     [
-        (dict(pipeline_model_parallel_size=2), 'pipeline_model_parallel_size'),
+        (
+            dict(
+                pipeline_model_parallel_size=2,
+                virtual_pipeline_model_parallel_size=2,
+                pipeline_dtype=torch.float32,
+                num_layers=4,
+            ),
+            'virtual_pipeline_model_parallel_size',
+        ),
         (dict(mtp_num_layers=0), 'positive integer'),
     ],
 )

@@ -42,7 +42,10 @@ def _args(extra):
             ['--multi-latent-attention', '--group-query-attention', '--num-query-groups', '2'],
             'excludes --group-query-attention',
         ),
-        (['--mtp-num-layers', '1', '--pipeline-model-parallel-size', '2'], r'> 1 is not supported'),
+        (
+            ['--mtp-num-layers', '1', '--num-layers-per-virtual-pipeline-stage', '1'],
+            r'not supported with the interleaved schedule \(--num-layers-per-virtual-pipeline-stage 1\)',
+        ),
         (['--mtp-num-layers', '1', '--context-parallel-size', '2'], r'\(2\) > 1 is not supported'),
         (
             ['--mtp-num-layers', '1', '--position-embedding-type', 'learned_absolute'],

@@ -104,8 +104,13 @@ class GPTModel(LanguageModule):
         # The pipeline schedules pick their communication pattern from the model type.
         self.model_type = ModelType.encoder_or_decoder
 
+        # The stage that runs multi-token prediction (the last) embeds the rolled ids itself:
+        # with pipeline parallelism it holds its own copy of the word embedding (Megatron's
+        # `mtp_process`), kept equal to the first stage's over the embedding group.
+        self.mtp_process = bool(self.post_process and config.mtp_num_layers)
+
         # Submodules in the order of their weight-init draws: embedding, decoder, output layer.
-        if self.pre_process:
+        if self.pre_process or self.mtp_process:
             self.embedding = LanguageModelEmbedding(
                 self.config,
                 vocab_size,
@@ -167,6 +172,10 @@ class GPTModel(LanguageModule):
             layer_spec = getattr(transformer_layer_spec, 'layer_specs', None)
             layer_spec = layer_spec[-1] if layer_spec else transformer_layer_spec
             self.mtp = MultiTokenPredictionBlock(config, layer_spec, self.pg_collection)
+            if not self.pre_process and self.share_embeddings_and_output_weights:
+                # Tied: the MTP embedding reads the last stage's copy of the table itself.
+                del self.embedding.word_embeddings.weight
+                self.embedding.word_embeddings.weight = self.output_layer.weight
 
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()

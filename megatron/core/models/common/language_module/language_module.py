@@ -109,14 +109,27 @@ class LanguageModule(MegatronModule):
         their gradients over the same group. Both copies are marked `shared_embedding = True`.
         """
         self._tag_embedding_and_output_weights()
-        if not self.share_embeddings_and_output_weights:
+        if not self.ties_word_embedding_across_stages():
             return
         if self.pg_collection.pp.size() == 1:
             # One stage holds both ends: the output layer reads the embedding weight directly.
-            self.shared_embedding_or_output_weight().zero_out_wgrad = True
+            if self.share_embeddings_and_output_weights:
+                self.shared_embedding_or_output_weight().zero_out_wgrad = True
             return
+        if getattr(self, 'mtp_process', False) and self.share_embeddings_and_output_weights:
+            # The last stage's copy is also its MTP embedding table: a second use of the weight
+            # in the graph, whose gradient autograd must keep (see zero_out_wgrad above).
+            self.shared_embedding_or_output_weight().zero_out_wgrad = True
         self._mark_tied_copies()
         self._synchronise_tied_copies()
+
+    def ties_word_embedding_across_stages(self) -> bool:
+        """Whether the first and last pipeline stages each hold a copy of the word embedding
+        that must stay equal: tied output weights, or multi-token prediction, whose last stage
+        embeds the rolled ids with its own copy when the output layer is untied."""
+        return bool(
+            self.share_embeddings_and_output_weights or getattr(self.config, 'mtp_num_layers', None)
+        )
 
     def _tag_embedding_and_output_weights(self) -> None:
         """Flag the vocabulary-sized weights this stage holds (the optimizer setup reads it)."""
@@ -125,6 +138,8 @@ class LanguageModule(MegatronModule):
             tagged.append(self.embedding.word_embeddings.weight)
         if self.post_process and self.output_layer.weight is not None:
             tagged.append(self.output_layer.weight)
+        if getattr(self, 'mtp_process', False) and not self.pre_process:
+            tagged.append(self.embedding.word_embeddings.weight)
         for weight in tagged:
             weight.is_embedding_or_output_parameter = True
 
@@ -137,7 +152,7 @@ class LanguageModule(MegatronModule):
         if not self.post_process or self.pre_process:
             return
         assert not parallel_state.is_pipeline_first_stage()
-        copy = self.output_layer.weight
+        copy = self.shared_embedding_or_output_weight()
         copy.data.fill_(0)
         copy.shared = True
         copy.shared_embedding = True
@@ -182,6 +197,7 @@ class LanguageModule(MegatronModule):
         bias_key = f'{prefix}output_layer.bias'
         if not self.post_process:
             return
+        self._mtp_embedding_as_replica(sharded_state_dict, prefix)
         if bias_key in sharded_state_dict:
             sharded_state_dict[bias_key].allow_shape_mismatch = True
         if not self.share_embeddings_and_output_weights:
@@ -201,11 +217,33 @@ class LanguageModule(MegatronModule):
             allow_shape_mismatch=True,
         )
 
+    def _mtp_embedding_as_replica(self, sharded_state_dict, prefix: str) -> None:
+        """A last stage's MTP copy of the word embedding is never written: tied, it is the
+        output layer's weight (stored below as a replica); untied, it becomes a non-main replica
+        of the first stage's table (replica id (1, 0, dp)), read from it on load."""
+        key = f'{prefix}embedding.word_embeddings.weight'
+        if self.pre_process or not getattr(self, 'mtp_process', False):
+            return
+        entry = sharded_state_dict.pop(key, None)
+        if entry is None or self.share_embeddings_and_output_weights:
+            return
+        from megatron.core.dist_checkpointing.utils import make_tp_sharded_tensor_for_checkpoint
+
+        sharded_state_dict[key] = make_tp_sharded_tensor_for_checkpoint(
+            entry.data,
+            key,
+            replica_id=(1, 0, parallel_state.get_data_parallel_rank(with_context_parallel=True)),
+            allow_shape_mismatch=True,
+        )
+
     def shared_embedding_or_output_weight(self) -> Tensor:
         """The word-embedding weight on the first stage, the output-layer weight on the last
         stage without embedding, else None."""
         if self.pre_process:
             return self.embedding.word_embeddings.weight
         elif self.post_process:
+            if getattr(self, 'mtp_process', False) and not self.share_embeddings_and_output_weights:
+                # Untied: the copy kept equal to the first stage's is the MTP embedding's table.
+                return self.embedding.word_embeddings.weight
             return self.output_layer.weight
         return None

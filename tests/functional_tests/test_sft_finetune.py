@@ -155,18 +155,21 @@ def _args(tokenizer_dir, cache, tp, pp):
     ]
 
 
-def _losses(tokenizer_dir, cache, tp, pp):
+def _losses(tokenizer_dir, cache, tp, pp, extra=(), field="lm loss"):
     outs = run_distributed(
         run_pretrain,
         world_size=tp * pp,
         tp=tp,
         pp=pp,
-        args=(_args(tokenizer_dir, cache, tp, pp),),
-        kwargs=dict(reference_weights=True, base_args=[], args_defaults={}),
+        args=(_args(tokenizer_dir, cache, tp, pp) + list(extra),),
+        kwargs=dict(reference_weights=True, base_args=[], args_defaults={}, capture_stdout=True),
         timeout=600,
     )
     result = outs[-1]
     train = {int(k): float(v["lm loss"]) for k, v in result["train_losses"].items()}
+    if field != "lm loss":  # logged only: read from the iteration lines
+        lines = [line for line in result["stdout"].splitlines() if "consumed samples:" in line]
+        return [float(line.split(f" {field}: ")[1].split(" ")[0]) for line in lines]
     return [train[i] for i in range(1, ITERS + 1)], float(result["valid_losses"]["lm loss"])
 
 
@@ -179,3 +182,17 @@ def test_finetune_lowers_answer_loss_same_at_tp2_and_pp2(tokenizer_dir, tmp_path
     assert tp2[-1] < 0.8 * tp2[0] and tp2_valid < 0.9 * tp2[0], (tp2, tp2_valid)
     for a, b in zip(tp2 + [tp2_valid], pp2 + [pp2_valid]):
         assert abs(a - b) <= 1e-5 * abs(a), (tp2, pp2)
+
+
+def test_multi_token_prediction_on_packed_conversations_same_at_tp2_and_pp2(
+    tokenizer_dir, tmp_path
+):
+    """--mtp-num-layers with --sft: the MTP layer rolls each packed conversation on its own (on
+    the last stage under PP2, which reads the tokens too); its loss falls and TP2 and PP2 give
+    the same `lm loss` and `mtp_1 loss`."""
+    cache = str(tmp_path / "cache")
+    mtp = ["--mtp-num-layers", "1"]
+    runs = [_losses(tokenizer_dir, cache, tp, pp, mtp, "mtp_1 loss") for tp, pp in ((2, 1), (1, 2))]
+    assert len(runs[0]) == ITERS and runs[0][-1] < runs[0][0], runs[0]
+    for a, b in zip(*runs):
+        assert abs(a - b) <= 2e-6 * abs(a), runs

@@ -49,11 +49,23 @@ def clear_mtp_loss_tracker() -> None:
     _MTP_LOSS_TRACKER.clear()
 
 
-def roll_left(tensor: Tensor, dim: int = -1) -> Tensor:
-    """Shift `tensor` one place towards index 0 along `dim`; the freed last place holds 0."""
-    rolled = torch.roll(tensor, shifts=-1, dims=dim)
-    rolled.narrow(dim, tensor.size(dim) - 1, 1).zero_()
-    return rolled
+def roll_left(tensor: Tensor, dim: int = -1, segment_offsets: Optional[Tensor] = None) -> Tensor:
+    """Shift `tensor` one place towards index 0 along `dim`; the freed last place holds 0.
+
+    With `segment_offsets` (packed sequences: where each segment starts in the batch-major
+    b * s stream of a [b, s] tensor, then the stream's end) every segment shifts on its own: its
+    last place holds 0 instead of the next segment's first token, so no prediction crosses a
+    document boundary.
+    """
+    if segment_offsets is None:
+        rolled = torch.roll(tensor, shifts=-1, dims=dim)
+        rolled.narrow(dim, tensor.size(dim) - 1, 1).zero_()
+        return rolled
+    flat = torch.roll(tensor.reshape(-1), shifts=-1)  # [b * s]
+    ends = segment_offsets[1:].to(device=flat.device, dtype=torch.long) - 1
+    flat[ends] = 0
+    flat[-1] = 0
+    return flat.view_as(tensor)
 
 
 class MultiTokenPredictionLayer(MegatronModule):
@@ -91,7 +103,14 @@ class MultiTokenPredictionLayer(MegatronModule):
         )
         self.final_layernorm = WrappedTorchNorm(config=config, hidden_size=h, eps=eps)
 
-    def forward(self, embedded: Tensor, hidden: Tensor, attention_mask, rotary_pos_emb) -> Tensor:
+    def forward(
+        self,
+        embedded: Tensor,
+        hidden: Tensor,
+        attention_mask,
+        rotary_pos_emb,
+        packed_seq_params=None,
+    ) -> Tensor:
         """embedded (of the rolled ids) and hidden (h_{k-1}) [s, b, h] -> h_k [s, b, h]
         ([s/tp, b, h] each under sequence parallelism)."""
         x = torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1)  # [s, b, 2h]
@@ -102,7 +121,10 @@ class MultiTokenPredictionLayer(MegatronModule):
             # [s, b, h] -> [s/tp, b, h]; backward: all-gather along s.
             x = tensor_parallel.scatter_to_sequence_parallel_region(x, group=self.pg_collection.tp)
         x, _ = self.transformer_layer(
-            x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+            x,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            packed_seq_params=packed_seq_params,
         )
         return self.final_layernorm(x)
 
@@ -145,6 +167,7 @@ class MultiTokenPredictionBlock(MegatronModule):
         token_losses: Callable,
         attention_mask=None,
         rotary_pos_emb=None,
+        packed_seq_params=None,
     ) -> List[Tensor]:
         """[L_1 .. L_D] (fp32 scalars with their graphs) for the main hidden state h_0 [s, b, h].
 
@@ -158,12 +181,15 @@ class MultiTokenPredictionBlock(MegatronModule):
             loss_mask = torch.ones_like(labels, dtype=torch.float32)
         loss_mask = loss_mask.float()
         result = []
+        offsets = None if packed_seq_params is None else packed_seq_params.segment_offsets()
         for layer in self.layers:
-            input_ids, labels, loss_mask = (roll_left(t) for t in (input_ids, labels, loss_mask))
+            input_ids, labels, loss_mask = (
+                roll_left(t, segment_offsets=offsets) for t in (input_ids, labels, loss_mask)
+            )
             if position_ids is not None:
-                position_ids = roll_left(position_ids)
+                position_ids = roll_left(position_ids, segment_offsets=offsets)
             embedded = embedding(input_ids=input_ids, position_ids=position_ids)
-            hidden = layer(embedded, hidden, attention_mask, rotary_pos_emb)
+            hidden = layer(embedded, hidden, attention_mask, rotary_pos_emb, packed_seq_params)
             ce = token_losses(hidden, labels)  # [b, s]
             result.append((ce * loss_mask).sum() / loss_mask.sum().clamp(min=1.0))
         return result

@@ -32,7 +32,8 @@ _FIELDS = {
 def _stage_fields():
     first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
     fields = ['cu_seqlens', 'cu_seqlens_unpadded', 'max_seqlen']
-    if first:
+    # Multi-token prediction embeds the rolled ids on the last stage too.
+    if first or (last and getattr(get_args(), 'mtp_num_layers', None)):
         fields += ['tokens', 'position_ids']
     if last:
         fields += ['labels', 'loss_mask']

@@ -62,5 +62,3 @@ def validate_mtp_args(args):
             f'--mtp-num-layers needs --position-embedding-type rope or none, got '
             f'{args.position_embedding_type}'
         )
-    if getattr(args, 'sft', False):
-        raise ValueError('--mtp-num-layers with --sft (packed sequences) is not supported')

@@ -216,3 +216,84 @@ def test_mtp_refuses_layouts_it_cannot_run(change, message):
     kwargs.update(change)
     with pytest.raises(ValueError, match=message):
         TransformerConfig(**kwargs)
+
+
+def _packed_mtp_vs_alone():
+    """The MTP loss of two documents packed in one row (their boundaries in PackedSeqParams) and
+    of each document alone: per document, ids, labels and mask roll within the document."""
+    import torch.nn.functional as F
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.packed_seq_params import packed_seq_params_from_samples
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import (
+        clear_mtp_loss_tracker,
+        mtp_loss_tracker,
+        roll_left,
+    )
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(11)
+    config = TransformerConfig(
+        num_layers=L,
+        hidden_size=H,
+        num_attention_heads=N,
+        ffn_hidden_size=48,
+        normalization='RMSNorm',
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        mtp_num_layers=2,
+        use_cpu_initialization=True,
+    )
+    model = GPTModel(
+        config, get_gpt_layer_local_spec(), vocab_size=V, max_sequence_length=64,
+        position_embedding_type='rope',
+    ).eval()  # fmt: skip
+    MoEAuxLossAutoScaler.set_loss_scale(None)
+    g = torch.Generator().manual_seed(4)
+    docs = [
+        (torch.randint(0, V, (1, n), generator=g), torch.randint(0, V, (1, n), generator=g))
+        for n in (7, 9)
+    ]
+    masks = [torch.ones(1, 7), (torch.rand(1, 9, generator=g) > 0.2).float()]
+
+    def recorded(ids, labels, mask, **kw):
+        clear_mtp_loss_tracker()
+        model.train()
+        with torch.no_grad():
+            model(ids, None, None, labels=labels, loss_mask=mask, **kw)
+        return {depth: float(loss) for depth, loss in mtp_loss_tracker().items()}
+
+    alone = [recorded(ids, labels, mask) for (ids, labels), mask in zip(docs, masks)]
+    packed_ids = torch.cat([d[0] for d in docs], dim=1)
+    packed_labels = torch.cat([d[1] for d in docs], dim=1)
+    packed_mask = torch.cat(masks, dim=1)
+    # One sample of 16 tokens: segment starts 0 and 7, right-filled with 16 ([b, s + 1]).
+    cu_seqlens = torch.tensor([[0, 7] + [16] * 15], dtype=torch.int32)
+    params = packed_seq_params_from_samples(cu_seqlens, torch.tensor([9], dtype=torch.int32))
+    packed = recorded(packed_ids, packed_labels, packed_mask, packed_seq_params=params)
+    unbounded = recorded(packed_ids, packed_labels, packed_mask)  # one document of 16
+    expected = {}
+    for depth in (1, 2):
+        counts = []
+        for mask in masks:
+            rolled = mask
+            for _ in range(depth):
+                rolled = roll_left(rolled)
+            counts.append(float(rolled.sum()))
+        total = sum(c * a[depth] for c, a in zip(counts, alone))
+        expected[depth] = total / sum(counts)
+    clear_mtp_loss_tracker()
+    return packed, expected, unbounded
+
+
+def test_packed_documents_roll_within_each_document():
+    packed, expected, unbounded = run_distributed(_packed_mtp_vs_alone, 1)[0]
+    for depth in (1, 2):
+        assert packed[depth] == pytest.approx(expected[depth], rel=1e-5)
+        # Rolled across the boundary (and attending across it), the losses differ.
+        assert unbounded[depth] != pytest.approx(expected[depth], rel=1e-3)

@@ -286,8 +286,6 @@ class GPTModel(LanguageModule):
             return hidden_states
 
         if self.mtp is not None and labels is not None:
-            if packed_seq_params is not None:
-                raise NotImplementedError("multi-token prediction with packed sequences")
             hidden_states = self.mtp(
                 hidden_states,
                 input_ids=input_ids,
@@ -300,6 +298,7 @@ class GPTModel(LanguageModule):
                 ),
                 attention_mask=attention_mask,
                 rotary_pos_emb=rotary_pos_emb,
+                packed_seq_params=packed_seq_params,
             )
         hidden_states = _inference_logit_positions(hidden_states, inference_params, labels)
         return self.logits_or_loss(self.output_logits(hidden_states), labels)

@@ -46,6 +46,7 @@ from megatron.core.enums import ModelType
 from megatron.core.utils import get_current_device, unwrap_model
 from megatron.training.checkpoint import checkpointing_non_persistent, distrib_optim_shards
 from megatron.training.cli.arguments_mla import ARCHITECTURE_CHECKPOINT_ARGS
+from megatron.training.cli.arguments_vision import VLM_CHECKPOINT_ARGS
 from megatron.training.global_vars import get_args
 
 # isort: split
@@ -575,6 +576,9 @@ def load_args_from_checkpoint(
         from megatron.training.validation.argument_validation_moe import MOE_CHECKPOINT_ARGS
 
         for name in MOE_CHECKPOINT_ARGS:
+            _set_arg(name, force=True)
+    if hasattr(checkpoint_args, 'drop_vision_class_token'):
+        for name in VLM_CHECKPOINT_ARGS:
             _set_arg(name, force=True)
     _set_arg('tokenizer_type')
     _take_recorded_tokenizer_files(args, checkpoint_args)

@@ -76,6 +76,36 @@ def _logits_from_checkpoint(load_dir, ids, images):
         destroy_global_vars()
 
 
+def _finetune_from(load_dir):
+    """pretrain_vlm.py --load D --use-checkpoint-args --finetune: one step on the digit captions
+    (the imported vocabulary holds the caption words); {iteration: lm loss}."""
+    if cu.REPO not in sys.path:
+        sys.path.insert(0, cu.REPO)
+    import pretrain_vlm
+    from megatron.core.enums import ModelType
+    from megatron.training.global_vars import destroy_global_vars
+    from megatron.training.training import pretrain
+
+    flags = ['--load', load_dir, '--use-checkpoint-args', '--finetune', '--no-load-optim',
+             '--no-load-rng', '--tokenizer-type', 'NullTokenizer', '--vocab-size', '127',
+             '--micro-batch-size', '2', '--global-batch-size', '2', '--train-iters', '1',
+             '--lr', '1e-3', '--eval-iters', '0', '--num-workers', '0',
+             '--distributed-backend', 'gloo', '--log-interval', '1']  # fmt: skip
+    destroy_global_vars()
+    try:
+        result = pretrain(
+            pretrain_vlm.train_valid_test_datasets_provider,
+            pretrain_vlm.model_provider,
+            ModelType.encoder_or_decoder,
+            pretrain_vlm.forward_step,
+            extra_args_provider=pretrain_vlm.add_vlm_extra_args,
+            args_list=flags,
+        )
+    finally:
+        destroy_global_vars()
+    return {int(k): float(v['lm loss']) for k, v in result['train_losses'].items()}
+
+
 def test_hf_llava_round_trip_through_tp1_and_tp2(tmp_path):
     from transformers import LlavaForConditionalGeneration
 
@@ -100,6 +130,10 @@ def test_hf_llava_round_trip_through_tp1_and_tp2(tmp_path):
         for out in outs:
             assert out.shape[1] == expected.shape[1]
             assert (out[..., :128] - expected).abs().max().item() < 2e-5, tp
+
+    # The training script itself starts from the TP2 checkpoint.
+    losses = run_distributed(_finetune_from, world_size=2, tp=2, args=(tp2,))
+    assert list(losses[-1]) == [1] and torch.isfinite(torch.tensor(losses[-1][1]))
 
     back = LlavaForConditionalGeneration.from_pretrained(back_dir, attn_implementation='eager')
     back.eval()

@@ -208,6 +208,26 @@ def test_layouts_the_model_cannot_take(capsys, tmp_path):
     )
     assert not os.path.exists(save)
 
+    # A directory missing a weight its config describes: one line, nothing written.
+    from safetensors.torch import load_file, save_file
+
+    weights = os.path.join(hf_dir, 'model.safetensors')
+    tensors = load_file(weights)
+    for dropped, named in (
+        ('multi_modal_projector.linear_2.bias', "['multi_modal_projector.linear_2.bias']"),
+        ('model.layers.1.self_attn.k_proj.weight',
+         'model.layers.1.self_attn.k_proj.weight (as the language model or vision tower names '
+         'it)'),
+    ):  # fmt: skip
+        kept = {k: v for k, v in tensors.items() if dropped not in k}
+        save_file(kept, weights, metadata={'format': 'pt'})
+        assert _convert('hf', 'mcore', hf_dir, save, *flags) == 1
+        assert _last_error_line(capsys) == (
+            f'error: --load-dir {hf_dir}: the LlavaForConditionalGeneration weights lack {named}'
+        )
+    save_file(tensors, weights, metadata={'format': 'pt'})
+    assert not os.path.exists(os.path.join(save, 'latest_checkpointed_iteration.txt'))
+
     # The text generation server takes no images: a LLaVA checkpoint is refused in one line.
     tp1 = str(tmp_path / 'tp1')
     assert _convert('hf', 'mcore', hf_dir, tp1, *flags) == 0

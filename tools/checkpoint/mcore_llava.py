@@ -222,9 +222,22 @@ def load_hf(queue, args, tokenizer_args):
     md = hf_metadata(args, tokenizer_args)
     margs = md.checkpoint_args
     hf_sd = hfc.load_hf_state_dict(args.load_dir)
-    full = lmap.llava_hf_to_mcore_state_dict(
-        hf_sd, _lm_core(margs), _vision_heads(margs), margs.vision_num_layers
-    )
+    try:
+        full = lmap.llava_hf_to_mcore_state_dict(
+            hf_sd, _lm_core(margs), _vision_heads(margs), margs.vision_num_layers
+        )
+    except KeyError as exc:
+        raise ValueError(
+            f'--load-dir {args.load_dir}: the {_ARCHITECTURE} weights lack {exc.args[0]} (as the '
+            f'language model or vision tower names it)'
+        ) from None
+    missing = [
+        f'multi_modal_projector.{k}'
+        for k in ('linear_1.weight', 'linear_1.bias', 'linear_2.weight', 'linear_2.bias')
+        if f'vision_projection.encoder.{k.replace("linear_", "linear_fc")}' not in full
+    ]
+    if missing:
+        raise ValueError(f'--load-dir {args.load_dir}: the {_ARCHITECTURE} weights lack {missing}')
     _send(queue, md, full)
 
 
@@ -275,6 +288,8 @@ def check_target(md, tp: int, pp: int) -> None:
         ("vision tower's ffn_hidden_size", m.vision_ffn_hidden_size or m.ffn_hidden_size),
         ("projector's inner size (the LM hidden size)", m.hidden_size),
     )
+    if md.true_vocab_size is None:  # the table keeps its rows: they must split evenly
+        sizes += (('vocabulary (unknown true size; padded rows)', m.padded_vocab_size),)
     for name, size in sizes:
         if size % tp:
             raise ValueError(

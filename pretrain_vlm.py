@@ -13,6 +13,7 @@ import copy
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.multimodal_dataset import (
@@ -25,6 +26,7 @@ from megatron.core.models.multimodal.llava_inputs import DEFAULT_IMAGE_TOKEN_IND
 from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.utils import fast_gelu, quick_gelu
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.datasets.vlm_dataset import (
     DigitCaptionDataset,
@@ -72,6 +74,7 @@ def add_vlm_extra_args(parser):
         action='store_true',
         help='Loading a checkpoint without the projector weights is not an error.',
     )
+    add_vision_architecture_args(group)
     group.add_argument(
         '--img-embedding-idx',
         type=int,
@@ -79,6 +82,37 @@ def add_vlm_extra_args(parser):
         help="r0.8's fixed image position, for batches without the image placeholder token.",
     )
     return parser
+
+
+#: --vision-activation / --vision-projection-activation names -> functions (HF's names).
+VISION_ACTIVATIONS = {'quick_gelu': quick_gelu, 'gelu': F.gelu, 'gelu_pytorch_tanh': fast_gelu}
+
+
+def add_vision_architecture_args(group):
+    """The vision tower's and projector's own sizes (ours; Megatron copies the LM's config into
+    both). Unset, each takes the language model's value, as in Megatron."""
+    for flag, kind, what in (
+        ('--vision-num-layers', int, 'layers (default --encoder-num-layers, i.e. --num-layers)'),
+        ('--vision-hidden-size', int, 'hidden size'),
+        ('--vision-ffn-hidden-size', int, 'MLP inner size'),
+        ('--vision-num-attention-heads', int, 'attention heads'),
+        ('--vision-norm-epsilon', float, 'LayerNorm epsilon'),
+    ):
+        group.add_argument(flag, type=kind, default=None, help=f"The ViT's {what}.")
+    group.add_argument(
+        '--vision-activation',
+        default=None,
+        choices=sorted(VISION_ACTIVATIONS),
+        help="Make the ViT a CLIP encoder with this MLP activation: biased linears, no gated "
+        "unit, its own heads (default: the language model's layer settings).",
+    )
+    group.add_argument(
+        '--vision-projection-activation',
+        default=None,
+        choices=sorted(VISION_ACTIVATIONS),
+        help="Make the projector HF LLaVA's: biased fc1 -> this activation -> biased fc2, no "
+        "gated unit (default: the language model's MLP settings).",
+    )
 
 
 def check_vlm_args(args) -> None:
@@ -112,13 +146,51 @@ def vlm_configs(args):
     the language config as Megatron's script does; the ViT has --encoder-num-layers layers
     (default --num-layers) and the projector's inner size is the LM hidden size."""
     language = core_transformer_config_from_args(args)
-    vision = dataclasses.replace(
-        copy.deepcopy(language), num_layers=args.encoder_num_layers or args.num_layers
+    return language, vision_config(args, language), projection_config(args, language)
+
+
+def vision_config(args, language):
+    """The ViT's config: the LM's, with the --vision-* sizes; a CLIP layer (LayerNorm, biases,
+    no gated unit, one key/value head per head) when --vision-activation is given."""
+    hidden = args.vision_hidden_size or language.hidden_size
+    heads = args.vision_num_attention_heads or language.num_attention_heads
+    changes = dict(
+        num_layers=args.vision_num_layers or args.encoder_num_layers or args.num_layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        ffn_hidden_size=args.vision_ffn_hidden_size
+        or (language.ffn_hidden_size if hidden == language.hidden_size else 4 * hidden),
+        layernorm_epsilon=args.vision_norm_epsilon or language.layernorm_epsilon,
     )
-    projection = dataclasses.replace(
-        copy.deepcopy(language), num_layers=1, ffn_hidden_size=args.hidden_size
-    )
-    return language, vision, projection
+    if hidden != language.hidden_size or heads != language.num_attention_heads:
+        changes.update(kv_channels=hidden // heads, num_query_groups=heads)
+    if args.vision_activation is not None:
+        changes.update(
+            kv_channels=hidden // heads,
+            num_query_groups=heads,
+            add_bias_linear=True,
+            add_qkv_bias=True,
+            gated_linear_unit=False,
+            normalization='LayerNorm',
+            activation_func=VISION_ACTIVATIONS[args.vision_activation],
+            bias_activation_fusion=False,
+            qk_layernorm=False,
+        )
+    return dataclasses.replace(copy.deepcopy(language), **changes)
+
+
+def projection_config(args, language):
+    """The projector's config: inner size = the LM hidden size; HF LLaVA's biased ungated MLP
+    when --vision-projection-activation is given."""
+    changes = dict(num_layers=1, ffn_hidden_size=args.hidden_size)
+    if args.vision_projection_activation is not None:
+        changes.update(
+            add_bias_linear=True,
+            gated_linear_unit=False,
+            activation_func=VISION_ACTIVATIONS[args.vision_projection_activation],
+            bias_activation_fusion=False,
+        )
+    return dataclasses.replace(copy.deepcopy(language), **changes)
 
 
 def model_provider(pre_process=True, post_process=True) -> LLaVAModel:

@@ -214,6 +214,16 @@ ARGS_DEFAULTS = {
 }
 
 
+def refuse_vision_language_checkpoint(args):
+    """A pretrain_vlm.py (LLaVA) checkpoint restored by --use-checkpoint-args (its args record
+    drop_vision_class_token): this server builds a GPTModel and takes no images."""
+    if getattr(args, 'drop_vision_class_token', None) is not None:
+        raise ValueError(
+            f'--load {args.load} holds a vision-language (pretrain_vlm.py, LLaVA) model: the '
+            f'text generation server serves GPT models only (no image input)'
+        )
+
+
 def main(args_list=None, args_defaults=None):
     """Start the server (`args_defaults` add script defaults to ARGS_DEFAULTS)."""
     initialize_megatron(
@@ -222,6 +232,7 @@ def main(args_list=None, args_defaults=None):
         args_list=args_list,
     )
     args = get_args()
+    refuse_vision_language_checkpoint(args)
     refuse_context_parallel(args, 'text generation')
     if args.num_layers_per_virtual_pipeline_stage is not None:
         print("Interleaved pipeline schedule is not yet supported for text generation.")

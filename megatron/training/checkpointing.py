@@ -47,6 +47,7 @@ from megatron.core.utils import get_current_device, unwrap_model
 from megatron.training.checkpoint import checkpointing_non_persistent, distrib_optim_shards
 from megatron.training.cli.arguments_mamba import MAMBA_CHECKPOINT_ARGS
 from megatron.training.cli.arguments_mla import ARCHITECTURE_CHECKPOINT_ARGS
+from megatron.training.cli.arguments_vision import VLM_CHECKPOINT_ARGS
 from megatron.training.global_vars import get_args
 from megatron.training.validation.argument_validation_mamba import is_mamba_run
 
@@ -581,6 +582,9 @@ def load_args_from_checkpoint(
     if is_mamba_run(checkpoint_args):
         args.is_hybrid_model = True
         for name in MAMBA_CHECKPOINT_ARGS[1:]:
+            _set_arg(name, force=True)
+    if hasattr(checkpoint_args, 'drop_vision_class_token'):
+        for name in VLM_CHECKPOINT_ARGS:
             _set_arg(name, force=True)
     _set_arg('tokenizer_type')
     _take_recorded_tokenizer_files(args, checkpoint_args)

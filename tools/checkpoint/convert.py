@@ -60,10 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         '--model-type',
         type=str,
         required=True,
-        choices=['GPT', 'BERT', 'T5', 'mamba', 'VISION'],
+        choices=['GPT', 'BERT', 'T5', 'mamba', 'VISION', 'LLAVA'],
         help='Type of the model (T5: the mcore / megatron loader and saver; mamba: '
         'pretrain_mamba.py checkpoints and Hugging Face Mamba2 / NemotronH, hf and mcore plugins; '
-        'VISION: a CLIP / SigLIP encoder, --loader hf|mcore --saver mcore|hf)',
+        'VISION: a CLIP / SigLIP encoder, --loader hf|mcore --saver mcore|hf; '
+        'LLAVA: a LlavaForConditionalGeneration / pretrain_vlm.py model, the same plugins)',
     )
     parser.add_argument(
         '--loader',

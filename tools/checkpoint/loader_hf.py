@@ -11,6 +11,7 @@ import types
 
 import loader_mcore
 import mamba_checkpoint
+import mcore_llava
 import mcore_vision
 import torch
 import utils
@@ -185,6 +186,8 @@ def check_arguments(args):
         return mamba_checkpoint.hf_metadata(args)[1]
     if args.model_type == 'VISION':
         return mcore_vision.hf_metadata(args)
+    if args.model_type == 'LLAVA':
+        return mcore_llava.hf_metadata(args, tokenizer_args)
     return build_metadata(args)[1]
 
 
@@ -219,6 +222,9 @@ def load_checkpoint(queue, args):
         body = mamba_checkpoint.load_hf
     elif args.model_type == 'VISION':
         body = mcore_vision.load_hf
+    elif args.model_type == 'LLAVA':
+        utils.run_loader(queue, lambda q, a: mcore_llava.load_hf(q, a, tokenizer_args), args)
+        return
     else:
         body = _load
     utils.run_loader(queue, body, args)

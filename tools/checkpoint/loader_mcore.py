@@ -10,6 +10,7 @@ state is not converted). The checkpoint's own args decide the architecture;
 import types
 
 import mamba_checkpoint
+import mcore_llava
 import mcore_t5
 import mcore_vision
 import utils
@@ -101,9 +102,13 @@ def check_arguments(args):
     """Read the source's layout and args (no tensors); returns the metadata namespace."""
     if mamba_checkpoint.is_mamba(args):
         return mamba_checkpoint.mcore_metadata(args)[1]
+    if args.model_type == 'LLAVA':
+        return mcore_llava.mcore_metadata(args)[1]
+    reader = cc_moe.MoECheckpointReader(args.load_dir)
+    if mcore_llava.is_llava_keys(reader.model_keys):
+        raise ValueError(f'{args.load_dir} holds a LLaVA model: pass --model-type LLAVA')
     if args.model_type == 'VISION':
         return mcore_vision.mcore_metadata(args)[1]
-    reader = cc_moe.MoECheckpointReader(args.load_dir)
     if getattr(reader.args, 'vision_model_type', None) is not None:
         raise ValueError(f'{args.load_dir} holds a vision encoder: pass --model-type VISION')
     if reader.model_type != args.model_type:
@@ -271,6 +276,8 @@ def load_checkpoint(queue, args):
         body = mamba_checkpoint.load_mcore
     elif args.model_type == 'VISION':
         body = mcore_vision.load_mcore
+    elif args.model_type == 'LLAVA':
+        body = mcore_llava.load_mcore
     else:
         body = _load
     utils.run_loader(queue, body, args)

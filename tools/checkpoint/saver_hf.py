@@ -9,6 +9,7 @@ import os
 import sys
 
 import mamba_checkpoint
+import mcore_llava
 import mcore_vision
 import utils
 
@@ -48,6 +49,8 @@ def add_arguments(parser):
 def check_arguments(args, md):
     if md is not None and md.model_type == 'VISION':
         pass
+    elif md is not None and md.model_type == 'LLAVA':
+        mcore_llava.check_hf_target(md)
     elif md is not None and mamba_checkpoint.is_mamba(md):
         if md.hf_config is None:  # refuses an architecture HF cannot hold, before any work
             mamba_checkpoint.hf_config_from_args(md.checkpoint_args, 1, md.params_dtype)
@@ -57,7 +60,7 @@ def check_arguments(args, md):
             f'--saver hf exports GPT models (GPT-2 and Llama families), not --model-type '
             f'{md.model_type}'
         )
-    if md is not None and md.model_type != 'VISION':
+    if md is not None and md.model_type not in ('VISION', 'LLAVA'):
         if hfc_ds.is_deepseek_args(md.checkpoint_args):
             hfc_ds.check_deepseek_args(md.checkpoint_args)
         elif getattr(md.checkpoint_args, 'mtp_num_layers', None):
@@ -157,6 +160,10 @@ def save_checkpoint(queue, args):
         sys.exit(1)
     if md.model_type == 'VISION':
         mcore_vision.save_hf(queue, md, args)
+        print('Done!')
+        return
+    if md.model_type == 'LLAVA':
+        mcore_llava.save_hf(queue, md, args)
         print('Done!')
         return
     full = _receive_full_model(queue, md, args)

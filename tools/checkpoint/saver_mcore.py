@@ -12,6 +12,7 @@ import os
 import sys
 
 import mamba_checkpoint
+import mcore_llava
 import mcore_t5
 import mcore_vision
 import utils
@@ -110,8 +111,9 @@ def check_arguments(args, md):
     ):
         if size < 1:
             raise ValueError(f'{flag} must be at least 1, got {size}')
-    if md.model_type == 'VISION':
-        mcore_vision.check_target(md, tp, pp)
+    if md.model_type in ('VISION', 'LLAVA'):
+        module = mcore_vision if md.model_type == 'VISION' else mcore_llava
+        module.check_target(md, tp, pp)
         _check_save_dir(args)
         return
     margs = md.checkpoint_args
@@ -315,9 +317,10 @@ def _save(queue, args):
     except ValueError as exc:
         print(f'error: {exc}')
         sys.exit(1)
-    if md.model_type == 'VISION':
+    if md.model_type in ('VISION', 'LLAVA'):
         remove_stale_staging(args.save_dir)
-        mcore_vision.save_mcore(queue, md, args, tp)
+        module = mcore_vision if md.model_type == 'VISION' else mcore_llava
+        module.save_mcore(queue, md, args, tp)
         print('Done!')
         return
     source_rows = md.checkpoint_args.padded_vocab_size

@@ -136,3 +136,25 @@ def add_vision_args(parser):
         'flip or colour jitter).',
     )
     return parser
+
+
+#: What --use-checkpoint-args restores from a pretrain_vlm.py checkpoint (one that records
+#: `drop_vision_class_token`), whatever the command line says: the image geometry and the
+#: vision tower's and projector's architecture (pretrain_vlm.py's own flags), which the
+#: language model's args do not describe.
+VLM_CHECKPOINT_ARGS = (
+    'img_h',
+    'img_w',
+    'patch_dim',
+    'num_channels',
+    'vision_model_type',
+    'drop_vision_class_token',
+    'disable_vision_class_token',
+    'vision_num_layers',
+    'vision_hidden_size',
+    'vision_ffn_hidden_size',
+    'vision_num_attention_heads',
+    'vision_norm_epsilon',
+    'vision_activation',
+    'vision_projection_activation',
+)

@@ -5,9 +5,10 @@ layer with expert bias and a shared expert; `hf_checkpoints.build_hf_model("deep
 converted by tools/checkpoint/convert.py and served by tools/run_text_generation_server.py (one
 process, loopback port, always stopped) on the dynamic engine, whose paged cache holds each
 token's compressed latent and rotary key (12 + 4 values per token and layer instead of the
-4 x (8 + 4) + 4 x 6 = 72 of expanded keys and values), in 8-token blocks so that requests span several blocks. Over PUT /api and
-/v1/completions, alone and four at once, every greedy answer is transformers' greedy continuation
-(its own KV cache, float32; near-ties skipped), and every KV block comes back.
+4 x (8 + 4) + 4 x 6 = 72 of expanded keys and values), in 8-token blocks so that requests
+span several blocks. Over PUT /api and /v1/completions, alone and four at once, every greedy
+answer is transformers' greedy continuation (its own KV cache, float32; near-ties skipped), and
+every KV block comes back.
 """
 
 import threading

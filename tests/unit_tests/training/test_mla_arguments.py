@@ -44,7 +44,8 @@ def _args(extra):
         ),
         (
             ['--mtp-num-layers', '1', '--num-layers-per-virtual-pipeline-stage', '1'],
-            r'not supported with the interleaved schedule \(--num-layers-per-virtual-pipeline-stage 1\)',
+            r'not supported with the interleaved schedule '
+            r'\(--num-layers-per-virtual-pipeline-stage 1\)',
         ),
         (['--mtp-num-layers', '1', '--context-parallel-size', '2'], r'\(2\) > 1 is not supported'),
         (

@@ -35,6 +35,7 @@ def model_provider(pre_process=True, post_process=True) -> VitClassificationMode
         img_w=args.img_w,
         patch_dim=args.patch_dim,
         num_channels=args.num_channels,
+        layout=args.vit_layout,
     )
 
 

@@ -92,3 +92,63 @@ def test_layouts_the_encoder_cannot_take(capsys, tmp_path):
         'error: --target-pipeline-parallel-size 2: a vision encoder is one pipeline stage (1)'
     )
     assert not os.path.exists(save)
+
+
+def _train_classifier(digits, ckpt, tp, layout):
+    """pretrain_vision_classify.py for 2 iterations at `tp`, saved to `ckpt`."""
+    from tests.functional_tests.vision_utils import run_vision_classify
+
+    flags = [
+        *('--tensor-model-parallel-size', str(tp), '--micro-batch-size', '4'),
+        *('--global-batch-size', '8', '--train-iters', '2', '--eval-iters', '0'),
+        *('--data-path', f'{digits}/train', f'{digits}/val', '--vit-layout', layout),
+        *('--save', ckpt, '--save-interval', '2'),
+    ]
+    run_distributed(run_vision_classify, world_size=tp, tp=tp, args=(flags,))
+
+
+def _classifier_forward(ckpt_dir, pixels):
+    """Logits of this TP rank's classifier loaded from its rank file (TINY_VIT_ARGS' model)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.legacy.model.vision.classification import VitClassificationModel
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=tp,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=True,
+        use_cpu_initialization=True,
+    )  # fmt: skip
+    model = VitClassificationModel(
+        config, 10, img_h=8, img_w=8, patch_dim=2, num_channels=1, layout='hf'
+    ).eval()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    name = os.path.join(ckpt_dir, 'iter_0000002', f'mp_rank_0{rank}', 'model_optim_rng.pt')
+    model.load_state_dict(torch.load(name, weights_only=False)['model'])
+    with torch.no_grad():
+        return model(pixels)
+
+
+def test_vit_classifier_exports_to_vit_for_image_classification(tmp_path, capsys):
+    """A classifier trained at TP2 with --vit-layout hf exports to ViTForImageClassification,
+    whose logits equal ours; Megatron's layout is refused in one line."""
+    from transformers import ViTForImageClassification
+
+    from tests.functional_tests.vision_utils import prepare_digits
+
+    digits = prepare_digits(str(tmp_path / 'data'))
+    ckpt, hf_dir = str(tmp_path / 'ckpt'), str(tmp_path / 'hf')
+    _train_classifier(digits, ckpt, 2, 'hf')
+    assert _convert('mcore', 'hf', ckpt, hf_dir) == 0
+    hf = ViTForImageClassification.from_pretrained(hf_dir, attn_implementation='eager').eval()
+    pixels = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(pixel_values=pixels).logits
+    for ours in run_distributed(_classifier_forward, world_size=2, tp=2, args=(ckpt, pixels)):
+        assert (ours - expected).abs().max().item() < 2e-5
+
+    megatron_ckpt = str(tmp_path / 'megatron_layout')
+    _train_classifier(digits, megatron_ckpt, 1, 'megatron')
+    assert _convert('mcore', 'hf', megatron_ckpt, str(tmp_path / 'no')) == 2
+    assert "holds Megatron's ViT classifier (--vit-layout megatron" in _last_error_line(capsys)
+    assert not os.path.exists(tmp_path / 'no')

@@ -1,6 +1,8 @@
 """--model-type VISION: a CLIP / SigLIP vision encoder (`CLIPViTModel`) between Hugging Face
 `CLIPVisionModel` / `SiglipVisionModel` directories and this project's checkpoint layout at any
-tensor-parallel size (not a plugin: loader_hf, saver_mcore, loader_mcore and saver_hf call it).
+tensor-parallel size (not a plugin: loader_hf, saver_mcore, loader_mcore and saver_hf call it);
+and a pretrain_vision_classify.py checkpoint trained with `--vit-layout hf` exported to
+`ViTForImageClassification` (export only).
 
 The encoder is one pipeline stage, so the protocol is short:
 
@@ -131,8 +133,26 @@ def is_vision_checkpoint(load_dir: str) -> bool:
     return getattr(reader.args, 'vision_model_type', None) is not None
 
 
+def _is_classifier(margs) -> bool:
+    """A pretrain_vision_classify.py checkpoint (its args record the pretraining type)."""
+    return bool(getattr(margs, 'vision_pretraining', False)) and (
+        getattr(margs, 'vision_pretraining_type', None) == 'classify'
+    )
+
+
 def mcore_metadata(args):
     reader = cc.CheckpointReader(args.load_dir)
+    if _is_classifier(reader.args):
+        layout = getattr(reader.args, 'vit_layout', 'megatron')
+        if layout != 'hf':
+            raise ValueError(
+                f'--model-type VISION: {args.load_dir} holds Megatron\'s ViT classifier '
+                f'(--vit-layout {layout}: 8 class tokens, ln_pre and an MLP head), which '
+                'ViTForImageClassification cannot hold; train with --vit-layout hf to export it'
+            )
+        md = _metadata(reader.args, reader.iteration, reader.tp)
+        md.vit_classifier = True
+        return reader, md
     if getattr(reader.args, 'vision_model_type', None) is None:
         raise ValueError(f'--model-type VISION, but {args.load_dir} holds no vision encoder')
     return reader, _metadata(reader.args, reader.iteration, reader.tp)
@@ -151,6 +171,11 @@ def load_mcore(queue, args):
 
 def check_target(md, tp: int, pp: int) -> None:
     """The target layout fits the encoder (ValueError naming the flag and the numbers)."""
+    if getattr(md, 'vit_classifier', False):
+        raise ValueError(
+            'a ViT classifier checkpoint converts to Hugging Face ViTForImageClassification '
+            'only (--saver hf); pretrain_vision_classify.py resumes it at any TP itself'
+        )
     if pp != 1:
         raise ValueError(
             f'--target-pipeline-parallel-size {pp}: a vision encoder is one pipeline stage (1)'
@@ -196,9 +221,57 @@ def hf_config_from_args(margs, dtype) -> dict:
     return config
 
 
+def _hf_activation(margs) -> str:
+    """The HF `hidden_act` of the classifier's MLP (the fused bias-GeLU is the tanh form)."""
+    if getattr(margs, 'swiglu', False) or getattr(margs, 'squared_relu', False):
+        raise ValueError(
+            'ViTForImageClassification has a GeLU MLP; this checkpoint uses '
+            f'{"--swiglu" if margs.swiglu else "--squared-relu"}'
+        )
+    if getattr(margs, 'openai_gelu', False):
+        return 'gelu_new'
+    return 'gelu_pytorch_tanh' if getattr(margs, 'bias_gelu_fusion', False) else 'gelu'
+
+
+def check_hf_target(md) -> None:
+    """Refuse, before any work, a classifier Hugging Face's ViT cannot hold."""
+    if getattr(md, 'vit_classifier', False):
+        _hf_activation(md.checkpoint_args)
+
+
+def vit_classifier_hf_config(margs, dtype) -> dict:
+    """ViTConfig of a `--vit-layout hf` classifier (no dropout: an exported model for use)."""
+    labels = {str(i): f'LABEL_{i}' for i in range(margs.num_classes)}
+    return dict(
+        architectures=['ViTForImageClassification'],
+        model_type='vit',
+        hidden_size=margs.hidden_size,
+        intermediate_size=margs.ffn_hidden_size,
+        num_hidden_layers=margs.num_layers,
+        num_attention_heads=margs.num_attention_heads,
+        hidden_act=_hf_activation(margs),
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        layer_norm_eps=margs.norm_epsilon,
+        image_size=margs.img_h,
+        patch_size=margs.patch_dim,
+        num_channels=margs.num_channels,
+        qkv_bias=True,
+        id2label=labels,
+        label2id={name: int(i) for i, name in labels.items()},
+        torch_dtype=str(dtype).replace('torch.', ''),
+    )
+
+
 def save_hf(queue, md, args):
     full = _receive(queue, args)
     margs = md.checkpoint_args
+    if getattr(md, 'vit_classifier', False):
+        state_dict = vmap.mcore_to_hf_vit_classifier_state_dict(full, margs.num_attention_heads)
+        config = vit_classifier_hf_config(margs, full['backbone.conv1.weight'].dtype)
+        hfc.save_hf_dir(args.save_dir, config, state_dict)
+        print(f'saver: wrote ViTForImageClassification to {args.save_dir}', flush=True)
+        return
     state_dict = vmap.mcore_to_hf_vision_state_dict(full, margs.num_attention_heads)
     dtype = full['conv1.weight'].dtype
     config = hf_config_from_args(margs, dtype)

@@ -48,7 +48,7 @@ def add_arguments(parser):
 
 def check_arguments(args, md):
     if md is not None and md.model_type == 'VISION':
-        pass
+        mcore_vision.check_hf_target(md)
     elif md is not None and md.model_type == 'LLAVA':
         mcore_llava.check_hf_target(md)
     elif md is not None and mamba_checkpoint.is_mamba(md):

@@ -129,6 +129,13 @@ def add_vision_args(parser):
         help='Output size of the DINO head (Megatron fixes it at 65536).',
     )
     group.add_argument(
+        '--vit-layout',
+        choices=['megatron', 'hf'],
+        default='megatron',
+        help='Classifier layout: megatron (8 class tokens, ln_pre, MLP head) or hf '
+        '(ViTForImageClassification\'s, which convert.py --saver hf exports).',
+    )
+    group.add_argument(
         '--no-image-augmentation',
         action='store_false',
         dest='image_augmentation',

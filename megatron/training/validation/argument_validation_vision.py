@@ -30,6 +30,8 @@ def apply_vision_defaults(args, defaults) -> None:
 def validate_vision_args(args, defaults) -> None:
     """The image geometry, the backbone and the parallel layouts the vision models can run."""
     if not _is_vision_run(args, defaults):
+        if args.vit_layout != 'megatron':
+            raise ValueError(f"--vit-layout {args.vit_layout} needs pretrain_vision_classify.py")
         if args.head_lr_mult != 1.0:
             raise ValueError(
                 f"--head-lr-mult {args.head_lr_mult} scales the learning rate of a vision "
@@ -39,6 +41,11 @@ def validate_vision_args(args, defaults) -> None:
     args.vision_pretraining = True
     if not 0.0 <= args.head_lr_mult < float('inf'):
         raise ValueError(f"--head-lr-mult must be >= 0 and finite, got {args.head_lr_mult}")
+    if args.vit_layout != 'megatron' and args.vision_pretraining_type != 'classify':
+        raise ValueError(
+            f"--vit-layout {args.vit_layout} is the classifier's layout: "
+            f"--vision-pretraining-type {args.vision_pretraining_type} uses Megatron's backbone"
+        )
     if args.head_lr_mult != 1.0 and args.vision_pretraining_type == 'inpaint':
         raise ValueError(
             f"--head-lr-mult {args.head_lr_mult}: the inpainting model has no head (its decoder "

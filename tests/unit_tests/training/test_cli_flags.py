@@ -138,6 +138,7 @@ OUR_OWN_FLAGS = {
     '--sft-one-row-per-sample',  # Megatron's SFT packing (training/datasets/sft_dataset.py)
     '--sft-long-conversations',  # truncate or refuse data longer than a sample (same file)
     '--no-image-augmentation',  # vision scripts: validation geometry for training images
+    '--vit-layout',  # the classifier in Hugging Face ViTForImageClassification's layout
     '--dino-out-dim',  # DINO head size (Megatron hard-codes 65536)
 }
 

@@ -1,5 +1,6 @@
 """--head-lr-mult: the vision head's parameters get lr x mult in the optimizer (as Megatron's
-vision finetuning does), nothing else is scaled, and the flag is refused where there is no head."""
+vision finetuning does), nothing else is scaled, and the flag is refused where there is no head;
+--vit-layout hf is refused outside the classifier."""
 
 import argparse
 
@@ -61,6 +62,12 @@ def _validate(extra, vision=True):
             ['--head-lr-mult', '2', '--vision-pretraining-type', 'inpaint'],
             True,
             'the inpainting model has no head',
+        ),
+        (['--vit-layout', 'hf'], False, '--vit-layout hf needs pretrain_vision_classify.py'),
+        (
+            ['--vit-layout', 'hf', '--vision-pretraining-type', 'dino'],
+            True,
+            "--vit-layout hf is the classifier's layout",
         ),
     ],
 )

@@ -8,6 +8,8 @@ Layout (Megatron's `megatron/core/models/vision/clip_vit_model.py`, keys include
 - `class_token` [1, L, h] prepended to the patches (CLIP only; SigLIP has none).
 - `position_embeddings`: Embedding(s, h), learned absolute positions.
 - `ln_pre` (CLIP) before the transformer, `ln_post` (SigLIP) after it.
+- `model_subtype='vit'` (ours, not Megatron's) is Hugging Face `ViTModel`'s layout: class
+  token(s), `conv1` with bias, no `ln_pre`, `ln_post` as its final LayerNorm.
 - `decoder`: a `TransformerBlock` without a final norm, whose self attention sees every token
   (`AttnMaskType.no_mask`, see vit_layer_specs.py). Megatron r0.8's TE spec was causal by
   mistake; this one is not, and the tests fail on a causal mask.
@@ -28,7 +30,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_current_device
 
 #: The encoder variants `model_subtype` names (later Megatron's `vision_model_type`).
-SUBTYPES = ('clip', 'siglip')
+#: 'vit' is Hugging Face `ViTModel`'s layout (not a Megatron subtype): class token(s), a patch
+#: convolution with bias, no norm before the layers, a final LayerNorm.
+SUBTYPES = ('clip', 'siglip', 'vit')
 
 
 def get_num_image_embeddings(
@@ -67,7 +71,7 @@ class CLIPViTModel(VisionModule):
         patch_dim (int): patch size P (the convolution's kernel and stride).
         img_h (int): image height, a multiple of P.
         img_w (int): image width, a multiple of P.
-        model_subtype (str): 'clip' or 'siglip'.
+        model_subtype (str): 'clip', 'siglip' or 'vit' (Hugging Face ViTModel's layout).
         num_channels (int): input channels (3 for RGB; 1 for grayscale data).
         add_ln_post (bool, optional): a norm after the last layer; default: SigLIP only (the
             classification models of the vision scripts add it to CLIP as their final norm).
@@ -101,7 +105,7 @@ class CLIPViTModel(VisionModule):
         self.num_channels = num_channels
         self.interpolate_positions = interpolate_positions
         self.visual_hidden_size = transformer_config.hidden_size
-        self.add_class_token = add_class_token and model_subtype == 'clip'
+        self.add_class_token = add_class_token and model_subtype in ('clip', 'vit')
         self.class_token_len = class_token_len if self.add_class_token else 0
         self.num_patches = (img_h // patch_dim) * (img_w // patch_dim)
         self.seq_length = self.num_patches + self.class_token_len
@@ -113,7 +117,7 @@ class CLIPViTModel(VisionModule):
             self.visual_hidden_size,
             kernel_size=patch_dim,
             stride=patch_dim,
-            bias=model_subtype == 'siglip',
+            bias=model_subtype in ('siglip', 'vit'),
             device=device,
             dtype=dtype,
         )
@@ -136,7 +140,7 @@ class CLIPViTModel(VisionModule):
         self.ln_post = None
         if model_subtype == 'clip':
             self.ln_pre = self._build_norm(ln_pre_impl, sequence_parallel=False)
-        if add_ln_post if add_ln_post is not None else model_subtype == 'siglip':
+        if add_ln_post if add_ln_post is not None else model_subtype in ('siglip', 'vit'):
             self.ln_post = self._build_norm(ln_post_impl, sequence_parallel=True)
 
         self.decoder = TransformerBlock(

@@ -1,4 +1,5 @@
-"""Hugging Face `CLIPVisionModel` / `SiglipVisionModel` <-> `CLIPViTModel` state dicts.
+"""Hugging Face `CLIPVisionModel` / `SiglipVisionModel` <-> `CLIPViTModel` state dicts, and
+the ViT classifier (`--vit-layout hf`) -> `ViTForImageClassification`.
 
 Every weight is [out, in] on both sides, so nothing is transposed. The separate q/k/v
 projections are fused into megatron-core's grouped QKV layout (per head: [q_h; k_h; v_h]). HF's
@@ -114,5 +115,49 @@ def mcore_to_hf_vision_state_dict(mc_sd: StateDict, num_heads: int) -> StateDict
             for name, tensor in zip('qkv', (q, k, v)):
                 out[f'{dst}self_attn.{name}_proj.{suffix}'] = tensor.contiguous()
             for hf_name, mc_name in _LAYER_MAP.items():
+                out[f'{dst}{hf_name}.{suffix}'] = sd[f'{src}{mc_name}.{suffix}']
+    return out
+
+
+_VIT_LAYER_MAP = {
+    'attention.o_proj': 'self_attention.linear_proj',
+    'layernorm_before': 'input_layernorm',
+    'layernorm_after': 'pre_mlp_layernorm',
+    'mlp.fc1': 'mlp.linear_fc1',
+    'mlp.fc2': 'mlp.linear_fc2',
+}
+
+
+def mcore_to_hf_vit_classifier_state_dict(mc_sd: StateDict, num_heads: int) -> StateDict:
+    """VitClassificationModel with `layout='hf'` (unsharded) -> ViTForImageClassification
+    weights (transformers 5.x keys).
+
+    The backbone's one class token, positions [s, h] (HF keeps [1, s, h]), biased patch
+    convolution and final norm (`ln_post` = HF's `vit.layernorm`) and the linear head map one to
+    one; the fused QKV is split back into q/k/v.
+    """
+    sd = {k: v for k, v in mc_sd.items() if isinstance(v, torch.Tensor)}
+    hidden = sd['backbone.conv1.weight'].shape[0]
+    head_dim = hidden // num_heads
+    out: StateDict = {
+        'vit.embeddings.cls_token': sd['backbone.class_token'].reshape(1, 1, hidden),
+        'vit.embeddings.position_embeddings': sd['backbone.position_embeddings.weight'][None],
+        'vit.embeddings.patch_embeddings.projection.weight': sd['backbone.conv1.weight'],
+        'vit.embeddings.patch_embeddings.projection.bias': sd['backbone.conv1.bias'],
+        'vit.layernorm.weight': sd['backbone.ln_post.weight'],
+        'vit.layernorm.bias': sd['backbone.ln_post.bias'],
+        'classifier.weight': sd['head.weight'],
+        'classifier.bias': sd['head.bias'],
+    }
+    prefix = 'backbone.decoder.layers.'
+    layers = {int(k[len(prefix) :].split('.')[0]) for k in sd if k.startswith(prefix)}
+    for i in sorted(layers):
+        src, dst = f'{prefix}{i}.', f'vit.layers.{i}.'
+        for suffix in ('weight', 'bias'):
+            fused = sd[f'{src}self_attention.linear_qkv.{suffix}']
+            q, k, v = grouped_to_qkv(fused, num_heads, num_heads, head_dim)
+            for name, tensor in zip('qkv', (q, k, v)):
+                out[f'{dst}attention.{name}_proj.{suffix}'] = tensor.contiguous()
+            for hf_name, mc_name in _VIT_LAYER_MAP.items():
                 out[f'{dst}{hf_name}.{suffix}'] = sd[f'{src}{mc_name}.{suffix}']
     return out

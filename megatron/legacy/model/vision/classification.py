@@ -21,6 +21,11 @@ from megatron.core.utils import get_current_device
 #: Class tokens of Megatron's legacy ViT backbone (`CLASS_TOKEN_LENGTH`).
 CLASS_TOKEN_LENGTH = 8
 
+#: --vit-layout: 'megatron' (Megatron's classifier: 8 class tokens, ln_pre, the MLP head) or
+#: 'hf' (Hugging Face ViTForImageClassification's: 1 class token, a patch convolution with bias,
+#: no ln_pre, a final LayerNorm and one linear classifier), which convert.py exports.
+LAYOUTS = ('megatron', 'hf')
+
 
 class VitMlpHead(MegatronModule):
     """Hidden [b, h] -> logits [b, classes]: dense_in (h -> h), tanh, dense_out (h -> classes),
@@ -52,7 +57,8 @@ class VitClassificationModel(MegatronModule):
         finetune (bool): a zero-initialised linear head instead of the MLP head.
         pre_process, post_process (bool): pipeline stage flags (the model runs on one stage).
         img_h, img_w, patch_dim, num_channels (int): the image geometry.
-        class_token_len (int): class tokens of the backbone.
+        class_token_len (int): class tokens of the backbone (the megatron layout).
+        layout (str): 'megatron' or 'hf' (see LAYOUTS).
     """
 
     def __init__(
@@ -67,22 +73,34 @@ class VitClassificationModel(MegatronModule):
         patch_dim: int = 16,
         num_channels: int = 3,
         class_token_len: int = CLASS_TOKEN_LENGTH,
+        layout: str = 'megatron',
     ):
         super().__init__(config=config)
         assert pre_process and post_process, "the vision models run on one pipeline stage"
+        if layout not in LAYOUTS:
+            raise ValueError(f"--vit-layout {layout}: choose from {', '.join(LAYOUTS)}")
         self.pre_process, self.post_process = pre_process, post_process
+        self.layout = layout
+        hf = layout == 'hf'
         self.backbone = CLIPViTModel(
             config,
             get_vit_layer_with_local_spec(),
-            class_token_len=class_token_len,
+            class_token_len=1 if hf else class_token_len,
             patch_dim=patch_dim,
             img_h=img_h,
             img_w=img_w,
             num_channels=num_channels,
+            model_subtype='vit' if hf else 'clip',
             add_ln_post=True,
         )
         hidden = config.hidden_size
-        if finetune:
+        if hf:
+            # ViTForImageClassification's `classifier`: one linear layer on the class token.
+            kw = dict(device=get_current_device(), dtype=config.params_dtype)
+            self.head = torch.nn.Linear(hidden, num_classes, **kw)
+            config.init_method(self.head.weight)
+            torch.nn.init.zeros_(self.head.bias)
+        elif finetune:
             kw = dict(device=get_current_device(), dtype=config.params_dtype)
             self.head = torch.nn.Linear(hidden, num_classes, **kw)
             torch.nn.init.zeros_(self.head.weight)

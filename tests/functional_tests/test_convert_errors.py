@@ -171,3 +171,23 @@ def test_saver_checks_message_names_and_leftover_keys(capsys, source, tmp_path):
         saver.save_checkpoint(q, args)
     assert capsys.readouterr().out.strip().splitlines()[-1] == 'Loader exited, exiting saver'
     assert not os.path.exists(tmp_path / 'out' / 'latest_checkpointed_iteration.txt')
+
+
+def test_saver_stops_when_its_loader_process_is_gone(capsys, monkeypatch):
+    """A loader killed outright sends no "exit": the waiting saver notices that its parent is
+    gone (here: a loader pid that is not its parent) and exits instead of waiting forever."""
+    import queue
+
+    import utils  # tools/checkpoint/utils.py
+
+    monkeypatch.setattr(utils, 'LOADER_POLL_S', 0.05)
+    monkeypatch.setattr(utils, '_LOADER_PID', os.getppid() + 1)
+    with pytest.raises(SystemExit) as exc:
+        utils.queue_get(queue.Queue(), 'embeddings')
+    assert exc.value.code == 1
+    assert capsys.readouterr().out.strip().endswith('is gone, exiting saver')
+    # The loader alive (it is this process's parent): the saver keeps waiting, then reads.
+    monkeypatch.setattr(utils, '_LOADER_PID', os.getppid())
+    q = queue.Queue()
+    q.put({'name': 'embeddings'})
+    assert utils.queue_get(q, 'embeddings') == {'name': 'embeddings'}

@@ -137,6 +137,7 @@ def main(argv=None) -> int:
         sys.stdout.reconfigure(line_buffering=True, write_through=False)
     queue = mp.Queue(maxsize=args.max_queue_size)
     print('Starting saver...')
+    utils.set_loader_pid(os.getpid())
     saver_proc = mp.Process(target=saver.save_checkpoint, args=(queue, args))
     saver_proc.start()
     utils.set_saver_process(saver_proc)

@@ -10,6 +10,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(os.path.dirname(_HERE))
 
 _SAVER_PROCESS = None
+_LOADER_PID = None
+#: Seconds between the saver's checks that its loader still runs while it waits for a message.
+LOADER_POLL_S = 2.0
 
 
 class SaverExited(RuntimeError):
@@ -73,9 +76,29 @@ def run_loader(queue, body, args) -> None:
         raise
 
 
+def set_loader_pid(pid) -> None:
+    """The loader's (convert.py's own) process id, inherited by the forked saver, so that a saver
+    whose loader was killed (SIGKILL, out of memory: no "exit" is ever sent) stops waiting."""
+    global _LOADER_PID
+    _LOADER_PID = pid
+
+
+def _loader_gone() -> bool:
+    # A forked child is re-parented when its parent dies.
+    return _LOADER_PID is not None and os.getppid() != _LOADER_PID
+
+
 def queue_get(queue, name=None, checking=True):
-    """Receive the next message ("received <name>"); exit(1) on "exit" or on a wrong name."""
-    val = queue.get()
+    """Receive the next message ("received <name>"); exit(1) on "exit", on a wrong name, or
+    when the loader process is gone."""
+    while True:
+        try:
+            val = queue.get(timeout=LOADER_POLL_S)
+            break
+        except queue_module.Empty:
+            if _loader_gone():
+                print(f'Loader process {_LOADER_PID} is gone, exiting saver', flush=True)
+                sys.exit(1)
     if val == 'exit':
         print('Loader exited, exiting saver')
         sys.exit(1)

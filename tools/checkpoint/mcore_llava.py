@@ -27,7 +27,6 @@ import contextlib
 import io
 import json
 import os
-import sys
 import types
 
 import torch
@@ -173,20 +172,11 @@ def _split_configs(margs):
 
 
 def _send(queue, md, full):
-    queue.put(md)
-    utils.queue_put(queue, 'llava model', {'state dict': full})
-    utils.queue_put(queue, 'done')
+    utils.send_whole_model(queue, md, 'llava model', full)
 
 
 def _receive(queue, args):
-    msg = utils.queue_get(queue, 'llava model', args.checking)
-    full = msg.pop('state dict')
-    utils.check_message(msg, args.checking)
-    end = utils.queue_get(queue, None, args.checking)
-    if end != 'done':
-        print(f'ERROR: got some more data but was expecting to be done ({end["name"]})')
-        sys.exit(1)
-    return full
+    return utils.receive_whole_model(queue, 'llava model', args.checking)
 
 
 # ---------------------------------------------------------------------------------------------

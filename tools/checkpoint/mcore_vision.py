@@ -18,7 +18,6 @@ convolution, class token, positions and outer norms replicated).
 
 import argparse
 import os
-import sys
 import types
 
 import torch
@@ -87,20 +86,11 @@ def _metadata(margs, iteration: int, tp: int) -> types.SimpleNamespace:
 
 
 def _send(queue, md, full):
-    queue.put(md)
-    utils.queue_put(queue, 'vision model', {'state dict': full})
-    utils.queue_put(queue, 'done')
+    utils.send_whole_model(queue, md, 'vision model', full)
 
 
 def _receive(queue, args):
-    msg = utils.queue_get(queue, 'vision model', args.checking)
-    full = msg.pop('state dict')
-    utils.check_message(msg, args.checking)
-    end = utils.queue_get(queue, None, args.checking)
-    if end != 'done':
-        print(f'ERROR: got some more data but was expecting to be done ({end["name"]})')
-        sys.exit(1)
-    return full
+    return utils.receive_whole_model(queue, 'vision model', args.checking)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -111,6 +111,26 @@ def queue_get(queue, name=None, checking=True):
     return val
 
 
+def send_whole_model(queue, md, name, state_dict) -> None:
+    """The short protocol of one-message models (vision encoders, LLaVA): the metadata, one
+    message `name` holding the whole (TP = 1) state dict, then "done"."""
+    queue.put(md)
+    queue_put(queue, name, {'state dict': state_dict})
+    queue_put(queue, 'done')
+
+
+def receive_whole_model(queue, name, checking=True):
+    """The saver's side of `send_whole_model` (after the metadata): the state dict."""
+    msg = queue_get(queue, name, checking)
+    state_dict = msg.pop('state dict')
+    check_message(msg, checking)
+    end = queue_get(queue, None, checking)
+    if end != 'done':
+        print(f'ERROR: got some more data but was expecting to be done ({end["name"]})')
+        sys.exit(1)
+    return state_dict
+
+
 def check_message(msg, checking=True) -> None:
     """Exit(1) when a message still holds keys the saver did not use (unless --no-checking)."""
     if not checking:

@@ -466,6 +466,17 @@ class MockGPTLowLevelDataset:
 
     def __init__(self, tokenizer: MegatronTokenizer) -> None:
         self.tokenizer = tokenizer
+        # The ids run up to max_sequence_length - 1 whatever the vocabulary: a smaller one would
+        # raise in the middle of training at TP1 and embed zeros at TP > 1 (masked as another
+        # rank's rows), so it is refused before any work.
+        vocab = getattr(tokenizer, 'vocab_size', None)
+        if vocab is not None and vocab < self.max_sequence_length:
+            raise ValueError(
+                f"--mock-data writes token ids 1 .. {self.max_sequence_length - 1} (Megatron's "
+                f"synthetic documents 1, 2, ..., length - 1, eod), which the tokenizer's "
+                f"vocabulary of {vocab} does not hold: use --vocab-size "
+                f"{self.max_sequence_length - 1} or more (NullTokenizer) or real data"
+            )
         # Seeded, so every rank sees the same synthetic corpus; lengths in [1, max).
         lengths = numpy.random.default_rng(seed=self.seed)
         self.sequence_lengths = lengths.integers(

@@ -550,3 +550,16 @@ def test_built_on_rank_zero_loaded_elsewhere(corpus, tmp_path):
     assert outs[0]["built"] is True and outs[1]["built"] is False
     assert torch.equal(outs[0]["shuffle"], outs[1]["shuffle"])
     assert torch.equal(outs[0]["first"], outs[1]["first"])
+
+
+def test_mock_data_refuses_a_vocabulary_smaller_than_its_token_ids():
+    """--mock-data's documents are 1, 2, ..., length - 1 (ids up to 4095): a smaller vocabulary
+    is refused when the dataset is built, not by an IndexError (TP1) or zero embeddings (TP > 1)
+    in the middle of training."""
+    from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+    from megatron.training.tokenizer.tokenizer import _NullTokenizer
+
+    with pytest.raises(ValueError, match=r'vocabulary of 64 does not hold: use --vocab-size 4095'):
+        MockGPTLowLevelDataset(_NullTokenizer(63))
+    dataset = MockGPTLowLevelDataset(_NullTokenizer(4095))
+    assert max(int(dataset[i].max()) for i in range(50)) < 4096

@@ -108,6 +108,34 @@ def test_tp2_and_tp2_ep2_match_serial(small_vocab_data_prefix, tmp_path_factory)
     for it in (3, 4):
         expected = reference['train_losses'][it]['lm loss']
         assert resumed['train_losses'][it]['lm loss'] == pytest.approx(expected, rel=RTOL)
+    _check_converted_mtp(ckpt, str(tmp_path_factory.mktemp('mla_moe_mtp_legacy')))
+
+
+def _check_converted_mtp(dist_dir, save_dir):
+    """convert.py reads the MTP module of a torch_dist checkpoint (its inner MoE layer's experts
+    stacked like a decoder layer's) into the legacy layout."""
+    import os
+    import sys
+
+    import torch
+
+    from tests.functional_tests import convert_utils as cu
+
+    tools = os.path.join(cu.REPO, 'tools', 'checkpoint')
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    import convert
+
+    argv = ['--model-type', 'GPT', '--loader', 'torch_dist', '--saver', 'mcore']
+    assert convert.main(argv + ['--load-dir', dist_dir, '--save-dir', save_dir]) == 0
+    tracker = open(os.path.join(save_dir, 'latest_checkpointed_iteration.txt')).read().strip()
+    name = os.path.join(save_dir, f'iter_{int(tracker):07d}', 'mp_rank_00', 'model_optim_rng.pt')
+    model = torch.load(name, weights_only=False)['model']
+    inner = 'mtp.layers.0.transformer_layer.mlp.experts.local_experts.'
+    assert {k for k in model if k.startswith(inner) and k.endswith('linear_fc1.weight')} == {
+        f'{inner}{e}.linear_fc1.weight' for e in range(4)
+    }
+    assert 'mtp.layers.0.eh_proj.weight' in model
 
 
 TIED_DENSE_ARGS = [

@@ -4,7 +4,8 @@ A torch_dist checkpoint stores every tensor whole under its global key (see
 docs/dist_checkpointing.md): layer tensors stacked as `[num_layers, ...]` under
 `{block}.layers.<name>` (or per layer, `{block}.layers.<g>.<name>`, when the layers differ: MoE
 mixed with dense layers), the separate norms of the local spec under Transformer Engine's names,
-experts stacked as `[num_experts, ...]` under `mlp.experts.experts.<name>`.
+experts stacked as `[num_experts, ...]` under `mlp.experts.experts.<name>`; a multi-token-
+prediction module's inner layer (`mtp.layers.<k>.transformer_layer.<name>`) like one such layer.
 `dist_to_full_state_dict` turns the stored global tensors into the flat per-layer state dict of
 a one-rank model (`decoder.layers.3.input_layernorm.weight`,
 `decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight`, ...), `full_to_dist_tensors`
@@ -28,6 +29,8 @@ TE_NAMES = {
 _LAYER = re.compile(r'^(decoder|encoder)\.layers\.(\d+)\.(.+)$')
 _GLOBAL_LAYER = re.compile(r'^(decoder|encoder)\.layers\.(.+)$')
 _LOCAL_EXPERT = re.compile(r'^(.*mlp\.experts\.)local_experts\.(\d+)\.(.+)$')
+#: A multi-token-prediction module's inner layer, stored as a layer of its own (never stacked).
+_MTP_LAYER = re.compile(r'^(mtp\.layers\.\d+\.transformer_layer)\.(.+)$')
 _STORED_EXPERTS = 'mlp.experts.experts.'
 
 
@@ -66,7 +69,12 @@ def dist_to_full_state_dict(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch
             continue
         per_layer = _LAYER.match(key)
         stacked = _GLOBAL_LAYER.match(key)
-        if per_layer:  # layers that differ (dense and MoE): one key per layer
+        mtp = _MTP_LAYER.match(key)
+        if mtp:
+            prefix, name = mtp.groups()
+            for local, value in _layer_from_stored(name, tensor).items():
+                full[f'{prefix}.{local}'] = value
+        elif per_layer:  # layers that differ (dense and MoE): one key per layer
             block, index, name = per_layer.groups()
             for local, value in _layer_from_stored(name, tensor).items():
                 full[f'{block}.layers.{index}.{local}'] = value
@@ -100,12 +108,16 @@ def _layer_to_stored(layer: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 def full_to_dist_tensors(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Flat one-rank model state dict -> {global key: tensor}: layers stacked, or one key per
     layer when the layers do not all have the same tensors (the trainer's keys likewise)."""
-    out, layers = {}, {}
+    out, layers, mtp_layers = {}, {}, {}
     for name, tensor in state_dict.items():
         if tensor is None or name.endswith('_extra_state'):
             continue
         match = _LAYER.match(name)
-        if match:
+        mtp = _MTP_LAYER.match(name)
+        if mtp:
+            prefix, rest = mtp.groups()
+            mtp_layers.setdefault(prefix, {})[rest] = tensor
+        elif match:
             block, index, rest = match.groups()
             layers.setdefault(block, {}).setdefault(int(index), {})[rest] = tensor
         else:
@@ -120,6 +132,8 @@ def full_to_dist_tensors(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch
         else:
             for key in stored[0]:
                 out[f'{block}.layers.{key}'] = torch.stack([layer[key] for layer in stored])
+    for prefix, layer in mtp_layers.items():
+        out.update({f'{prefix}.{k}': v for k, v in _layer_to_stored(layer).items()})
     return out
 
 

@@ -227,7 +227,6 @@ def vision_language_model(args):
     import argparse
 
     import pretrain_vlm
-
     from megatron.core.enums import ModelType
 
     defaults = pretrain_vlm.add_vlm_extra_args(argparse.ArgumentParser()).parse_args([])

@@ -167,9 +167,7 @@ def _chat(serving, limits, body):
             out = {"index": index, "delta": delta, "logprobs": block, "finish_reason": finish}
             return {"object": "chat.completion.chunk", "choices": [out]}
 
-        return stream_events(
-            generation, meta, params, [length], chunk_of, "chat.completion.chunk"
-        )
+        return stream_events(generation, meta, params, [length], chunk_of, "chat.completion.chunk")
     generation.wait()
     generation.log(meta["id"], params["max_tokens"])
     if generation.error is not None:

@@ -154,4 +154,6 @@ class VLMServing(Serving):
         if not self.loop.running:
             reason = self.loop.error or "stopped"
             return dict(body, status="error", ready=False, error=str(reason)), 503
-        return dict(body, status="ok", ready=True, model="vision-language (one request at a time)"), 200
+        return dict(
+            body, status="ok", ready=True, model="vision-language (one request at a time)"
+        ), 200

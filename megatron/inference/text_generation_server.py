@@ -20,9 +20,9 @@ Beyond Megatron, and before any work: bodies over the size limit, bodies that ar
 object (or hold NaN / Infinity), prompts that are not strings, tokens_to_generate above the
 model's max_position_embeddings and values the ranks cannot carry get HTTP 400 with a one-line
 reason; a generation that fails answers HTTP 500 with its reason, and the server goes on serving.
-Responses never hold NaN or Infinity (null instead). A vision-language (LLaVA) server takes
-`"images"` (base64 PNG / JPEG) with `<image>` markers in the prompts (`vlm_api.py`). Errors under `/v1/` (unknown path, wrong
-method, server error) use OpenAI's `{"error": {...}}` body.
+Responses never hold NaN or Infinity (null instead). Errors under `/v1/` (unknown path, wrong
+method, server error) use OpenAI's `{"error": {...}}` body. A vision-language (LLaVA) server
+takes `"images"` (base64 PNG / JPEG) with `<image>` markers in the prompts (`vlm_api.py`).
 """
 
 import datetime
@@ -47,13 +47,13 @@ from megatron.inference.text_generation.request import (
     SAMPLING,
     GenerationSettings,
 )
-from megatron.inference.vlm_api import vision_language_api
 from megatron.inference.text_generation.tokenization import (
     UntokenizablePrompt,
     eod_id,
     token_strings,
     tokenize_batch,
 )
+from megatron.inference.vlm_api import vision_language_api
 from megatron.inference.worker_loop import (  # noqa: F401  (Megatron's names, re-exported)
     BEAM_NUM,
     GENERATE_NUM,

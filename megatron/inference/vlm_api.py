@@ -76,5 +76,7 @@ def vision_language_api(serving, params, body):
     texts, segments = [], []
     for prompt, choice in zip(params['prompts'], generation.choices):
         texts.append(prompt + (tokenizer.detokenize(choice.generated) if choice.generated else ''))
-        segments.append(_segments(tokenizer, choice.prompt_ids + choice.generated, serving.placeholder))
+        segments.append(
+            _segments(tokenizer, choice.prompt_ids + choice.generated, serving.placeholder)
+        )
     return jsonify({"text": texts, "segments": segments, "logprobs": None})

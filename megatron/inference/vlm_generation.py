@@ -241,7 +241,12 @@ class VLMLoop:
         self._thread.join(timeout)
 
     def _run(self):
-        from megatron.inference.worker_loop import IDLE_NUM, STOP_NUM, VLM_GENERATE_NUM, _send_choice
+        from megatron.inference.worker_loop import (
+            IDLE_NUM,
+            STOP_NUM,
+            VLM_GENERATE_NUM,
+            _send_choice,
+        )
 
         try:
             while not self._stop.is_set():

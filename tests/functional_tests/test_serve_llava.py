@@ -28,8 +28,12 @@ QUESTION = "What is the title of chapter 12?"
 
 
 def _hf_llava(vocab, image_id):
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-    from transformers import LlavaForConditionalGeneration
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
 
     from tests.unit_tests.models import vision_test_utils as vu
 
@@ -169,16 +173,19 @@ def test_bad_image_inputs_are_refused_in_one_line(llava_server):
     message = web.json()["error"]["message"]
     assert "only data:image/...;base64 URLs are accepted, not 'http'" in message
     assert "\n" not in message
-    garbage = _chat(server, [{"type": "image_url",
-                              "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}])
+    garbage = _chat(
+        server,
+        [{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}],
+    )
     assert garbage.status_code == 400
     assert garbage.json()["error"]["message"].startswith(
         "messages[0].content[0] is not a decodable image"
     )
     extra = _chat(server, "<image> and <image>")
     assert extra.status_code == 400
-    assert "holds 2 image placeholder(s) (<image>) but the request gives 0" in (
-        extra.json()["error"]["message"]
+    assert (
+        "holds 2 image placeholder(s) (<image>) but the request gives 0"
+        in (extra.json()["error"]["message"])
     )
     image = base64.b64encode(_png(3)).decode()
     missing = server.put({"prompts": ["no marker"], "images": [image], "no_log": True})

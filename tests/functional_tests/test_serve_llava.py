@@ -197,3 +197,34 @@ def test_bad_image_inputs_are_refused_in_one_line(llava_server):
     assert bad.status_code == 400 and bad.json().startswith("images[0] is not valid base64")
     # The server goes on serving.
     assert _chat(server, "hello", max_tokens=2).status_code == 200
+
+
+def test_tensor_parallel_server_with_an_image(llava_server):
+    """Two ranks (the checkpoint converted to TP 2): rank 1 follows rank 0's broadcasts of the
+    prompt, the image and each sampled token; the answer is the same."""
+    from tests.functional_tests import convert_utils as cu
+
+    server, hf, tokenizer = llava_server
+    root = server.log_path.rsplit("/", 1)[0]
+    ckpt, tp2 = server.flags[1], root + "/ckpt_tp2"
+    cu.convert(
+        "--model-type", "LLAVA", "--loader", "mcore", "--saver", "mcore",
+        "--load-dir", ckpt, "--save-dir", tp2, "--target-tensor-parallel-size", "2",
+    )  # fmt: skip
+    png = _png(4)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<image>" + QUESTION}], tokenize=False,
+        add_generation_prompt=True,
+    )  # fmt: skip
+    want = tokenizer.decode(_until_eos(_hf_greedy(hf, tokenizer, text, png), tokenizer))
+    parts = [{"type": "image_url", "image_url": {"url": _data_url(png)}},
+             {"type": "text", "text": QUESTION}]  # fmt: skip
+    flags = ["--load", tp2] + server.flags[2:]
+    srv = Server(tp2, 2, root + "/server_tp2.log", flags=flags)
+    try:
+        answers = [_chat(srv, parts) for _ in range(2)]
+        for answer in answers:
+            assert answer.status_code == 200, (answer.text, srv.read_log())
+            assert answer.json()["choices"][0]["message"]["content"] == want
+    finally:
+        srv.stop()

@@ -100,11 +100,26 @@ def _prompt_ids(tokenizer, params):
     return ids
 
 
+def _has_image_part(messages) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(m, dict)
+        and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
+        for m in messages
+    )
+
+
 def _prompt_and_images(serving, params):
     """(prompt ids, [images tensor] or None). A vision-language server reads OpenAI's image
     content parts: each becomes the `<image>` marker in its message's text, then one placeholder
     id in the rendered prompt (vlm_inputs.py)."""
     if not serving.takes_images:
+        if _has_image_part(params["messages"]):
+            raise CompletionError(
+                "this server's model takes no images (a text-only GPT model): image_url content "
+                "parts need a vision-language (LLaVA) checkpoint",
+                "messages",
+            )
         return _prompt_ids(serving.tokenizer, params), None
     from megatron.inference.vlm_inputs import ids_with_images, images_tensor, split_image_parts
     from megatron.training.tokenizer.chat_template import apply_chat_template

@@ -12,6 +12,7 @@ are refused with HTTP 400 in one line.
 
 import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -154,6 +155,13 @@ def test_chat_and_api_with_an_image_give_transformers_greedy_tokens(llava_server
     assert body["choices"][0]["message"]["content"] == tokenizer.decode(want)
     assert body["usage"]["completion_tokens"] == len(want)
     assert body["usage"]["prompt_tokens"] == len(tokenizer(text)["input_ids"]) + 15
+    streamed = _chat(server, parts, stream=True)
+    pieces = [
+        json.loads(line[len("data: ") :])["choices"][0]["delta"].get("content", "")
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert "".join(pieces) == tokenizer.decode(want)
 
     prompt = "<image> " + QUESTION
     want = _hf_greedy(hf, tokenizer, prompt, _png(2))
@@ -195,8 +203,16 @@ def test_bad_image_inputs_are_refused_in_one_line(llava_server):
     )
     bad = server.put({"prompts": ["<image>"], "images": ["@@@"], "no_log": True})
     assert bad.status_code == 400 and bad.json().startswith("images[0] is not valid base64")
-    # The server goes on serving.
+    # The server goes on serving, text-only requests included.
     assert _chat(server, "hello", max_tokens=2).status_code == 200
+    text = requests.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Call me", "max_tokens": 3, "temperature": 0},
+        timeout=REQUEST_TIMEOUT,
+    )
+    assert text.status_code == 200 and text.json()["usage"]["completion_tokens"] <= 3
+    health = requests.get(server.url + "/health", timeout=REQUEST_TIMEOUT).json()
+    assert health["ready"] is True
 
 
 def test_tensor_parallel_server_with_an_image(llava_server):

@@ -272,6 +272,19 @@ class VLMLoop:
         except BaseException as exc:  # a collective broke: the server stops serving
             self.error = exc
             raise
+        finally:
+            self._fail_waiting()
+
+    def _fail_waiting(self):
+        """Jobs still queued when the loop ends get an error (their clients stop waiting)."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            job.error = RuntimeError(f"the serving loop stopped ({self.error or 'stopped'})")
+            if job.on_done is not None:
+                job.on_done()
 
 
 class VLMGeneration(Generation):

@@ -15,6 +15,12 @@ flags): the engine keeps the attention layers' KV cache and, per request, each M
 and SSM state. tools/run_mamba_text_generation_server.py (Megatron core_r0.8.0's name) is this
 script with --is-hybrid-model set.
 
+A LLaVA checkpoint (pretrain_vlm.py, convert.py --model-type LLAVA; recognised with
+--use-checkpoint-args) is served with images: `PUT /api` takes "images" (base64 PNG / JPEG) for
+the prompts' <image> markers and /v1/chat/completions OpenAI image_url parts (data URLs only);
+its requests run one at a time on every rank (megatron/inference/vlm_generation.py), not on the
+engine.
+
 Global rank 0 serves on --host:--port and drives the engine; every other rank follows its
 broadcasts (megatron/inference/worker_loop.py). Concurrent requests are batched: at most
 --max-batch-size run at once, --max-waiting-requests more may wait (beyond that: HTTP 503), and the

@@ -115,9 +115,9 @@ def _agree_on_token(token: int, stop: bool):
 def decode(model, request: VLMRequest, vocab_size: int, step_callback=None):
     """Every rank: the cached greedy / sampled decode of one request.
 
-    Collectives per step: an all-gather of the last position's vocabulary-parallel logits over
-    the tensor-parallel group (inside the model's forward, its own TP collectives), then a
-    broadcast from rank 0 over the default group of the sampled token and the stop verdict.
+    Collectives per step, after the model's forward (which runs its own TP collectives): an
+    all-gather of the last position's vocabulary-parallel logits over the tensor-parallel
+    group, then a broadcast from rank 0 over the default group of the token and the verdict.
 
     Args:
         model (LLaVAModel): in eval mode.

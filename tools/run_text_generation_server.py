@@ -15,6 +15,12 @@ flags): the engine keeps the attention layers' KV cache and, per request, each M
 and SSM state. tools/run_mamba_text_generation_server.py (Megatron core_r0.8.0's name) is this
 script with --is-hybrid-model set.
 
+A LLaVA checkpoint (pretrain_vlm.py, convert.py --model-type LLAVA; recognised with
+--use-checkpoint-args) is served with images: `PUT /api` takes "images" (base64 PNG / JPEG) for
+the prompts' <image> markers and /v1/chat/completions OpenAI image_url parts (data URLs only);
+its requests run one at a time on every rank (megatron/inference/vlm_generation.py), not on the
+engine.
+
 Global rank 0 serves on --host:--port and drives the engine; every other rank follows its
 broadcasts (megatron/inference/worker_loop.py). Concurrent requests are batched: at most
 --max-batch-size run at once, --max-waiting-requests more may wait (beyond that: HTTP 503), and the
@@ -214,14 +220,64 @@ ARGS_DEFAULTS = {
 }
 
 
-def refuse_vision_language_checkpoint(args):
-    """A pretrain_vlm.py (LLaVA) checkpoint restored by --use-checkpoint-args (its args record
-    drop_vision_class_token): this server builds a GPTModel and takes no images."""
-    if getattr(args, 'drop_vision_class_token', None) is not None:
+def is_vision_language_checkpoint(args) -> bool:
+    """A pretrain_vlm.py (LLaVA) checkpoint restored by --use-checkpoint-args: its args record
+    drop_vision_class_token."""
+    return getattr(args, 'drop_vision_class_token', None) is not None
+
+
+def vision_language_model(args):
+    """The LLaVAModel of a pretrain_vlm.py checkpoint, built by pretrain_vlm.py's own model
+    provider (its flags not recorded in the checkpoint, e.g. the freezing ones, take their
+    defaults), loaded and in eval mode."""
+    import argparse
+
+    import pretrain_vlm
+    from megatron.core.enums import ModelType
+
+    defaults = pretrain_vlm.add_vlm_extra_args(argparse.ArgumentParser()).parse_args([])
+    for name, value in vars(defaults).items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    if args.pipeline_model_parallel_size > 1:
         raise ValueError(
-            f'--load {args.load} holds a vision-language (pretrain_vlm.py, LLaVA) model: the '
-            f'text generation server serves GPT models only (no image input)'
+            f'--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: a '
+            f'vision-language (LLaVA) model is served on one pipeline stage (TP only)'
         )
+    model = get_model(pretrain_vlm.model_provider, ModelType.encoder_or_decoder, False)
+    if args.load is not None:
+        _ = load_checkpoint(model, None, None)
+    model = model[0]
+    model.eval()
+    return model
+
+
+def serve_vision_language(args):
+    """Serve a LLaVA checkpoint: every request (with or without images) runs on every rank as
+    one vision-language generation, one request at a time (megatron/inference/vlm_generation.py)."""
+    from megatron.inference.serving import VLMServing
+    from megatron.inference.vlm_generation import VLMLoop
+
+    model = vision_language_model(args)
+    tokenizer = get_tokenizer()
+    if args.rank == 0:
+        name = args.served_model_name or os.path.basename(os.path.normpath(args.load or 'megatron'))
+        loop = VLMLoop(model, tokenizer.vocab_size).start()
+        server = MegatronServer(
+            VLMServing(loop, tokenizer, model),
+            max_position_embeddings=args.max_position_embeddings,
+            max_prompts=args.max_prompts,
+            max_request_bytes=args.max_request_bytes,
+            model_name=name,
+        )
+        print_rank_0(
+            f'vision-language model: {model.img_seq_len} tokens per '
+            f'{args.img_h}x{args.img_w} image, at most {model.language_max_sequence_length} '
+            f'positions; requests run one at a time'
+        )
+        print_rank_0(f'text generation server listening on http://{args.host}:{args.port}')
+        server.run(args.host, port=args.port)
+    run_generation_worker_loop(model)
 
 
 def main(args_list=None, args_defaults=None):
@@ -232,7 +288,6 @@ def main(args_list=None, args_defaults=None):
         args_list=args_list,
     )
     args = get_args()
-    refuse_vision_language_checkpoint(args)
     refuse_context_parallel(args, 'text generation')
     if args.num_layers_per_virtual_pipeline_stage is not None:
         print("Interleaved pipeline schedule is not yet supported for text generation.")
@@ -248,6 +303,8 @@ def main(args_list=None, args_defaults=None):
     check_address(args.host, args.port)
     print_rank_0("WARNING: Forcing exit_on_missing_checkpoint to True for text generation.")
     args.exit_on_missing_checkpoint = True
+    if is_vision_language_checkpoint(args):
+        return serve_vision_language(args)
 
     model = get_model(model_provider, wrap_with_ddp=False)
     if args.load is not None:

@@ -15,6 +15,11 @@ probabilities), `top_logprobs` (0 only), `stream` (`chat.completion.chunk` event
 with the assistant's role) with `stream_options.include_usage`, `chat_template_kwargs` (passed
 to a Hugging Face template). Tools, functions, penalties, `logit_bias` and structured outputs are
 refused with HTTP 400.
+
+On a vision-language (LLaVA) server a message's `content` may be a list of OpenAI parts:
+`{"type": "text", "text": ...}` and `{"type": "image_url", "image_url": {"url":
+"data:image/png;base64,..."}}`; each image stands where its part sits in the message (any other
+URL scheme is refused with HTTP 400: the server fetches nothing).
 """
 
 import time
@@ -95,6 +100,43 @@ def _prompt_ids(tokenizer, params):
     return ids
 
 
+def _has_image_part(messages) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(m, dict)
+        and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
+        for m in messages
+    )
+
+
+def _prompt_and_images(serving, params):
+    """(prompt ids, [images tensor] or None). A vision-language server reads OpenAI's image
+    content parts: each becomes the `<image>` marker in its message's text, then one placeholder
+    id in the rendered prompt (vlm_inputs.py)."""
+    if not serving.takes_images:
+        if _has_image_part(params["messages"]):
+            raise CompletionError(
+                "this server's model takes no images (a text-only GPT model): image_url content "
+                "parts need a vision-language (LLaVA) checkpoint",
+                "messages",
+            )
+        return _prompt_ids(serving.tokenizer, params), None
+    from megatron.inference.vlm_inputs import ids_with_images, images_tensor, split_image_parts
+    from megatron.training.tokenizer.chat_template import apply_chat_template
+
+    try:
+        messages, images = split_image_parts(params["messages"])
+        text = apply_chat_template(
+            serving.tokenizer, messages, template_kwargs=params["template_kwargs"]
+        )
+        ids = ids_with_images(serving.tokenizer, text, len(images), serving.placeholder, "messages")
+    except ValueError as exc:
+        raise CompletionError(str(exc), "messages") from None
+    if not ids:
+        raise CompletionError("the chat template rendered no tokens", "messages")
+    return ids, [images_tensor(images, *serving.image_size)]
+
+
 def _logprobs_content(choice, generated):
     """OpenAI's chat logprobs: one entry per returned token."""
     content = []
@@ -113,12 +155,13 @@ def _logprobs_content(choice, generated):
 
 def _chat(serving, limits, body):
     params = parse_chat_request(body, limits)
-    ids = _prompt_ids(serving.tokenizer, params)
+    ids, images = _prompt_and_images(serving, params)
+    length = serving.prompt_length(ids)
     if params["max_tokens"] is None:
-        params["max_tokens"] = max(1, limits['max_sequence_length'] - len(ids))
-    check_length(len(ids), params["max_tokens"], limits)
+        params["max_tokens"] = max(1, limits['max_sequence_length'] - length)
+    check_length(length, params["max_tokens"], limits)
     generation = start_generation(
-        serving, [ids], [sampling_params(params, params["max_tokens"])], params["stops"]
+        serving, [ids], [sampling_params(params, params["max_tokens"])], params["stops"], images
     )
     meta = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time())}
     meta["model"] = params["model"]
@@ -139,9 +182,7 @@ def _chat(serving, limits, body):
             out = {"index": index, "delta": delta, "logprobs": block, "finish_reason": finish}
             return {"object": "chat.completion.chunk", "choices": [out]}
 
-        return stream_events(
-            generation, meta, params, [len(ids)], chunk_of, "chat.completion.chunk"
-        )
+        return stream_events(generation, meta, params, [length], chunk_of, "chat.completion.chunk")
     generation.wait()
     generation.log(meta["id"], params["max_tokens"])
     if generation.error is not None:
@@ -159,7 +200,7 @@ def _chat(serving, limits, body):
             meta,
             object="chat.completion",
             choices=[out],
-            usage=usage([len(ids)], len(generated)),
+            usage=usage([length], len(generated)),
         )
     )
 

@@ -243,11 +243,12 @@ def tokenize_prompts(tokenizer, prompts):
     return rows
 
 
-def start_generation(serving, prompts_ids, params_list, stops):
+def start_generation(serving, prompts_ids, params_list, stops, images=None):
     """The generation of a request on the serving loop; CompletionError for what the engine
-    refuses (400) or a full queue (503)."""
+    refuses (400) or a full queue (503). `images`: one [n, 3, H, W] tensor per prompt (a
+    vision-language server only)."""
     try:
-        return serving.generation(prompts_ids, params_list, stops)
+        return serving.generation(prompts_ids, params_list, stops, images=images)
     except QueueFullError as exc:
         raise CompletionError(
             serving.busy_message(exc), status=503, kind='server_error', code='queue_full'

@@ -21,7 +21,8 @@ object (or hold NaN / Infinity), prompts that are not strings, tokens_to_generat
 model's max_position_embeddings and values the ranks cannot carry get HTTP 400 with a one-line
 reason; a generation that fails answers HTTP 500 with its reason, and the server goes on serving.
 Responses never hold NaN or Infinity (null instead). Errors under `/v1/` (unknown path, wrong
-method, server error) use OpenAI's `{"error": {...}}` body.
+method, server error) use OpenAI's `{"error": {...}}` body. A vision-language (LLaVA) server
+takes `"images"` (base64 PNG / JPEG) with `<image>` markers in the prompts (`vlm_api.py`).
 """
 
 import datetime
@@ -52,6 +53,7 @@ from megatron.inference.text_generation.tokenization import (
     token_strings,
     tokenize_batch,
 )
+from megatron.inference.vlm_api import vision_language_api
 from megatron.inference.worker_loop import (  # noqa: F401  (Megatron's names, re-exported)
     BEAM_NUM,
     GENERATE_NUM,
@@ -172,6 +174,8 @@ class MegatronGenerate(Resource):
             print("request IP: " + str(request.remote_addr))
             print(json.dumps(body), flush=True)
             print("start time: ", datetime.datetime.now())
+        if self.serving.takes_images or "images" in body:
+            return vision_language_api(self.serving, params, body)
         if self.serving.legacy or needs_legacy_path(params):
             return self._legacy(params)
         return self._engine(params)

@@ -11,7 +11,10 @@ choice over the default group, Megatron's protocol extended by two values:
   broadcast of rank 0's new requests and cancellations (every rank schedules the same requests);
   sent at least every `heartbeat_s` while idle, so waiting ranks never reach the process group's
   timeout;
-- `STOP_NUM` (3): the waiting ranks return (rank 0 stops serving).
+- `STOP_NUM` (3): the waiting ranks return (rank 0 stops serving);
+- `VLM_GENERATE_NUM` (4): a request of a vision-language (LLaVA) server, with its images
+  (`vlm_generation.run_vlm_request`, one at a time);
+- `IDLE_NUM` (5): no work (a vision-language server's idle heartbeat).
 
 Every other rank waits in `run_generation_worker_loop(model, engine)` for the choice and joins.
 
@@ -45,6 +48,8 @@ GENERATE_NUM = 0
 BEAM_NUM = 1
 ENGINE_STEP_NUM = 2
 STOP_NUM = 3
+VLM_GENERATE_NUM = 4
+IDLE_NUM = 5
 #: Seconds between idle engine steps on a multi-rank server (the waiting ranks' heartbeat).
 HEARTBEAT_S = 5.0
 #: One legacy generation at a time: the other ranks follow rank 0's broadcasts in order.
@@ -100,6 +105,8 @@ def follow_one_request(model, engine=None):
         return 'step'
     if choice == STOP_NUM:
         return 'stop'
+    if choice == VLM_GENERATE_NUM:
+        return _follow_vlm_request(model)
     if choice not in (GENERATE_NUM, BEAM_NUM):
         return 'ignored'
     try:
@@ -113,6 +120,18 @@ def follow_one_request(model, engine=None):
             f'one',
             flush=True,
         )
+        return 'failed'
+    return 'ok'
+
+
+def _follow_vlm_request(model):
+    from megatron.inference.vlm_generation import run_vlm_request
+    from megatron.training.global_vars import get_tokenizer
+
+    try:
+        run_vlm_request(model, get_tokenizer().vocab_size)
+    except GenerationFailed as exc:
+        print(f'rank {torch.distributed.get_rank()}: request failed ({exc})', flush=True)
         return 'failed'
     return 'ok'
 

@@ -157,33 +157,6 @@ def test_hf_llava_round_trip_through_tp1_and_tp2(tmp_path):
     assert torch.equal(again, expected)
 
 
-def _serve(load_dir):
-    """tools/run_text_generation_server.py on a LLaVA checkpoint: (exit code, last stderr line)."""
-    import contextlib
-    import importlib.util
-    import io
-
-    from megatron.training.global_vars import destroy_global_vars
-    from megatron.training.run_control.errors import run_main
-
-    path = os.path.join(cu.REPO, 'tools', 'run_text_generation_server.py')
-    spec = importlib.util.spec_from_file_location('_llava_server', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    argv = ['--load', load_dir, '--use-checkpoint-args', '--tokenizer-type', 'NullTokenizer',
-            '--vocab-size', '127', '--distributed-backend', 'gloo']  # fmt: skip
-    err, code = io.StringIO(), 0
-    destroy_global_vars()
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-            run_main(module.main, argv)
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        destroy_global_vars()
-    return code, err.getvalue().strip().splitlines()[-1]
-
-
 def _last_error_line(capsys):
     # transformers' save_pretrained writes a progress bar to stderr before it.
     return capsys.readouterr().err.strip().splitlines()[-1]
@@ -227,13 +200,3 @@ def test_layouts_the_model_cannot_take(capsys, tmp_path):
         )
     save_file(tensors, weights, metadata={'format': 'pt'})
     assert not os.path.exists(os.path.join(save, 'latest_checkpointed_iteration.txt'))
-
-    # The text generation server takes no images: a LLaVA checkpoint is refused in one line.
-    tp1 = str(tmp_path / 'tp1')
-    assert _convert('hf', 'mcore', hf_dir, tp1, *flags) == 0
-    code, line = run_distributed(_serve, world_size=1, args=(tp1,))[0]
-    assert (code, line) == (
-        1,
-        f'error: --load {tp1} holds a vision-language (pretrain_vlm.py, LLaVA) model: the text '
-        'generation server serves GPT models only (no image input)',
-    )

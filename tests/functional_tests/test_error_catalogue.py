@@ -74,7 +74,7 @@ ELSEWHERE = {
     'image-folder-bad': 'tests/unit_tests/data/test_image_data.py',
     **{
         case: 'tests/functional_tests/test_convert_llava.py'
-        for case in ('convert-llava-pipeline', 'convert-llava-tp', 'server-vlm-checkpoint')
+        for case in ('convert-llava-pipeline', 'convert-llava-tp')
     },
     # issue 33 part 1 (the round-4 probe)
     'dist-ckpt-metadata-objects': 'tests/unit_tests/dist_checkpointing/test_metadata_unpickler.py',

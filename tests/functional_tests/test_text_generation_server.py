@@ -220,12 +220,20 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server):
         ({"json": ["prompts"]}, "must be a JSON object"),
         ({"json": {"prompts": ["a", 3]}}, "prompts[1] is a int"),
         ({"json": {"prompts": [None]}}, "prompts[0] is a NoneType"),
+        ({"json": {"prompts": ["<image>"], "images": ["AAAA"]}}, "model takes no images"),
     ]
     for kwargs, reason in bad:
         response = requests.put(server.url + "/api", timeout=REQUEST_TIMEOUT, **kwargs)
         assert response.status_code == 400, (kwargs, response.text)
         message = response.json()
         assert isinstance(message, str) and reason in message and "\n" not in message
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    chat = requests.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": [image]}]},
+        timeout=REQUEST_TIMEOUT,
+    )
+    assert chat.status_code == 400 and "model takes no images" in chat.json()["error"]["message"]
     good = server.put({"prompts": ["Hello"], "tokens_to_generate": 2, "top_k": 1})
     assert good.status_code == 200 and good.json()["text"][0].startswith("Hello")
 

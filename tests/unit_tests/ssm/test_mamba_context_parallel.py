@@ -1,9 +1,10 @@
 """Context parallelism of Mamba layers (the sequence -> heads all-to-all of the mixer) equals the
 serial model on the full sequence: a hybrid MambaModel (M*-M) at CP2, with the groups split over
-the CP ranks or replicated, with and without packed documents, and the mixer at TP2 x CP2. Each
-CP rank gets the load-balanced slices (chunks r and 2cp-1-r); its per-token losses / outputs are
-its slice of the serial ones, and the parameter gradients summed over the CP ranks (what the
-data-parallel reduction over dp x cp does) equal the serial gradients."""
+the CP ranks or replicated, with and without packed documents, and the mixer (with documents)
+at TP2 x CP2 and CP4. Each CP rank gets the load-balanced slices (chunks r and 2cp-1-r); its
+per-token losses / outputs are its slice of the serial ones, and the parameter gradients summed
+over the CP ranks (what the data-parallel reduction over dp x cp does) equal the serial
+gradients."""
 
 import pytest
 import torch
@@ -177,31 +178,34 @@ def _mixer_rank():
     return dict(out=out.detach(), x_grad=x.grad, grads=_sum_over_cp(grads), sizes=sizes)
 
 
-def test_mixer_tp2_cp2_equals_serial():
-    """Groups per TP rank (1) below the CP size: B / C replicated over the CP ranks."""
+@pytest.mark.parametrize('tp,cp', [(2, 2), (1, 4)], ids=['tp2-cp2', 'cp4'])
+def test_mixer_tp_cp_equals_serial(tp, cp):
+    """Groups per TP rank (1 at TP2, 2 at TP1) below the CP size: B / C replicated over CP
+    ranks (at CP4 CP ranks 0, 1 use group 0 and ranks 2, 3 group 1)."""
     from megatron.core.ssm.mamba_mixer import merge_segments
 
     (ref,) = run_distributed(_mixer_rank, world_size=1)
-    ranks = run_distributed(_mixer_rank, world_size=4, tp=2, cp=2)
-    # Rank order: tp fastest, so ranks (0, 1) are CP rank 0 and (2, 3) CP rank 1.
-    by_cp = [ranks[0], ranks[2]]
-    torch.testing.assert_close(ranks[0]['out'], ranks[1]['out'])
+    ranks = run_distributed(_mixer_rank, world_size=4, tp=tp, cp=cp)
+    # Rank order: tp fastest; by_cp[j] = TP rank 0 of CP rank j.
+    by_cp = ranks[::tp]
+    torch.testing.assert_close(ranks[0]['out'], ranks[tp - 1]['out'])
     torch.testing.assert_close(_gathered(by_cp, 'out', 0), ref['out'], atol=1e-5, rtol=1e-5)
     x_grad = _gathered(by_cp, 'x_grad', 0)
     torch.testing.assert_close(x_grad, ref['x_grad'], atol=1e-5, rtol=1e-5)
     sizes = ref['sizes']
-    g0, g1 = ranks[0]['grads'], ranks[1]['grads']
+    shards = [r['grads'] for r in ranks[:tp]]
     for name, expected in ref['grads'].items():
+        parts = [g[name] for g in shards]
         if name == 'in_proj.weight':
-            got = merge_segments([g0[name], g1[name]], sizes)
+            got = merge_segments(parts, sizes)
         elif name.startswith('conv1d.'):
-            got = merge_segments([g0[name], g1[name]], sizes[1:4])
+            got = merge_segments(parts, sizes[1:4])
         elif name == 'out_proj.weight':
-            got = torch.cat([g0[name], g1[name]], dim=1)
+            got = torch.cat(parts, dim=1)
         elif name == 'in_proj.layer_norm_weight':
-            got = g0[name]
+            got = parts[0]
         else:
-            got = torch.cat([g0[name], g1[name]], dim=0)
+            got = torch.cat(parts, dim=0)
         _assert_grad_close(got, expected, name)
 
 

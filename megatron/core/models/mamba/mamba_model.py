@@ -195,6 +195,13 @@ class MambaModel(LanguageModule):
             angles = restart_rotary_per_segment(angles, packed_seq_params)
         return angles
 
+    def _mamba_under_cp(self) -> bool:
+        """Whether this model runs Mamba layers over a context parallel group of size > 1."""
+        from megatron.core.ssm.mamba_block import layer_is_mamba
+
+        layers = [layer for layer in self.decoder.layers if layer_is_mamba(layer)]
+        return any(getattr(layer.mixer, 'cp', None) is not None for layer in layers)
+
     def _stage_shape(self, input_ids, decoder_input):
         """(b, s) of this micro-batch on any pipeline stage (the full s under SP)."""
         if input_ids is not None:
@@ -229,7 +236,8 @@ class MambaModel(LanguageModule):
             packed_seq_params: packed sequences over the batch-major stream (--sft): Mamba
                 layers get their segment ids (conv and scan restart per segment), attention
                 layers attend within each segment, RoPE positions restart per segment.
-            seq_idx: [b, s] document ids for the Mamba layers (instead of packed_seq_params).
+            seq_idx: [b, s] document ids for the Mamba layers (instead of packed_seq_params);
+                under context parallelism [b, s/cp], this rank's slice of the global ids.
 
         Returns:
             Last stage: the loss [b, s] with labels, else logits [b, s, v/p]. Other stages:
@@ -239,6 +247,12 @@ class MambaModel(LanguageModule):
             decoder_input = self._embed(input_ids, position_ids, inference_params)
         # Otherwise: a precomputed embedding, or None on later stages (set_input_tensor).
 
+        if packed_seq_params is not None and self._mamba_under_cp():
+            raise ValueError(
+                "packed sequences with context_parallel_size > 1 are not supported for Mamba "
+                "layers (their all-to-all takes the whole-row chunk layout, not the "
+                "per-sequence split)"
+            )
         if seq_idx is None and packed_seq_params is not None:
             # Every stage's Mamba layers restart at the segment starts.
             seq_idx = seq_idx_from_packed(

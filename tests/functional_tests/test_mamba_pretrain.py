@@ -1,6 +1,7 @@
 """pretrain_mamba.py end to end on a tiny hybrid (pattern M*M-, GPT-2 BPE corpus): the loss
 falls, and tensor-parallel 2, pipeline-parallel 2, data-parallel 2 and context-parallel 2 (the
-mixer's sequence -> heads all-to-all) reproduce the serial losses from the same reference weights (the mixer's in_proj / conv sliced per segment)."""
+mixer's sequence -> heads all-to-all; also with --reset-attention-mask documents) reproduce the
+serial losses from the same reference weights (the mixer's in_proj / conv sliced per segment)."""
 
 import os
 
@@ -79,3 +80,19 @@ def test_torch_dist_resume_tp2_to_tp1(serial, gpt_data_prefix, tmp_path_factory)
     assert len(resumed) == TRAIN_ITERS - 4
     for step, (a, b) in enumerate(zip(resumed, serial[4:])):
         assert a == pytest.approx(b, rel=1e-4), (step, resumed, serial)
+
+
+def test_cp2_documents_match_serial(gpt_data_prefix, tmp_path_factory):
+    """--reset-attention-mask under CP2 on an attention-free pattern: the document ids are
+    counted over the whole row (both chunks of every CP rank), so the losses are the serial
+    ones."""
+    docs = ['--reset-attention-mask', '--hybrid-override-pattern', 'M-M-']
+    runs = [
+        _run(gpt_data_prefix, str(tmp_path_factory.mktemp('mamba_cache')), extra=docs),
+        _run(
+            gpt_data_prefix, str(tmp_path_factory.mktemp('mamba_cache')), world=2, cp=2, extra=docs
+        ),  # fmt: skip
+    ]
+    assert len(runs[0]) == TRAIN_ITERS
+    for step, (a, b) in enumerate(zip(runs[1], runs[0])):
+        assert a == pytest.approx(b, rel=RTOL), (step, runs)

@@ -209,6 +209,21 @@ def test_mixer_tp_cp_equals_serial(tp, cp):
         _assert_grad_close(got, expected, name)
 
 
+def _eod_rank():
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.mamba.mamba_model import seq_idx_from_eod
+
+    tokens = (torch.arange(B * S).view(B, S) * 5) % 7  # eod = 0 at varied positions
+    local = seq_idx_from_eod(_cp_slice(tokens, 1), 0, mpu.get_context_parallel_group())
+    return local, _cp_slice(seq_idx_from_eod(tokens, 0), 1)
+
+
+def test_seq_idx_from_eod_counts_over_the_whole_row():
+    for local, expected in run_distributed(_eod_rank, world_size=2, cp=2):
+        assert expected.max() > 1
+        torch.testing.assert_close(local, expected, atol=0, rtol=0)
+
+
 def test_cp_head_and_group_refusals():
     from megatron.core.ssm.mamba_mixer import check_mamba_dims
 

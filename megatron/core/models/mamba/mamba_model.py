@@ -29,11 +29,27 @@ def seq_idx_from_packed(packed_seq_params: PackedSeqParams, b: int, s: int) -> T
     return ids.view(b, s)
 
 
-def seq_idx_from_eod(tokens: Tensor, eod: int) -> Tensor:
+def seq_idx_from_eod(tokens: Tensor, eod: int, cp_group=None) -> Tensor:
     """Document ids [b, s] of token rows [b, s]: a new document starts after each
-    end-of-document token (the boundaries of --reset-attention-mask)."""
+    end-of-document token (the boundaries of --reset-attention-mask).
+
+    Under context parallelism (`cp_group` of size P > 1) `tokens` [b, s/P] is this rank's
+    dual-chunk slice: the end markers are all-gathered over the group, counted along the whole
+    row and this rank's slice of the global ids is returned ([b, s/P], what the Mamba mixer's
+    all-to-all expects)."""
     ends = (tokens == eod).to(torch.long)
-    return torch.cumsum(ends, dim=1) - ends
+    if cp_group is None or cp_group.size() == 1:
+        return torch.cumsum(ends, dim=1) - ends
+    from megatron.core.transformer.context_parallel.layout import (
+        gather_from_cp_layout,
+        slice_for_cp_rank,
+    )
+
+    parts = [torch.empty_like(ends) for _ in range(cp_group.size())]
+    torch.distributed.all_gather(parts, ends.contiguous(), group=cp_group)
+    full = gather_from_cp_layout(parts, 1)  # [b, s] in sequence order
+    ids = torch.cumsum(full, dim=1) - full
+    return slice_for_cp_rank(ids, 1, cp_group.size(), cp_group.rank())
 
 
 class MambaModel(LanguageModule):

@@ -99,3 +99,23 @@ def test_refused_before_work(argv, overrides, message):
     with pytest.raises(ValueError, match=message) as info:
         _validate(argv, **overrides)
     assert '\n' not in str(info.value)
+
+
+def test_reset_attention_mask_under_cp_only_without_attention():
+    """The Mamba layers take the document ids under CP; attention layers' per-document mask
+    cannot be split over the sequence, so a pattern with '*' is still refused."""
+    from megatron.training.validation.context_parallel_checks import (
+        validate_context_parallel_args,
+    )
+
+    def check(pattern):
+        args = get_args_parser().parse_args(
+            MAMBA + ['--reset-attention-mask', '--hybrid-override-pattern', pattern]
+        )
+        args.context_parallel_size, args.seq_length = 2, 32
+        validate_context_parallel_args(args)
+        validate_mamba_args(args)
+
+    check('M-M-')
+    with pytest.raises(ValueError, match='--reset-attention-mask: its per-document attention'):
+        check('M*M-')

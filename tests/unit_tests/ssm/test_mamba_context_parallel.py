@@ -1,7 +1,7 @@
 """Context parallelism of Mamba layers (the sequence -> heads all-to-all of the mixer) equals the
 serial model on the full sequence: a hybrid MambaModel (M*-M) at CP2, with the groups split over
 the CP ranks or replicated, with and without packed documents, and the mixer (with documents)
-at TP2 x CP2 and CP4. Each CP rank gets the load-balanced slices (chunks r and 2cp-1-r); its
+at TP2 x CP2 (with and without SP) and CP4. Each CP rank gets the load-balanced slices (chunks r and 2cp-1-r); its
 per-token losses / outputs are its slice of the serial ones, and the parameter gradients summed
 over the CP ranks (what the data-parallel reduction over dp x cp does) equal the serial
 gradients."""
@@ -130,7 +130,7 @@ def test_hybrid_model_cp2_equals_serial(groups, documents):
         _assert_grad_close(ranks[0]['grads'][name], expected, name)
 
 
-def _mixer_rank():
+def _mixer_rank(sp=False):
     from megatron.core import parallel_state as mpu
     from megatron.core.ssm.layer_norm_linear import LayerNormColumnParallelLinear
     from megatron.core.ssm.mamba_mixer import (
@@ -143,7 +143,7 @@ def _mixer_rank():
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
     tp = mpu.get_tensor_model_parallel_world_size()
-    config = _config(tensor_model_parallel_size=tp)
+    config = _config(tensor_model_parallel_size=tp, sequence_parallel=sp)
     mixer = MambaMixer(
         config,
         MambaMixerSubmodules(in_proj=LayerNormColumnParallelLinear, out_proj=RowParallelLinear),
@@ -170,25 +170,40 @@ def _mixer_rank():
             elif getattr(p, 'tensor_model_parallel', False):
                 full = full.chunk(tp, dim=0)[rank]
             p.copy_(full)
-    x = _cp_slice(_value('input', [S, B, H]), 0).requires_grad_(True)
+    x = _cp_slice(_value('input', [S, B, H]), 0)
     w = _cp_slice(_value('output_weight', [S, B, H]), 0)
+    if sp:  # [s/cp/tp, b, H]: the TP ranks split this CP rank's tokens
+        x, w = x.chunk(tp, dim=0)[rank], w.chunk(tp, dim=0)[rank]
+    x = x.requires_grad_(True)
     out, _ = mixer(x, seq_idx=_cp_slice(_documents(), 1))
     (out * w).sum().backward()
     grads = {n: p.grad.clone() for n, p in mixer.named_parameters()}
     return dict(out=out.detach(), x_grad=x.grad, grads=_sum_over_cp(grads), sizes=sizes)
 
 
-@pytest.mark.parametrize('tp,cp', [(2, 2), (1, 4)], ids=['tp2-cp2', 'cp4'])
-def test_mixer_tp_cp_equals_serial(tp, cp):
+@pytest.mark.parametrize(
+    'tp,cp,sp', [(2, 2, False), (2, 2, True), (1, 4, False)], ids=['tp2-cp2', 'tp2-sp-cp2', 'cp4']
+)
+def test_mixer_tp_cp_equals_serial(tp, cp, sp):
     """Groups per TP rank (1 at TP2, 2 at TP1) below the CP size: B / C replicated over CP
     ranks (at CP4 CP ranks 0, 1 use group 0 and ranks 2, 3 group 1)."""
     from megatron.core.ssm.mamba_mixer import merge_segments
 
     (ref,) = run_distributed(_mixer_rank, world_size=1)
-    ranks = run_distributed(_mixer_rank, world_size=4, tp=tp, cp=cp)
-    # Rank order: tp fastest; by_cp[j] = TP rank 0 of CP rank j.
+    ranks = run_distributed(_mixer_rank, world_size=4, tp=tp, cp=cp, args=(sp,))
+    # Rank order: tp fastest; by_cp[j] = TP rank 0 of CP rank j (its tokens joined over TP
+    # under SP).
     by_cp = ranks[::tp]
-    torch.testing.assert_close(ranks[0]['out'], ranks[tp - 1]['out'])
+    if sp:
+        by_cp = [
+            {
+                key: torch.cat([r[key] for r in ranks[j * tp : (j + 1) * tp]])
+                for key in ('out', 'x_grad')
+            }
+            for j in range(cp)
+        ]
+    else:
+        torch.testing.assert_close(ranks[0]['out'], ranks[tp - 1]['out'])
     torch.testing.assert_close(_gathered(by_cp, 'out', 0), ref['out'], atol=1e-5, rtol=1e-5)
     x_grad = _gathered(by_cp, 'x_grad', 0)
     torch.testing.assert_close(x_grad, ref['x_grad'], atol=1e-5, rtol=1e-5)
@@ -203,7 +218,8 @@ def test_mixer_tp_cp_equals_serial(tp, cp):
         elif name == 'out_proj.weight':
             got = torch.cat(parts, dim=1)
         elif name == 'in_proj.layer_norm_weight':
-            got = parts[0]
+            # Replicated over TP: partial sums per token slice under SP.
+            got = sum(parts) if sp else parts[0]
         else:
             got = torch.cat(parts, dim=0)
         _assert_grad_close(got, expected, name)

@@ -1,10 +1,10 @@
 """Context parallelism of Mamba layers (the sequence -> heads all-to-all of the mixer) equals the
 serial model on the full sequence: a hybrid MambaModel (M*-M) at CP2, with the groups split over
 the CP ranks or replicated, with and without packed documents, and the mixer (with documents)
-at TP2 x CP2 (with and without SP) and CP4. Each CP rank gets the load-balanced slices (chunks r and 2cp-1-r); its
-per-token losses / outputs are its slice of the serial ones, and the parameter gradients summed
-over the CP ranks (what the data-parallel reduction over dp x cp does) equal the serial
-gradients."""
+at TP2 x CP2 (with and without SP) and CP4. Each CP rank gets the load-balanced slices (chunks r
+and 2cp-1-r); its per-token losses / outputs are its slice of the serial ones, and the parameter
+gradients summed over the CP ranks (what the data-parallel reduction over dp x cp does) equal
+the serial gradients."""
 
 import pytest
 import torch

@@ -88,6 +88,7 @@ class MambaContextParallel:
         self.d_inner_c = self.nheads_c * headdim
         self.ngroups_c = max(ngroups_l // self.size, 1)
         self.conv_dim_c = self.d_inner_c + 2 * self.ngroups_c * d_state
+        self._orders = {}  # (s/P, device) -> (sequence order, its inverse)
 
     def _group_slice(self, share: int) -> slice:
         """B / C channels (of G_l * N) of CP rank `share`'s heads."""
@@ -116,8 +117,12 @@ class MambaContextParallel:
         ]
         return torch.cat(parts)
 
-    def _exchange_order(self, local_length: int, device) -> Tensor:
-        return sequence_order(self.size, local_length, device)
+    def _exchange_order(self, local_length: int, device, inverse: bool = False) -> Tensor:
+        key = (local_length, str(device))
+        if key not in self._orders:
+            order = sequence_order(self.size, local_length, device)
+            self._orders[key] = (order, torch.argsort(order))
+        return self._orders[key][1 if inverse else 0]
 
     def seq_to_heads(self, xbc: Tensor, dt: Tensor):
         """xbc [b, s/P, conv_dim_l] (pre-conv x | B | C), dt [b, s/P, nh_l] of this rank's
@@ -153,8 +158,8 @@ class MambaContextParallel:
         heads, sequence order) -> [b, s/P, d_inner_l] (this rank's chunks, every head)."""
         b, s, width = y.shape
         s_local = s // self.size
-        order = self._exchange_order(s_local, y.device)
-        stream = y.index_select(1, torch.argsort(order))  # [b, P * s/P, d_inner_c] source-major
+        inverse = self._exchange_order(s_local, y.device, inverse=True)
+        stream = y.index_select(1, inverse)  # [b, P * s/P, d_inner_c] source-major
         send = stream.view(b, self.size, s_local, width).transpose(0, 1)  # [P (dest), b, s/P, .]
         recv = all_to_all(self.group, send.reshape(-1, width))
         recv = recv.view(self.size, b, s_local, width)  # [P (head share), b, s/P, d_inner_c]

@@ -7,6 +7,7 @@ design note: docs/mamba.md.
 
 from functools import partial
 
+from megatron.core import parallel_state as mpu
 from megatron.core.enums import ModelType
 from megatron.core.models.mamba import MambaModel
 from megatron.core.models.mamba.mamba_model import seq_idx_from_eod
@@ -36,7 +37,9 @@ def forward_step(data_iterator, model: MambaModel):
     """Forward one micro-batch; returns (per-token losses or hidden states, loss function).
 
     With --reset-attention-mask the Mamba layers get the document ids, so their conv and scan
-    restart at every document (attention layers get the per-document mask). With --sft the
+    restart at every document (attention layers get the per-document mask); under context
+    parallelism the ids are counted over the whole row (this rank holds two chunks of it). With
+    --sft the
     micro-batch is packed conversations: the model gets their boundaries (packed_seq_params),
     from which every stage's Mamba layers take their segment ids and attention layers their
     per-segment masks; the loss mask covers answer tokens only."""
@@ -50,7 +53,8 @@ def forward_step(data_iterator, model: MambaModel):
     else:
         tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
         if args.reset_attention_mask and tokens is not None:
-            seq_idx = seq_idx_from_eod(tokens, get_tokenizer().eod)
+            cp_group = mpu.get_context_parallel_group()
+            seq_idx = seq_idx_from_eod(tokens, get_tokenizer().eod, cp_group)
     timers('batch-generator').stop()
     output_tensor = model(
         tokens,

@@ -1,6 +1,7 @@
 """pretrain_mamba.py end to end on a tiny hybrid (pattern M*M-, GPT-2 BPE corpus): the loss
-falls, and tensor-parallel 2, pipeline-parallel 2 and data-parallel 2 reproduce the serial
-losses from the same reference weights (the mixer's in_proj / conv sliced per segment)."""
+falls, and tensor-parallel 2, pipeline-parallel 2, data-parallel 2 and context-parallel 2 (the
+mixer's sequence -> heads all-to-all; also with --reset-attention-mask documents) reproduce the
+serial losses from the same reference weights (the mixer's in_proj / conv sliced per segment)."""
 
 import os
 
@@ -13,10 +14,11 @@ TRAIN_ITERS = 8
 RTOL = 1e-5
 
 
-def _run(data_prefix, cache, world=1, tp=1, pp=1, mbs=4, extra=(), first=1):
+def _run(data_prefix, cache, world=1, tp=1, pp=1, cp=1, mbs=4, extra=(), first=1):
     extra = [
         '--tensor-model-parallel-size', str(tp),
         '--pipeline-model-parallel-size', str(pp),
+        '--context-parallel-size', str(cp),
         '--micro-batch-size', str(mbs),
         '--global-batch-size', '8',
         '--train-iters', str(TRAIN_ITERS),
@@ -26,7 +28,7 @@ def _run(data_prefix, cache, world=1, tp=1, pp=1, mbs=4, extra=(), first=1):
         *extra,
     ]  # fmt: skip
     results = run_distributed(
-        run_mamba_pretrain, world_size=world, tp=tp, pp=pp, args=(extra,), timeout=600
+        run_mamba_pretrain, world_size=world, tp=tp, pp=pp, cp=cp, args=(extra,), timeout=600
     )
     result = results[-1]  # the last rank is on the last stage and holds the losses
     losses = result['train_losses']
@@ -44,7 +46,9 @@ def test_hybrid_loss_falls(serial):
     assert serial[-1] < serial[0] - 0.3, serial
 
 
-@pytest.mark.parametrize('layout', [dict(tp=2), dict(pp=2), dict()], ids=['tp2', 'pp2', 'dp2'])
+@pytest.mark.parametrize(
+    'layout', [dict(tp=2), dict(pp=2), dict(), dict(cp=2)], ids=['tp2', 'pp2', 'dp2', 'cp2']
+)
 def test_parallel_layouts_match_serial(layout, serial, gpt_data_prefix, tmp_path_factory):
     losses = _run(gpt_data_prefix, str(tmp_path_factory.mktemp('mamba_cache')), world=2, **layout)
     for step, (a, b) in enumerate(zip(losses, serial)):
@@ -76,3 +80,19 @@ def test_torch_dist_resume_tp2_to_tp1(serial, gpt_data_prefix, tmp_path_factory)
     assert len(resumed) == TRAIN_ITERS - 4
     for step, (a, b) in enumerate(zip(resumed, serial[4:])):
         assert a == pytest.approx(b, rel=1e-4), (step, resumed, serial)
+
+
+def test_cp2_documents_match_serial(gpt_data_prefix, tmp_path_factory):
+    """--reset-attention-mask under CP2 on an attention-free pattern: the document ids are
+    counted over the whole row (both chunks of every CP rank), so the losses are the serial
+    ones."""
+    docs = ['--reset-attention-mask', '--hybrid-override-pattern', 'M-M-']
+    runs = [
+        _run(gpt_data_prefix, str(tmp_path_factory.mktemp('mamba_cache')), extra=docs),
+        _run(
+            gpt_data_prefix, str(tmp_path_factory.mktemp('mamba_cache')), world=2, cp=2, extra=docs
+        ),  # fmt: skip
+    ]
+    assert len(runs[0]) == TRAIN_ITERS
+    for step, (a, b) in enumerate(zip(runs[1], runs[0])):
+        assert a == pytest.approx(b, rel=RTOL), (step, runs)

@@ -19,6 +19,11 @@ Tensor parallelism: rank r owns heads [r * nh_l, (r + 1) * nh_l) and groups
 and the grouped norm are local. in_proj's rows on rank r are the r-th slice of *each* segment
 (z_r | x_r | B_r | C_r | dt_r), and the conv's channels the r-th slice of x, B and C: a global
 weight is sharded per segment (`split_in_proj` / `split_conv`), never in contiguous blocks.
+
+Context parallelism (CP size P, training only): this rank's in_proj output holds s/P positions
+(the dual-chunk layout of attention); steps 2-4 run on the full sequence for nh_l / P heads
+after an all-to-all over the CP group, and the result returns to this rank's positions before
+the norm (mamba_context_parallel.py).
 """
 
 import math
@@ -37,6 +42,7 @@ from megatron.core.ssm.causal_conv1d import (
     causal_conv1d_step,
     conv_state_from_prefill,
 )
+from megatron.core.ssm.mamba_context_parallel import MambaContextParallel, check_mamba_cp_dims
 from megatron.core.ssm.ssd_scan import ssd_chunked_scan
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -75,8 +81,10 @@ def mamba_dims(config: TransformerConfig, d_model: int, expand: int = 2) -> dict
     )
 
 
-def check_mamba_dims(config: TransformerConfig, d_model: int, tp_size: int) -> None:
-    """One-line ValueErrors for mixer sizes the split or the scan cannot take."""
+def check_mamba_dims(
+    config: TransformerConfig, d_model: int, tp_size: int, cp_size: int = 1
+) -> None:
+    """One-line ValueErrors for mixer sizes the TP / CP split or the scan cannot take."""
     dims = mamba_dims(config, d_model)
     nheads, ngroups = dims['nheads'], dims['ngroups']
     if not config.mamba_num_heads and (2 * d_model) % config.mamba_head_dim != 0:
@@ -97,6 +105,7 @@ def check_mamba_dims(config: TransformerConfig, d_model: int, tp_size: int) -> N
             f"mamba_num_groups ({ngroups}) must be divisible by tensor_model_parallel_size "
             f"({tp_size})"
         )
+    check_mamba_cp_dims(nheads // tp_size, ngroups // tp_size, cp_size, tp_size)
 
 
 def segment_sizes(config: TransformerConfig, d_model: int) -> List[int]:
@@ -156,7 +165,8 @@ class MambaMixer(MegatronModule):
         expand: d_inner / H when config.mamba_num_heads is None.
         layer_number: 1-based global layer number (keys the inference cache).
         chunk_size: chunk length of the scan.
-        pg_collection: groups (tp splits the mixer).
+        pg_collection: groups (tp splits the mixer; under cp > 1 the conv and the scan run on
+            the full sequence for nh_l / cp heads, see mamba_context_parallel.py).
     """
 
     def __init__(
@@ -178,9 +188,10 @@ class MambaMixer(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
-        self.pg_collection = resolve_process_groups(pg_collection, ("tp",))
+        self.pg_collection = resolve_process_groups(pg_collection, ("tp", "cp"))
         tp_size = self.pg_collection.tp.size()
-        check_mamba_dims(config, d_model, tp_size)
+        cp_size = self.pg_collection.cp.size()
+        check_mamba_dims(config, d_model, tp_size, cp_size)
         dims = mamba_dims(config, d_model, expand)
         self.d_model = d_model
         self.d_conv = d_conv
@@ -193,6 +204,16 @@ class MambaMixer(MegatronModule):
         self.conv_dim_l = dims['conv_dim'] // tp_size
         self.group_size = dims['d_inner'] // dims['ngroups']
         self.segment_sizes = segment_sizes(config, d_model)
+        self.cp = None
+        if cp_size > 1:
+            self.cp = MambaContextParallel(
+                self.pg_collection.cp,
+                self.d_inner_l,
+                self.nheads_l,
+                self.ngroups_l,
+                self.d_state,
+                self.headdim,
+            )
         device = get_current_device()
         factory = dict(device=device, dtype=config.params_dtype)
         num_layers = config.num_layers
@@ -270,24 +291,33 @@ class MambaMixer(MegatronModule):
         """[b, s, P_in_l] -> z [b, s, d_inner_l], xBC [b, s, conv_dim_l], dt [b, s, nh_l]."""
         return torch.split(zxbcdt, [self.d_inner_l, self.conv_dim_l, self.nheads_l], dim=-1)
 
-    def _scan_inputs(self, xbc: Tensor, dt: Tensor):
-        """Post-conv xBC [b, s, conv_dim_l] and raw dt -> x, B, C (head/group views), dt, A."""
+    def _scan_inputs(self, xbc: Tensor, dt: Tensor, heads: Optional[slice] = None, ngroups=None):
+        """Post-conv xBC [b, s, conv_dim] and raw dt -> x, B, C (head/group views), dt, A.
+
+        `heads` / `ngroups`: a slice of this TP rank's heads and its group count (CP head
+        shares); None: all nh_l heads and G_l groups."""
+        heads = slice(None) if heads is None else heads
+        ngroups = self.ngroups_l if ngroups is None else ngroups
+        dt_bias, A_log = self.dt_bias[heads], self.A_log[heads]
         b, s = xbc.shape[:2]
-        gn = self.ngroups_l * self.d_state
-        x, B, C = torch.split(xbc, [self.d_inner_l, gn, gn], dim=-1)
-        x = x.reshape(b, s, self.nheads_l, self.headdim)  # [b, s, nh_l, P]
-        B = B.reshape(b, s, self.ngroups_l, self.d_state)  # [b, s, G_l, N]
-        C = C.reshape(b, s, self.ngroups_l, self.d_state)
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, nh_l]
-        A = -torch.exp(self.A_log.float())  # [nh_l]
+        gn = ngroups * self.d_state
+        x, B, C = torch.split(xbc, [xbc.shape[-1] - 2 * gn, gn, gn], dim=-1)
+        x = x.reshape(b, s, dt_bias.numel(), self.headdim)  # [b, s, nh_l, P]
+        B = B.reshape(b, s, ngroups, self.d_state)  # [b, s, G_l, N]
+        C = C.reshape(b, s, ngroups, self.d_state)
+        dt = F.softplus(dt.float() + dt_bias.float())  # [b, s, nh_l]
+        A = -torch.exp(A_log.float())  # [nh_l]
         return x, B, C, dt, A
 
-    def _d_skip(self, x: Tensor) -> Tensor:
-        """D * x for x [b, s, nh_l, P] (D per head, or per channel with D_has_hdim)."""
+    def _d_skip(self, x: Tensor, heads: Optional[slice] = None) -> Tensor:
+        """D * x for x [b, s, nh, P] (D per head, or per channel with D_has_hdim); `heads`:
+        the slice of this TP rank's heads x holds (None: all)."""
         D = self.D.float()
         if D.numel() == self.nheads_l:
+            D = D if heads is None else D[heads]
             return x.float() * D[:, None]
-        return x.float() * D.view(self.nheads_l, self.headdim)
+        D = D.view(self.nheads_l, self.headdim)
+        return x.float() * (D if heads is None else D[heads])
 
     def forward(
         self, hidden_states: Tensor, inference_params=None, seq_idx: Optional[Tensor] = None
@@ -301,8 +331,13 @@ class MambaMixer(MegatronModule):
                 engine's DynamicInferenceContext (one packed row of many requests' tokens)
                 keeps one state per request slot instead (`_dynamic_step`).
             seq_idx: [b, s] document ids of packed sequences (the conv and scan do not cross
-                document boundaries); None: one document per row.
+                document boundaries); None: one document per row. Under context parallelism
+                [b, s/cp]: this rank's dual-chunk slice of the global ids (whole-row layout).
         """
+        if self.cp is not None and inference_params is not None:
+            raise ValueError(
+                f"Context parallel (size {self.cp.size}) is not supported for Mamba inference"
+            )
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, P_in_l]
         zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, P_in_l]
         dynamic = inference_params is not None and inference_params.is_dynamic_batching()
@@ -321,6 +356,8 @@ class MambaMixer(MegatronModule):
         """Training / prefill over the whole sequence: [b, s, P_in_l] -> [b, s, d_inner_l]."""
         b, s = zxbcdt.shape[:2]
         z, xbc, dt = self._split_projection(zxbcdt)
+        if self.cp is not None:
+            return self._full_sequence_cp(z, xbc, dt, seq_idx).to(zxbcdt.dtype)
         xbc_t = xbc.transpose(1, 2)  # [b, conv_dim_l, s]
         if cache is not None:
             cache[0].copy_(conv_state_from_prefill(xbc_t, self.d_conv))
@@ -335,6 +372,26 @@ class MambaMixer(MegatronModule):
         y = y + self._d_skip(x)
         y = y.reshape(b, s, self.d_inner_l)  # [b, s, d_inner_l]
         return self.norm(y, z).to(zxbcdt.dtype)
+
+    def _full_sequence_cp(self, z: Tensor, xbc: Tensor, dt: Tensor, seq_idx) -> Tensor:
+        """Training under context parallelism: z [b, s/P, d_inner_l], xbc [b, s/P, conv_dim_l],
+        dt [b, s/P, nh_l] of this rank's chunks -> [b, s/P, d_inner_l]; the conv, scan and D
+        skip see the whole sequence for this rank's head share."""
+        cp = self.cp
+        xbc, dt = cp.seq_to_heads(xbc, dt)  # [b, s, conv_dim_c], [b, s, nh_c]
+        if seq_idx is not None:
+            seq_idx = cp.gather_seq_idx(seq_idx)  # [b, s]
+        channels = cp.conv_channels(xbc.device)
+        weight = self.conv1d.weight.index_select(0, channels)  # [conv_dim_c, 1, K]
+        bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, channels)
+        conv = causal_conv1d(xbc.transpose(1, 2), weight, bias, seq_idx)  # [b, conv_dim_c, s]
+        xbc = F.silu(conv).transpose(1, 2)  # [b, s, conv_dim_c]
+        heads = cp.head_slice()
+        x, B, C, dt, A = self._scan_inputs(xbc, dt, heads, cp.ngroups_c)
+        y, _ = ssd_chunked_scan(x, dt, A, B, C, chunk_size=self.chunk_size, seq_idx=seq_idx)
+        y = y + self._d_skip(x, heads)  # [b, s, nh_c, P] fp32
+        y = cp.heads_to_seq(y.reshape(*y.shape[:2], cp.d_inner_c))  # [b, s/P, d_inner_l]
+        return self.norm(y, z)
 
     def _continue_sequence(self, zxbcdt: Tensor, conv_state: Tensor, ssm_state: Tensor) -> Tensor:
         """Several positions after a cached state (a prompt chunk, or a whole prompt from zero

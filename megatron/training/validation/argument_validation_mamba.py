@@ -5,6 +5,8 @@ Megatron's Mamba spec module (as core_r0.8.0's own pretrain_mamba.py requires). 
 core_r0.8.0 checks almost nothing here: sizes fail in bare asserts at model construction,
 context parallelism and an uneven pipeline split silently compute something else, and Mamba
 state crosses document boundaries. Here every combination that would not be exact is refused.
+Context parallelism runs the Mamba layers by an all-to-all from sequence chunks to heads (as
+Megatron from v0.13), so it needs heads / groups per TP rank that split over the CP ranks.
 """
 
 from types import SimpleNamespace
@@ -62,7 +64,8 @@ def validate_mamba_args(args):
         mamba_num_groups=args.mamba_num_groups,
         mamba_num_heads=args.mamba_num_heads,
     )
-    check_mamba_dims(sizes, args.hidden_size, args.tensor_model_parallel_size)
+    cp = args.context_parallel_size if Symbols.MAMBA in pattern else 1
+    check_mamba_dims(sizes, args.hidden_size, args.tensor_model_parallel_size, cp)
     pp = args.pipeline_model_parallel_size
     if (
         args.decoder_first_pipeline_num_layers is not None
@@ -83,10 +86,11 @@ def validate_mamba_args(args):
             "The Mamba hybrid model does not currently support virtual/interleaved pipeline "
             "parallelism (drop --num-layers-per-virtual-pipeline-stage)"
         )
-    if args.context_parallel_size > 1 and Symbols.MAMBA in pattern:
+    if cp > 1 and getattr(args, 'sft', False):
         raise ValueError(
-            f"--context-parallel-size ({args.context_parallel_size}) > 1 is not supported for "
-            "Mamba layers (their scan would run on non-contiguous sequence chunks)"
+            f"--sft with --context-parallel-size ({cp}) > 1 is not supported for Mamba layers "
+            "(their all-to-all takes the whole-row chunk layout, not the per-sequence split of "
+            "packed sequences)"
         )
     if args.reset_attention_mask:
         if pp > 2:

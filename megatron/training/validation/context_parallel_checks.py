@@ -9,9 +9,11 @@ generation, downstream tasks).
 
 What CP computes exactly here: GPT pretraining with causal attention (learned absolute, RoPE or
 no position embeddings), with TP (+SP), PP (1F1B and interleaved), DP and the distributed
-optimizer, recompute, fp16/bf16. Refused: masks other than causal (`--reset-attention-mask`'s
-per-document mask; BERT's and T5's padding masks are refused when their attention is built), the
-KV-cache inference path, and the tp-pp-dp rank mapping (whose order has no cp dimension).
+optimizer, recompute, fp16/bf16, and hybrid Mamba models (the mixer's all-to-all from sequence
+chunks to heads; `--reset-attention-mask` too when the pattern has no attention layer).
+Refused: masks other than causal (`--reset-attention-mask`'s per-document mask for attention
+layers; BERT's and T5's padding masks are refused when their attention is built), the KV-cache
+inference path, and the tp-pp-dp rank mapping (whose order has no cp dimension).
 """
 
 from megatron.core.transformer.context_parallel import CP_COMM_TYPES, check_cp_attention_shapes
@@ -59,6 +61,25 @@ def _check_hierarchy(args, comm_types) -> None:
         )
 
 
+def _documents_without_attention(args) -> bool:
+    """A hybrid Mamba run without attention layers: its Mamba layers take the document ids of
+    --reset-attention-mask under CP (gathered over the CP group), and no attention layer needs
+    the per-document mask."""
+    from megatron.training.validation.argument_validation_mamba import is_mamba_run
+
+    if not is_mamba_run(args):
+        return False
+    from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols, check_hybrid_allocation
+
+    pattern = check_hybrid_allocation(
+        args.num_layers,
+        args.hybrid_attention_ratio,
+        args.hybrid_mlp_ratio,
+        args.hybrid_override_pattern,
+    )
+    return Symbols.ATTENTION not in pattern
+
+
 def validate_context_parallel_args(args) -> None:
     """Normalise `--cp-comm-type` and refuse what context parallelism cannot do exactly.
 
@@ -75,7 +96,7 @@ def validate_context_parallel_args(args) -> None:
             f'--context-parallel-size {cp}: context_parallel and expert_model_parallel can\'t be '
             'used with tp-pp-dp mapping (--use-tp-pp-dp-mapping)'
         )
-    if args.reset_attention_mask:
+    if args.reset_attention_mask and not _documents_without_attention(args):
         raise ValueError(
             f'--reset-attention-mask: its per-document attention mask cannot be split over the '
             f'sequence by --context-parallel-size {cp} (only causal attention is exact there); '

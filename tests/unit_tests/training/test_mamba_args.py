@@ -23,6 +23,10 @@ def test_valid_runs_pass():
     _validate(MAMBA + ['--hybrid-override-pattern', 'M*M-'])
     _validate(BASE + ['--hybrid-attention-ratio', '0.25'], is_hybrid_model=True)
     _validate(GPT)  # a GPT run with default Mamba flags
+    # Context parallelism: heads split over CP ranks, groups split or replicated.
+    _validate(MAMBA, context_parallel_size=2)
+    _validate(MAMBA, context_parallel_size=4, tensor_model_parallel_size=2)
+    _validate(MAMBA + ['--hybrid-override-pattern', '**--'], context_parallel_size=16)
 
 
 @pytest.mark.parametrize(
@@ -60,7 +64,19 @@ def test_valid_runs_pass():
         (MAMBA + ['--mamba-head-dim', '48'], {}, r'2 \* hidden_size \(128\) must be divisible'),
         (MAMBA, {'pipeline_model_parallel_size': 3}, r'--num-layers \(4\) .* divisible by'),
         (MAMBA, {'virtual_pipeline_model_parallel_size': 2}, 'virtual/interleaved'),
-        (MAMBA, {'context_parallel_size': 2}, r'--context-parallel-size \(2\) > 1'),
+        (
+            MAMBA,
+            {'context_parallel_size': 16},
+            r'Mamba heads per tensor-parallel rank \(8 / 1 = 8\) must be divisible by '
+            r'context_parallel_size \(16\)',
+        ),
+        (
+            MAMBA + ['--mamba-num-heads', '12', '--mamba-num-groups', '3'],
+            {'context_parallel_size': 4},
+            r'context_parallel_size \(4\) must be divisible by mamba_num_groups per '
+            r'tensor-parallel rank \(3 / 1 = 3\)',
+        ),
+        (MAMBA, {'context_parallel_size': 2, 'sft': True}, r'--sft with --context-parallel-size'),
         (
             MAMBA
             + [
@@ -83,3 +99,23 @@ def test_refused_before_work(argv, overrides, message):
     with pytest.raises(ValueError, match=message) as info:
         _validate(argv, **overrides)
     assert '\n' not in str(info.value)
+
+
+def test_reset_attention_mask_under_cp_only_without_attention():
+    """The Mamba layers take the document ids under CP; attention layers' per-document mask
+    cannot be split over the sequence, so a pattern with '*' is still refused."""
+    from megatron.training.validation.context_parallel_checks import (
+        validate_context_parallel_args,
+    )
+
+    def check(pattern):
+        args = get_args_parser().parse_args(
+            MAMBA + ['--reset-attention-mask', '--hybrid-override-pattern', pattern]
+        )
+        args.context_parallel_size, args.seq_length = 2, 32
+        validate_context_parallel_args(args)
+        validate_mamba_args(args)
+
+    check('M-M-')
+    with pytest.raises(ValueError, match='--reset-attention-mask: its per-document attention'):
+        check('M*M-')

@@ -29,11 +29,27 @@ def seq_idx_from_packed(packed_seq_params: PackedSeqParams, b: int, s: int) -> T
     return ids.view(b, s)
 
 
-def seq_idx_from_eod(tokens: Tensor, eod: int) -> Tensor:
+def seq_idx_from_eod(tokens: Tensor, eod: int, cp_group=None) -> Tensor:
     """Document ids [b, s] of token rows [b, s]: a new document starts after each
-    end-of-document token (the boundaries of --reset-attention-mask)."""
+    end-of-document token (the boundaries of --reset-attention-mask).
+
+    Under context parallelism (`cp_group` of size P > 1) `tokens` [b, s/P] is this rank's
+    dual-chunk slice: the end markers are all-gathered over the group, counted along the whole
+    row and this rank's slice of the global ids is returned ([b, s/P], what the Mamba mixer's
+    all-to-all expects)."""
     ends = (tokens == eod).to(torch.long)
-    return torch.cumsum(ends, dim=1) - ends
+    if cp_group is None or cp_group.size() == 1:
+        return torch.cumsum(ends, dim=1) - ends
+    from megatron.core.transformer.context_parallel.layout import (
+        gather_from_cp_layout,
+        slice_for_cp_rank,
+    )
+
+    parts = [torch.empty_like(ends) for _ in range(cp_group.size())]
+    torch.distributed.all_gather(parts, ends.contiguous(), group=cp_group)
+    full = gather_from_cp_layout(parts, 1)  # [b, s] in sequence order
+    ids = torch.cumsum(full, dim=1) - full
+    return slice_for_cp_rank(ids, 1, cp_group.size(), cp_group.rank())
 
 
 class MambaModel(LanguageModule):
@@ -195,6 +211,13 @@ class MambaModel(LanguageModule):
             angles = restart_rotary_per_segment(angles, packed_seq_params)
         return angles
 
+    def _mamba_under_cp(self) -> bool:
+        """Whether this model runs Mamba layers over a context parallel group of size > 1."""
+        from megatron.core.ssm.mamba_block import layer_is_mamba
+
+        layers = [layer for layer in self.decoder.layers if layer_is_mamba(layer)]
+        return any(getattr(layer.mixer, 'cp', None) is not None for layer in layers)
+
     def _stage_shape(self, input_ids, decoder_input):
         """(b, s) of this micro-batch on any pipeline stage (the full s under SP)."""
         if input_ids is not None:
@@ -229,7 +252,8 @@ class MambaModel(LanguageModule):
             packed_seq_params: packed sequences over the batch-major stream (--sft): Mamba
                 layers get their segment ids (conv and scan restart per segment), attention
                 layers attend within each segment, RoPE positions restart per segment.
-            seq_idx: [b, s] document ids for the Mamba layers (instead of packed_seq_params).
+            seq_idx: [b, s] document ids for the Mamba layers (instead of packed_seq_params);
+                under context parallelism [b, s/cp], this rank's slice of the global ids.
 
         Returns:
             Last stage: the loss [b, s] with labels, else logits [b, s, v/p]. Other stages:
@@ -239,6 +263,12 @@ class MambaModel(LanguageModule):
             decoder_input = self._embed(input_ids, position_ids, inference_params)
         # Otherwise: a precomputed embedding, or None on later stages (set_input_tensor).
 
+        if packed_seq_params is not None and self._mamba_under_cp():
+            raise ValueError(
+                "packed sequences with context_parallel_size > 1 are not supported for Mamba "
+                "layers (their all-to-all takes the whole-row chunk layout, not the "
+                "per-sequence split)"
+            )
         if seq_idx is None and packed_seq_params is not None:
             # Every stage's Mamba layers restart at the segment starts.
             seq_idx = seq_idx_from_packed(

@@ -30,7 +30,10 @@ from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +197,7 @@ class LLaVAModel(MegatronModule):
         if add_encoder:
             self.vision_model = CLIPViTModel(
                 vision_transformer_config,
-                vision_transformer_layer_spec,
+                _all_layers_here(vision_transformer_config, vision_transformer_layer_spec),
                 class_token_len=class_token_len,
                 patch_dim=patch_dim,
                 img_h=img_h,
@@ -468,6 +471,16 @@ def _check_layout(config: TransformerConfig, pre_process: bool, add_encoder: boo
             "LLaVA: context parallelism is not supported yet "
             f"(--context-parallel-size {config.context_parallel_size})"
         )
+
+
+def _all_layers_here(config: TransformerConfig, spec):
+    """The ViT's block spec with every one of its layers: the ViT is not split over the
+    pipeline (a layer spec alone would give this stage num_layers / PP of them)."""
+    if isinstance(spec, ModuleSpec) and issubclass(spec.module, BaseTransformerLayer):
+        return TransformerBlockSubmodules(
+            layer_specs=[spec] * config.num_layers, layer_norm=WrappedTorchNorm
+        )
+    return spec
 
 
 def _without_sequence_parallel(config: TransformerConfig, part: str) -> TransformerConfig:

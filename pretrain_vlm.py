@@ -130,6 +130,13 @@ def check_vlm_args(args) -> None:
             f"pretrain_vlm.py: --img-h {args.img_h} and --img-w {args.img_w} must be multiples "
             f"of --patch-dim {args.patch_dim}"
         )
+    if args.freeze_LM and args.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            "pretrain_vlm.py: --freeze-LM with --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size} leaves stages 1..."
+            f"{args.pipeline_model_parallel_size - 1} nothing to train (they hold only "
+            "language-model layers); freeze the LM at --pipeline-model-parallel-size 1"
+        )
     if args.virtual_pipeline_model_parallel_size is not None:
         raise ValueError(
             "pretrain_vlm.py: the interleaved pipeline schedule is not supported for LLaVA "

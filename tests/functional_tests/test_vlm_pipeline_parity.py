@@ -73,3 +73,9 @@ def test_serial_run_learns(serial):
 def test_pipeline_layout_matches_serial(layout, serial):
     losses = _losses(layout)
     assert losses == pytest.approx(serial, rel=RTOL), (layout, losses, serial)
+
+
+def test_freeze_vit_matches_serial():
+    """--freeze-ViT freezes a part that only stage 0 holds."""
+    serial = _losses('serial', ['--freeze-ViT'])
+    assert _losses('pp2', ['--freeze-ViT']) == pytest.approx(serial, rel=RTOL)

@@ -37,25 +37,32 @@ LAYOUTS = {
 }
 
 
-def _train(tp, pp, extra):
+def _train_losses(tp, pp, extra):
+    """pretrain_vlm.py's pretrain() on this rank: {iteration: {'lm loss': ...}} (last stage)."""
     import pretrain_vlm
     from tests.functional_tests.gpt_utils import run_pretrain
 
     flags = ['--tensor-model-parallel-size', str(tp), '--pipeline-model-parallel-size', str(pp)]
-    result = run_pretrain(
+    return run_pretrain(
         flags + list(extra),
         reference_weights=0.2,
         script='pretrain_vlm',
         base_args=VLM_ARGS,
         args_defaults={},
         extra_args_provider=pretrain_vlm.add_vlm_extra_args,
-    )
-    return [result['train_losses'][i]['lm loss'] for i in sorted(result['train_losses'])]
+    )['train_losses']
+
+
+def _train(tp, pp, extra):
+    losses = _train_losses(tp, pp, extra)
+    return [losses[i]['lm loss'] for i in sorted(losses)]
 
 
 def _losses(layout, extra=()):
     world, tp, pp, flags = LAYOUTS[layout]
-    outs = run_distributed(_train, world_size=world, tp=tp, pp=pp, args=(tp, pp, flags + list(extra)))
+    outs = run_distributed(
+        _train, world_size=world, tp=tp, pp=pp, args=(tp, pp, flags + list(extra))
+    )
     return outs[-1]  # the losses are logged on the last rank (the last stage)
 
 
@@ -79,3 +86,39 @@ def test_freeze_vit_matches_serial():
     """--freeze-ViT freezes a part that only stage 0 holds."""
     serial = _losses('serial', ['--freeze-ViT'])
     assert _losses('pp2', ['--freeze-ViT']) == pytest.approx(serial, rel=RTOL)
+
+
+def _stop_and_resume(work_dir, train_iters, stop_at):
+    import os
+
+    import torch
+
+    from megatron.training import checkpointing
+
+    def losses(flags):
+        return {it: float(v['lm loss']).hex() for it, v in _train_losses(2, 2, flags).items()}
+
+    common = ['--train-iters', str(train_iters), '--save-interval', '1000']
+    reference = losses(common + ['--save', os.path.join(work_dir, 'ref')])
+    resume_dir = os.path.join(work_dir, 'resume')
+    again = common + ['--save', resume_dir, '--load', resume_dir]
+    stopped = losses(again + ['--exit-interval', str(stop_at)])
+    name = checkpointing.get_checkpoint_name(resume_dir, stop_at)
+    saved = torch.load(name, weights_only=False)
+    resumed = losses(again)
+    return reference, stopped, resumed, sorted(k.split('.')[0] for k in saved['model'])
+
+
+def test_exact_resume_tp2_pp2(tmp_path):
+    """A run stopped by --exit-interval and resumed with --load gives the uninterrupted run's
+    losses bit for bit; stage 0's checkpoint holds the vision parts, stage 1's only the LM."""
+    from tests.functional_tests.test_resume import _check_resume
+
+    train_iters, stop_at = 4, 2
+    outs = run_distributed(
+        _stop_and_resume, world_size=4, tp=2, pp=2, args=(str(tmp_path), train_iters, stop_at)
+    )
+    assert set(outs[0][3]) == {'language_model', 'vision_model', 'vision_projection'}
+    assert set(outs[-1][3]) == {'language_model'}
+    reference, stopped, resumed, _ = outs[-1]
+    _check_resume(reference, stopped, resumed, train_iters, stop_at)

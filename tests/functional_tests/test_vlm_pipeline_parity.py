@@ -1,5 +1,6 @@
-"""pretrain_vlm.py under pipeline parallelism: PP2 and TP2 x PP2 (world 4) of a tiny LLaVA on the
-bundled digit captions give the serial run's per-iteration lm loss.
+"""pretrain_vlm.py under pipeline parallelism: PP2, TP2 x PP2 (world 4, with and without sequence
+parallelism) and PP2 x DP2 of a tiny LLaVA on the bundled digit captions give the serial run's
+per-iteration lm loss; --freeze-ViT at PP2 too; TP2 x PP2 resumes exactly.
 
 Every layout starts from the same weights (gpt_utils.set_reference_weights: values drawn per
 global parameter name, sliced for TP, decoder layer indices offset for PP; the ViT and projector
@@ -28,12 +29,13 @@ VLM_ARGS = [
 ]  # fmt: skip
 
 LAYOUTS = {
-    # name: (world size, tp, pp, extra flags); data-parallel size 1 everywhere.
+    # name: (world size, tp, pp, extra flags); data-parallel size 1 except pp2_dp2.
     'serial': (1, 1, 1, []),
     'pp2': (2, 1, 2, []),
     'tp2': (2, 2, 1, []),
     'tp2_pp2': (4, 2, 2, []),
     'tp2_pp2_sp': (4, 2, 2, ['--sequence-parallel']),
+    'pp2_dp2': (4, 1, 2, []),
 }
 
 
@@ -76,7 +78,7 @@ def test_serial_run_learns(serial):
     assert serial[-1] < serial[0], serial
 
 
-@pytest.mark.parametrize('layout', ['pp2', 'tp2', 'tp2_pp2', 'tp2_pp2_sp'])
+@pytest.mark.parametrize('layout', ['pp2', 'tp2', 'tp2_pp2', 'tp2_pp2_sp', 'pp2_dp2'])
 def test_pipeline_layout_matches_serial(layout, serial):
     losses = _losses(layout)
     assert losses == pytest.approx(serial, rel=RTOL), (layout, losses, serial)

@@ -7,7 +7,9 @@ Both checkpoints, built by pretrain_vlm.py's model provider from their saved arg
 image; the exported directory loads in transformers with the original weights bit for bit (the
 tower's layer after the selected feature layer and CLIP's pooler-only `post_layernorm` are not
 part of LLaVAModel: the first is not exported, the second comes back as identity) and the same
-logits. Layouts the model cannot take are refused in one line before any work.
+logits. HF -> TP2 -> TP2 x PP2: each stage's file holds its own parts, pretrain_vlm.py fine-tunes
+it at TP2 x PP2 with the TP2 checkpoint's loss, and it exports to HF bit for bit. Layouts the
+model cannot take are refused in one line before any work.
 """
 
 import os

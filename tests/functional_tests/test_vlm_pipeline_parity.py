@@ -124,3 +124,12 @@ def test_exact_resume_tp2_pp2(tmp_path):
     assert set(outs[-1][3]) == {'language_model'}
     reference, stopped, resumed, _ = outs[-1]
     _check_resume(reference, stopped, resumed, train_iters, stop_at)
+
+
+def test_uneven_split_matches_serial():
+    """Three LM layers over PP2 with --decoder-first-pipeline-num-layers 1 (GPT's uneven split;
+    the ViT stays whole on stage 0)."""
+    three = ['--num-layers', '3']
+    serial = _losses('serial', three)
+    uneven = _losses('pp2', three + ['--decoder-first-pipeline-num-layers', '1'])
+    assert uneven == pytest.approx(serial, rel=RTOL)

@@ -15,6 +15,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from megatron.core import parallel_state as mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.multimodal_dataset import (
     MockMultimodalDataset,
@@ -42,6 +43,8 @@ from megatron.training.utils import print_rank_0
 from pretrain_gpt import core_gpt_dataset_config_from_args, loss_func
 
 VISION_MODEL_TYPES = ('clip',)
+#: What `forward_step` reads from a micro-batch.
+VLM_BATCH_KEYS = ('image', 'tokens', 'position_ids', 'labels', 'loss_mask')
 
 
 def add_vlm_extra_args(parser):
@@ -127,10 +130,19 @@ def check_vlm_args(args) -> None:
             f"pretrain_vlm.py: --img-h {args.img_h} and --img-w {args.img_w} must be multiples "
             f"of --patch-dim {args.patch_dim}"
         )
-    if args.pipeline_model_parallel_size > 1:
+    if args.freeze_LM and args.pipeline_model_parallel_size > 1:
         raise ValueError(
-            "pretrain_vlm.py: pipeline parallelism is not supported for LLaVA yet "
-            f"(--pipeline-model-parallel-size {args.pipeline_model_parallel_size})"
+            "pretrain_vlm.py: --freeze-LM with --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size} leaves stages 1..."
+            f"{args.pipeline_model_parallel_size - 1} nothing to train (they hold only "
+            "language-model layers); freeze the LM at --pipeline-model-parallel-size 1"
+        )
+    if args.virtual_pipeline_model_parallel_size is not None:
+        raise ValueError(
+            "pretrain_vlm.py: the interleaved pipeline schedule is not supported for LLaVA "
+            "(--num-layers-per-virtual-pipeline-stage "
+            f"{args.num_layers_per_virtual_pipeline_stage}); use --pipeline-model-parallel-size "
+            "alone"
         )
 
 
@@ -146,7 +158,12 @@ def vlm_configs(args):
     the language config as Megatron's script does; the ViT has --encoder-num-layers layers
     (default --num-layers) and the projector's inner size is the LM hidden size."""
     language = core_transformer_config_from_args(args)
-    return language, vision_config(args, language), projection_config(args, language)
+    vision, projection = vision_config(args, language), projection_config(args, language)
+    if args.pipeline_model_parallel_size > 1:
+        # The combined length depends on the batch's images: the stages announce each
+        # [S, b, h] they send (the schedule reads this from the model's config).
+        language = dataclasses.replace(language, variable_seq_lengths=True)
+    return language, vision, projection
 
 
 def vision_config(args, language):
@@ -176,7 +193,7 @@ def vision_config(args, language):
             bias_activation_fusion=False,
             qk_layernorm=False,
         )
-    return dataclasses.replace(copy.deepcopy(language), **changes)
+    return dataclasses.replace(copy.deepcopy(language), **changes, **ONE_STAGE)
 
 
 def projection_config(args, language):
@@ -190,11 +207,22 @@ def projection_config(args, language):
             activation_func=VISION_ACTIVATIONS[args.vision_projection_activation],
             bias_activation_fusion=False,
         )
-    return dataclasses.replace(copy.deepcopy(language), **changes)
+    return dataclasses.replace(copy.deepcopy(language), **changes, **ONE_STAGE)
+
+
+#: The ViT and projector live on the first pipeline stage whole (later Megatron pins their
+#: configs to one stage the same way).
+ONE_STAGE = dict(
+    pipeline_model_parallel_size=1,
+    virtual_pipeline_model_parallel_size=None,
+    first_pipeline_num_layers=None,
+    last_pipeline_num_layers=None,
+)
 
 
 def model_provider(pre_process=True, post_process=True) -> LLaVAModel:
-    """The LLaVA model (the whole model on one pipeline stage), frozen as the flags say."""
+    """This pipeline stage's part of the LLaVA model (the ViT and projector on the first
+    stage, the language model's layers split over the stages), frozen as the flags say."""
     args = get_args()
     check_vlm_args(args)
     print_rank_0('building a multimodal model ...')
@@ -222,6 +250,8 @@ def model_provider(pre_process=True, post_process=True) -> LLaVAModel:
         img_h=args.img_h,
         img_w=args.img_w,
         patch_dim=args.patch_dim,
+        pre_process=pre_process,
+        post_process=post_process,
     )
     model.freeze(
         freeze_language_model=args.freeze_LM,
@@ -235,7 +265,10 @@ def forward_step(data_iterator, model: LLaVAModel):
     """Forward one micro-batch; returns (per-token losses, loss function of the expanded mask)."""
     timers = get_timers()
     timers('batch-generator', log_level=2).start()
-    batch = vlm_batch(data_iterator)
+    # Middle pipeline stages take their input from the previous stage: no batch. The last
+    # stage reads the ids and images too, to rebuild the expanded labels and loss mask.
+    middle = not (mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage())
+    batch = dict.fromkeys(VLM_BATCH_KEYS) if middle else vlm_batch(data_iterator)
     timers('batch-generator').stop()
     output, loss_mask = model(
         batch['image'],

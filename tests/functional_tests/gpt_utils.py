@@ -326,6 +326,7 @@ def run_pretrain(
     script='pretrain_gpt',
     base_args=None,
     args_defaults=None,
+    extra_args_provider=None,
 ):
     """Run a pretrain script's pretrain() on this rank (called inside a run_distributed worker).
 
@@ -338,6 +339,7 @@ def run_pretrain(
         script: the pretrain_*.py module (its providers and forward_step are used).
         base_args: the model's flags (default TINY_GPT_ARGS).
         args_defaults: the script's args_defaults (default GPT-2 BPE tokenizer).
+        extra_args_provider: the script's own flags (callable(parser)), if it has any.
 
     Returns pretrain()'s result dict (losses are filled on the last rank).
     """
@@ -368,6 +370,7 @@ def run_pretrain(
                 _reference_model_provider if reference_weights else module.model_provider,
                 ModelType.encoder_or_decoder,
                 forward_step,
+                extra_args_provider=extra_args_provider,
                 args_defaults=args_defaults,
                 args_list=list(base_args) + list(extra_args),
             )

@@ -7,7 +7,9 @@ Both checkpoints, built by pretrain_vlm.py's model provider from their saved arg
 image; the exported directory loads in transformers with the original weights bit for bit (the
 tower's layer after the selected feature layer and CLIP's pooler-only `post_layernorm` are not
 part of LLaVAModel: the first is not exported, the second comes back as identity) and the same
-logits. Layouts the model cannot take are refused in one line before any work.
+logits. HF -> TP2 -> TP2 x PP2: each stage's file holds its own parts, pretrain_vlm.py fine-tunes
+it at TP2 x PP2 with the TP2 checkpoint's loss, and it exports to HF bit for bit. Layouts the
+model cannot take are refused in one line before any work.
 """
 
 import os
@@ -76,7 +78,7 @@ def _logits_from_checkpoint(load_dir, ids, images):
         destroy_global_vars()
 
 
-def _finetune_from(load_dir):
+def _finetune_from(load_dir, extra=()):
     """pretrain_vlm.py --load D --use-checkpoint-args --finetune: one step on the digit captions
     (the imported vocabulary holds the caption words); {iteration: lm loss}."""
     if cu.REPO not in sys.path:
@@ -90,7 +92,7 @@ def _finetune_from(load_dir):
              '--no-load-rng', '--tokenizer-type', 'NullTokenizer', '--vocab-size', '127',
              '--micro-batch-size', '2', '--global-batch-size', '2', '--train-iters', '1',
              '--lr', '1e-3', '--eval-iters', '0', '--num-workers', '0',
-             '--distributed-backend', 'gloo', '--log-interval', '1']  # fmt: skip
+             '--distributed-backend', 'gloo', '--log-interval', '1', *extra]  # fmt: skip
     destroy_global_vars()
     try:
         result = pretrain(
@@ -157,6 +159,54 @@ def test_hf_llava_round_trip_through_tp1_and_tp2(tmp_path):
     assert torch.equal(again, expected)
 
 
+def test_tp2_pp2_checkpoint_fine_tunes_and_exports(tmp_path):
+    """HF -> TP2 x PP2 (stage 0: tower, projector, embedding, LM layer 0; stage 1: LM layer 1,
+    final norm, output layer) -> pretrain_vlm.py fine-tunes it at TP2 x PP2 with the TP2
+    checkpoint's loss, and -> HF again with every weight bit for bit."""
+    from transformers import LlavaForConditionalGeneration
+
+    from tests.unit_tests.models.test_llava_model import _hf_llava
+
+    hf = _hf_llava(-2, 'default')
+    hf_dir, tp2, pp2, back_dir = (str(tmp_path / n) for n in ('hf', 'tp2', 'pp2', 'back'))
+    hf.save_pretrained(hf_dir)
+    no_tokenizer = ['--hf-tokenizer-type', 'NullTokenizer']
+    layout = ['--target-tensor-parallel-size', '2']
+    assert _convert('hf', 'mcore', hf_dir, tp2, *no_tokenizer, *layout) == 0
+    assert (
+        _convert('mcore', 'mcore', tp2, pp2, *layout, '--target-pipeline-parallel-size', '2') == 0
+    )
+    assert _convert('mcore', 'hf', pp2, back_dir) == 0
+
+    from megatron.training.checkpoint.checkpoint_conversion import (
+        CheckpointReader,
+        torch_load_weights_only,
+    )
+
+    reader = CheckpointReader(pp2)
+    assert (reader.tp, reader.pp) == (2, 2)
+    stage0 = torch_load_weights_only(reader.rank_file(0, 0))['model']
+    stage1 = torch_load_weights_only(reader.rank_file(0, 1))['model']
+    assert {k.split('.')[0] for k in stage0} == {
+        'language_model', 'vision_model', 'vision_projection'
+    }  # fmt: skip
+    assert {k.split('.')[0] for k in stage1} == {'language_model'}
+    assert 'language_model.decoder.layers.0.mlp.linear_fc1.weight' in stage1
+    assert 'language_model.output_layer.weight' in stage1
+    assert not any('layers.1.' in k for k in stage1 if k.startswith('language_model.'))
+
+    back = LlavaForConditionalGeneration.from_pretrained(back_dir, attn_implementation='eager')
+    returned = back.state_dict()
+    for k, v in hf.state_dict().items():
+        if '.encoder.layers.1.' not in k and 'post_layernorm' not in k:
+            assert torch.equal(returned[k], v), k
+    # Dropout off (the script's default 0.1 draws per stage otherwise).
+    no_dropout = ['--attention-dropout', '0.0', '--hidden-dropout', '0.0']
+    serial = run_distributed(_finetune_from, world_size=2, tp=2, args=(tp2, no_dropout))[-1]
+    piped = run_distributed(_finetune_from, world_size=4, tp=2, pp=2, args=(pp2, no_dropout))[-1]
+    assert piped == pytest.approx(serial, rel=1e-5)
+
+
 def _last_error_line(capsys):
     # transformers' save_pretrained writes a progress bar to stderr before it.
     return capsys.readouterr().err.strip().splitlines()[-1]
@@ -169,10 +219,11 @@ def test_layouts_the_model_cannot_take(capsys, tmp_path):
     _hf_llava(-2, 'default').save_pretrained(hf_dir)
     flags = ['--hf-tokenizer-type', 'NullTokenizer']
     assert (
-        _convert('hf', 'mcore', hf_dir, save, *flags, '--target-pipeline-parallel-size', '2') == 2
+        _convert('hf', 'mcore', hf_dir, save, *flags, '--target-pipeline-parallel-size', '3') == 2
     )
     assert _last_error_line(capsys) == (
-        'error: --target-pipeline-parallel-size 2: LLaVAModel runs on one pipeline stage (1)'
+        "error: --target-pipeline-parallel-size 3 does not divide the language model's 2 layers "
+        '(the vision tower stays whole on stage 0)'
     )
     assert _convert('hf', 'mcore', hf_dir, save, *flags, '--target-tensor-parallel-size', '3') == 2
     assert _last_error_line(capsys) == (

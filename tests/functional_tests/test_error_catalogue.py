@@ -69,7 +69,7 @@ ELSEWHERE = {
     **{
         case: 'tests/functional_tests/test_pretrain_vlm.py'
         for case in ('vlm-vision-model-type', 'vlm-patch', 'vlm-seq-length', 'vlm-image-bad')
-        + ('vlm-null-tokenizer-words',)
+        + ('vlm-null-tokenizer-words', 'vlm-freeze-lm-pipeline', 'vlm-interleaved')
     },
     'image-folder-bad': 'tests/unit_tests/data/test_image_data.py',
     **{

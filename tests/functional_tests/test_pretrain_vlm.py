@@ -118,6 +118,26 @@ def test_bad_flags_refused_in_one_line(extra, expected):
     assert message is not None and expected in message and '\n' not in message
 
 
+@pytest.mark.parametrize(
+    'extra, expected',
+    [
+        (
+            ['--freeze-LM'],
+            '--freeze-LM with --pipeline-model-parallel-size 2 leaves stages 1...1 nothing to '
+            'train',
+        ),
+        (
+            ['--num-layers-per-virtual-pipeline-stage', '1'],
+            'the interleaved pipeline schedule is not supported for LLaVA',
+        ),
+    ],
+)
+def test_pipeline_flags_refused_in_one_line(extra, expected):
+    pp2 = ['--pipeline-model-parallel-size', '2', '--num-layers', '4']
+    message = run_distributed(_bad_flags, world_size=2, pp=2, args=(pp2 + extra,))[0]
+    assert message is not None and expected in message and '\n' not in message
+
+
 def test_digit_caption_sample_layout():
     from megatron.core.models.multimodal.llava_inputs import DEFAULT_IMAGE_TOKEN_INDEX
     from megatron.training.datasets.vlm_dataset import (

@@ -3,13 +3,13 @@ with a CLIP vision tower) <-> the `LLaVAModel` checkpoints pretrain_vlm.py write
 any tensor-parallel size (not a plugin: loader_hf, saver_mcore, loader_mcore and saver_hf call
 it).
 
-LLaVAModel runs on one pipeline stage, so the protocol is short:
+The whole model travels as one state dict, so the protocol is short:
 
     metadata              model_type 'LLAVA', checkpoint_args (pretrain_vlm.py's args for the
                           whole architecture, with the Hugging Face config as `hf_llava_config`),
                           true_vocab_size
-    "llava model"         "state dict": the full (TP = 1) LLaVAModel state dict, the vocabulary
-                          at its true size
+    "llava model"         "state dict": the full (TP = PP = 1) LLaVAModel state dict, the
+                          vocabulary at its true size
     "done"
 
 The weights are mapped by megatron.core.models.multimodal.hf_weight_mapping: the language model
@@ -20,6 +20,11 @@ TP with its own rules (the language model's fc1 is gated, the ViT's and projecto
 Hugging Face's `vision_feature_layer` (-2 for LLaVA-1.5) selects a hidden state before the
 tower's last layer; LLaVAModel builds only the layers up to it, so the checkpoint records that
 many (`--vision-num-layers`) and an export writes a tower of that depth read with -1.
+
+Pipeline stages (pretrain_vlm.py at PP > 1): stage 0 holds the vision tower, the projector, the
+word (and position) embeddings and the first language-model layers, the last stage the final
+norm and the output layer; each stage numbers its decoder layers from 0. A source checkpoint's
+stages are renumbered by the layers of the stages before them; a target's split is even.
 """
 
 import argparse
@@ -27,6 +32,8 @@ import contextlib
 import io
 import json
 import os
+import re
+import sys
 import types
 
 import torch
@@ -127,7 +134,7 @@ def _parse(args_list, vocab_size: int) -> argparse.Namespace:
     return args
 
 
-def _metadata(margs, iteration: int, tp: int, true_vocab) -> types.SimpleNamespace:
+def _metadata(margs, iteration: int, tp: int, true_vocab, pp: int = 1) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         model_type='LLAVA',
         num_layers=margs.num_layers,
@@ -138,7 +145,7 @@ def _metadata(margs, iteration: int, tp: int, true_vocab) -> types.SimpleNamespa
         swiglu=margs.swiglu,
         true_vocab_size=true_vocab,
         previous_tensor_parallel_size=tp,
-        previous_pipeline_parallel_size=1,
+        previous_pipeline_parallel_size=pp,
         checkpoint_args=margs,
     )
 
@@ -240,17 +247,40 @@ def mcore_metadata(args):
     if not is_llava_keys(reader.model_keys):
         raise ValueError(f'--model-type LLAVA, but {args.load_dir} holds no LLaVA model')
     margs = reader.args
-    return reader, _metadata(margs, reader.iteration, reader.tp, cc.recorded_true_vocab_size(margs))
+    true_vocab = cc.recorded_true_vocab_size(margs)
+    return reader, _metadata(margs, reader.iteration, reader.tp, true_vocab, reader.pp)
+
+
+#: A language-model decoder layer's key: (prefix, stage-local index, rest).
+_LAYER_KEY = re.compile(r'^(language_model\.decoder\.layers\.)(\d+)(\..*)$')
+
+
+def _renumber_layers(state: dict, offset: int) -> dict:
+    """The decoder layer indices of `state` shifted by `offset` (other keys kept)."""
+    out = {}
+    for key, value in state.items():
+        m = _LAYER_KEY.match(key)
+        out[f'{m[1]}{int(m[2]) + offset}{m[3]}' if m else key] = value
+    return out
 
 
 def load_mcore(queue, args):
     reader, md = mcore_metadata(args)
-    files = [cc.torch_load_weights_only(reader.rank_file(t, 0)) for t in range(reader.tp)]
-    shards = [f['model'] for f in files]
-    full = lmap.merge_llava_tensor_parallel_state_dicts(shards, _split_configs(md.checkpoint_args))
-    full = {
-        k: v for k, v in full.items() if isinstance(v, torch.Tensor) and '_extra_state' not in k
-    }
+    full, offset = {}, 0
+    for p in range(reader.pp):
+        files = [cc.torch_load_weights_only(reader.rank_file(t, p)) for t in range(reader.tp)]
+        shards = [f['model'] for f in files]
+        stage = lmap.merge_llava_tensor_parallel_state_dicts(
+            shards, _split_configs(md.checkpoint_args)
+        )
+        stage = {
+            k: v
+            for k, v in stage.items()
+            if isinstance(v, torch.Tensor) and '_extra_state' not in k
+        }
+        layers = {int(m[2]) for m in map(_LAYER_KEY.match, stage) if m}
+        full.update(_renumber_layers(stage, offset))
+        offset += len(layers)
     if md.true_vocab_size is not None:
         for key in (_WORD, _OUTPUT):
             if key in full:
@@ -264,11 +294,12 @@ def load_mcore(queue, args):
 
 def check_target(md, tp: int, pp: int) -> None:
     """The target layout fits every part (ValueError naming the flag and the numbers)."""
-    if pp != 1:
-        raise ValueError(
-            f'--target-pipeline-parallel-size {pp}: LLaVAModel runs on one pipeline stage (1)'
-        )
     m = md.checkpoint_args
+    if m.num_layers % pp:
+        raise ValueError(
+            f"--target-pipeline-parallel-size {pp} does not divide the language model's "
+            f'{m.num_layers} layers (the vision tower stays whole on stage 0)'
+        )
     lm = _lm_core(m)
     sizes = (
         ("language model's attention heads", lm.num_attention_heads),
@@ -306,7 +337,23 @@ class _LlavaWriter(cc.CheckpointWriter):
         return shards
 
 
-def save_mcore(queue, md, args, tp: int):
+def _stages(full: dict, num_layers: int, pp: int) -> list:
+    """The full state dict as `pp` stage state dicts with stage-local layer numbers: the
+    vision parts and the embedding on stage 0, the final norm and output layer on the last."""
+    per_stage = num_layers // pp
+    stages = [{} for _ in range(pp)]
+    tail = ('language_model.decoder.final_layernorm.', 'language_model.output_layer.')
+    for key in list(full):
+        m = _LAYER_KEY.match(key)
+        if m:
+            p = int(m[2]) // per_stage
+            stages[p][f'{m[1]}{int(m[2]) - p * per_stage}{m[3]}'] = full.pop(key)
+        else:
+            stages[-1 if key.startswith(tail) else 0][key] = full.pop(key)
+    return stages
+
+
+def save_mcore(queue, md, args, tp: int, pp: int = 1):
     full = _receive(queue, args)
     source = md.checkpoint_args
     padded = full[_WORD].shape[0]
@@ -316,15 +363,16 @@ def save_mcore(queue, md, args, tp: int):
         if key in full:
             full[key] = cc.repad_vocab(full[key], padded)
     margs = cc.args_for_target(
-        source, tp, 1, padded, args.save_dir, md.iteration, md.true_vocab_size
+        source, tp, pp, padded, args.save_dir, md.iteration, md.true_vocab_size
     )
     writer = _LlavaWriter(
-        args.save_dir, md.iteration, tp, 1, margs, margs.swiglu,
+        args.save_dir, md.iteration, tp, pp, margs, margs.swiglu,
         split_configs=_split_configs(margs),
     )  # fmt: skip
-    writer.write_stage(0, full, has_output_layer=False)
+    for p, stage in enumerate(_stages(full, margs.num_layers, pp)):
+        writer.write_stage(p, stage, has_output_layer=False)
     writer.finish()
-    print(f'saver: wrote the LLaVA model at TP{tp} to {args.save_dir}', flush=True)
+    print(f'saver: wrote the LLaVA model at TP{tp} x PP{pp} to {args.save_dir}', flush=True)
 
 
 def check_hf_target(md) -> None:

@@ -319,8 +319,10 @@ def _save(queue, args):
         sys.exit(1)
     if md.model_type in ('VISION', 'LLAVA'):
         remove_stale_staging(args.save_dir)
-        module = mcore_vision if md.model_type == 'VISION' else mcore_llava
-        module.save_mcore(queue, md, args, tp)
+        if md.model_type == 'VISION':
+            mcore_vision.save_mcore(queue, md, args, tp)
+        else:
+            mcore_llava.save_mcore(queue, md, args, tp, pp)
         print('Done!')
         return
     source_rows = md.checkpoint_args.padded_vocab_size

@@ -105,7 +105,9 @@ def _build(feature_layer, strategy, lm_overrides=None, **overrides):
     )
     kw.update(overrides)
     model = LLaVAModel(**kw)
-    return model, (lm, model.vision_model.config, projection)
+    # A later pipeline stage has no vision model.
+    vit = model.vision_model.config if model.vision_model is not None else vision
+    return model, (lm, vit, projection)
 
 
 def _load(model, configs, full):

@@ -162,6 +162,34 @@ def merge_placeholder_batch(
     return embeddings, (new_labels if labels is not None else None), new_mask
 
 
+def expand_placeholder_labels(
+    input_ids: Tensor,
+    n_tiles: int,
+    tokens_per_tile: int,
+    num_image_tiles: Optional[Tensor],
+    image_token_index: int,
+    max_sequence_length: int,
+    labels: Optional[Tensor],
+    loss_mask: Optional[Tensor],
+    supervise_first_token_after_image: bool = False,
+) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The labels and loss mask [b, s] -> [b, S] that `merge_placeholder_batch` returns, from the
+    ids and the image counts alone: a later pipeline stage, which has no embeddings, builds the
+    same targets as the first stage's merge (same checks, same combined length S).
+    """
+    layouts, _, image_lengths, combined_len = plan_placeholder_batch(
+        input_ids, n_tiles, tokens_per_tile, num_image_tiles, image_token_index,
+        max_sequence_length,
+    )  # fmt: skip
+    if labels is None and loss_mask is None:
+        return None, None
+    new_labels, new_mask = _expand_labels(
+        layouts, image_lengths, input_ids, labels, loss_mask, image_token_index, combined_len,
+        supervise_first_token_after_image,
+    )  # fmt: skip
+    return (new_labels if labels is not None else None), new_mask
+
+
 def _check_truncation(layouts, image_lengths: Tensor, max_sequence_length: int) -> None:
     for i, (first, n, starts, places, _) in enumerate(layouts):
         for j in range(n):

@@ -21,15 +21,19 @@ from megatron.core.models.multimodal.llava_inputs import (
     DEFAULT_IMAGE_TOKEN_INDEX,
     IGNORE_INDEX,
     count_placeholders,
+    expand_placeholder_labels,
     merge_placeholder_batch,
     plan_placeholder_batch,
 )
-from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel, get_num_image_embeddings
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,17 @@ class LLaVAModel(MegatronModule):
     loss mask 0) and scattered over the TP group before the decoder; the outputs then have the
     padded length. It needs parallel_output=True, as in GPTModel.
 
+    Pipeline parallelism (later Megatron's placement): the first stage (`pre_process`) holds
+    the ViT, the projector, the word embedding and its share of the decoder layers, and builds
+    the combined sequence; later stages hold only their decoder layers (GPTModel's layer
+    offsets) and the last (`post_process`) the final norm, output layer and loss. The stages
+    pass [S, b, h] (S/TP under sequence parallelism); S varies with the batch's images, so the
+    caller's pipeline config needs `variable_seq_lengths`, or every batch must give the same S.
+    The last stage rebuilds the expanded labels and loss mask from the ids and the image count
+    (`expand_placeholder_labels`), which every stage's batch holds, so no labels travel.
+    Tied embeddings across stages are GPTModel's (first and last stage copies, gradients
+    all-reduced over the embedding group).
+
     Args:
         language_transformer_config (TransformerConfig): the LM's config.
         language_transformer_layer_spec (ModuleSpec): the LM's layer spec.
@@ -97,6 +112,10 @@ class LLaVAModel(MegatronModule):
             (-1 the last layer, -2 the one before; see `vision_layers_for_feature_layer`).
         supervise_first_token_after_image (bool): ours; give the first text token after each
             image loss mask 1 (HF LLaVA trains it, Megatron does not).
+        pre_process (bool): this is the first pipeline stage (the embedding and the merge).
+        post_process (bool): this is the last pipeline stage (the output layer and loss).
+        add_encoder (bool, optional): build the ViT and projector here (default: pre_process;
+            they can only live on the first stage).
         pg_collection (ProcessGroupCollection, optional): the LM's and ViT's groups.
     """
 
@@ -125,10 +144,14 @@ class LLaVAModel(MegatronModule):
         class_token_len: int = 1,
         vision_feature_layer: int = -1,
         supervise_first_token_after_image: bool = False,
+        pre_process: bool = True,
+        post_process: bool = True,
+        add_encoder: Optional[bool] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
         super().__init__(config=language_transformer_config)
-        _check_layout(language_transformer_config)
+        add_encoder = pre_process if add_encoder is None else add_encoder
+        _check_layout(language_transformer_config, pre_process, add_encoder)
         logger.warning("LLaVA model is under development and may be missing features.")
         vision_transformer_config = _without_sequence_parallel(
             vision_transformer_config, 'Vision Transformer'
@@ -150,6 +173,11 @@ class LLaVAModel(MegatronModule):
         self.drop_vision_class_token = drop_vision_class_token
         self.language_max_sequence_length = language_max_sequence_length
         self.supervise_first_token_after_image = supervise_first_token_after_image
+        self.pre_process, self.post_process, self.add_encoder = (
+            pre_process,
+            post_process,
+            add_encoder,
+        )
 
         # The language model, the ViT and the projector draw their initial weights in this order.
         self.language_model = GPTModel(
@@ -158,29 +186,35 @@ class LLaVAModel(MegatronModule):
             language_vocab_size,
             language_max_sequence_length,
             parallel_output=parallel_output,
+            pre_process=pre_process,
+            post_process=post_process,
             pg_collection=pg_collection,
             position_embedding_type=language_position_embedding_type,
             rotary_base=language_rotary_base,
             rotary_percent=language_rotary_percent,
         )
-        self.vision_model = CLIPViTModel(
-            vision_transformer_config,
-            vision_transformer_layer_spec,
-            class_token_len=class_token_len,
-            patch_dim=patch_dim,
-            img_h=img_h,
-            img_w=img_w,
-            pg_collection=pg_collection,
+        self.vision_model = self.vision_projection = None
+        if add_encoder:
+            self.vision_model = CLIPViTModel(
+                vision_transformer_config,
+                _all_layers_here(vision_transformer_config, vision_transformer_layer_spec),
+                class_token_len=class_token_len,
+                patch_dim=patch_dim,
+                img_h=img_h,
+                img_w=img_w,
+                pg_collection=pg_collection,
+            )
+            self.vision_projection = MultimodalProjector(
+                vision_projection_config,
+                vision_projection_layer_spec,
+                vision_projection_type,
+                vision_transformer_config.hidden_size,
+            )
+        #: Tokens one image (tile) contributes to the language model (every stage needs it to
+        #: lay out the combined sequence).
+        self.img_seq_len = get_num_image_embeddings(
+            img_h, img_w, patch_dim, 'clip', drop_vision_class_token, class_token_len
         )
-        self.vision_projection = MultimodalProjector(
-            vision_projection_config,
-            vision_projection_layer_spec,
-            vision_projection_type,
-            vision_transformer_config.hidden_size,
-        )
-        dropped = self.vision_model.class_token_len if drop_vision_class_token else 0
-        #: Tokens one image (tile) contributes to the language model.
-        self.img_seq_len = self.vision_model.seq_length - dropped
         if self.img_seq_len > language_max_sequence_length:
             raise ValueError(
                 f"LLaVA: language_max_sequence_length {language_max_sequence_length} is shorter "
@@ -190,8 +224,22 @@ class LLaVAModel(MegatronModule):
             self.register_load_state_dict_post_hook(_ignore_missing_projection)
 
     def set_input_tensor(self, input_tensor) -> None:
-        """One pipeline stage: the input goes to the language model."""
+        """The previous stage's [S, b, h] goes to the language model's decoder (the ViT runs
+        on the first stage, which receives nothing)."""
         self.language_model.set_input_tensor(input_tensor)
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        """The language model's tie (finalize_model_grads reads it on this module)."""
+        return self.language_model.share_embeddings_and_output_weights
+
+    def ties_word_embedding_across_stages(self) -> bool:
+        """Whether the first and last stages hold word-table copies kept equal (GPTModel's)."""
+        return self.language_model.ties_word_embedding_across_stages()
+
+    def shared_embedding_or_output_weight(self):
+        """This stage's copy of the tied word table (GPTModel's), or None."""
+        return self.language_model.shared_embedding_or_output_weight()
 
     def freeze(
         self,
@@ -206,12 +254,18 @@ class LLaVAModel(MegatronModule):
             (self.vision_projection, freeze_vision_projection),
         ]
         for module, frozen in chosen:
-            if frozen:
+            # Under pipeline parallelism a later stage holds no vision part.
+            if frozen and module is not None:
                 for param in module.parameters():
                     param.requires_grad = False
 
     def image_embeddings(self, images: Tensor) -> Tensor:
         """Images [n, c, H, W] -> projected tokens [n, k, h]."""
+        if self.vision_model is None:
+            raise ValueError(
+                "LLaVA: images were given to a model built without its vision encoder "
+                "(add_encoder=False)"
+            )
         features = self.vision_model(images)  # [n, s_v, h_v]
         if self.drop_vision_class_token:
             features = features[:, self.vision_model.class_token_len :]  # [n, k, h_v]
@@ -257,6 +311,11 @@ class LLaVAModel(MegatronModule):
             (the loss [b, S] with labels, else logits [b, S, v/p]; the loss mask [b, S] or None);
             S is padded to a multiple of TP under sequence parallelism.
         """
+        if not self.pre_process:
+            return self._later_stage_forward(
+                images, input_ids, labels, loss_mask, inference_params, num_image_tiles,
+                image_token_index,
+            )  # fmt: skip
         offset = 0
         if inference_params is not None and inference_params.sequence_len_offset > 0:
             images, offset = None, inference_params.sequence_len_offset
@@ -283,7 +342,7 @@ class LLaVAModel(MegatronModule):
                 self.supervise_first_token_after_image,
             )  # fmt: skip
             attention_mask = None
-            if n_tiles == 0 and torch.is_grad_enabled():
+            if n_tiles == 0 and torch.is_grad_enabled() and self.add_encoder:
                 combined = combined + self._zero_anchor()
         else:
             combined = self._fixed_index(text, images, labels, loss_mask)
@@ -295,6 +354,37 @@ class LLaVAModel(MegatronModule):
             attention_mask,
             decoder_input=combined,
             labels=labels,
+            inference_params=inference_params,
+        )
+        return output, loss_mask
+
+    def _later_stage_forward(
+        self, images, input_ids, labels, loss_mask, inference_params, num_image_tiles,
+        image_token_index,
+    ):  # fmt: skip
+        """A stage after the first: the decoder runs on the received [S, b, h]; the last stage
+        rebuilds the expanded labels and loss mask (the first stage's, from the ids and the
+        image count) for its loss. Middle stages need no batch (all of it may be None)."""
+        if self.post_process and input_ids is not None:
+            token = self.image_token_index if image_token_index is None else image_token_index
+            n_tiles = 0 if images is None else images.shape[0]
+            if n_tiles == 0 or bool(count_placeholders(input_ids, token).sum() > 0):
+                labels, loss_mask = expand_placeholder_labels(
+                    input_ids, n_tiles, self.img_seq_len, num_image_tiles, token,
+                    self.language_max_sequence_length, labels, loss_mask,
+                    self.supervise_first_token_after_image,
+                )  # fmt: skip
+            # Fixed-index mode: the labels and mask already have the combined length.
+            if self.config.sequence_parallel:
+                labels, loss_mask = _pad_targets(
+                    labels, loss_mask, self.config.tensor_model_parallel_size
+                )
+        output = self.language_model(
+            None,
+            None,
+            None,
+            decoder_input=None,
+            labels=labels if self.post_process else None,
             inference_params=inference_params,
         )
         return output, loss_mask
@@ -333,10 +423,7 @@ class LLaVAModel(MegatronModule):
         pad = -combined.shape[0] % self.config.tensor_model_parallel_size
         if pad:
             combined = torch.nn.functional.pad(combined, (0, 0, 0, 0, 0, pad))  # [S + pad, b, h]
-            if labels is not None:
-                labels = torch.nn.functional.pad(labels, (0, pad), value=IGNORE_INDEX)
-            if loss_mask is not None:
-                loss_mask = torch.nn.functional.pad(loss_mask, (0, pad))
+        labels, loss_mask = _pad_targets(labels, loss_mask, self.config.tensor_model_parallel_size)
         combined = tensor_parallel.scatter_to_sequence_parallel_region(
             combined, group=self.language_model.pg_collection.tp
         )
@@ -363,18 +450,37 @@ class LLaVAModel(MegatronModule):
         return torch.cat([text[:idx], image, text[idx:]], dim=0)  # [S, b, h]
 
 
-def _check_layout(config: TransformerConfig) -> None:
+def _pad_targets(labels, loss_mask, tp: int):
+    """Labels [b, S] and loss mask [b, S] padded to a multiple of TP (IGNORE_INDEX, 0)."""
+    if labels is not None:
+        labels = torch.nn.functional.pad(labels, (0, -labels.shape[1] % tp), value=IGNORE_INDEX)
+    if loss_mask is not None:
+        loss_mask = torch.nn.functional.pad(loss_mask, (0, -loss_mask.shape[1] % tp))
+    return labels, loss_mask
+
+
+def _check_layout(config: TransformerConfig, pre_process: bool, add_encoder: bool) -> None:
     """The parallel layouts this model supports (one line each)."""
-    if config.pipeline_model_parallel_size > 1:
+    if add_encoder and not pre_process:
         raise ValueError(
-            "LLaVA: pipeline parallelism is not supported in this model yet "
-            f"(--pipeline-model-parallel-size {config.pipeline_model_parallel_size})"
+            "LLaVA: the vision encoder can only live on the first pipeline stage "
+            "(add_encoder=True needs pre_process=True)"
         )
     if config.context_parallel_size > 1:
         raise ValueError(
             "LLaVA: context parallelism is not supported yet "
             f"(--context-parallel-size {config.context_parallel_size})"
         )
+
+
+def _all_layers_here(config: TransformerConfig, spec):
+    """The ViT's block spec with every one of its layers: the ViT is not split over the
+    pipeline (a layer spec alone would give this stage num_layers / PP of them)."""
+    if isinstance(spec, ModuleSpec) and issubclass(spec.module, BaseTransformerLayer):
+        return TransformerBlockSubmodules(
+            layer_specs=[spec] * config.num_layers, layer_norm=WrappedTorchNorm
+        )
+    return spec
 
 
 def _without_sequence_parallel(config: TransformerConfig, part: str) -> TransformerConfig:

@@ -2,7 +2,9 @@
 transformers' DeepseekV3ForCausalLM with the same config and weights, and MLA's KV-cache size.
 
 - Training: one forward + backward + AdamW step each, alternated (ours, HF, ours, ...) in one
-  process on --threads threads after a warm-up; tokens/s from the median step time.
+  process on --threads threads after a warm-up; tokens/s from the median step time. Both use
+  torch's fused AdamW: the kernel our optimizer builds (`get_megatron_optimizer`) and the
+  default of Hugging Face's Trainer (`adamw_torch_fused`).
 - KV cache: values cached per token and layer by our static engine (the latent and the shared
   rotary key, measured from the cache after a prefill) against expanded keys and values
   (n (dn + dr) + n dv), for the benchmark config and for DeepSeek-V3's published sizes.
@@ -136,7 +138,7 @@ def _our_model(hf_config, a):
 def _time_steps(models, a):
     ids = torch.randint(0, a.vocab_size, (1, a.seq_length + 1))
     inputs, labels = ids[:, :-1], ids[:, 1:]
-    optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for k, m in models.items()}
 
     def step(name):
         model, opt = models[name], optims[name]

@@ -38,6 +38,12 @@ def _parse():
     parser.add_argument('--seq-length', type=int, default=512)
     parser.add_argument('--steps', type=int, default=5)
     parser.add_argument('--threads', type=int, default=2)
+    parser.add_argument(
+        '--moe-grouped-gemm',
+        action='store_true',
+        help="our experts as GroupedMLP (one autograd node per linear layer, as HF's grouped "
+        'experts) instead of SequentialMLP',
+    )
     return parser.parse_args()
 
 
@@ -123,7 +129,7 @@ def _our_model(hf_config, a):
         moe_router_topk_scaling_factor=2.5,
         moe_router_load_balancing_type='none',
         moe_router_dtype='fp32',
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=a.moe_grouped_gemm,
         use_cpu_initialization=True,
     )
     return GPTModel(
@@ -133,6 +139,19 @@ def _our_model(hf_config, a):
         max_sequence_length=c.max_position_embeddings,
         position_embedding_type='rope',
     )
+
+
+def _to_grouped(state, num_experts):
+    """SequentialMLP expert keys -> GroupedMLP's weight1 [h, E g f] and weight2 [E f, h], whose
+    memory holds expert e's fc1^T [h, g f] and fc2^T [f, h] as consecutive blocks."""
+    out = {k: v for k, v in state.items() if '.local_experts.' not in k}
+    prefixes = {k.split('local_experts.')[0] for k in state if '.local_experts.' in k}
+    for p in prefixes:
+        fc1 = [state[f'{p}local_experts.{e}.linear_fc1.weight'].t() for e in range(num_experts)]
+        fc2 = [state[f'{p}local_experts.{e}.linear_fc2.weight'].t() for e in range(num_experts)]
+        out[p + 'weight1'] = torch.stack(fc1).view(fc1[0].shape[0], -1)  # [h, E g f]
+        out[p + 'weight2'] = torch.stack(fc2).view(-1, fc2[0].shape[1])  # [E f, h]
+    return out
 
 
 def _time_steps(models, a):
@@ -201,13 +220,17 @@ def main():
     hf = DeepseekV3ForCausalLM(hf_config).train()
     ours = _our_model(hf_config, a).train()
     state = deepseek_v3_hf_to_mcore_state_dict(hf.state_dict(), a.num_layers, 1, a.num_experts)
-    ours.load_state_dict(state, strict=False)
+    if a.moe_grouped_gemm:
+        state = _to_grouped(state, a.num_experts)
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert not unexpected and all('_extra_state' in k for k in missing), (missing, unexpected)
     params = sum(p.numel() for p in hf.parameters())
     tokens_per_s = _time_steps({'ours': ours, 'hf': hf}, a)
     result = dict(
         params=params,
         seq_length=a.seq_length,
         threads=a.threads,
+        moe_grouped_gemm=a.moe_grouped_gemm,
         tokens_per_s=tokens_per_s,
         speedup=tokens_per_s['ours'] / tokens_per_s['hf'],
         kv_cache=_kv_cache(ours, hf_config),

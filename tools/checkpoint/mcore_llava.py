@@ -33,7 +33,6 @@ import io
 import json
 import os
 import re
-import sys
 import types
 
 import torch

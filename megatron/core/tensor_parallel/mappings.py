@@ -219,8 +219,11 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        group = _group_of(ctx)
+        if group.size() == 1:
+            return _with_group_grad(ctx, (grad_output,))
         # Clone: the incoming gradient may be a tensor the caller still holds.
-        return _with_group_grad(ctx, (_reduce(grad_output.clone(), _group_of(ctx)),))
+        return _with_group_grad(ctx, (_reduce(grad_output.clone(), group),))
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
@@ -426,13 +429,23 @@ class _AllToAll(torch.autograd.Function):
 
 
 def copy_to_tensor_model_parallel_region(input_, group=None):
-    """Enter a tp region: forward identity, backward all-reduce of the gradient."""
-    return apply_function(_CopyToModelParallelRegion, input_, _resolve(group))
+    """Enter a tp region: forward identity, backward all-reduce of the gradient.
+
+    On a group of one rank both directions are the identity: the input itself is returned and
+    no autograd node is recorded (two of these per layer and per step otherwise)."""
+    group = _resolve(group)
+    if group.size() == 1:
+        return input_
+    return apply_function(_CopyToModelParallelRegion, input_, group)
 
 
 def reduce_from_tensor_model_parallel_region(input_, group=None):
-    """Leave a tp region: forward all-reduce (sum, in place), backward identity."""
-    return apply_function(_ReduceFromModelParallelRegion, input_, _resolve(group))
+    """Leave a tp region: forward all-reduce (sum, in place), backward identity (on a group of
+    one rank: the input itself, no autograd node)."""
+    group = _resolve(group)
+    if group.size() == 1:
+        return input_
+    return apply_function(_ReduceFromModelParallelRegion, input_, group)
 
 
 def scatter_to_tensor_model_parallel_region(input_, group=None):

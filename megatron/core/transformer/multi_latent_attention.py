@@ -33,6 +33,7 @@ from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     YarnRotaryEmbedding,
     optional_offset,
+    rotary_cos_sin,
     rotate_deinterleaved,
     yarn_get_mscale,
 )
@@ -98,21 +99,24 @@ class MLACoreAttention(MegatronModule):
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, dq]
         k = key.permute(1, 2, 0, 3)  # [b, np, sk, dq]
         v = value.permute(1, 2, 0, 3)  # [b, np, sk, dv]
-        if self.attn_mask_type == AttnMaskType.causal:
+        dropout = self.training and self.dropout_p > 0.0
+        fused = not dropout and q.dtype == torch.float32
+        # Square causal attention takes the fused causal kernel instead of an explicit mask.
+        square_causal = self.attn_mask_type == AttnMaskType.causal and sq == sk
+        if fused and square_causal:
+            keep = None
+        elif self.attn_mask_type == AttnMaskType.causal:
             keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
         elif attention_mask is not None:
             keep = ~attention_mask  # [b, 1, sq, sk], True = attend
         else:
             keep = None
-        dropout = self.training and self.dropout_p > 0.0
-        if not dropout and q.dtype == torch.float32:
-            # Square causal attention takes the fused causal kernel instead of an explicit mask.
-            square_causal = self.attn_mask_type == AttnMaskType.causal and sq == sk
+        if fused:
             context = torch.nn.functional.scaled_dot_product_attention(
                 q,
                 k,
                 v,
-                attn_mask=None if square_causal else keep,
+                attn_mask=keep,
                 is_causal=square_causal and sq > 1,
                 scale=self.softmax_scale,
             )
@@ -315,13 +319,14 @@ class MLASelfAttention(MegatronModule):
         k_pos_memory[start:end, b0:b1] = k_pos
         return latent_memory[:end, b0:b1], k_pos_memory[:end, b0:b1]
 
-    def _rotate(self, query: Tensor, k_pos: Tensor, freqs: Tensor, mscale: float):
-        """RoPE on the rotary part of the query [s, b, np, dn + dr] and on k_pos [s, b, 1, dr]."""
+    def _rotate(self, query: Tensor, k_pos: Tensor, cos: Tensor, sin: Tensor):
+        """RoPE on the rotary part of the query [s, b, np, dn + dr] and on k_pos [s, b, 1, dr];
+        cos, sin [s, 1, 1, dr/2] from `rotary_cos_sin`."""
         q_nope, q_pos = torch.split(
             query, [self.config.qk_head_dim, self.config.qk_pos_emb_head_dim], dim=-1
         )
-        query = torch.cat((q_nope, rotate_deinterleaved(q_pos, freqs, mscale)), dim=-1)
-        return query, rotate_deinterleaved(k_pos, freqs, mscale)
+        query = torch.cat((q_nope, rotate_deinterleaved(q_pos, cos, sin)), dim=-1)
+        return query, rotate_deinterleaved(k_pos, cos, sin)
 
     def _forward_paged(self, hidden_states: Tensor, context):
         """A dynamic-engine step: the requests' new tokens packed as [T, 1, h], each at its own
@@ -332,7 +337,8 @@ class MLASelfAttention(MegatronModule):
         latent, k_pos = self._latent(hidden_states)  # [T, 1, rkv], [T, 1, 1, dr]
         freqs, mscale = self.rotary_pos_emb(context.max_sequence_length)  # [S, 1, 1, dr]
         freqs = freqs.index_select(0, context.step_position_ids[0])  # [T, 1, 1, dr]
-        query, k_pos = self._rotate(query, k_pos, freqs, mscale)
+        cos, sin = rotary_cos_sin(freqs, mscale, query.dtype)  # [T, 1, 1, dr/2] each
+        query, k_pos = self._rotate(query, k_pos, cos, sin)
         out = context.latent_attention(
             self.layer_number, query, latent, k_pos, self._expand, self.core_attention.softmax_scale
         )  # [T, 1, np * dv]
@@ -359,8 +365,9 @@ class MLASelfAttention(MegatronModule):
         query = self._query(hidden_states)  # [s, b, np, dn + dr]
         latent, k_pos = self._latent(hidden_states)
         offset = optional_offset(inference_params)
-        freqs, mscale = self.rotary_pos_emb(query.size(0), offset=offset)  # [s, 1, 1, dr]
-        query, k_pos = self._rotate(query, k_pos, freqs, mscale)
+        # [s, 1, 1, dr/2] each, kept by the embedding from one call to the next
+        cos, sin = self.rotary_pos_emb.cos_sin(query.size(0), offset=offset, dtype=query.dtype)
+        query, k_pos = self._rotate(query, k_pos, cos, sin)
         if inference_params is not None:
             if self.config.sequence_parallel:
                 raise NotImplementedError("KV-cache inference with sequence parallelism")

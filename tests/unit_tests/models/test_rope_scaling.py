@@ -91,3 +91,29 @@ def test_llama3_rope_scaling_matches_hf(factor, dim, base):
     assert hf_factor == 1.0
     plain = RotaryEmbedding(dim, 1.0, rotary_base=base, use_cpu_initialization=True)
     assert not torch.allclose(plain.inv_freq, hf_inv)
+
+
+def test_yarn_cos_sin_tables_kept_and_rotation_exact():
+    """The cos / sin tables are computed once per (length, offset, dtype) and reused; the
+    rotation equals interleaved RoPE (pair (2j, 2j + 1) turned by angle j, times mscale),
+    written evens then odds."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+        rotate_deinterleaved,
+    )
+
+    emb = YarnRotaryEmbedding(8, 10000.0, 4.0, 16, mscale=1.0, mscale_all_dim=0.5)
+    cos, sin = emb.cos_sin(6, offset=2)
+    assert emb.cos_sin(6, offset=2)[0] is cos  # kept
+    assert cos.shape == (6, 1, 1, 4)
+    angles = (torch.arange(6.0) + 2)[:, None] * emb.inv_freq  # [s, d/2]
+    torch.testing.assert_close(cos[:, 0, 0], torch.cos(angles) * emb.mscale)
+    other, _ = emb.cos_sin(6, offset=3)  # another offset: new tables
+    torch.testing.assert_close(other[:-1], cos[1:])
+
+    t = torch.randn(6, 2, 3, 8)
+    out = rotate_deinterleaved(t, cos, sin)
+    # Interleaved RoPE as a complex product: pair j is the number t[2j] + i t[2j+1].
+    turn = torch.polar(torch.full_like(angles, emb.mscale), angles)[:, None, None]  # [s, 1, 1, 4]
+    expected = torch.view_as_complex(t.view(6, 2, 3, 4, 2)) * turn
+    torch.testing.assert_close(out, torch.cat((expected.real, expected.imag), dim=-1))

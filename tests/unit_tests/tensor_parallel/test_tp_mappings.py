@@ -172,3 +172,19 @@ def _uneven_first_dim():
 
 def test_uneven_split_sizes():
     assert all(run_distributed(_uneven_first_dim, 4, tp=2))
+
+
+def _single_rank_regions():
+    # A tp group of one rank: both region mappings hand back the input itself (no autograd node,
+    # no copy of the gradient); the gradient still flows.
+    x = torch.randn(3, 4, requires_grad=True)
+    copied = tp_api.copy_to_tensor_model_parallel_region(x)
+    reduced = tp_api.reduce_from_tensor_model_parallel_region(copied * 2)
+    reduced.sum().backward()
+    return copied is x, reduced.grad_fn.name(), x.grad
+
+
+def test_single_rank_region_mappings_record_no_node():
+    for same, last_node, grad in run_distributed(_single_rank_regions, 2, tp=1):
+        assert same and last_node == "MulBackward0"
+        torch.testing.assert_close(grad, torch.full((3, 4), 2.0))

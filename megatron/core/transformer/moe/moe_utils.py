@@ -334,8 +334,10 @@ def pair_rows_inverse(pairs: torch.Tensor, num_pairs: int) -> torch.Tensor:
 def _sum_pairs(rows: torch.Tensor, row_of_pair: torch.Tensor, num_tokens: int, topk: int):
     """out[t] = sum over slots j of rows[row_of_pair[t k + j]] (a missing pair adds 0), summed
     in slot order: [N, h] -> [T, h]."""
-    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])  # [N + 1, h]
-    return padded.index_select(0, row_of_pair).view(num_tokens, topk, -1).sum(dim=1)
+    if rows.shape[0] < row_of_pair.numel():
+        # Some pairs have no row: they read an appended row of zeros.
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])  # [N + 1, h]
+    return rows.index_select(0, row_of_pair).view(num_tokens, topk, -1).sum(dim=1)
 
 
 class GatherPairRows(torch.autograd.Function):

@@ -115,12 +115,21 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         self.num_global_tokens, topk = global_indices.shape[0], global_indices.shape[-1]
 
         flat = global_indices.reshape(-1)  # pair t * k + j
-        local_end = self.local_start + self.num_local_experts
-        selected = torch.nonzero((flat >= self.local_start) & (flat < local_end)).squeeze(1)
-        local_ids = flat.index_select(0, selected) - self.local_start
-        order = torch.argsort(local_ids, stable=True)
-        # Pairs of my experts, expert-major, then (rank, token, slot) order.
-        self.pairs = selected.index_select(0, order)
+        every_pair_local = (
+            self.num_local_experts == self.config.num_moe_experts
+            and self.config.moe_expert_capacity_factor is None
+        )
+        if every_pair_local:
+            # All experts are here and no pair is dropped (DROPPED_INDEX): every pair stays.
+            local_ids = flat
+            self.pairs = torch.argsort(local_ids, stable=True)
+        else:
+            local_end = self.local_start + self.num_local_experts
+            selected = torch.nonzero((flat >= self.local_start) & (flat < local_end)).squeeze(1)
+            local_ids = flat.index_select(0, selected) - self.local_start
+            order = torch.argsort(local_ids, stable=True)
+            self.pairs = selected.index_select(0, order)
+        # self.pairs: the pairs of my experts, expert-major, then (rank, token, slot) order.
         self.token_rows = torch.div(self.pairs, topk, rounding_mode="floor")
         self.row_of_pair = pair_rows_inverse(self.pairs, flat.numel())
         self.topk = topk

@@ -138,6 +138,7 @@ class YarnRotaryEmbedding(torch.nn.Module):
             correction_range_round_to_int,
         )
         self.mscale = yarn_concentration(scaling_factor, mscale, mscale_all_dim)
+        self._cos_sin_key, self._cos_sin = None, None
 
     def forward(self, max_seq_len: int, offset: int = 0) -> Tuple[Tensor, float]:
         """Angles of positions offset .. offset + max_seq_len - 1 [s, 1, 1, d] and the factor
@@ -148,21 +149,38 @@ class YarnRotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [s, d]
         return emb[:, None, None, :], self.mscale  # [s, 1, 1, d]
 
+    def cos_sin(self, max_seq_len: int, offset: int = 0, dtype=torch.float32):
+        """mscale cos and mscale sin of the angles of positions offset .. offset + max_seq_len - 1,
+        [s, 1, 1, d/2] each (one value per channel pair), in `dtype`.
 
-def rotate_deinterleaved(t: Tensor, freqs: Tensor, mscale: float = 1.0) -> Tensor:
+        The tables depend on the positions only, so the last ones are kept and reused: a
+        training step (every layer, every step) computes them once.
+        """
+        key = (max_seq_len, offset, get_current_device(), dtype)
+        if self._cos_sin_key != key:
+            freqs, mscale = self.forward(max_seq_len, offset)
+            self._cos_sin = rotary_cos_sin(freqs, mscale, dtype)
+            self._cos_sin_key = key
+        return self._cos_sin
+
+
+def rotary_cos_sin(freqs: Tensor, mscale: float = 1.0, dtype=torch.float32):
+    """Angles in the half-split layout [..., d] (angle j at channels j and j + d/2) -> mscale cos
+    and mscale sin of the d/2 distinct angles [..., d/2], in `dtype`."""
+    half = freqs[..., : freqs.size(-1) // 2]
+    return (torch.cos(half) * mscale).to(dtype), (torch.sin(half) * mscale).to(dtype)
+
+
+def rotate_deinterleaved(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE on interleaved channel pairs, written out de-interleaved.
 
-    The pairs (t0, t1), (t2, t3), ... of t [s, b, n, d] are first regrouped as evens then odds,
-    then rotated half against half by freqs [s, 1, 1, d] (or [s, b, 1, d]) with cos and sin scaled
-    by mscale. The result keeps the de-interleaved channel order (what the dot product sees is
-    the same either way, as queries and keys get the same order).
+    The pair (t[2j], t[2j+1]) of t [s, b, n, d] is rotated by angle j: cos, sin [s, 1, 1, d/2]
+    (or [s, b, 1, d/2]) from `rotary_cos_sin`. The result holds the rotated evens then the
+    rotated odds (what the dot product sees is the same either way, as queries and keys get the
+    same order). The evens and odds are read as strided views: no de-interleaved copy is made.
     """
-    t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)  # [s, b, n, d] evens then odds
-    cos_ = (torch.cos(freqs) * mscale).to(t.dtype)
-    sin_ = (torch.sin(freqs) * mscale).to(t.dtype)
-    t1, t2 = torch.chunk(t, 2, dim=-1)
-    rotated = torch.cat((-t2, t1), dim=-1)
-    return t * cos_ + rotated * sin_
+    evens, odds = t[..., 0::2], t[..., 1::2]  # [s, b, n, d/2] each
+    return torch.cat((evens * cos - odds * sin, odds * cos + evens * sin), dim=-1)
 
 
 def optional_offset(inference_params: Optional[object]) -> int:

@@ -140,6 +140,7 @@ ELSEWHERE = {
             'moe-config',
             'moe-cp-capacity',
             'moe-cp-sinkhorn',
+            'moe-ep-stage-without-experts',
         )
     },
     **{

@@ -114,6 +114,43 @@ def validate_moe_args(args):
         check_moe_config(_config_view(args))
     except ValueError as exc:
         raise ValueError(f'MoE flags: {exc}') from None
+    _refuse_stages_without_experts(args)
+
+
+def _refuse_stages_without_experts(args):
+    """With expert parallelism every pipeline stage must hold an expert (MoE) layer: the expert
+    optimizer's gradient-norm and overflow reductions run over the tensor x pipeline x expert
+    group, and a stage with no expert parameters builds no expert optimizer, so the others would
+    wait for it forever. (Megatron core_r0.8.0 has every layer MoE; later Megatron's
+    --moe-layer-freq can leave a stage dense.)"""
+    pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    if pp == 1 or ep == 1 or args.num_layers is None:
+        return
+    from megatron.core.transformer.moe.moe_config_checks import moe_layer_pattern
+    from megatron.core.transformer.pipeline_layer_split import pipeline_stage_layer_counts
+
+    view = _config_view(args)
+    pattern = moe_layer_pattern(view)
+    first = args.decoder_first_pipeline_num_layers
+    last = args.decoder_last_pipeline_num_layers
+    if getattr(args, 'num_layers_per_virtual_pipeline_stage', None) is not None:
+        return  # interleaved chunks interleave the pattern too; every chunk rule is the model's
+    counts = pipeline_stage_layer_counts(args.num_layers, pp, first, last)
+    start = 0
+    for stage, count in enumerate(counts):
+        moe = sum(pattern[start : start + count])
+        # The last stage also holds the MTP layers, built with the last decoder layer's spec.
+        if stage == pp - 1 and getattr(args, 'mtp_num_layers', None) and pattern[-1]:
+            moe += 1
+        if moe == 0:
+            raise ValueError(
+                f'--moe-layer-freq {args.moe_layer_freq} leaves pipeline stage {stage} (layers '
+                f'{start}-{start + count - 1}) without an MoE layer, which --expert-model-'
+                f'parallel-size {ep} with --pipeline-model-parallel-size {pp} cannot run (its '
+                'expert optimizer reductions span every stage): give each stage an MoE layer '
+                '(e.g. --decoder-first-pipeline-num-layers) or use --expert-model-parallel-size 1'
+            )
+        start += count
 
 
 def _refuse_inexact_under_context_parallelism(args):

@@ -105,7 +105,28 @@ ERRORS = {
         'balances the routing over the tokens of one rank, which holds only 1/2 of the sequence, '
         'so training would differ from --context-parallel-size 1; use aux_loss or none',
     ),
+    'moe-ep-stage-without-experts': (
+        [
+            '--moe-layer-freq',
+            '[0,0,1,1]',
+            '--pipeline-model-parallel-size',
+            '2',
+            '--expert-model-parallel-size',
+            '2',
+        ],
+        4,
+        '--moe-layer-freq [0, 0, 1, 1] leaves pipeline stage 0 (layers 0-1) without an MoE '
+        'layer, which --expert-model-parallel-size 2 with --pipeline-model-parallel-size 2 '
+        'cannot run (its expert optimizer reductions span every stage): give each stage an MoE '
+        'layer (e.g. --decoder-first-pipeline-num-layers) or use --expert-model-parallel-size 1',
+    ),
 }
+
+
+def test_an_uneven_split_that_gives_every_stage_an_expert_layer_is_accepted():
+    flags = ['--moe-layer-freq', '[0,0,1,1]', '--pipeline-model-parallel-size', '2']
+    flags += ['--expert-model-parallel-size', '2', '--decoder-first-pipeline-num-layers', '3']
+    assert _validate(flags, 4).decoder_first_pipeline_num_layers == 3
 
 
 @pytest.mark.parametrize('case', sorted(ERRORS))

@@ -167,3 +167,21 @@ def test_tied_embeddings_pp2_match_serial_and_resume_at_pp1(
     assert _losses(runs[1]) == pytest.approx(_losses(runs[0]), rel=RTOL)
     assert _logged(runs[1], 'mtp_1 loss') == pytest.approx(_logged(runs[0], 'mtp_1 loss'), rel=2e-6)
     assert _logged(runs[1], 'grad norm') == pytest.approx(_logged(runs[0], 'grad norm'), abs=1.5e-3)
+
+
+def test_muon_tp2_ep2_resumes_at_tp1(small_vocab_data_prefix, tmp_path_factory):
+    """Issue 39's fine-tuning layout: the MLA + MoE + MTP model with Muon at TP2 x EP2 (+ SP);
+    its torch_dist checkpoint (Muon's momentum included) resumes at TP1 x EP2 with the
+    uninterrupted run's losses (Muon orthogonalises whole matrices, the same at any TP)."""
+    cache = str(tmp_path_factory.mktemp('mtp_muon_cache'))
+    muon = ['--optimizer', 'muon', '--moe-token-dispatcher-type', 'alltoall']
+    ckpt = str(tmp_path_factory.mktemp('mtp_muon_ckpt'))
+    save = ['--save', ckpt, '--load', ckpt, '--save-interval', '2', '--ckpt-format', 'torch_dist']
+    prefix, sp = small_vocab_data_prefix, ['--sequence-parallel']
+    reference = _run(4, 2, 2, muon + sp, prefix, cache)
+    _run(4, 2, 2, muon + sp + save + ['--exit-interval', '2'], prefix, cache)
+    resumed = _run(2, 1, 2, muon + save, prefix, cache)
+    assert sorted(resumed['train_losses']) == [3, 4]
+    for it in (3, 4):
+        expected = reference['train_losses'][it]['lm loss']
+        assert resumed['train_losses'][it]['lm loss'] == pytest.approx(expected, rel=RTOL)

@@ -34,14 +34,13 @@ from flask_restful import Api, Resource
 from werkzeug.exceptions import HTTPException, InternalServerError, MethodNotAllowed, NotFound
 
 from megatron.core.inference.engines.dynamic_engine import QueueFullError
-from megatron.core.inference.sampling_params import SamplingParams
 from megatron.inference.api_validation import ApiError, validate_api_request
 from megatron.inference.chat_completions import register_chat_completions
 from megatron.inference.completions import error_response, register_completions
 from megatron.inference.json_io import BadRequest, FiniteJSONProvider, read_json_object
+from megatron.inference.sampling_from_api import engine_sampling_params
 from megatron.inference.serving import Serving, legacy_serving
 from megatron.inference.text_generation import api as generation_api
-from megatron.inference.text_generation.generation import DOUBLE_EOL_ID, EOL_ID
 from megatron.inference.text_generation.request import (
     BEAM_SEARCH,
     SAMPLING,
@@ -110,34 +109,6 @@ def needs_legacy_path(params) -> bool:
         or params['top_p_bound'] > 0.0
         or params['prevent_newline_after_colon']
     )
-
-
-def engine_sampling_params(params, prompt_lengths, eod):
-    """One SamplingParams per prompt of a `PUT /api` request, reproducing Megatron's padded
-    batch: every row runs to the longest prompt + tokens_to_generate (scoring: none generates),
-    stops at the end-of-text id (kept in its text) or, with stop_on_eol / stop_on_double_eol, at
-    GPT-2's newline ids instead."""
-    n = params['tokens_to_generate']
-    width = max(prompt_lengths) + n
-    stop_ids, termination = None, eod
-    if params['stop_on_double_eol']:
-        stop_ids, termination = [[DOUBLE_EOL_ID], [EOL_ID, EOL_ID]], -1
-    elif params['stop_on_eol']:
-        stop_ids, termination = [[DOUBLE_EOL_ID], [EOL_ID]], -1
-    seed = params['random_seed']
-    return [
-        SamplingParams(
-            temperature=float(params['temperature']),
-            top_k=int(params['top_k']),
-            top_p=float(params['top_p']),
-            return_log_probs=params['logprobs'],
-            num_tokens_to_generate=0 if n == 0 else width - length,
-            termination_id=termination,
-            stop_token_ids=stop_ids,
-            random_seed=None if seed == -1 else seed,
-        )
-        for length in prompt_lengths
-    ]
 
 
 class MegatronGenerate(Resource):

@@ -48,7 +48,7 @@ def _segments(tokenizer, ids, placeholder):
 
 def vision_language_api(serving, params, body):
     """(answer, status) of a validated `PUT /api` request with (or on a server of) images."""
-    from megatron.inference.text_generation_server import engine_sampling_params
+    from megatron.inference.sampling_from_api import engine_sampling_params
 
     if not serving.takes_images:
         return "images: this server's model takes no images (a text-only GPT model)", 400

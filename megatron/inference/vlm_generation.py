@@ -212,7 +212,7 @@ class VLMLoop:
     """
 
     def __init__(self, model, vocab_size, heartbeat_s=None):
-        from megatron.inference.worker_loop import HEARTBEAT_S
+        from megatron.inference.worker_protocol import HEARTBEAT_S
 
         self.model = model
         self.vocab_size = vocab_size
@@ -245,7 +245,7 @@ class VLMLoop:
         self._thread.join(timeout)
 
     def _run(self):
-        from megatron.inference.worker_loop import (
+        from megatron.inference.worker_protocol import (
             IDLE_NUM,
             STOP_NUM,
             VLM_GENERATE_NUM,

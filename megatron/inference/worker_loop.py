@@ -43,22 +43,19 @@ from megatron.inference.text_generation.api import (
     run_request,
 )
 from megatron.inference.text_generation.request import BEAM_SEARCH
+from megatron.inference.worker_protocol import (  # noqa: F401  (the names this module had)
+    BEAM_NUM,
+    ENGINE_STEP_NUM,
+    GENERATE_NUM,
+    HEARTBEAT_S,
+    IDLE_NUM,
+    STOP_NUM,
+    VLM_GENERATE_NUM,
+    _send_choice,
+)
 
-GENERATE_NUM = 0
-BEAM_NUM = 1
-ENGINE_STEP_NUM = 2
-STOP_NUM = 3
-VLM_GENERATE_NUM = 4
-IDLE_NUM = 5
-#: Seconds between idle engine steps on a multi-rank server (the waiting ranks' heartbeat).
-HEARTBEAT_S = 5.0
 #: One legacy generation at a time: the other ranks follow rank 0's broadcasts in order.
 lock = threading.Lock()
-
-
-def _send_choice(choice):
-    tensor = torch.tensor([choice], dtype=torch.long, device=get_current_device())
-    torch.distributed.broadcast(tensor, 0)
 
 
 def send_do_generate():

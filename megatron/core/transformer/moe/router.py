@@ -158,22 +158,29 @@ class TopKRouter(Router):
         With gathered logits every tp rank computes the whole loss, so each uses coeff / tp and
         the gather's backward (a sum over tp) restores coeff.
         """
-        moe_aux_loss_coeff = self.config.moe_aux_loss_coeff
-        if self._routes_gathered_logits:
-            moe_aux_loss_coeff /= self.pg_collection.tp.size()
-        group = self._sequence_partition_group()
+        moe_aux_loss_coeff, group = self._aux_loss_coeff(), self._sequence_partition_group()
         aux_loss = switch_load_balancing_loss_func(
             probs, num_local_tokens_per_expert, self.topk, moe_aux_loss_coeff, group
         )
-        if moe_aux_loss_coeff != 0:
+        return self._attach_aux_loss(
+            "load_balancing_loss", aux_loss, moe_aux_loss_coeff, group, activation
+        )
+
+    def _aux_loss_coeff(self) -> float:
+        """The balance-loss coefficient of this rank: with gathered logits every tp rank computes
+        the whole loss, so each uses coeff / tp."""
+        coeff = self.config.moe_aux_loss_coeff
+        if self._routes_gathered_logits:
+            coeff /= self.pg_collection.tp.size()
+        return coeff
+
+    def _attach_aux_loss(self, name, loss, coeff, group, activation) -> torch.Tensor:
+        """Record loss / coeff under `name` and inject `loss` into `activation`'s backward."""
+        if coeff != 0:
             save_to_aux_losses_tracker(
-                "load_balancing_loss",
-                aux_loss / moe_aux_loss_coeff,
-                self.layer_number,
-                self.config.num_layers,
-                reduce_group=group,
+                name, loss / coeff, self.layer_number, self.config.num_layers, reduce_group=group
             )
-        return MoEAuxLossAutoScaler.apply(activation, aux_loss)
+        return MoEAuxLossAutoScaler.apply(activation, loss)
 
     def apply_seq_load_balancing_loss(
         self, scores: torch.Tensor, batch_size: int, activation
@@ -181,22 +188,13 @@ class TopKRouter(Router):
         """Attach the sequence-wise loss of `scores` [s * b, E] to `activation` and record it
         as `seq_load_balancing_loss`, with the same coefficient and tp rule as the Switch loss
         (`apply_load_balancing_loss`)."""
-        moe_aux_loss_coeff = self.config.moe_aux_loss_coeff
-        if self._routes_gathered_logits:
-            moe_aux_loss_coeff /= self.pg_collection.tp.size()
-        group = self._sequence_partition_group()
+        moe_aux_loss_coeff, group = self._aux_loss_coeff(), self._sequence_partition_group()
         seq_aux_loss = sequence_load_balancing_loss_func(
             scores, batch_size, self.topk, moe_aux_loss_coeff, group
         )
-        if moe_aux_loss_coeff != 0:
-            save_to_aux_losses_tracker(
-                "seq_load_balancing_loss",
-                seq_aux_loss / moe_aux_loss_coeff,
-                self.layer_number,
-                self.config.num_layers,
-                reduce_group=group,
-            )
-        return MoEAuxLossAutoScaler.apply(activation, seq_aux_loss)
+        return self._attach_aux_loss(
+            "seq_load_balancing_loss", seq_aux_loss, moe_aux_loss_coeff, group, activation
+        )
 
     def apply_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         """Attach coeff / (tp x cp) x mean_t lse_t^2 to the local logits (training only).

@@ -3,7 +3,8 @@
 `initialize_model_parallel()` splits the world into tensor (tp), context (cp), expert (ep), data
 (dp) and pipeline (pp) parallel groups with Megatron's rank layout and stores them in module
 globals; the `get_*` accessors read them. Core modules should take groups as arguments and fall
-back to these globals only through the `get_*_group_if_none(group)` helpers.
+back to these globals only through the `get_*_group_if_none(group)` helpers of
+`megatron.core.group_fallbacks`.
 
 Rank layout: a rank's coordinates follow `order` (default "tp-cp-ep-dp-pp", first = fastest
 varying), so `rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))`. Expert parallelism
@@ -590,99 +591,6 @@ def get_data_modulo_expert_parallel_group_gloo(with_context_parallel: bool = Fal
     return _checked(
         _DATA_MODULO_EXPERT_PARALLEL_GROUP_GLOO, "data modulo expert parallel gloo group"
     )
-
-
-# Fallback helpers: core modules take groups as arguments and resolve None through these.
-
-
-def get_tensor_model_parallel_group_if_none(group=None, check_initialized: bool = True):
-    """`group` if given, else the global tensor model parallel group."""
-    return group if group is not None else get_tensor_model_parallel_group(check_initialized)
-
-
-def get_pipeline_model_parallel_group_if_none(group=None, check_initialized: bool = True):
-    """`group` if given, else the global pipeline model parallel group."""
-    return group if group is not None else get_pipeline_model_parallel_group(check_initialized)
-
-
-def get_data_parallel_group_if_none(
-    group=None, with_context_parallel: bool = False, check_initialized: bool = True
-):
-    """`group` if given, else the global data parallel group (optionally with context parallel)."""
-    if group is not None:
-        return group
-    return get_data_parallel_group(with_context_parallel, check_initialized)
-
-
-def get_data_parallel_group_gloo_if_none(group=None, with_context_parallel: bool = False):
-    """`group` if given, else the gloo copy of the global data parallel group."""
-    return group if group is not None else get_data_parallel_group_gloo(with_context_parallel)
-
-
-def get_context_parallel_group_if_none(group=None, check_initialized: bool = True):
-    """`group` if given, else the global context parallel group."""
-    return group if group is not None else get_context_parallel_group(check_initialized)
-
-
-def get_hierarchical_context_parallel_groups_if_none(groups=None, check_initialized: bool = True):
-    """`groups` if given, else the global hierarchical context parallel groups."""
-    if groups is not None:
-        return groups
-    return get_hierarchical_context_parallel_groups(check_initialized)
-
-
-def get_data_parallel_group_with_cp_if_none(group=None, check_initialized: bool = True):
-    """`group` if given, else the global data parallel group including context parallel ranks."""
-    if group is not None:
-        return group
-    return get_data_parallel_group(with_context_parallel=True, check_initialized=check_initialized)
-
-
-def get_model_parallel_group_if_none(group=None, check_initialized: bool = True):
-    """`group` if given, else the global model parallel group."""
-    if group is not None:
-        return group
-    return get_model_parallel_group(check_initialized=check_initialized)
-
-
-def get_embedding_group_if_none(group=None, check_initialized: bool = True):
-    """`group` if given, else the global embedding group (None when not a member)."""
-    return group if group is not None else get_embedding_group(check_initialized)
-
-
-def get_position_embedding_group_if_none(group=None, check_initialized: bool = True):
-    """`group` if given, else the global position embedding group (None when not a member)."""
-    return group if group is not None else get_position_embedding_group(check_initialized)
-
-
-def get_tensor_and_data_parallel_group_if_none(group=None, with_context_parallel: bool = False):
-    """`group` if given, else the global tensor + data parallel group."""
-    return group if group is not None else get_tensor_and_data_parallel_group(with_context_parallel)
-
-
-def get_expert_model_parallel_group_if_none(group=None, check_initialized: bool = True):
-    """`group` if given, else the global expert model parallel group."""
-    return group if group is not None else get_expert_model_parallel_group(check_initialized)
-
-
-def get_tensor_and_expert_parallel_group_if_none(group=None, check_initialized: bool = True):
-    """`group` if given, else the global tensor + expert parallel group."""
-    return group if group is not None else get_tensor_and_expert_parallel_group(check_initialized)
-
-
-def get_tensor_and_context_parallel_group_if_none(group=None, check_initialized: bool = True):
-    """`group` if given, else the global tensor + context parallel group."""
-    return group if group is not None else get_tensor_and_context_parallel_group(check_initialized)
-
-
-def get_data_modulo_expert_parallel_group_if_none(
-    group=None, with_context_parallel: bool = True, check_initialized: bool = True
-):
-    """`group` if given, else the global data-modulo-expert parallel group (the data parallel
-    group of expert parameters, with context parallel by default)."""
-    if group is not None:
-        return group
-    return get_data_modulo_expert_parallel_group(with_context_parallel, check_initialized)
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,22 +14,22 @@ from typing import Iterable, List, Optional
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import group_fallbacks
 
 #: Field -> fallback helper of parallel_state returning the global group for None.
 _FALLBACKS = {
-    "tp": parallel_state.get_tensor_model_parallel_group_if_none,
-    "pp": parallel_state.get_pipeline_model_parallel_group_if_none,
-    "cp": parallel_state.get_context_parallel_group_if_none,
-    "embd": parallel_state.get_embedding_group_if_none,
-    "pos_embd": parallel_state.get_position_embedding_group_if_none,
-    "dp": parallel_state.get_data_parallel_group_if_none,
-    "ep": parallel_state.get_expert_model_parallel_group_if_none,
-    "tp_ep": parallel_state.get_tensor_and_expert_parallel_group_if_none,
-    "tp_cp": parallel_state.get_tensor_and_context_parallel_group_if_none,
-    "expt_dp": parallel_state.get_data_modulo_expert_parallel_group_if_none,
-    "dp_cp": parallel_state.get_data_parallel_group_with_cp_if_none,
-    "hcp": parallel_state.get_hierarchical_context_parallel_groups_if_none,
+    "tp": group_fallbacks.get_tensor_model_parallel_group_if_none,
+    "pp": group_fallbacks.get_pipeline_model_parallel_group_if_none,
+    "cp": group_fallbacks.get_context_parallel_group_if_none,
+    "embd": group_fallbacks.get_embedding_group_if_none,
+    "pos_embd": group_fallbacks.get_position_embedding_group_if_none,
+    "dp": group_fallbacks.get_data_parallel_group_if_none,
+    "ep": group_fallbacks.get_expert_model_parallel_group_if_none,
+    "tp_ep": group_fallbacks.get_tensor_and_expert_parallel_group_if_none,
+    "tp_cp": group_fallbacks.get_tensor_and_context_parallel_group_if_none,
+    "expt_dp": group_fallbacks.get_data_modulo_expert_parallel_group_if_none,
+    "dp_cp": group_fallbacks.get_data_parallel_group_with_cp_if_none,
+    "hcp": group_fallbacks.get_hierarchical_context_parallel_groups_if_none,
 }
 
 

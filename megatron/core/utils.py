@@ -18,6 +18,23 @@ from megatron.core.device import (  # noqa: F401 (re-exported)
     uses_cuda,
 )
 from megatron.core.global_memory_buffer import GlobalMemoryBuffer  # noqa: F401 (Megatron's home)
+from megatron.core.group_fallbacks import (  # noqa: F401 (later Megatron's home)
+    get_context_parallel_group_if_none,
+    get_data_modulo_expert_parallel_group_if_none,
+    get_data_parallel_group_gloo_if_none,
+    get_data_parallel_group_if_none,
+    get_data_parallel_group_with_cp_if_none,
+    get_embedding_group_if_none,
+    get_expert_model_parallel_group_if_none,
+    get_hierarchical_context_parallel_groups_if_none,
+    get_model_parallel_group_if_none,
+    get_pipeline_model_parallel_group_if_none,
+    get_position_embedding_group_if_none,
+    get_tensor_and_context_parallel_group_if_none,
+    get_tensor_and_data_parallel_group_if_none,
+    get_tensor_and_expert_parallel_group_if_none,
+    get_tensor_model_parallel_group_if_none,
+)
 from megatron.core.straggler_detector import StragglerDetector  # noqa: F401 (Megatron's home)
 
 logger = logging.getLogger(__name__)
@@ -182,10 +199,9 @@ def check_param_hashes_across_dp_replicas(
         model: the model chunks of this rank.
         dp_group: a gloo data-parallel group, or None for the global one.
     """
-    from megatron.core import parallel_state
 
     # Hashes travel as CPU uint8 tensors, so the gloo copy of the group is the one to use.
-    dp_group = parallel_state.get_data_parallel_group_gloo_if_none(dp_group)
+    dp_group = get_data_parallel_group_gloo_if_none(dp_group)
     params, local_hashes = [], []
     for chunk_id, chunk in enumerate(model):
         for name, param in chunk.named_parameters():

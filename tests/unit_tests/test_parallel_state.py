@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 
+from megatron.core import group_fallbacks
 from megatron.core import parallel_state as ps
 from tests.unit_tests.dist_utils import run_distributed
 
@@ -176,7 +177,7 @@ def test_bad_sizes_raise_value_error_with_numbers(kwargs, pattern):
         ps.get_embedding_group,
         ps.get_pipeline_model_parallel_first_rank,
         ps.get_data_parallel_src_rank,
-        ps.get_tensor_model_parallel_group_if_none,
+        group_fallbacks.get_tensor_model_parallel_group_if_none,
     ],
 )
 def test_accessor_before_init_names_initialize(accessor):
@@ -187,9 +188,12 @@ def test_accessor_before_init_names_initialize(accessor):
 
 def test_if_none_helpers_pass_given_group_through():
     sentinel = object()
-    assert ps.get_tensor_model_parallel_group_if_none(sentinel) is sentinel
-    assert ps.get_data_parallel_group_if_none(sentinel, with_context_parallel=True) is sentinel
-    assert ps.get_pipeline_model_parallel_group_if_none(sentinel) is sentinel
+    assert group_fallbacks.get_tensor_model_parallel_group_if_none(sentinel) is sentinel
+    assert (
+        group_fallbacks.get_data_parallel_group_if_none(sentinel, with_context_parallel=True)
+        is sentinel
+    )
+    assert group_fallbacks.get_pipeline_model_parallel_group_if_none(sentinel) is sentinel
 
 
 # --------------------------------------------------------------------------------------------

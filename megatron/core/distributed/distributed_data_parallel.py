@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .. import parallel_state
+from .. import group_fallbacks, parallel_state
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .param_and_grad_buffer import ParamAndGradBuffer
 
@@ -59,7 +59,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
 
         # Fallback: the global data-parallel group (context-parallel ranks also hold replicas).
-        data_parallel_group = parallel_state.get_data_parallel_group_if_none(
+        data_parallel_group = group_fallbacks.get_data_parallel_group_if_none(
             data_parallel_group, with_context_parallel=True
         )
         self.data_parallel_group = data_parallel_group

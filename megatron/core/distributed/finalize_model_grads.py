@@ -132,7 +132,7 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, pgs=None) -
 def _update_router_expert_bias(model: List[torch.nn.Module]) -> None:
     """Expert-bias update of every MoE router of this rank's chunks, from the token counts of the
     whole global batch (summed over the tensor x data x context parallel group)."""
-    from megatron.core import parallel_state
+    from megatron.core import group_fallbacks
     from megatron.core.transformer.moe.router import TopKRouter, update_expert_bias
 
     routers = [
@@ -142,7 +142,7 @@ def _update_router_expert_bias(model: List[torch.nn.Module]) -> None:
         if isinstance(module, TopKRouter)
     ]
     # The global tensor x data x context parallel group (no collection field carries it).
-    group = parallel_state.get_tensor_and_data_parallel_group_if_none(
+    group = group_fallbacks.get_tensor_and_data_parallel_group_if_none(
         None, with_context_parallel=True
     )
     update_expert_bias(routers, group)

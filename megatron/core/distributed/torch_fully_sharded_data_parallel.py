@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .. import parallel_state
+from .. import group_fallbacks, parallel_state
 from ..device import get_current_device_type
 from .sharded_tensors import register_mesh_groups
 
@@ -178,7 +178,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                     with_context_parallel=True, partial_data_parallel=True
                 )
                 hsdp_groups = (replicate, shard)
-        self.data_parallel_group = parallel_state.get_data_parallel_group_if_none(
+        self.data_parallel_group = group_fallbacks.get_data_parallel_group_if_none(
             data_parallel_group, with_context_parallel=True
         )
         device_type = get_current_device_type()

@@ -13,12 +13,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import group_fallbacks
 from megatron.core.utils import get_current_device
 
 
 def _pp_group(pp_group):
-    return parallel_state.get_pipeline_model_parallel_group_if_none(pp_group)
+    return group_fallbacks.get_pipeline_model_parallel_group_if_none(pp_group)
 
 
 def _global_rank(group, group_rank: int) -> int:
@@ -73,7 +73,7 @@ def broadcast_from_last_pipeline_stage(
 
 def broadcast_from_tensor_parallel_rank0(tensor: torch.Tensor, tp_group=None) -> torch.Tensor:
     """Overwrite `tensor` (same shape and dtype on every TP rank) with TP rank 0's copy."""
-    group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
+    group = group_fallbacks.get_tensor_model_parallel_group_if_none(tp_group)
     if group.size() > 1:
         torch.distributed.broadcast(tensor, _global_rank(group, 0), group=group)
     return tensor
@@ -88,7 +88,7 @@ def broadcast_from_expert_parallel_rank0(tensor: torch.Tensor, ep_group=None) ->
     from the same logits, but its experts saw the rows in another order, so a last-bit difference
     could flip a near-tie and make the replicas schedule different steps (a hang in the next
     dispatch). The first replica's result is every replica's."""
-    group = parallel_state.get_expert_model_parallel_group_if_none(ep_group)
+    group = group_fallbacks.get_expert_model_parallel_group_if_none(ep_group)
     if group.size() > 1:
         torch.distributed.broadcast(tensor, _global_rank(group, 0), group=group)
     return tensor

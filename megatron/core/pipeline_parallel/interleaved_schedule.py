@@ -21,7 +21,7 @@ from typing import Callable, Iterator, List, Optional, Union
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import group_fallbacks, parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import p2p_communication
 from megatron.core.pipeline_parallel.microbatch_step import (
@@ -669,7 +669,7 @@ def forward_backward_pipelining_with_interleaving(
     start_timer(config, 'forward-backward')
 
     num_chunks = len(model)
-    pp_group = parallel_state.get_pipeline_model_parallel_group_if_none(pp_group)
+    pp_group = group_fallbacks.get_pipeline_model_parallel_group_if_none(pp_group)
     layout = _make_layout(
         config, num_chunks, num_microbatches, seq_length, micro_batch_size, forward_only, pp_group
     )

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Tuple, Union
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import group_fallbacks, parallel_state
 from megatron.core.utils import get_current_device
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ def _pipeline_peers(pp_group) -> Tuple[torch.distributed.ProcessGroup, int, int,
 
     `pp_group` None falls back to the global pipeline group (Megatron's group-less calls).
     """
-    group = parallel_state.get_pipeline_model_parallel_group_if_none(pp_group)
+    group = group_fallbacks.get_pipeline_model_parallel_group_if_none(pp_group)
     ranks = torch.distributed.get_process_group_ranks(group)
     index = group.rank()
     return group, ranks[(index - 1) % len(ranks)], ranks[(index + 1) % len(ranks)], index
@@ -64,7 +64,7 @@ def _pipeline_peers(pp_group) -> Tuple[torch.distributed.ProcessGroup, int, int,
 def _is_first_stage(pp_group=None) -> bool:
     """`_is_first_stage(pp_group)` with the stage taken from `pp_group` (the
     virtual pipeline rank, set by the interleaved schedule, still comes from parallel_state)."""
-    group = parallel_state.get_pipeline_model_parallel_group_if_none(pp_group)
+    group = group_fallbacks.get_pipeline_model_parallel_group_if_none(pp_group)
     vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if vp_size is not None and parallel_state.get_virtual_pipeline_model_parallel_rank() != 0:
         return False
@@ -73,7 +73,7 @@ def _is_first_stage(pp_group=None) -> bool:
 
 def _is_last_stage(pp_group=None) -> bool:
     """`_is_last_stage(pp_group)` with the stage taken from `pp_group`."""
-    group = parallel_state.get_pipeline_model_parallel_group_if_none(pp_group)
+    group = group_fallbacks.get_pipeline_model_parallel_group_if_none(pp_group)
     vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     vp_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()
     if vp_size is not None and vp_rank != vp_size - 1:

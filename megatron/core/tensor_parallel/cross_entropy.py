@@ -6,7 +6,7 @@ target [s, b] with global token ids, loss [s, b]. No rank ever materializes the 
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import group_fallbacks
 from megatron.core.tensor_parallel.utils import VocabUtility
 
 
@@ -35,7 +35,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, group=None, inplace=False):
         # Fall back to the global tensor model parallel group when none is given.
-        group = parallel_state.get_tensor_model_parallel_group_if_none(group)
+        group = group_fallbacks.get_tensor_model_parallel_group_if_none(group)
         rank, world_size = group.rank(), group.size()
         if label_smoothing > 0 and not label_smoothing < 1.0:
             raise ValueError(f'label_smoothing must be in [0, 1), got {label_smoothing}')

@@ -9,7 +9,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import group_fallbacks
 from megatron.core.utils import get_current_device
 
 _MAX_DATA_DIM = 5
@@ -74,7 +74,7 @@ def broadcast_data(
         key -> tensor on the current device, equal on every rank of the tp group.
     """
     # Fall back to the global tensor model parallel group when none is given.
-    group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
+    group = group_fallbacks.get_tensor_model_parallel_group_if_none(tp_group)
     src_rank = torch.distributed.get_global_rank(group, 0)
     key_size, key_numel, total_numel = _build_key_size_numel_dictionaries(
         keys, data, group, src_rank

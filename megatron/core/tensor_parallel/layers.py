@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
-from megatron.core import parallel_state
+from megatron.core import group_fallbacks, parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.comm_overlap import (
     AllGatherMatmul,
@@ -243,7 +243,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.embedding_dim = embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
         # Fall back to the global tensor model parallel group when none is given.
-        self.tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
+        self.tp_group = group_fallbacks.get_tensor_model_parallel_group_if_none(tp_group)
         self.tensor_model_parallel_size = self.tp_group.size()
         if num_embeddings % self.tensor_model_parallel_size != 0:
             raise ValueError(
@@ -481,7 +481,7 @@ def linear_with_grad_accumulation_and_async_allreduce(
     if sequence_parallel and allreduce_dgrad:
         raise ValueError('allreduce_dgrad and sequence_parallel cannot both be True')
     # Fall back to the global tensor model parallel group when none is given.
-    tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
+    tp_group = group_fallbacks.get_tensor_model_parallel_group_if_none(tp_group)
     return apply_function(
         LinearWithGradAccumulationAndAsyncCommunication,
         input,
@@ -538,7 +538,7 @@ def linear_with_frozen_weight(
     if allreduce_dgrad is None:
         allreduce_dgrad = bool(async_grad_allreduce)
     # Fall back to the global tensor model parallel group when none is given.
-    tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
+    tp_group = group_fallbacks.get_tensor_model_parallel_group_if_none(tp_group)
     if sequence_parallel:
         input = gather_from_sequence_parallel_region(
             input, tensor_parallel_output_grad=True, group=tp_group
@@ -613,7 +613,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.tp_comm_buffer_name = tp_comm_buffer_name
 
         # Fall back to the global tensor model parallel group when none is given.
-        self.tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
+        self.tp_group = group_fallbacks.get_tensor_model_parallel_group_if_none(tp_group)
         world_size = self.tp_group.size()
         rank = self.tp_group.rank()
         self.explicit_expert_comm = self.is_expert and (world_size > 1 or self.expert_parallel)
@@ -831,7 +831,7 @@ class RowParallelLinear(torch.nn.Module):
             raise ValueError('To enable `sequence_parallel`, `input_is_parallel` must be `True`')
 
         # Fall back to the global tensor model parallel group when none is given.
-        self.tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
+        self.tp_group = group_fallbacks.get_tensor_model_parallel_group_if_none(tp_group)
         world_size = self.tp_group.size()
         rank = self.tp_group.rank()
         self.explicit_expert_comm = self.is_expert and (world_size > 1 or self.expert_parallel)

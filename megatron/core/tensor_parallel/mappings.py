@@ -8,7 +8,7 @@ split axes are used:
 - first dim ("sequence parallel region"): the sequence split over the tp ranks, [s/tp, b, h].
 
 Every function takes an optional `group`; None means the global tensor model parallel group
-(through parallel_state.get_tensor_model_parallel_group_if_none). With a group of size 1 every
+(through group_fallbacks.get_tensor_model_parallel_group_if_none). With a group of size 1 every
 collective is the identity, so size 1 runs the same code.
 """
 
@@ -16,7 +16,7 @@ from typing import List, Optional
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import group_fallbacks, parallel_state
 from megatron.core.tensor_parallel.function_apply import apply_function
 from megatron.core.tensor_parallel.utils import (
     all_gather_into_tensor,
@@ -28,7 +28,7 @@ from megatron.core.utils import divide
 
 def _resolve(group):
     # Fall back to the global tensor model parallel group when the caller passes none.
-    return parallel_state.get_tensor_model_parallel_group_if_none(group)
+    return group_fallbacks.get_tensor_model_parallel_group_if_none(group)
 
 
 # --------------------------------------------------------------------------------------------

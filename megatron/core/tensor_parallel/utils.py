@@ -4,7 +4,7 @@ from typing import List, Sequence
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import group_fallbacks
 from megatron.core.utils import divide
 
 # torch >= 2.13 renamed the flat-tensor collectives; keep one spelling for every version.
@@ -56,7 +56,7 @@ def split_tensor_into_1d_equal_chunks(
         tp_group: tensor parallel group (default: the global one).
     """
     # Fall back to the global tensor parallel group when none is given.
-    tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
+    tp_group = group_fallbacks.get_tensor_model_parallel_group_if_none(tp_group)
     partition_size = divide(torch.numel(tensor), tp_group.size())
     start_index = partition_size * tp_group.rank()
     end_index = start_index + partition_size
@@ -72,7 +72,7 @@ def gather_split_1d_tensor(tensor: torch.Tensor, tp_group=None) -> torch.Tensor:
     Returns a 1-D tensor of tp-size times the input's numel, chunks in rank order.
     """
     # Fall back to the global tensor parallel group when none is given.
-    tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
+    tp_group = group_fallbacks.get_tensor_model_parallel_group_if_none(tp_group)
     numel_gathered = torch.numel(tensor) * tp_group.size()
     gathered = torch.empty(
         numel_gathered, dtype=tensor.dtype, device=tensor.device, requires_grad=False

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import group_fallbacks, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import get_linear_layer
@@ -41,7 +41,7 @@ class Pooler(MegatronModule):
             hidden_size, hidden_size, init_method, config.perform_initialization
         )
         self.sequence_parallel = sequence_parallel
-        self.tp_group = parallel_state.get_tensor_model_parallel_group_if_none(tp_group)
+        self.tp_group = group_fallbacks.get_tensor_model_parallel_group_if_none(tp_group)
 
     def forward(self, hidden_states: Tensor, sequence_index: int = 0) -> Tensor:
         """hidden_states [s, b, h] ([s/p, b, h] under sequence parallelism) -> pooled [b, h]."""

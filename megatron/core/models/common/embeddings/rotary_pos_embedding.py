@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron.core import parallel_state
+from megatron.core import group_fallbacks
 from megatron.core.transformer.context_parallel.layout import slice_for_cp_rank
 from megatron.core.utils import get_current_device
 
@@ -49,7 +49,7 @@ class RotaryEmbedding(torch.nn.Module):
     ) -> None:
         super().__init__()
         # Fallback: the global CP group (None before initialize_model_parallel: no slicing).
-        self.cp_group = parallel_state.get_context_parallel_group_if_none(
+        self.cp_group = group_fallbacks.get_context_parallel_group_if_none(
             cp_group, check_initialized=False
         )
         if not 0.0 < rotary_percent <= 1.0:

@@ -21,9 +21,9 @@ and the grouped norm are local. in_proj's rows on rank r are the r-th slice of *
 weight is sharded per segment (`split_in_proj` / `split_conv`), never in contiguous blocks.
 
 Context parallelism (CP size P, training only): this rank's in_proj output holds s/P positions
-(the dual-chunk layout of attention, of each row or of each packed sequence); steps 2-4 run on the full sequence for nh_l / P heads
-after an all-to-all over the CP group, and the result returns to this rank's positions before
-the norm (mamba_context_parallel.py).
+(the dual-chunk layout of attention, of each row or of each packed sequence); steps 2-4 run on
+the full sequence for nh_l / P heads after an all-to-all over the CP group, and the result
+returns to this rank's positions before the norm (mamba_context_parallel.py).
 """
 
 import math

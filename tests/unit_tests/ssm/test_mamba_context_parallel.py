@@ -3,10 +3,10 @@ serial model on the full sequence: a hybrid MambaModel (M*-M) at CP2, with the g
 the CP ranks or replicated, with and without packed documents, and the mixer (with documents)
 at TP2 x CP2 (with and without SP) and CP4. Packed sequences (--sft's per-sequence split, with
 padding, RoPE and the THD attention): the hybrid at CP2 equals the serial one, and a token
-changed in one sequence leaves the other sequences' logits unchanged. Each CP rank gets the load-balanced slices (chunks r
-and 2cp-1-r); its per-token losses / outputs are its slice of the serial ones, and the parameter
-gradients summed over the CP ranks (what the data-parallel reduction over dp x cp does) equal
-the serial gradients."""
+changed in one sequence leaves the other sequences' logits unchanged. Each CP rank gets the
+load-balanced slices (chunks r and 2cp-1-r); its per-token losses / outputs are its slice of
+the serial ones, and the parameter gradients summed over the CP ranks (what the data-parallel
+reduction over dp x cp does) equal the serial gradients."""
 
 import pytest
 import torch
@@ -375,3 +375,28 @@ def test_cp2_packed_state_stops_at_the_sequence_boundary():
             a["logits"][0][~first], b["logits"][0][~first], atol=1e-5, rtol=0
         )
         torch.testing.assert_close(a["logits"][1], b["logits"][1], atol=1e-5, rtol=0)
+
+
+def _inference_rank():
+    from megatron.core.inference_params import InferenceParams
+    from megatron.core.ssm.layer_norm_linear import LayerNormColumnParallelLinear
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    mixer = MambaMixer(
+        _config(),
+        MambaMixerSubmodules(in_proj=LayerNormColumnParallelLinear, out_proj=RowParallelLinear),
+        d_model=H,
+        layer_number=1,
+    )
+    with pytest.raises(ValueError) as info:
+        mixer(torch.zeros(S // 2, B, H), inference_params=InferenceParams(B, S))
+    return str(info.value)
+
+
+def test_cp_inference_refused_in_one_line():
+    for message in run_distributed(_inference_rank, world_size=2, cp=2):
+        assert message == (
+            "--context-parallel-size (2) > 1 is not supported for Mamba inference (context "
+            "parallelism is a training layout): use 1"
+        )

@@ -191,6 +191,7 @@ class MambaStack(MegatronModule):
                 inference_params=inference_params,
                 rotary_pos_emb=rotary_pos_emb,
                 seq_idx=seq_idx,
+                packed_seq_params=packed_seq_params,
             )
         hidden_states, _ = layer(
             hidden_states=hidden_states,
@@ -267,7 +268,8 @@ class MambaStack(MegatronModule):
             rotary_pos_emb: RoPE angles for the attention layers.
             seq_idx: [b, s] document ids of packed documents (Mamba layers).
             packed_seq_params (PackedSeqParams): packed sequences for the attention layers
-                (the Mamba layers read the same boundaries from seq_idx).
+                (the Mamba layers read the same boundaries from seq_idx, or under context
+                parallelism from packed_seq_params: the per-sequence split).
         """
         # Later pipeline stages read the previous stage's output (set_input_tensor).
         hidden_states = hidden_states if self.pre_process else self.input_tensor

@@ -71,16 +71,21 @@ class MambaLayer(MegatronModule):
         inference_params=None,
         rotary_pos_emb: Optional[Tensor] = None,
         seq_idx: Optional[Tensor] = None,
+        packed_seq_params=None,
     ) -> Tensor:
         """hidden_states [s, b, H] -> [s, b, H]; attention_mask / rotary_pos_emb are unused
-        (documents are cut by seq_idx [b, s])."""
+        (documents are cut by seq_idx [b, s], or under context parallelism by the packed
+        sequences of packed_seq_params, see MambaMixer.forward)."""
         residual = hidden_states
         if self.residual_in_fp32:
             residual = residual.to(torch.float32)
         hidden_states = hidden_states.to(dtype=self.config.params_dtype)
         hidden_states = self.norm(hidden_states)
         mixer_out_with_bias = self.mixer(
-            hidden_states, inference_params=inference_params, seq_idx=seq_idx
+            hidden_states,
+            inference_params=inference_params,
+            seq_idx=seq_idx,
+            packed_seq_params=packed_seq_params,
         )
         hidden_states = self.mamba_bda(self.training, self.config.bias_dropout_fusion)(
             mixer_out_with_bias, residual, self.hidden_dropout

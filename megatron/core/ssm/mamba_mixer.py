@@ -21,9 +21,9 @@ and the grouped norm are local. in_proj's rows on rank r are the r-th slice of *
 weight is sharded per segment (`split_in_proj` / `split_conv`), never in contiguous blocks.
 
 Context parallelism (CP size P, training only): this rank's in_proj output holds s/P positions
-(the dual-chunk layout of attention); steps 2-4 run on the full sequence for nh_l / P heads
-after an all-to-all over the CP group, and the result returns to this rank's positions before
-the norm (mamba_context_parallel.py).
+(the dual-chunk layout of attention, of each row or of each packed sequence); steps 2-4 run on
+the full sequence for nh_l / P heads after an all-to-all over the CP group, and the result
+returns to this rank's positions before the norm (mamba_context_parallel.py).
 """
 
 import math
@@ -42,7 +42,11 @@ from megatron.core.ssm.causal_conv1d import (
     causal_conv1d_step,
     conv_state_from_prefill,
 )
-from megatron.core.ssm.mamba_context_parallel import MambaContextParallel, check_mamba_cp_dims
+from megatron.core.ssm.mamba_context_parallel import (
+    MambaContextParallel,
+    check_mamba_cp_dims,
+    packed_segment_ids,
+)
 from megatron.core.ssm.ssd_scan import ssd_chunked_scan
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -320,7 +324,11 @@ class MambaMixer(MegatronModule):
         return x.float() * (D if heads is None else D[heads])
 
     def forward(
-        self, hidden_states: Tensor, inference_params=None, seq_idx: Optional[Tensor] = None
+        self,
+        hidden_states: Tensor,
+        inference_params=None,
+        seq_idx: Optional[Tensor] = None,
+        packed_seq_params=None,
     ):
         """hidden_states [s, b, H] ([s/tp, b, H] under SP) -> (out [s, b, H] (or [s/tp, b, H]),
         None).
@@ -333,10 +341,15 @@ class MambaMixer(MegatronModule):
             seq_idx: [b, s] document ids of packed sequences (the conv and scan do not cross
                 document boundaries); None: one document per row. Under context parallelism
                 [b, s/cp]: this rank's dual-chunk slice of the global ids (whole-row layout).
+            packed_seq_params (PackedSeqParams): read under context parallelism only (then
+                seq_idx must be None): packed sequences split per sequence (--sft); the conv
+                and the scan restart at the segments of the whole sequence. Without CP the
+                caller passes their seq_idx instead.
         """
         if self.cp is not None and inference_params is not None:
             raise ValueError(
-                f"Context parallel (size {self.cp.size}) is not supported for Mamba inference"
+                f"--context-parallel-size ({self.cp.size}) > 1 is not supported for Mamba "
+                "inference (context parallelism is a training layout): use 1"
             )
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, P_in_l]
         zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, P_in_l]
@@ -347,17 +360,20 @@ class MambaMixer(MegatronModule):
         elif cache is not None and inference_params.sequence_len_offset > 0:
             y = self._decode(zxbcdt, *cache)
         else:
-            y = self._full_sequence(zxbcdt, seq_idx, cache)
+            y = self._full_sequence(zxbcdt, seq_idx, cache, packed_seq_params)
         y = y.transpose(0, 1).contiguous()  # [s, b, d_inner_l]
         out, out_bias = self.out_proj(y)
         return out, out_bias
 
-    def _full_sequence(self, zxbcdt: Tensor, seq_idx: Optional[Tensor], cache) -> Tensor:
+    def _full_sequence(
+        self, zxbcdt: Tensor, seq_idx: Optional[Tensor], cache, packed_seq_params=None
+    ) -> Tensor:
         """Training / prefill over the whole sequence: [b, s, P_in_l] -> [b, s, d_inner_l]."""
         b, s = zxbcdt.shape[:2]
         z, xbc, dt = self._split_projection(zxbcdt)
         if self.cp is not None:
-            return self._full_sequence_cp(z, xbc, dt, seq_idx).to(zxbcdt.dtype)
+            y = self._full_sequence_cp(z, xbc, dt, seq_idx, packed_seq_params)
+            return y.to(zxbcdt.dtype)
         xbc_t = xbc.transpose(1, 2)  # [b, conv_dim_l, s]
         if cache is not None:
             cache[0].copy_(conv_state_from_prefill(xbc_t, self.d_conv))
@@ -373,14 +389,29 @@ class MambaMixer(MegatronModule):
         y = y.reshape(b, s, self.d_inner_l)  # [b, s, d_inner_l]
         return self.norm(y, z).to(zxbcdt.dtype)
 
-    def _full_sequence_cp(self, z: Tensor, xbc: Tensor, dt: Tensor, seq_idx) -> Tensor:
+    def _full_sequence_cp(
+        self, z: Tensor, xbc: Tensor, dt: Tensor, seq_idx, packed_seq_params=None
+    ) -> Tensor:
         """Training under context parallelism: z [b, s/P, d_inner_l], xbc [b, s/P, conv_dim_l],
-        dt [b, s/P, nh_l] of this rank's chunks -> [b, s/P, d_inner_l]; the conv, scan and D
-        skip see the whole sequence for this rank's head share."""
+        dt [b, s/P, nh_l] of this rank's tokens -> [b, s/P, d_inner_l]; the conv, scan and D
+        skip see the whole sequence for this rank's head share. The tokens are this rank's
+        dual chunks of each row, or of each packed sequence with `packed_seq_params`."""
         cp = self.cp
-        xbc, dt = cp.seq_to_heads(xbc, dt)  # [b, s, conv_dim_c], [b, s, nh_c]
-        if seq_idx is not None:
-            seq_idx = cp.gather_seq_idx(seq_idx)  # [b, s]
+        b, s_local = xbc.shape[:2]
+        offsets = None
+        if packed_seq_params is not None:
+            if seq_idx is not None:
+                raise ValueError(
+                    "give the Mamba mixer seq_idx or packed_seq_params under context "
+                    "parallelism, not both"
+                )
+            offsets = packed_seq_params.segment_offsets()
+        order, inverse = cp.exchange_order(b, s_local, xbc.device, offsets)
+        xbc, dt = cp.seq_to_heads(xbc, dt, order)  # [b, s, conv_dim_c], [b, s, nh_c]
+        if offsets is not None:
+            seq_idx = packed_segment_ids(offsets, b, s_local, cp.size)  # [b, s]
+        elif seq_idx is not None:
+            seq_idx = cp.gather_seq_idx(seq_idx, order)  # [b, s]
         channels = cp.conv_channels(xbc.device)
         weight = self.conv1d.weight.index_select(0, channels)  # [conv_dim_c, 1, K]
         bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, channels)
@@ -390,7 +421,7 @@ class MambaMixer(MegatronModule):
         x, B, C, dt, A = self._scan_inputs(xbc, dt, heads, cp.ngroups_c)
         y, _ = ssd_chunked_scan(x, dt, A, B, C, chunk_size=self.chunk_size, seq_idx=seq_idx)
         y = y + self._d_skip(x, heads)  # [b, s, nh_c, P] fp32
-        y = cp.heads_to_seq(y.reshape(*y.shape[:2], cp.d_inner_c))  # [b, s/P, d_inner_l]
+        y = cp.heads_to_seq(y.reshape(*y.shape[:2], cp.d_inner_c), inverse)  # [b, s/P, d_l]
         return self.norm(y, z)
 
     def _continue_sequence(self, zxbcdt: Tensor, conv_state: Tensor, ssm_state: Tensor) -> Tensor:

@@ -6,7 +6,8 @@ core_r0.8.0 checks almost nothing here: sizes fail in bare asserts at model cons
 context parallelism and an uneven pipeline split silently compute something else, and Mamba
 state crosses document boundaries. Here every combination that would not be exact is refused.
 Context parallelism runs the Mamba layers by an all-to-all from sequence chunks to heads (as
-Megatron from v0.13), so it needs heads / groups per TP rank that split over the CP ranks.
+Megatron from v0.13), so it needs heads / groups per TP rank that split over the CP ranks; with
+--sft the all-to-all reorders by the per-sequence split of the packed sequences.
 """
 
 from types import SimpleNamespace
@@ -85,12 +86,6 @@ def validate_mamba_args(args):
         raise ValueError(
             "The Mamba hybrid model does not currently support virtual/interleaved pipeline "
             "parallelism (drop --num-layers-per-virtual-pipeline-stage)"
-        )
-    if cp > 1 and getattr(args, 'sft', False):
-        raise ValueError(
-            f"--sft with --context-parallel-size ({cp}) > 1 is not supported for Mamba layers "
-            "(their all-to-all takes the whole-row chunk layout, not the per-sequence split of "
-            "packed sequences)"
         )
     if args.reset_attention_mask:
         if pp > 2:

@@ -1,10 +1,12 @@
 """Context parallelism of Mamba layers (the sequence -> heads all-to-all of the mixer) equals the
 serial model on the full sequence: a hybrid MambaModel (M*-M) at CP2, with the groups split over
 the CP ranks or replicated, with and without packed documents, and the mixer (with documents)
-at TP2 x CP2 (with and without SP) and CP4. Each CP rank gets the load-balanced slices (chunks r
-and 2cp-1-r); its per-token losses / outputs are its slice of the serial ones, and the parameter
-gradients summed over the CP ranks (what the data-parallel reduction over dp x cp does) equal
-the serial gradients."""
+at TP2 x CP2 (with and without SP) and CP4. Packed sequences (--sft's per-sequence split, with
+padding, RoPE and the THD attention): the hybrid at CP2 equals the serial one, and a token
+changed in one sequence leaves the other sequences' logits unchanged. Each CP rank gets the
+load-balanced slices (chunks r and 2cp-1-r); its per-token losses / outputs are its slice of
+the serial ones, and the parameter gradients summed over the CP ranks (what the data-parallel
+reduction over dp x cp does) equal the serial gradients."""
 
 import pytest
 import torch
@@ -254,3 +256,147 @@ def test_cp_head_and_group_refusals():
         ValueError, match=r"groups per .*\(6 / 1 = 6\).*context_parallel_size \(4\)"
     ):
         check_mamba_dims(_config(mamba_num_groups=6, **twelve), H, 1, 4)
+
+
+# Packed sequences (--sft) under CP: each sequence is split on its own into 2cp chunks
+# (context_parallel/packed.py), so the mixers reorder by the segment offsets and the attention
+# layers run the THD CP scheme on the same PackedSeqParams. Per row: (padded, real) lengths,
+# every padded length a multiple of 2 x cp = 4; one row has padding inside its first sequence.
+PACKED = [[(4, 3), (8, 8), (4, 2)], [(12, 10), (4, 4)]]
+
+
+def _packed_batch(tokens):
+    """The dataset's packed fields for PACKED: [B, S] token fields, cu_seqlens [B, S + 1]."""
+    cu = torch.full((B, S + 1), S, dtype=torch.int32)
+    unpadded = torch.zeros(B, S + 1, dtype=torch.int32)
+    loss_mask = torch.zeros(B, S)
+    positions = torch.zeros(B, S, dtype=torch.long)
+    for row, sequences in enumerate(PACKED):
+        start, real_total = 0, 0
+        for k, (padded, real) in enumerate(sequences):
+            cu[row, k] = start
+            loss_mask[row, start : start + real] = 1.0
+            positions[row, start : start + padded] = torch.arange(padded)
+            real_total += real
+            unpadded[row, k + 1 :] = real_total
+            start += padded
+    labels = (tokens * 3 + 1) % 64
+    return dict(
+        tokens=tokens,
+        labels=labels,
+        loss_mask=loss_mask,
+        position_ids=positions,
+        cu_seqlens=cu,
+        cu_seqlens_unpadded=unpadded,
+    )
+
+
+def _packed_rank(tokens, slow_decay=False):
+    """This CP rank's per-token losses (or logits without labels), loss-masked gradients
+    summed over CP and the global positions it holds, of the hybrid (RoPE) on PACKED."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.mamba import MambaModel
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+    from megatron.core.transformer.context_parallel.packed import (
+        get_thd_batch_on_this_cp_rank,
+        sample_boundaries,
+        thd_partitioned_indices,
+    )
+
+    cp, rank = mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
+    model = MambaModel(
+        _config(context_parallel_size=cp),
+        mamba_stack_spec,
+        vocab_size=64,
+        max_sequence_length=S,
+        hybrid_override_pattern=PATTERN,
+        position_embedding_type='rope',
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(_value(name, list(p.shape)))
+            if slow_decay and name.endswith('A_log'):
+                p.fill_(-3.0)  # A = -0.05: a leaked state would still reach later tokens
+    full = _packed_batch(tokens)
+    batch, packed = get_thd_batch_on_this_cp_rank(dict(full), cp, rank)
+    held = [
+        thd_partitioned_indices(sample_boundaries(row, S), cp, rank) for row in full['cu_seqlens']
+    ]
+    if slow_decay:
+        logits = model(batch['tokens'], batch['position_ids'], None, packed_seq_params=packed)
+        return dict(logits=logits.detach(), held=torch.tensor(held))
+    loss = model(
+        batch['tokens'],
+        batch['position_ids'],
+        None,
+        labels=batch['labels'],
+        packed_seq_params=packed,
+    )
+    (loss * batch['loss_mask']).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return dict(
+        loss=loss.detach(),
+        mask=batch['loss_mask'],
+        held=torch.tensor(held),
+        grads=_sum_over_cp(grads),
+    )
+
+
+def _packed_tokens():
+    return (torch.arange(B * S).view(B, S) * 7) % 64
+
+
+def test_hybrid_model_cp2_packed_sequences_equals_serial():
+    tokens = _packed_tokens()
+    (ref,) = run_distributed(_packed_rank, world_size=1, args=(tokens,))
+    ranks = run_distributed(_packed_rank, world_size=2, cp=2, args=(tokens,))
+    for r in ranks:
+        expected = torch.gather(ref['loss'], 1, r['held'])
+        real = r['mask'].bool()
+        torch.testing.assert_close(r['loss'][real], expected[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ranks[0]['grads'], ranks[1]['grads'])
+    for name, expected in ref['grads'].items():
+        _assert_grad_close(ranks[0]['grads'][name], expected, name)
+
+
+def test_cp2_packed_state_stops_at_the_sequence_boundary():
+    """A token changed in row 0's first sequence (positions 0-3) changes that sequence's later
+    logits and nothing after it, on both CP ranks (slowly decaying states)."""
+    tokens = _packed_tokens()
+    changed = tokens.clone()
+    changed[0, 1] = (changed[0, 1] + 5) % 64
+    base = run_distributed(_packed_rank, world_size=2, cp=2, args=(tokens, True))
+    edit = run_distributed(_packed_rank, world_size=2, cp=2, args=(changed, True))
+    for a, b in zip(base, edit):
+        first = a['held'][0] < 4  # row 0's first sequence
+        after = (a['held'][0] >= 2) & first
+        assert (a['logits'][0][after] - b['logits'][0][after]).abs().max() > 1e-3
+        torch.testing.assert_close(
+            a["logits"][0][~first], b["logits"][0][~first], atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(a["logits"][1], b["logits"][1], atol=1e-5, rtol=0)
+
+
+def _inference_rank():
+    from megatron.core.inference_params import InferenceParams
+    from megatron.core.ssm.layer_norm_linear import LayerNormColumnParallelLinear
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    mixer = MambaMixer(
+        _config(),
+        MambaMixerSubmodules(in_proj=LayerNormColumnParallelLinear, out_proj=RowParallelLinear),
+        d_model=H,
+        layer_number=1,
+    )
+    with pytest.raises(ValueError) as info:
+        mixer(torch.zeros(S // 2, B, H), inference_params=InferenceParams(B, S))
+    return str(info.value)
+
+
+def test_cp_inference_refused_in_one_line():
+    for message in run_distributed(_inference_rank, world_size=2, cp=2):
+        assert message == (
+            "--context-parallel-size (2) > 1 is not supported for Mamba inference (context "
+            "parallelism is a training layout): use 1"
+        )

@@ -17,6 +17,7 @@ from megatron.core.models.common.language_module.language_module import Language
 from megatron.core.models.gpt.gpt_model import _restart_per_segment as restart_rotary_per_segment
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.ssm.mamba_context_parallel import check_packed_offsets
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -206,9 +207,16 @@ class MambaModel(LanguageModule):
         length = self.rotary_pos_emb.get_rotary_seq_len(
             inference_params, self.decoder, decoder_input, self.config
         )
-        angles = self.rotary_pos_emb(length)
-        if packed_seq_params is not None:
-            angles = restart_rotary_per_segment(angles, packed_seq_params)
+        packed = packed_seq_params is not None
+        angles = self.rotary_pos_emb(length, packed_seq=packed)
+        if packed:
+            cp = self.rotary_pos_emb.cp_group
+            angles = restart_rotary_per_segment(
+                angles,
+                packed_seq_params,
+                cp_size=1 if cp is None else cp.size(),
+                cp_rank=0 if cp is None else cp.rank(),
+            )
         return angles
 
     def _mamba_under_cp(self) -> bool:
@@ -251,7 +259,9 @@ class MambaModel(LanguageModule):
                 state caches (static batch, or the dynamic engine's packed step).
             packed_seq_params: packed sequences over the batch-major stream (--sft): Mamba
                 layers get their segment ids (conv and scan restart per segment), attention
-                layers attend within each segment, RoPE positions restart per segment.
+                layers attend within each segment, RoPE positions restart per segment. Under
+                context parallelism: this rank's share of the per-sequence split
+                (get_thd_batch_on_this_cp_rank), which the Mamba layers reorder by.
             seq_idx: [b, s] document ids for the Mamba layers (instead of packed_seq_params);
                 under context parallelism [b, s/cp], this rank's slice of the global ids.
 
@@ -264,12 +274,16 @@ class MambaModel(LanguageModule):
         # Otherwise: a precomputed embedding, or None on later stages (set_input_tensor).
 
         if packed_seq_params is not None and self._mamba_under_cp():
-            raise ValueError(
-                "packed sequences with context_parallel_size > 1 are not supported for Mamba "
-                "layers (their all-to-all takes the whole-row chunk layout, not the "
-                "per-sequence split)"
-            )
-        if seq_idx is None and packed_seq_params is not None:
+            # The mixers reorder by the segment offsets of the per-sequence split and restart
+            # at the segments of the whole sequence (MambaMixer.forward).
+            if seq_idx is not None:
+                raise ValueError(
+                    "seq_idx with packed_seq_params under context_parallel_size > 1: the Mamba "
+                    "layers take the documents from packed_seq_params (give one)"
+                )
+            b, s = self._stage_shape(input_ids, decoder_input)
+            check_packed_offsets(packed_seq_params.segment_offsets(), b, s)
+        elif seq_idx is None and packed_seq_params is not None:
             # Every stage's Mamba layers restart at the segment starts.
             seq_idx = seq_idx_from_packed(
                 packed_seq_params, *self._stage_shape(input_ids, decoder_input)

@@ -79,9 +79,15 @@ def set_mamba_reference_weights(model, layer_offset):
             param.copy_(full.to(param.dtype))
 
 
-def run_mamba_pretrain(extra_args, reference_weights=True, base_args=None, adjust_model=None):
+def run_mamba_pretrain(
+    extra_args, reference_weights=True, base_args=None, adjust_model=None, capture_stdout=False
+):
     """pretrain() with pretrain_mamba.py's providers on this rank; returns its result dict.
-    `adjust_model` (a module-level function of the model) runs after the reference weights."""
+    `adjust_model` (a module-level function of the model) runs after the reference weights;
+    `capture_stdout` adds what this rank printed as result['stdout']."""
+    import contextlib
+    import io
+
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     import pretrain_mamba
@@ -102,14 +108,21 @@ def run_mamba_pretrain(extra_args, reference_weights=True, base_args=None, adjus
         return model
 
     destroy_global_vars()
+    buffer = io.StringIO()
+    redirect = contextlib.redirect_stdout(buffer) if capture_stdout else contextlib.nullcontext()
     try:
-        return pretrain(
-            pretrain_mamba.train_valid_test_datasets_provider,
-            provider,
-            ModelType.encoder_or_decoder,
-            pretrain_mamba.forward_step,
-            args_defaults={'tokenizer_type': 'GPT2BPETokenizer', 'is_hybrid_model': True},
-            args_list=list(TINY_MAMBA_ARGS if base_args is None else base_args) + list(extra_args),
-        )
+        with redirect:
+            result = pretrain(
+                pretrain_mamba.train_valid_test_datasets_provider,
+                provider,
+                ModelType.encoder_or_decoder,
+                pretrain_mamba.forward_step,
+                args_defaults={'tokenizer_type': 'GPT2BPETokenizer', 'is_hybrid_model': True},
+                args_list=list(TINY_MAMBA_ARGS if base_args is None else base_args)
+                + list(extra_args),
+            )
     finally:
         destroy_global_vars()
+    if capture_stdout:
+        result['stdout'] = buffer.getvalue()
+    return result

@@ -10,7 +10,8 @@ generation, downstream tasks).
 What CP computes exactly here: GPT pretraining with causal attention (learned absolute, RoPE or
 no position embeddings), with TP (+SP), PP (1F1B and interleaved), DP and the distributed
 optimizer, recompute, fp16/bf16, and hybrid Mamba models (the mixer's all-to-all from sequence
-chunks to heads; `--reset-attention-mask` too when the pattern has no attention layer).
+chunks to heads; `--sft` packing; `--reset-attention-mask` too when the pattern has no attention
+layer).
 Refused: masks other than causal (`--reset-attention-mask`'s per-document mask for attention
 layers; BERT's and T5's padding masks are refused when their attention is built), the KV-cache
 inference path, and the tp-pp-dp rank mapping (whose order has no cp dimension).

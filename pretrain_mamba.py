@@ -39,10 +39,11 @@ def forward_step(data_iterator, model: MambaModel):
     With --reset-attention-mask the Mamba layers get the document ids, so their conv and scan
     restart at every document (attention layers get the per-document mask); under context
     parallelism the ids are counted over the whole row (this rank holds two chunks of it). With
-    --sft the
-    micro-batch is packed conversations: the model gets their boundaries (packed_seq_params),
-    from which every stage's Mamba layers take their segment ids and attention layers their
-    per-segment masks; the loss mask covers answer tokens only."""
+    --sft the micro-batch is packed conversations: the model gets their boundaries
+    (packed_seq_params), from which every stage's Mamba layers take their segment ids and
+    attention layers their per-segment masks (under context parallelism each conversation is
+    split on its own, and the Mamba layers reorder by its chunks); the loss mask covers answer
+    tokens only."""
     timers = get_timers()
     args = get_args()
     timers('batch-generator', log_level=2).start()

@@ -124,13 +124,12 @@ def test_rotary_positions_restart_per_segment():
     themselves must be those of each token's position in its segment, as the dataset's
     position_ids (and Megatron's per-segment RoPE)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.models.gpt.gpt_model import _restart_per_segment
     from megatron.core.packed_seq_params import packed_seq_params_from_samples
 
     rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)
     angles = rope(L)  # [L, 1, 1, 8]
     params = packed_seq_params_from_samples(_cu_seqlens(), torch.tensor([10, 19]))
-    got = _restart_per_segment(angles, params)  # [L, 2, 1, 8]
+    got = rope.packed_angles(L, params)  # [L, 2, 1, 8]
     assert got.shape == (L, 2, 1, 8)
     for i, lengths in enumerate(SAMPLES):
         start = 0

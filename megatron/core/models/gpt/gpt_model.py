@@ -15,7 +15,6 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.context_parallel.packed import packed_position_ids_on_cp_rank
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -260,16 +259,12 @@ class GPTModel(LanguageModule):
             rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
                 inference_params, self.decoder, decoder_input, self.config
             )
-            packed = packed_seq_params is not None
-            rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len, packed_seq=packed)
-            if packed:
-                cp_group = self.rotary_pos_emb.cp_group
-                rotary_pos_emb = _restart_per_segment(
-                    rotary_pos_emb,
-                    packed_seq_params,
-                    cp_size=1 if cp_group is None else cp_group.size(),
-                    cp_rank=0 if cp_group is None else cp_group.rank(),
+            if packed_seq_params is not None:
+                rotary_pos_emb = self.rotary_pos_emb.packed_angles(
+                    rotary_seq_len, packed_seq_params
                 )
+            else:
+                rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len)
 
         # Intermediate pipeline stages pass decoder_input=None: the block reads its input tensor.
         block_kwargs = dict(extra_block_kwargs or {})
@@ -319,17 +314,3 @@ def _inference_logit_positions(
         # Sampling needs the last position only: skip the output layer elsewhere.
         return hidden_states[-1:, :, :]  # [s, b, h] -> [1, b, h]
     return hidden_states
-
-
-def _restart_per_segment(
-    rotary_pos_emb: Tensor, packed_seq_params: PackedSeqParams, cp_size: int = 1, cp_rank: int = 0
-) -> Tensor:
-    """Rotary angles [s, 1, 1, d] of positions 0..s-1 (s the global length) -> angles
-    [s/cp, b, 1, d] of each local token's position within its packed segment (with context
-    parallelism, the per-sequence split of context_parallel/packed.py)."""
-    local = rotary_pos_emb.size(0) // cp_size
-    offsets = packed_seq_params.segment_offsets()
-    b = int(offsets[-1]) // local
-    positions = packed_position_ids_on_cp_rank(offsets, b * local, cp_size, cp_rank)
-    positions = positions.view(b, local).t()  # [b, s/cp] -> [s/cp, b]
-    return rotary_pos_emb[:, 0, 0, :][positions].unsqueeze(2)  # [s/cp, b, d] -> [s/cp, b, 1, d]

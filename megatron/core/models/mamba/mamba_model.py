@@ -14,7 +14,6 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
-from megatron.core.models.gpt.gpt_model import _restart_per_segment as restart_rotary_per_segment
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm.mamba_context_parallel import check_packed_offsets
@@ -207,17 +206,9 @@ class MambaModel(LanguageModule):
         length = self.rotary_pos_emb.get_rotary_seq_len(
             inference_params, self.decoder, decoder_input, self.config
         )
-        packed = packed_seq_params is not None
-        angles = self.rotary_pos_emb(length, packed_seq=packed)
-        if packed:
-            cp = self.rotary_pos_emb.cp_group
-            angles = restart_rotary_per_segment(
-                angles,
-                packed_seq_params,
-                cp_size=1 if cp is None else cp.size(),
-                cp_rank=0 if cp is None else cp.rank(),
-            )
-        return angles
+        if packed_seq_params is not None:
+            return self.rotary_pos_emb.packed_angles(length, packed_seq_params)
+        return self.rotary_pos_emb(length)
 
     def _mamba_under_cp(self) -> bool:
         """Whether this model runs Mamba layers over a context parallel group of size > 1."""

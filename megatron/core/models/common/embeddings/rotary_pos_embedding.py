@@ -12,6 +12,7 @@ from torch import Tensor
 
 from megatron.core import group_fallbacks
 from megatron.core.transformer.context_parallel.layout import slice_for_cp_rank
+from megatron.core.transformer.context_parallel.packed import packed_position_ids_on_cp_rank
 from megatron.core.utils import get_current_device
 
 
@@ -114,6 +115,29 @@ class RotaryEmbedding(torch.nn.Module):
         cfg = transformer_config
         tp_split = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
         return block_input.size(0) * tp_split * cfg.context_parallel_size
+
+    def packed_angles(self, max_seq_len: int, packed_seq_params) -> Tensor:
+        """Angles of packed sequences: each local token rotated by its position inside its own
+        segment, not inside the row.
+
+        Args:
+            max_seq_len: the global sequence length s (all context parallel ranks together).
+            packed_seq_params (PackedSeqParams): the segments of the batch-major stream; under
+                context parallelism this rank's share of the per-sequence split.
+
+        Returns:
+            [s/cp, b, 1, d] angles, one row per local token and sample.
+        """
+        angles = self(max_seq_len, packed_seq=True)  # [s, 1, 1, d]
+        cp = self.cp_group
+        cp_size = 1 if cp is None else cp.size()
+        cp_rank = 0 if cp is None else cp.rank()
+        local = angles.size(0) // cp_size
+        offsets = packed_seq_params.segment_offsets()
+        b = int(offsets[-1]) // local
+        positions = packed_position_ids_on_cp_rank(offsets, b * local, cp_size, cp_rank)
+        positions = positions.view(b, local).t()  # [b, s/cp] -> [s/cp, b]
+        return angles[:, 0, 0, :][positions].unsqueeze(2)  # [s/cp, b, d] -> [s/cp, b, 1, d]
 
 
 def _rotate_half(x: Tensor, rotary_interleaved: bool) -> Tensor:

@@ -52,6 +52,25 @@ def _value(name, shape):
     return 0.3 * t
 
 
+def _hybrid_model(config, position_embedding_type):
+    """The PATTERN hybrid with the deterministic weights of _value (equal on every layout)."""
+    from megatron.core.models.mamba import MambaModel
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+
+    model = MambaModel(
+        config,
+        mamba_stack_spec,
+        vocab_size=64,
+        max_sequence_length=S,
+        hybrid_override_pattern=PATTERN,
+        position_embedding_type=position_embedding_type,
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(_value(name, list(p.shape)))
+    return model
+
+
 def _documents():
     """Global document ids [B, S]: boundaries inside chunks and on a chunk border."""
     starts = [[0, 3, 8, 13], [0, 6]]
@@ -86,22 +105,10 @@ def _sum_over_cp(grads):
 
 def _model_rank(groups, documents):
     from megatron.core import parallel_state as mpu
-    from megatron.core.models.mamba import MambaModel
-    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 
     cp = mpu.get_context_parallel_world_size()
     config = _config(mamba_num_groups=groups, context_parallel_size=cp)
-    model = MambaModel(
-        config,
-        mamba_stack_spec,
-        vocab_size=64,
-        max_sequence_length=S,
-        hybrid_override_pattern=PATTERN,
-        position_embedding_type='none',
-    )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(_value(name, list(p.shape)))
+    model = _hybrid_model(config, 'none')
     tokens = (torch.arange(B * S).view(B, S) * 7) % 64
     labels = (tokens * 3 + 1) % 64
     seq_idx = _cp_slice(_documents(), 1) if documents else None
@@ -295,8 +302,6 @@ def _packed_rank(tokens, slow_decay=False):
     """This CP rank's per-token losses (or logits without labels), loss-masked gradients
     summed over CP and the global positions it holds, of the hybrid (RoPE) on PACKED."""
     from megatron.core import parallel_state as mpu
-    from megatron.core.models.mamba import MambaModel
-    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
     from megatron.core.transformer.context_parallel.packed import (
         get_thd_batch_on_this_cp_rank,
         sample_boundaries,
@@ -304,17 +309,9 @@ def _packed_rank(tokens, slow_decay=False):
     )
 
     cp, rank = mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
-    model = MambaModel(
-        _config(context_parallel_size=cp),
-        mamba_stack_spec,
-        vocab_size=64,
-        max_sequence_length=S,
-        hybrid_override_pattern=PATTERN,
-        position_embedding_type='rope',
-    )
+    model = _hybrid_model(_config(context_parallel_size=cp), 'rope')
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(_value(name, list(p.shape)))
             if slow_decay and name.endswith('A_log'):
                 p.fill_(-3.0)  # A = -0.05: a leaked state would still reach later tokens
     full = _packed_batch(tokens)
